@@ -85,12 +85,25 @@ def apply_override(data: dict[str, Any], assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def format_validation_error(exc: ValidationError) -> str:
+def _section_fields(model_cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (nested) section that ``loc`` points into, for 'allowed keys' hints."""
+    cls: Any = model_cls
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+        if field is None:
+            return []
+        cls = field.annotation
+    return list(cls.model_fields) if isinstance(cls, type) and issubclass(cls, BaseModel) else []
+
+
+def format_validation_error(exc: ValidationError, model_cls: type[BaseModel] | None = None) -> str:
     """The first problem of a pydantic error as one line: the dotted key, what is wrong, what was given."""
     err = exc.errors()[0]
     key = ".".join(str(p) for p in err["loc"]) or "<top level>"
     if err["type"] == "extra_forbidden":
-        return f"unknown config key '{key}'"
+        allowed = _section_fields(model_cls, tuple(err["loc"][:-1])) if model_cls else []
+        hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+        return f"unknown config key '{key}'{hint}"
     msg = err["msg"]
     if "input" in err and err["type"] != "missing":
         return f"bad value for '{key}': {msg} (got {err['input']!r})"
@@ -101,7 +114,7 @@ def validate(model_cls: type[M], data: dict[str, Any]) -> M:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, model_cls)) from None
 
 
 def load_config(
