@@ -105,6 +105,8 @@ def format_validation_error(exc: ValidationError, model_cls: type[BaseModel] | N
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
         return f"unknown config key '{key}'{hint}"
     msg = err["msg"]
+    if err["type"] == "value_error":  # our own validators name their keys already
+        return msg.removeprefix("Value error, ")
     if "input" in err and err["type"] != "missing":
         return f"bad value for '{key}': {msg} (got {err['input']!r})"
     return f"'{key}': {msg}"

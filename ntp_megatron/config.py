@@ -1,0 +1,184 @@
+"""The training job's YAML schema: sections model / parallel / training / data / ntp / checkpoint / logging.
+
+The ``model`` section uses Megatron-Core's own ``TransformerConfig`` field names so a Megatron user
+recognises every key. Every section forbids unknown keys; see :mod:`ntp_megatron.config_io` for the
+one-line error format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ntp_megatron.config_io import load_config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """GPT architecture, in Megatron-Core ``TransformerConfig`` / ``GPTModel`` terms."""
+
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=1)
+    num_attention_heads: int = Field(8, ge=1)
+    num_query_groups: Optional[int] = Field(None, ge=1)
+    ffn_hidden_size: Optional[int] = Field(None, ge=1)
+    kv_channels: Optional[int] = Field(None, ge=1)
+    seq_length: int = Field(64, ge=2)
+    max_position_embeddings: Optional[int] = Field(None, ge=2)
+    vocab_size: int = Field(256, ge=2)
+    hidden_dropout: float = Field(0.1, ge=0.0, le=1.0)
+    attention_dropout: float = Field(0.1, ge=0.0, le=1.0)
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    gated_linear_unit: bool = False
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = Field(0.02, gt=0.0)
+    layernorm_epsilon: float = Field(1e-5, gt=0.0)
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelSection":
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups ({self.num_query_groups}) must divide "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must divide "
+                f"model.hidden_size ({self.hidden_size}) unless model.kv_channels is set"
+            )
+        if self.activation == "swiglu" and not self.gated_linear_unit:
+            raise ValueError("model.activation 'swiglu' needs model.gated_linear_unit: true")
+        return self
+
+
+class ParallelSection(_Section):
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(1, ge=1)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """``auto``: NCCL when CUDA is available, gloo otherwise."""
+    timeout_s: float = Field(120.0, gt=0.0)
+    """Bound on every collective and store wait (invariant 5: nothing hangs)."""
+    overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_model_parallel_size * self.data_parallel_size
+
+
+class TrainingSection(_Section):
+    train_iters: int = Field(50, ge=1)
+    micro_batch_size: int = Field(4, ge=1)
+    global_batch_size: int = Field(16, ge=1)
+    seed: int = Field(1234, ge=0)
+    lr: float = Field(1e-3, gt=0.0)
+    min_lr: float = Field(1e-4, ge=0.0)
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
+    lr_warmup_iters: int = Field(5, ge=0)
+    lr_decay_iters: Optional[int] = Field(None, ge=1)
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_beta1: float = Field(0.9, gt=0.0, lt=1.0)
+    adam_beta2: float = Field(0.95, gt=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    clip_grad: float = Field(1.0, ge=0.0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class DataSection(_Section):
+    """``mock: true`` uses Megatron-Core's MockGPTDataset; otherwise ``data_path`` names indexed data."""
+
+    mock: bool = True
+    data_path: list[str] = Field(default_factory=list)
+    """A blend like Megatron's ``--data-path``: ``[prefix]`` or ``[weight, prefix, weight, prefix, ...]``."""
+    split: str = "100,0,0"
+    tokenizer: Literal["byte-level"] = "byte-level"
+    cache_dir: Optional[str] = None
+    """Where Megatron's dataset index caches go; default: ``<run_dir>/data_cache``."""
+
+    @model_validator(mode="after")
+    def _path(self) -> "DataSection":
+        if not self.mock and not self.data_path:
+            raise ValueError("data.data_path must name a preprocessed prefix when data.mock is false")
+        return self
+
+
+class NTPSection(_Section):
+    enabled: bool = False
+    min_tp: int = Field(1, ge=1)
+
+
+class CheckpointSection(_Section):
+    save: Optional[str] = None
+    """Directory to save dist_checkpointing checkpoints into (``iter_0000010/`` per save)."""
+    save_interval: Optional[int] = Field(None, ge=1)
+    load: Optional[str] = None
+    """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory."""
+
+
+class LoggingSection(_Section):
+    log_interval: int = Field(1, ge=1)
+    tensorboard_dir: Optional[str] = None
+    """Default: ``<run_dir>/tensorboard``; set to the empty string to switch TensorBoard off."""
+    run_dir: str = "runs/latest"
+    metrics_file: Optional[str] = None
+
+
+class JobConfig(_Section):
+    model: ModelSection = Field(default_factory=ModelSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    data: DataSection = Field(default_factory=DataSection)
+    ntp: NTPSection = Field(default_factory=NTPSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _batch(self) -> "JobConfig":
+        t, p, m = self.training, self.parallel, self.model
+        per_step = t.micro_batch_size * p.data_parallel_size
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"training.micro_batch_size × parallel.data_parallel_size ({per_step})"
+            )
+        tp = p.tensor_model_parallel_size
+        groups = m.num_query_groups or m.num_attention_heads
+        if not self.ntp.enabled:
+            for name, value in (("model.num_attention_heads", m.num_attention_heads),
+                                ("model.num_query_groups", groups)):
+                if value % tp:
+                    raise ValueError(
+                        f"{name} ({value}) must be divisible by parallel.tensor_model_parallel_size ({tp}) "
+                        "without NTP"
+                    )
+        if self.checkpoint.save_interval and not self.checkpoint.save:
+            raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.ntp.min_tp > tp:
+            raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
+        return self
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.parallel.data_parallel_size
+        )
+
+
+def load_job_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> JobConfig:
+    """The job config from ``path`` (default: the tiny CPU demo) with ``--set`` overrides applied."""
+    if path is None and not DEFAULT_CONFIG.is_file():  # installed without the repository's configs/
+        return load_config(JobConfig, None, overrides)
+    return load_config(JobConfig, path if path is not None else DEFAULT_CONFIG, overrides)

@@ -1,0 +1,330 @@
+"""``ntp-launch``: starts a job's rank processes, hosts its store, relays logs, reports and cleans up.
+
+The launcher owns the ``TCPStore`` (so no rank, rank 0 included, takes it down by dying) and the metrics
+sink. It prefixes each rank's output with ``[rank N]``, and when a rank exits non-zero it says which rank
+failed and how (exit code or signal), stops every other rank, and exits non-zero. Ctrl-C does the same.
+Children die with the launcher even if it is killed outright (``PR_SET_PDEATHSIG``), so nothing is left
+behind.
+
+Multi-node: run one launcher per node with the same ``--nnodes`` and ``--store-host/--store-port``; node 0
+hosts the store and the metrics sink, every node starts its share of the ranks. A failing node sets an
+abort key in the store so the other launchers stop their ranks too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Optional, Sequence
+
+from ntp_megatron.config import JobConfig, load_job_config
+from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.training import runtime
+
+ABORT_KEY = "launcher/abort"
+STOP_GRACE_S = 5.0
+POLL_S = 0.1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the launcher dies, however it dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, cfg: JobConfig, config_path: Path, args: argparse.Namespace) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.args = args
+        self.world_size = cfg.parallel.world_size
+        if self.world_size % args.nnodes:
+            raise ConfigError(
+                f"world size {self.world_size} (tensor × data parallel) is not divisible by --nnodes {args.nnodes}"
+            )
+        per_node = self.world_size // args.nnodes
+        self.local_ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+        self.ranks: list[RankProcess] = []
+        self.sink = None
+        self.print_lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    # -- output ------------------------------------------------------------------------------------
+    def _say(self, message: str) -> None:
+        with self.print_lock:
+            print(f"ntp-launch: {message}", file=sys.stderr, flush=True)
+
+    def _relay(self, rank: int, stream: IO[str], out: IO[str]) -> None:
+        from ntp_megatron import metrics
+
+        prefix = f"[rank {rank}] "
+        for line in stream:
+            record = metrics.parse(line)
+            with self.print_lock:
+                if record is not None:
+                    if self.sink is not None:
+                        self.sink.write(record)
+                else:
+                    out.write(prefix + line)
+                    out.flush()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def _start_store(self):
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        a = self.args
+        timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
+        if a.node_rank == 0:
+            return dist.TCPStore(a.store_host, a.store_port, None, True, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(a.store_host, a.store_port, None, False, timeout=timeout, wait_for_workers=False)
+
+    def _spawn(self, rank: int, store_port: int) -> RankProcess:
+        env = dict(os.environ)
+        env.update({
+            runtime.ENV_RANK: str(rank),
+            runtime.ENV_WORLD_SIZE: str(self.world_size),
+            runtime.ENV_LOCAL_RANK: str(rank - self.local_ranks.start),
+            runtime.ENV_STORE_HOST: self.args.store_host,
+            runtime.ENV_STORE_PORT: str(store_port),
+            runtime.ENV_RUN_DIR: str(self.run_dir),
+            runtime.ENV_CONFIG: str(self.config_path),
+            "PYTHONUNBUFFERED": "1",
+            # Ranks share the machine's cores; one intra-op thread each keeps them from oversubscribing.
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            # Megatron's recommendation for TP communication ordering on GPUs; harmless on CPU.
+            "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        })
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ntp_megatron.training.pretrain"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        return RankProcess(rank, proc)
+
+    def _stop_all(self) -> None:
+        """SIGTERM every live rank's process group, then SIGKILL what is left after a grace period."""
+        self.stopping.set()
+        live = [r for r in self.ranks if r.proc.poll() is None]
+        for r in live:
+            _signal_group(r.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for r in live:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for r in self.ranks:
+            _signal_group(r.proc, signal.SIGKILL)  # also reaps any grandchildren left in the group
+            r.proc.wait()
+
+    def run(self) -> int:
+        from ntp_megatron import metrics
+
+        self.run_dir = Path(self.cfg.logging.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        store = self._start_store()
+        store_port = store.port
+        if self.args.node_rank == 0:
+            lg = self.cfg.logging
+            metrics_file = Path(lg.metrics_file) if lg.metrics_file else None
+            tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
+            self.sink = metrics.MetricsSink(metrics_file, tb_dir)
+            self.sink.event("job_started", world_size=self.world_size,
+                            tp_per_replica=[self.cfg.parallel.tensor_model_parallel_size]
+                            * self.cfg.parallel.data_parallel_size)
+
+        self._say(f"starting ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
+                  f"(store {self.args.store_host}:{store_port}, run dir {self.run_dir})")
+        self.ranks = [self._spawn(rank, store_port) for rank in self.local_ranks]
+        for r in self.ranks:  # threads start after every fork: preexec_fn is not thread-safe
+            for stream, out in ((r.proc.stdout, sys.stdout), (r.proc.stderr, sys.stderr)):
+                t = threading.Thread(target=self._relay, args=(r.rank, stream, out), daemon=True)
+                t.start()
+                r.threads.append(t)
+
+        def on_signal(signum, _frame):
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        exit_code = 0
+        try:
+            exit_code = self._monitor(store)
+        except KeyboardInterrupt as exc:
+            self._say(f"interrupted ({exc or 'SIGINT'}): stopping all ranks")
+            self._stop_all()
+            exit_code = 130
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            for r in self.ranks:
+                for t in r.threads:
+                    t.join(timeout=2.0)
+            if self.sink is not None:
+                self.sink.event("job_ended", exit_code=exit_code)
+                self.sink.close()
+        return exit_code
+
+    def _monitor(self, store) -> int:
+        while True:
+            failed = [r for r in self.ranks if r.proc.poll() not in (None, 0)]
+            if failed:
+                first = min(failed, key=lambda r: r.rank)
+                reason = f"rank {first.rank} (pid {first.proc.pid}) {describe_exit(first.proc.returncode)}"
+                self._say(reason)
+                if self.sink is not None:
+                    self.sink.event("rank_failed", rank=first.rank, returncode=first.proc.returncode)
+                _try_set(store, ABORT_KEY, reason)
+                live = sum(r.proc.poll() is None for r in self.ranks)
+                self._say(f"stopping the other {live} local rank(s)")
+                self._stop_all()
+                self._say("all ranks stopped")
+                return 1
+            if all(r.proc.poll() == 0 for r in self.ranks):
+                self._say(f"all {len(self.ranks)} ranks finished")
+                return 0
+            if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
+                self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                self._stop_all()
+                return 1
+            time.sleep(POLL_S)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _try_set(store, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception:  # the store may be unreachable on a failing node; reporting must not crash
+        pass
+
+
+def _try_check(store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:
+        return False
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+def _field_index() -> dict[str, str]:
+    """Megatron-style ``--flag-name`` → ``section.field_name``, for every field name unique to one section."""
+    owners: dict[str, list[str]] = {}
+    for section, info in JobConfig.model_fields.items():
+        for name in info.annotation.model_fields:
+            owners.setdefault(name, []).append(section)
+    return {name: f"{secs[0]}.{name}" for name, secs in owners.items() if len(secs) == 1}
+
+
+def translate_extra_args(extra: Sequence[str]) -> list[str]:
+    """Turn Megatron-style flags (``--train-iters 20``, ``--data-path PREFIX``) into ``--set`` overrides."""
+    index = _field_index()
+    overrides: list[str] = []
+    i = 0
+    while i < len(extra):
+        flag = extra[i]
+        if not flag.startswith("--"):
+            raise ConfigError(f"unexpected argument {flag!r}; flags look like --train-iters 20")
+        name, _, inline = flag[2:].partition("=")
+        values = [inline] if inline else []
+        i += 1
+        while not inline and i < len(extra) and not extra[i].startswith("--"):
+            values.append(extra[i])
+            i += 1
+        key = name.replace("-", "_")
+        if key == "data_path":
+            if not values:
+                raise ConfigError("--data-path needs at least one preprocessed prefix")
+            overrides += ["data.mock=false", "data.data_path=" + json.dumps(values)]
+            continue
+        if key not in index:
+            raise ConfigError(f"unknown argument --{name}; use --set section.key=value for config keys")
+        if len(values) > 1:
+            raise ConfigError(f"--{name} takes one value, got {len(values)}")
+        overrides.append(f"{index[key]}={values[0] if values else 'true'}")
+    return overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ntp-launch",
+        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Unknown --flags are "
+                    "Megatron-style config keys: --train-iters 20 is --set training.train_iters=20.",
+    )
+    p.add_argument("--config", type=Path, default=None, help="YAML job config (default: configs/tiny_cpu.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set parallel.tensor_model_parallel_size=2")
+    p.add_argument("--metrics-file", type=Path, default=None, help="JSON lines: one per iteration and event")
+    p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--store-host", default="127.0.0.1", help="host of node 0, which hosts the store")
+    p.add_argument("--store-port", type=int, default=0, help="0: any free port (single node only)")
+    return p
+
+
+def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
+    overrides = list(args.overrides) + translate_extra_args(extra)
+    if args.metrics_file is not None:
+        overrides.append(f"logging.metrics_file={json.dumps(str(args.metrics_file))}")
+    if args.run_dir is not None:
+        overrides.append(f"logging.run_dir={json.dumps(str(args.run_dir))}")
+    return load_job_config(args.config, overrides)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if not 0 <= args.node_rank < args.nnodes:
+            raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+        if args.nnodes > 1 and args.store_port == 0:
+            raise ConfigError("--store-port must be a fixed port when --nnodes > 1")
+        cfg = resolve_config(args, extra)
+        run_dir = Path(cfg.logging.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / f"config.node{args.node_rank}.json"
+        config_path.write_text(cfg.model_dump_json(indent=2))
+        launcher = Launcher(cfg, config_path, args)
+    except ConfigError as exc:
+        print(f"ntp-launch: {exc}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return launcher.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Iteration records: how ranks report them, how they read as a Megatron-style log line, where they go.
+
+Ranks print records to stdout as one tagged JSON line; the launcher relays ordinary lines and routes
+tagged ones to the metrics file (``--metrics-file``, one JSON object per line) and TensorBoard. The sink
+lives in the launcher so the record of a run survives the death of any rank, rank 0 included.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Optional, TextIO
+
+logger = logging.getLogger(__name__)
+
+METRIC_TAG = "@@ntp-metric "
+"""Prefix of a stdout line that carries a record for the launcher, not for the console."""
+
+ITERATION_FIELDS = ("iteration", "lm_loss", "grad_norm", "lr", "elapsed_ms", "tokens_per_s", "tp_per_replica")
+
+
+def emit(record: dict[str, Any], stream: TextIO) -> None:
+    """Send one record to the launcher (a rank calls this with ``sys.stdout``)."""
+    stream.write(METRIC_TAG + json.dumps(record, separators=(",", ":")) + "\n")
+    stream.flush()
+
+
+def parse(line: str) -> Optional[dict[str, Any]]:
+    """The record in a tagged line, or None for an ordinary log line."""
+    if not line.startswith(METRIC_TAG):
+        return None
+    return json.loads(line[len(METRIC_TAG):])
+
+
+def iteration_line(record: dict[str, Any]) -> str:
+    """Megatron's iteration line, plus the NTP state (TP degree of every replica)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{stamp}] iteration {record['iteration']:>8d}/{record['train_iters']:>8d} |"
+        f" consumed samples: {record['consumed_samples']:>12d} |"
+        f" elapsed time per iteration (ms): {record['elapsed_ms']:.1f} |"
+        f" tokens/s: {record['tokens_per_s']:.1f} |"
+        f" learning rate: {record['lr']:.6E} |"
+        f" global batch size: {record['global_batch_size']:>5d} |"
+        f" lm loss: {record['lm_loss']:.6E} |"
+        f" grad norm: {record['grad_norm']:.3f} |"
+        f" number of skipped iterations: {record.get('skipped', 0):>3d} |"
+        f" tp per replica: {record['tp_per_replica']} |"
+    )
+
+
+class MetricsSink:
+    """Writes records to a JSON-lines file and TensorBoard scalars; either may be switched off."""
+
+    def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
+        self._file: Optional[TextIO] = None
+        if metrics_file is not None:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            self._file = metrics_file.open("a", buffering=1)
+        self._tb = None
+        if tensorboard_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self._tb is not None and record.get("kind") == "iteration":
+            step = record["iteration"]
+            for key in ("lm_loss", "grad_norm", "lr", "elapsed_ms", "tokens_per_s"):
+                if record.get(key) is not None:
+                    self._tb.add_scalar(f"train/{key}", record[key], step)
+            for replica, tp in enumerate(record.get("tp_per_replica", [])):
+                self._tb.add_scalar(f"ntp/tp_replica{replica}", tp, step)
+
+    def event(self, name: str, **fields: Any) -> None:
+        self.write({"kind": "event", "event": name, "time": time.time(), **fields})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()

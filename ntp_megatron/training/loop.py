@@ -1,0 +1,134 @@
+"""The training loop: one Megatron-Core forward/backward + optimizer step per iteration, logged."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from ntp_megatron import metrics
+from ntp_megatron.config import JobConfig
+from ntp_megatron.training import checkpoint
+from ntp_megatron.training.data import microbatches, replica_sample_range
+
+logger = logging.getLogger(__name__)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: the sum over this micro-batch and its token count; Megatron divides by the
+    global token count after the DP reduction, so the gradient is the mean over the global batch."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.float().view(-1)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
+    )
+    return output, lambda out: loss_func(batch["loss_mask"], out)
+
+
+@dataclass
+class Trainer:
+    cfg: JobConfig
+    model: Any  # DistributedDataParallel
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    dataset: Any
+    pg: ProcessGroupCollection
+    device: torch.device
+    replica: int
+    num_replicas: int
+    coords: checkpoint.ParallelCoords
+    is_reporting_rank: bool
+    iteration: int = 0
+    """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
+
+    def tp_per_replica(self) -> list[int]:
+        return [self.cfg.parallel.tensor_model_parallel_size] * self.num_replicas
+
+    def train_step(self) -> dict[str, Any]:
+        """Run 0-based iteration ``self.iteration`` and return its record (lm loss over the global batch)."""
+        t = self.cfg.training
+        start = time.perf_counter()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        samples = replica_sample_range(self.iteration, self.replica, self.num_replicas, t.global_batch_size)
+        lr = self.optimizer.param_groups[0]["lr"]
+        reported = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=microbatches(self.dataset, samples, t.micro_batch_size, self.device),
+            model=[self.model],
+            num_microbatches=len(samples) // t.micro_batch_size,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+            pg_collection=self.pg,
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=t.global_batch_size)
+        self.iteration += 1
+
+        loss_and_tokens = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+        dist.all_reduce(loss_and_tokens, group=self.pg.dp)
+        elapsed = time.perf_counter() - start
+        return {
+            "kind": "iteration",
+            "iteration": self.iteration,
+            "train_iters": t.train_iters,
+            "consumed_samples": self.iteration * t.global_batch_size,
+            "global_batch_size": t.global_batch_size,
+            "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "lr": lr,
+            "elapsed_ms": elapsed * 1e3,
+            "tokens_per_s": t.global_batch_size * self.cfg.model.seq_length / elapsed,
+            "skipped": 0 if update_ok else 1,
+            "tp_per_replica": self.tp_per_replica(),
+        }
+
+    def report(self, record: dict[str, Any]) -> None:
+        if not self.is_reporting_rank:
+            return
+        metrics.emit(record, sys.stdout)
+        if record["iteration"] % self.cfg.logging.log_interval == 0 or record["iteration"] == record["train_iters"]:
+            print(metrics.iteration_line(record), flush=True)
+
+    def maybe_save(self, final: bool = False) -> Optional[Path]:
+        ck = self.cfg.checkpoint
+        if ck.save is None:
+            return None
+        due = ck.save_interval is not None and self.iteration % ck.save_interval == 0
+        if not (due or final):
+            return None
+        path = checkpoint.save_checkpoint(
+            Path(ck.save), self.iteration, self.model, self.optimizer, self.scheduler, self.coords
+        )
+        if self.is_reporting_rank:
+            metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": self.iteration,
+                          "path": str(path)}, sys.stdout)
+        return path
+
+    def run(self) -> None:
+        t = self.cfg.training
+        last_saved = None
+        while self.iteration < t.train_iters:
+            self.report(self.train_step())
+            if self.maybe_save():
+                last_saved = self.iteration
+        if last_saved != self.iteration:
+            self.maybe_save(final=True)

@@ -1,0 +1,103 @@
+"""The GPT model on Megatron-Core: ``TransformerConfig`` from the YAML ``model`` section, ``GPTModel``
+with the local layer spec (or Transformer Engine's), wrapped in Megatron's DDP."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
+
+from ntp_megatron.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def transformer_config(cfg: JobConfig, device: torch.device) -> TransformerConfig:
+    """Megatron's TransformerConfig; the YAML ``model`` keys are its own field names."""
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    activation = {"gelu": F.gelu, "swiglu": F.silu, "squared_relu": lambda x: torch.pow(F.relu(x), 2)}
+    dtype = _DTYPES[t.precision]
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        kv_channels=m.kv_channels,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        normalization=m.normalization,
+        gated_linear_unit=m.gated_linear_unit,
+        activation_func=activation[m.activation],
+        init_method_std=m.init_method_std,
+        layernorm_epsilon=m.layernorm_epsilon,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        # One master weight sliced per rank: initial weights do not depend on the TP layout.
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.precision == "bf16",
+        fp16=t.precision == "fp16",
+        # Mean over every token of the global batch, whatever the DP/TP layout.
+        calculate_per_token_loss=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        finalize_model_grads_func=finalize_model_grads,
+        cuda_graph_scope=[],  # the non-deprecated spelling of upstream's default "full"
+    )
+
+
+def layer_spec(cfg: JobConfig):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if cfg.model.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise SystemExit(
+                "model.transformer_impl is 'transformer_engine' but Transformer Engine is not installed; "
+                "use 'local' or install the gpu extra"
+            ) from None
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.model.normalization)
+
+
+def build_model(
+    cfg: JobConfig, tf_config: TransformerConfig, pg_collection: ProcessGroupCollection, device: torch.device
+) -> DistributedDataParallel:
+    m = cfg.model
+    gpt = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_position_embeddings or m.seq_length,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+        pg_collection=pg_collection,
+    ).to(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+    model = DistributedDataParallel(tf_config, ddp_config, gpt, pg_collection=pg_collection)
+    n_params = sum(p.numel() for p in gpt.parameters())
+    logger.info("GPT model: %d parameters on this rank", n_params)
+    return model

@@ -1,0 +1,112 @@
+"""``ntp-pretrain``: the program each rank runs. Started by ``ntp-launch``, never by hand.
+
+Reads the config the launcher resolved, joins the job through the launcher's store, builds the Megatron-Core
+stack (parallel groups, GPTModel, DDP, optimizer, scheduler, datasets) and trains.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from ntp_megatron.training import runtime
+
+logger = logging.getLogger("ntp_megatron.pretrain")
+
+
+def _setup_logging(rank: int) -> None:
+    """Warnings from every rank; our own INFO lines from rank 0 only (``NTP_LOG_LEVEL`` overrides both)."""
+    level = os.environ.get("NTP_LOG_LEVEL")
+    logging.basicConfig(level=level or "WARNING", format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("ntp_megatron").setLevel(level or ("INFO" if rank == 0 else "WARNING"))
+
+
+def main() -> int:
+    env = runtime.RankEnv.from_environ()
+    _setup_logging(env.rank)
+    runtime.quiet_optional_dependency_warnings()
+
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from ntp_megatron.config import JobConfig
+    from ntp_megatron.patches import apply_patches
+    from ntp_megatron.training import checkpoint, data, model as model_lib
+    from ntp_megatron.training.loop import Trainer
+
+    cfg = JobConfig.model_validate_json(env.config_path.read_text())
+    device = runtime.select_device(cfg.training.device)
+    apply_patches(cpu=device.type == "cpu")
+    backend = runtime.select_backend(cfg.parallel.backend, device)
+    store = runtime.connect_store(env, cfg.parallel.timeout_s)
+    runtime.init_process_group(env, store, backend, cfg.parallel.timeout_s)
+
+    p, t = cfg.parallel, cfg.training
+    if env.world_size != p.world_size:
+        raise SystemExit(f"world size {env.world_size} != tensor × data parallel size {p.world_size}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(t.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+
+    tf_config = model_lib.transformer_config(cfg, device)
+    model = model_lib.build_model(cfg, tf_config, pg, device)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
+            params_dtype=tf_config.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+        [model],
+        use_gloo_process_groups=False,
+        pg_collection=pg,
+    )
+    samples_per_iter = t.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters * samples_per_iter,
+        lr_decay_steps=(t.lr_decay_iters or t.train_iters) * samples_per_iter,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters * samples_per_iter,
+        wd_incr_style="constant",
+    )
+
+    run_dir = env.run_dir
+    tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
+    cache_dir = runtime.Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
+    dataset = data.build_train_dataset(cfg, tokenizer, cache_dir, env.rank)
+
+    coords = checkpoint.ParallelCoords(
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=p.tensor_model_parallel_size,
+        dp_rank=parallel_state.get_data_parallel_rank(), dp_size=p.data_parallel_size,
+    )
+    trainer = Trainer(
+        cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, pg=pg, device=device,
+        replica=coords.dp_rank, num_replicas=p.data_parallel_size, coords=coords,
+        is_reporting_rank=env.rank == 0,
+    )
+    if cfg.checkpoint.load:
+        trainer.iteration = checkpoint.load_checkpoint(
+            runtime.Path(cfg.checkpoint.load), model, optimizer, scheduler, coords
+        )
+    trainer.run()
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""What one rank process learns from the launcher, and how it joins the job.
+
+The launcher hosts the ``TCPStore`` (so any rank, rank 0 included, can die without taking the store with
+it) and passes its address plus this rank's identity in environment variables. Each process-group
+generation uses its own key prefix in that store (``gen<g>/``), so a later re-formation can build fresh
+groups on the same store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_STORE_HOST = "NTP_STORE_HOST"
+ENV_STORE_PORT = "NTP_STORE_PORT"
+ENV_RUN_DIR = "NTP_RUN_DIR"
+ENV_CONFIG = "NTP_RESOLVED_CONFIG"
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    store_host: str
+    store_port: int
+    run_dir: Path
+    config_path: Path
+
+    @classmethod
+    def from_environ(cls) -> "RankEnv":
+        missing = [k for k in (ENV_RANK, ENV_WORLD_SIZE, ENV_STORE_HOST, ENV_STORE_PORT, ENV_RUN_DIR, ENV_CONFIG)
+                   if k not in os.environ]
+        if missing:
+            raise SystemExit(
+                f"ntp-pretrain: missing environment {', '.join(missing)}; start ranks with ntp-launch "
+                "(scripts/pretrain_gpt.sh), not by hand"
+            )
+        return cls(
+            rank=int(os.environ[ENV_RANK]),
+            world_size=int(os.environ[ENV_WORLD_SIZE]),
+            local_rank=int(os.environ.get(ENV_LOCAL_RANK, os.environ[ENV_RANK])),
+            store_host=os.environ[ENV_STORE_HOST],
+            store_port=int(os.environ[ENV_STORE_PORT]),
+            run_dir=Path(os.environ[ENV_RUN_DIR]),
+            config_path=Path(os.environ[ENV_CONFIG]),
+        )
+
+
+def quiet_optional_dependency_warnings() -> None:
+    """Megatron-Core warns once per module that TE/Apex are missing; on CPU that is expected, not news."""
+    for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
+                    r".*Transformer Engine is not installed.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def select_device(requested: str) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise SystemExit("training.device is 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
+        local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def select_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if requested == "nccl" and device.type != "cuda":
+        raise SystemExit("parallel.backend 'nccl' needs CUDA; use 'gloo' or 'auto' on CPU")
+    return requested
+
+
+def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
+    """A client of the launcher's store (the launcher is the server; ranks never host it)."""
+    return dist.TCPStore(
+        env.store_host, env.store_port, world_size=None, is_master=False,
+        timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+    )
+
+
+def init_process_group(
+    env: RankEnv, store: dist.Store, backend: str, timeout_s: float, generation: int = 0
+) -> None:
+    """Join generation ``generation`` of the job's default process group on its own store prefix."""
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"gen{generation}/", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

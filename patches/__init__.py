@@ -1,0 +1,60 @@
+"""Every change ntp-megatron makes to Megatron-Core's own behaviour, applied by one explicit call.
+
+Installed as ``ntp_megatron.patches``. Each module patches one upstream concern and names the upstream
+module(s) it touches; :func:`apply_patches` checks the megatron-core version first, because every patch
+here was written against the source of one release and may be wrong for another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+TESTED_MEGATRON_CORE = ("0.16.",)
+"""Release prefixes these patches were written and tested against."""
+
+SKIP_VERSION_CHECK_ENV = "NTP_MEGATRON_SKIP_VERSION_CHECK"
+
+_applied: list[str] = []
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def check_megatron_version() -> str:
+    """The installed megatron-core version; raises if the patches were not written for it."""
+    from megatron.core.package_info import __version__ as version
+
+    if not version.startswith(TESTED_MEGATRON_CORE) and os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
+        raise UnsupportedMegatronVersion(
+            f"ntp-megatron's patches were written for megatron-core {', '.join(v + 'x' for v in TESTED_MEGATRON_CORE)}"
+            f" but {version} is installed; install megatron-core==0.16.1 "
+            f"(or set {SKIP_VERSION_CHECK_ENV}=1 to try at your own risk)"
+        )
+    return version
+
+
+def apply_patches(cpu: bool | None = None) -> list[str]:
+    """Apply the patches this process needs, once. ``cpu=None``: the CPU shim iff CUDA is absent.
+
+    Returns the names of the patches in force.
+    """
+    if _applied:
+        return list(_applied)
+    import torch
+
+    version = check_megatron_version()
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    if cpu:
+        from ntp_megatron.patches import cpu_shim, optimizer_clip_grads, tensor_parallel_random
+
+        cpu_shim.apply()
+        tensor_parallel_random.apply()
+        optimizer_clip_grads.apply()
+        _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads"])
+    logger.info("megatron-core %s; patches applied: %s", version, ", ".join(_applied) or "none")
+    return list(_applied)

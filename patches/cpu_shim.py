@@ -1,0 +1,109 @@
+"""CPU shim for Megatron-Core call sites that hard-code CUDA (upstream: several modules, listed below).
+
+Megatron-Core allocates buffers with ``device=torch.cuda.current_device()`` or ``device='cuda'`` and calls
+``torch.cuda.synchronize()`` in code paths we need on CPU. Rather than change ``torch`` for the whole
+process (a global TorchFunctionMode would intercept every op), each listed module gets its own view of
+``torch`` whose ``cuda`` namespace answers for the CPU and whose tensor factories map ``'cuda'`` to ``'cpu'``.
+Everything else is the real ``torch``. Apply only in processes without CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Modules whose own code allocates on, or synchronises, the CUDA device on the paths we run
+# (model build, DDP buffers, optimizer, schedules, checkpoint save/load).
+PATCHED_MODULES = (
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.optimizer",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.module",
+    "megatron.core.utils",
+    "megatron.core.rerun_state_machine",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.exchange_utils",
+)
+
+_FACTORIES = frozenset(
+    {"tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like", "empty_like",
+     "full_like", "randn", "rand", "randint", "as_tensor"}
+)
+
+
+def _cpu_device(device: Any) -> Any:
+    if device is not None and str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CpuCuda(types.ModuleType):
+    """``torch.cuda`` as seen by a patched module: the current device is the CPU."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__(f"{owner}.torch.cuda")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Nothing to wait for: CPU ops are synchronous."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def empty_cache() -> None:
+        """No caching allocator on CPU."""
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as seen by a patched module: factories place ``'cuda'`` tensors on the CPU."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__(f"{owner}.torch")
+        self.cuda = _CpuCuda(owner)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            return _on_cpu(attr)
+        return attr
+
+
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def make(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def apply() -> None:
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module, "torch", None) is not torch:
+            raise RuntimeError(f"cpu_shim: {name} does not use the plain torch module; patch written for 0.16.x")
+        module.torch = _CpuTorch(name)
+    logger.debug("cpu_shim: %d Megatron-Core modules see a CPU torch.cuda", len(PATCHED_MODULES))
