@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
+from ntp_megatron import faults
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
@@ -61,8 +62,11 @@ class RankProcess:
 
 
 class Launcher:
-    def __init__(self, cfg: JobConfig, config_path: Path, args: argparse.Namespace) -> None:
+    def __init__(
+        self, cfg: JobConfig, config_path: Path, args: argparse.Namespace, failures: list[faults.FailureSpec]
+    ) -> None:
         self.cfg = cfg
+        self.failures = failures
         self.config_path = config_path
         self.args = args
         self.world_size = cfg.parallel.world_size
@@ -117,6 +121,7 @@ class Launcher:
             runtime.ENV_STORE_PORT: str(store_port),
             runtime.ENV_RUN_DIR: str(self.run_dir),
             runtime.ENV_CONFIG: str(self.config_path),
+            faults.ENV_FAILURES: faults.to_env(self.failures),
             "PYTHONUNBUFFERED": "1",
             # Ranks share the machine's cores; one intra-op thread each keeps them from oversubscribing.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
@@ -289,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set parallel.tensor_model_parallel_size=2")
     p.add_argument("--metrics-file", type=Path, default=None, help="JSON lines: one per iteration and event")
+    p.add_argument("--inject-failure", dest="failures", action="append", default=[], metavar="SPEC",
+                   help="ACTION:rank=R,iter=N[,code=C], ACTION in kill, exit; repeatable")
     p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -319,7 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
         config_path.write_text(cfg.model_dump_json(indent=2))
-        launcher = Launcher(cfg, config_path, args)
+        failures = [faults.parse_failure_spec(f, cfg.parallel.world_size) for f in args.failures]
+        launcher = Launcher(cfg, config_path, args, failures)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -16,7 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ntp_megatron import metrics
+from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.data import microbatches, replica_sample_range
@@ -55,6 +55,7 @@ class Trainer:
     num_replicas: int
     coords: checkpoint.ParallelCoords
     is_reporting_rank: bool
+    failures: faults.FailureTrigger | None = None
     iteration: int = 0
     """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
 
@@ -127,6 +128,8 @@ class Trainer:
         t = self.cfg.training
         last_saved = None
         while self.iteration < t.train_iters:
+            if self.failures is not None:
+                self.failures.before_iteration(self.iteration + 1)
             self.report(self.train_step())
             if self.maybe_save():
                 last_saved = self.iteration

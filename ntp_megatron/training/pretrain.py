@@ -33,6 +33,7 @@ def main() -> int:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from ntp_megatron import faults
     from ntp_megatron.config import JobConfig
     from ntp_megatron.patches import apply_patches
     from ntp_megatron.training import checkpoint, data, model as model_lib
@@ -95,6 +96,7 @@ def main() -> int:
         cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, pg=pg, device=device,
         replica=coords.dp_rank, num_replicas=p.data_parallel_size, coords=coords,
         is_reporting_rank=env.rank == 0,
+        failures=faults.FailureTrigger(env.rank, faults.from_env()),
     )
     if cfg.checkpoint.load:
         trainer.iteration = checkpoint.load_checkpoint(
