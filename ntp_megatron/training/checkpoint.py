@@ -46,7 +46,8 @@ def _rng_object(coords: ParallelCoords, state: Any) -> ShardedObject:
 
 
 def _sharded_state(model, optimizer: MegatronOptimizer, is_loading: bool) -> dict[str, Any]:
-    model_sd = model.sharded_state_dict()
+    """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints."""
+    model_sd = model.module.sharded_state_dict()
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
@@ -106,7 +107,7 @@ def load_checkpoint(
     if same_layout:
         request["rng_state"] = _rng_object(coords, None)
     state = dist_checkpointing.load(request, str(path))
-    model.load_state_dict(state["model"])
+    model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if same_layout:
