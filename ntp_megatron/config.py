@@ -164,6 +164,12 @@ class JobConfig(_Section):
                         f"{name} ({value}) must be divisible by parallel.tensor_model_parallel_size ({tp}) "
                         "without NTP"
                     )
+        decay_iters = t.lr_decay_iters or t.train_iters
+        if t.lr_warmup_iters >= decay_iters:
+            raise ValueError(
+                f"training.lr_warmup_iters ({t.lr_warmup_iters}) must be below training.lr_decay_iters "
+                f"(or training.train_iters when unset: {decay_iters})"
+            )
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
         if self.ntp.min_tp > tp:

@@ -17,6 +17,7 @@ import argparse
 import ctypes
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -199,28 +200,36 @@ class Launcher:
         return exit_code
 
     def _monitor(self, store) -> int:
-        while True:
-            failed = [r for r in self.ranks if r.proc.poll() not in (None, 0)]
-            if failed:
-                first = min(failed, key=lambda r: r.rank)
-                reason = f"rank {first.rank} (pid {first.proc.pid}) {describe_exit(first.proc.returncode)}"
-                self._say(reason)
-                if self.sink is not None:
-                    self.sink.event("rank_failed", rank=first.rank, returncode=first.proc.returncode)
-                _try_set(store, ABORT_KEY, reason)
-                live = sum(r.proc.poll() is None for r in self.ranks)
-                self._say(f"stopping the other {live} local rank(s)")
-                self._stop_all()
-                self._say("all ranks stopped")
-                return 1
-            if all(r.proc.poll() == 0 for r in self.ranks):
-                self._say(f"all {len(self.ranks)} ranks finished")
-                return 0
-            if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
-                self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
-                self._stop_all()
-                return 1
-            time.sleep(POLL_S)
+        """Wait for the ranks; on the first failure (in the order the exits happened) stop the rest."""
+        exits: queue.Queue[tuple[int, int]] = queue.Queue()
+        for r in self.ranks:
+            threading.Thread(target=lambda r=r: exits.put((r.rank, r.proc.wait())), daemon=True).start()
+        finished = 0
+        while finished < len(self.ranks):
+            try:
+                rank, returncode = exits.get(timeout=POLL_S)
+            except queue.Empty:
+                if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
+                    self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                    self._stop_all()
+                    return 1
+                continue
+            if returncode == 0:
+                finished += 1
+                continue
+            pid = next(r.proc.pid for r in self.ranks if r.rank == rank)
+            reason = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
+            self._say(reason)
+            if self.sink is not None:
+                self.sink.event("rank_failed", rank=rank, returncode=returncode)
+            _try_set(store, ABORT_KEY, reason)
+            live = sum(r.proc.poll() is None for r in self.ranks)
+            self._say(f"stopping the other {live} local rank(s)")
+            self._stop_all()
+            self._say("all ranks stopped")
+            return 1
+        self._say(f"all {len(self.ranks)} ranks finished")
+        return 0
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -1,0 +1,85 @@
+"""Config schema, overrides and the one-line errors (pure, plus the real CLI for exit codes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ntp_megatron.config import DEFAULT_CONFIG, JobConfig, load_job_config
+from ntp_megatron.config_io import ConfigError, parse_yaml
+from ntp_megatron.launcher import translate_extra_args
+from tests.jobs import REPO
+
+
+def test_default_config_is_the_tiny_cpu_demo():
+    cfg = load_job_config()
+    assert DEFAULT_CONFIG.is_file()
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.data_parallel_size) == (2, 2)
+    assert cfg.parallel.world_size == 4
+    assert cfg.data.mock and not cfg.ntp.enabled
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (2, 64, 8)
+    # The file lists every key of the schema, so it doubles as the reference.
+    assert cfg == JobConfig.model_validate(parse_yaml(DEFAULT_CONFIG.read_text()))
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_job_config(overrides=["training.train_iters=7", "model.hidden_dropout=0", "ntp.enabled=true",
+                                     "data.data_path=[a, b]"])
+    assert cfg.training.train_iters == 7 and cfg.model.hidden_dropout == 0.0 and cfg.ntp.enabled
+    assert cfg.data.data_path == ["a", "b"]
+
+
+def test_slot_lists_stay_strings():
+    """YAML 1.1 would read 1:3 as the base-60 number 63."""
+    assert parse_yaml("[1:3, 0:2]") == ["1:3", "0:2"]
+    assert parse_yaml("12") == 12 and parse_yaml("1.5e-3") == 1.5e-3
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.hidden_sise=64", "unknown config key 'model.hidden_sise'; allowed keys here: num_layers, hidden_size"),
+        ("trainig.train_iters=3", "unknown config key 'trainig'; allowed keys here: model, parallel, training"),
+        ("parallel.backend=mpi", "bad value for 'parallel.backend': Input should be 'auto', 'gloo' or 'nccl' (got 'mpi')"),
+        ("training.train_iters=0", "bad value for 'training.train_iters': Input should be greater than or equal to 1 (got 0)"),
+        ("model.num_attention_heads=7", "model.num_attention_heads (7) must divide model.hidden_size (64)"),
+        ("training.global_batch_size=10", "training.global_batch_size (10) must be a multiple of"),
+        ("training.train_iters=5", "training.lr_warmup_iters (5) must be below training.lr_decay_iters"),
+    ],
+)
+def test_errors_name_the_key_and_what_is_allowed(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(overrides=[override])
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(expected), message
+
+
+def test_megatron_style_flags_become_overrides():
+    assert translate_extra_args(["--train-iters", "20", "--tensor-model-parallel-size=1"]) == [
+        "training.train_iters=20", "parallel.tensor_model_parallel_size=1"]
+    assert translate_extra_args(["--data-path", "a/b_text_document"]) == [
+        "data.mock=false", 'data.data_path=["a/b_text_document"]']
+    with pytest.raises(ConfigError, match="unknown argument --no-such-flag"):
+        translate_extra_args(["--no-such-flag", "1"])
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "model.hidden_sise=64"], "ntp-launch: unknown config key 'model.hidden_sise'"),
+        (["--set", "parallel.backend=mpi"], "ntp-launch: bad value for 'parallel.backend'"),
+        (["--inject-failure", "explode:rank=1,iter=2"], "ntp-launch: --inject-failure 'explode:rank=1,iter=2': expected"),
+    ],
+    ids=["bad-key", "bad-value", "bad-failure-spec"],
+)
+def test_cli_config_error_is_one_line_and_exit_2(tmp_path, args, expected):
+    proc = subprocess.run([sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(tmp_path), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(expected), lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -1,0 +1,54 @@
+"""Launcher: a failing rank is reported by rank and cause, and no process of the job is left behind."""
+
+from __future__ import annotations
+
+import re
+
+import psutil
+import pytest
+
+from tests.jobs import layout_args, run_job
+
+
+def job_processes(run_dir) -> list[psutil.Process]:
+    """Rank processes of the job whose run dir is ``run_dir`` that are still alive."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "ntp_megatron.training.pretrain" in " ".join(proc.info["cmdline"] or []) and \
+                    proc.environ().get("NTP_RUN_DIR") == str(run_dir.resolve()):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+@pytest.mark.parametrize(
+    "spec, cause",
+    [("exit:rank=2,iter=3,code=7", r"rank 2 \(pid \d+\) exited with code 7"),
+     ("kill:rank=1,iter=2", r"rank 1 \(pid \d+\) was killed by signal SIGKILL")],
+    ids=["exit-code", "sigkill"],
+)
+def test_failed_rank_is_reported_and_nothing_is_left(tmp_path, spec, cause):
+    run_dir = tmp_path / "run"
+    result = run_job(run_dir, layout_args(2, 2, 20) + ["--inject-failure", spec], timeout=240)
+    assert result.returncode == 1
+    failed = result.events("rank_failed")
+    assert len(failed) == 1
+    rank = int(spec.split("rank=")[1].split(",")[0])
+    assert failed[0]["rank"] == rank
+    lines = [l for l in result.stderr.splitlines() if l.startswith("ntp-launch: rank ")]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert re.fullmatch("ntp-launch: " + cause, lines[0]), lines[0]
+    assert "ntp-launch: all ranks stopped" in result.stderr
+    assert job_processes(run_dir) == []
+    # The job was really running before the failure.
+    assert result.losses(), "no iteration completed before the injected failure"
+
+
+def test_rank_output_is_prefixed(tmp_path):
+    result = run_job(tmp_path / "run", layout_args(1, 2, 2))
+    assert result.returncode == 0, result.stderr[-3000:]
+    iteration_lines = [l for l in result.stdout.splitlines() if " iteration " in l]
+    assert iteration_lines and all(l.startswith("[rank 0] ") for l in iteration_lines)
+    assert "tp per replica: [1, 1]" in iteration_lines[-1]
