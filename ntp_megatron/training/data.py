@@ -49,8 +49,12 @@ def check_indexed_prefix(prefix: str) -> None:
             raise SystemExit(f"data.data_path: {prefix}{suffix} not found; build it with ntp-preprocess")
 
 
-def build_train_dataset(cfg: JobConfig, tokenizer, cache_dir: Path, rank: int) -> GPTDataset:
-    """The training split, sized for the whole run. Rank 0 writes the index caches; the others then read."""
+def build_train_dataset(cfg: JobConfig, tokenizer, cache_dir: Path) -> GPTDataset:
+    """The training split, sized for the whole run.
+
+    Megatron's builder orders the ranks itself (global rank 0 writes the index caches, the others read
+    them after a barrier), so ``cache_dir`` must be on a file system every node sees, as in Megatron-LM.
+    """
     t, d = cfg.training, cfg.data
     blend = None
     if not d.mock:
@@ -70,19 +74,7 @@ def build_train_dataset(cfg: JobConfig, tokenizer, cache_dir: Path, rank: int) -
     )
     dataset_cls = MockGPTDataset if d.mock else GPTDataset
     sizes = [t.train_iters * t.global_batch_size, 0, 0]
-
-    def build() -> GPTDataset:
-        return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, ds_config).build()[0]
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dataset = build() if rank == 0 else None
-        dist.barrier()
-        if rank != 0:
-            dataset = build()
-    else:
-        dataset = build()
-    assert dataset is not None
-    return dataset
+    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, ds_config).build()[0]
 
 
 def replica_sample_range(iteration: int, replica: int, num_replicas: int, global_batch_size: int) -> range:

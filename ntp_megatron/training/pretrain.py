@@ -86,7 +86,7 @@ def main() -> int:
     run_dir = env.run_dir
     tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
     cache_dir = runtime.Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
-    dataset = data.build_train_dataset(cfg, tokenizer, cache_dir, env.rank)
+    dataset = data.build_train_dataset(cfg, tokenizer, cache_dir)
 
     coords = checkpoint.ParallelCoords(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=p.tensor_model_parallel_size,
