@@ -117,6 +117,7 @@ class Sweep(Section):
 
 
 class SimConfig(Section):
+    title: str | None = Field(None, description="shown on plots and in summary.md")
     cluster: Cluster = Field(default_factory=Cluster)
     failures: Failures = Field(default_factory=Failures)
     strategies: Strategies = Field(default_factory=Strategies)
