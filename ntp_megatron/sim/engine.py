@@ -22,7 +22,7 @@ import numpy as np
 
 from ntp_megatron.sim.failures import Trace
 from ntp_megatron.sim.layout import Layout
-from ntp_megatron.sim.strategies import ReplicaState, StateEval, Strategy, evaluate
+from ntp_megatron.sim.strategies import EPS, ReplicaState, StateEval, Strategy, evaluate
 
 
 @dataclass
@@ -90,19 +90,31 @@ class _Run:
             self.bp_r.append(r)
 
 
-def _interrupts(trace: Trace, i: int, ev: StateEval, counts: np.ndarray, lay: Layout) -> bool:
-    """Does failure step ``i`` touch GPUs the job is running on (judged on the state before the step)?"""
-    groups = trace.groups[trace.ptr[i] : trace.ptr[i + 1]]
-    job = groups < lay.job_groups
-    if job.any() and (ev.running is None or ev.running[groups[job] // lay.pp].any()):
+def _interrupts(trace: Trace, i: int, ev: StateEval, counts: np.ndarray, lay: Layout, rate: np.ndarray) -> bool:
+    """Does failure step ``i`` touch GPUs the job is running on (judged on the state before the step)?
+
+    A job GPU counts when its replica runs, unless its domain is already bad and was swapped for a spare.
+    A spare domain counts when it is in use: spares are interchangeable, so a healthy one is in use with
+    probability used / healthy, decided by the trace's uniform draw for the step.
+    """
+    g = lay.groups_per_domain
+    spare_hits = 0
+    for j in trace.groups[trace.ptr[i] : trace.ptr[i + 1]].tolist():
+        if j >= lay.job_groups:
+            d = (j - lay.job_groups) // g
+            first = lay.job_groups + d * g
+            spare_hits += not counts[first : first + g].any()
+            continue
+        r = j // lay.pp
+        if ev.running is not None and not ev.running[r]:
+            continue
+        d = j // g
+        if ev.swapped is not None and ev.swapped[r] and (rate[counts[d * g : (d + 1) * g]] < 1.0 - EPS).any():
+            continue
         return True
-    if ev.spares_used == 0 or job.all():
+    if spare_hits == 0 or ev.spares_used == 0:
         return False
-    spare_domains = np.unique((groups[~job] - lay.job_groups) // lay.groups_per_domain)
-    first = lay.job_groups + spare_domains * lay.groups_per_domain
-    newly_hit = int(np.count_nonzero(counts[first[:, None] + np.arange(lay.groups_per_domain)].sum(axis=1) == 0))
-    # spares are interchangeable: a healthy spare domain is in use with probability used / healthy
-    return newly_hit > 0 and trace.u[i] < 1.0 - (1.0 - ev.spares_used / ev.healthy_spares) ** newly_hit
+    return trace.u[i] < 1.0 - (1.0 - ev.spares_used / ev.healthy_spares) ** spare_hits
 
 
 class _Tracked:
@@ -136,7 +148,7 @@ def replay(
     tracked = [_Tracked(s, evaluate(degr[s.rate.tobytes()], s, batch_policy), interval_h) for s in strategies]
     times, is_failure, ptr = trace.times.tolist(), trace.is_failure.tolist(), trace.ptr
     for i, t in enumerate(times):
-        hits = [is_failure[i] and _interrupts(trace, i, tr.ev, counts, layout) for tr in tracked]
+        hits = [is_failure[i] and _interrupts(trace, i, tr.ev, counts, layout, tr.strategy.rate) for tr in tracked]
         groups, deltas = trace.groups[ptr[i] : ptr[i + 1]], trace.deltas[ptr[i] : ptr[i + 1]]
         counts[groups] += deltas
         degr = {key: st.update(counts, groups, deltas) for key, st in states.items()}

@@ -16,6 +16,13 @@ LABELS = {
     "ntp": "NTP",
     "ntp_boost": "NTP + power boost",
 }
+STYLES = {  # strategies that coincide (e.g. all DP-drop variants under a fixed minibatch) stay visible
+    "checkpoint_restart": (":", "s"),
+    "dp_drop": ("-", "o"),
+    "hot_spares": ("--", "^"),
+    "ntp": ("-", "o"),
+    "ntp_boost": ("-.", "D"),
+}
 COLORS = {
     "checkpoint_restart": "tab:gray",
     "dp_drop": "tab:red",
@@ -120,30 +127,29 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
     snapshot = base.failures.mode == "snapshot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in points[0].summaries:
-        col, lab = COLORS[name], LABELS[name]
+        style = dict(color=COLORS[name], ls=STYLES[name][0], marker=STYLES[name][1], ms=4, label=LABELS[name])
+        worst_style = dict(color=COLORS[name], ls="none", marker="_", ms=10, alpha=0.8)
         if snapshot:
-            loss = [100 * p.summaries[name]["throughput_loss"]["mean"] for p in points]
-            worst = [100 * p.summaries[name]["throughput_loss"]["max"] for p in points]
-            ax1.plot(xs, loss, "-o", color=col, label=f"{lab} (mean)", ms=4)
-            ax1.plot(xs, worst, "--", color=col, label=f"{lab} (max)", alpha=0.7)
-            need = [p.summaries[name]["spares_needed"]["mean"] for p in points]
-            ax2.plot(xs, need, "-o", color=col, label=lab, ms=4)
+            ax1.plot(xs, [100 * p.summaries[name]["throughput_loss"]["mean"] for p in points], **style)
+            ax1.plot(xs, [100 * p.summaries[name]["throughput_loss"]["max"] for p in points], **worst_style)
+            ax2.plot(xs, [p.summaries[name]["spares_needed"]["mean"] for p in points], **style)
+            ax2.plot(xs, [p.summaries[name]["spares_needed"]["max"] for p in points], **worst_style)
         else:
-            good = [100 * p.summaries[name]["goodput"]["mean"] for p in points]
-            ax1.plot(xs, good, "-o", color=col, label=lab, ms=4)
-            mean_max = [p.summaries[name]["spares_needed_max"]["mean"] for p in points]
-            worst = [p.summaries[name]["spares_needed_max"]["max"] for p in points]
-            ax2.plot(xs, mean_max, "-o", color=col, label=f"{lab} (mean)", ms=4)
-            ax2.plot(xs, worst, "--", color=col, alpha=0.7)
-    ax1.set_ylabel("throughput loss (% of healthy)" if snapshot else "goodput (% of ideal)")
-    ax2.set_ylabel("spare domains for a fixed minibatch" + (" (mean)" if snapshot else " (peak; dashed: worst trial)"))
+            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["mean"] for p in points], **style)
+            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["max"] for p in points], **worst_style)
+            ax2.plot(xs, [100 * p.summaries[name]["goodput"]["mean"] for p in points], **style)
+    if snapshot:
+        ax1.set_title("throughput loss, % of healthy (dash: worst trial)", fontsize=9)
+        ax2.set_title("spare domains for a fixed minibatch (dash: worst trial)", fontsize=9)
+    else:
+        ax1.set_title("spare domains to never pause a fixed minibatch\n(peak over the run; dash: worst trial)", fontsize=9)
+        ax2.set_title(f"goodput, % of ideal, with {base.cluster.spare_domains} spare domains", fontsize=9)
     for ax in (ax1, ax2):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         if ticks is not None:
             ax.set_xticks(xs, ticks, rotation=20, fontsize=8)
     ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -157,13 +163,13 @@ def plot_timeseries(point: PointResult, path: Path, title: str) -> None:
     panels = [
         ("throughput", "throughput (% of ideal)", 100.0),
         ("goodput", "cumulative goodput (% of ideal)", 100.0),
-        ("spares_needed", "spare domains needed\nfor a fixed minibatch", 1.0),
+        ("spares_needed", "spare domains needed\n(fixed minibatch)", 1.0),
     ]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 8), sharex=True)
     for ax, (key, ylabel, scale) in zip(axes, panels):
         for name, s in point.series.items():
             mean = [scale * v for v in s[f"{key}_mean"]]
-            ax.plot(days, mean, color=COLORS[name], label=LABELS[name], lw=1.2)
+            ax.plot(days, mean, color=COLORS[name], ls=STYLES[name][0], label=LABELS[name], lw=1.3)
             ax.fill_between(
                 days, [scale * v for v in s[f"{key}_p5"]], [scale * v for v in s[f"{key}_p95"]],
                 color=COLORS[name], alpha=0.12, lw=0,

@@ -192,24 +192,29 @@ class StateEval:
     spares_used: int
     healthy_spares: int
     running: np.ndarray | None  # per replica: doing work (so a new failure there interrupts); None = all
+    swapped: np.ndarray | None  # per replica: its bad domains were replaced by spares; None = none
 
 
 def evaluate(d: Degradation, strategy: Strategy, batch_policy: str) -> StateEval:
-    """The job's throughput under ``strategy``: spares restore replicas (fixed minibatch: all or pause)."""
+    """The job's throughput under ``strategy``; spares restore replicas (fixed minibatch: enough, or pause).
+
+    Under a fixed minibatch, replicas that cannot run at all get their bad domains swapped, and degraded
+    but running ones (NTP) keep their domains while extra replicas make up their deficit.
+    """
     if d.degraded.size == 0:
-        return StateEval(1.0, 0, 0, d.healthy_spares, None)
+        return StateEval(1.0, 0, 0, d.healthy_spares, None, None)
     if batch_policy == "fixed":
         if d.need <= d.healthy_spares:
-            return StateEval(1.0, d.need, d.need, d.healthy_spares, None)
-        return StateEval(0.0, d.need, 0, d.healthy_spares, np.zeros(d.rep.size, dtype=bool))
+            return StateEval(1.0, d.need, d.need, d.healthy_spares, None, d.rep == 0)
+        return StateEval(0.0, d.need, 0, d.healthy_spares, np.zeros(d.rep.size, dtype=bool), None)
     lost = float(d.deficit.sum())
     if not strategy.covers_with_spares or d.healthy_spares == 0:
-        return StateEval(1.0 - lost / d.rep.size, d.need, 0, d.healthy_spares, d.rep > 0)
+        return StateEval(1.0 - lost / d.rep.size, d.need, 0, d.healthy_spares, d.rep > 0, None)
     order = np.argsort(-(d.deficit / d.cost), kind="stable")
     spent = np.cumsum(d.cost[order])
     n_restored = int(np.searchsorted(spent, d.healthy_spares, side="right"))
-    running = d.rep > 0
-    running[d.degraded[order[:n_restored]]] = True
+    swapped = np.zeros(d.rep.size, dtype=bool)
+    swapped[d.degraded[order[:n_restored]]] = True
     recovered = float(d.deficit[order[:n_restored]].sum())
     used = int(spent[n_restored - 1]) if n_restored else 0
-    return StateEval(1.0 - (lost - recovered) / d.rep.size, d.need, used, d.healthy_spares, running)
+    return StateEval(1.0 - (lost - recovered) / d.rep.size, d.need, used, d.healthy_spares, (d.rep > 0) | swapped, swapped)
