@@ -36,6 +36,7 @@ def to_json(base: SimConfig, points: list[PointResult], notes: list[str]) -> dic
     return {
         "mode": base.failures.mode,
         "notes": notes,
+        "elapsed_s": {p.label: p.elapsed_s for p in points},
         "config": base.model_dump(mode="json"),
         "points": [
             {

@@ -34,6 +34,7 @@ class PointResult:
     series: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # strategy -> name -> values
     hours: list[float] = field(default_factory=list)  # bin centres of the series
     extra: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -135,10 +136,10 @@ def simulate(points: list[tuple[str, SimConfig]], progress: bool = False) -> tup
             else:
                 point = run_poisson(cfg, layout, strategies, bar.update)
             point.label = label
-            point.extra["elapsed_s"] = time.perf_counter() - started
+            point.elapsed_s = time.perf_counter() - started
             for n in ratios.notes():
                 _note(notes, n)
-            log.info("point %r done in %.2fs", label, point.extra["elapsed_s"])
+            log.info("point %r done in %.2fs", label, point.elapsed_s)
             out.append(point)
     return out, notes
 
