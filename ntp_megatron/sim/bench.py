@@ -2,7 +2,8 @@
 
     python -m ntp_megatron.sim.bench [--trials 10] [--out runs/sim/bench.json]
 
-The cluster is the NTP paper's: NVL32 domains, TP32 x PP8 replicas, Llama 3 failure rates, 32 spare domains.
+The cluster is the NTP paper's: NVL32 domains, TP32 x PP8 replicas, Llama 3 failure rates, and one spare
+domain per 1,024 GPUs (32 at 32K GPUs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ SIZES = (8192, 16384, 32768, 65536, 100000)
 
 def time_one(gpus: int, trials: int, days: float) -> dict:
     overrides = [
-        f"cluster.gpus={gpus}", "cluster.domain_size=32", "cluster.tp=32", "cluster.pp=8", "cluster.spare_domains=32",
+        f"cluster.gpus={gpus}", "cluster.domain_size=32", "cluster.tp=32", "cluster.pp=8", f"cluster.spare_domains={max(1, gpus // 1024)}",
         f"run.trials={trials}", f"run.duration_days={days}",
     ]  # fmt: skip
     _, points = load(None, overrides)

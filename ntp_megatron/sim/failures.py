@@ -75,8 +75,11 @@ def poisson_trace(layout: Layout, f: Failures, horizon_h: float, warm_start: boo
 
     def record(t: float, failed: bool, gpus: np.ndarray) -> None:
         g = gpus // tp  # sorted, so runs of equal values are the groups
-        first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
-        groups, counts = g[first], np.diff(np.append(first, g.size))
+        if g[0] == g[-1]:  # the usual case: one group
+            groups, counts = g[:1], np.array([g.size])
+        else:
+            first = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))
+            groups, counts = g[first], np.diff(np.append(first, g.size))
         if t <= 0:
             initial[groups] += counts if failed else -counts
             return

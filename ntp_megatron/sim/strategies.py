@@ -179,6 +179,8 @@ class ReplicaState:
     def _degradation(self) -> Degradation:
         healthy = int(self.spare_failed.size - np.count_nonzero(self.spare_failed))
         degraded = np.flatnonzero(self.rep < 1.0 - EPS)
+        if degraded.size == 0:
+            return Degradation(self.rep, degraded, np.zeros(0), degraded, 0, healthy)
         cost = self.bad_domain[self.rep_domains[degraded]].sum(axis=1)
         deficit = 1.0 - self.rep[degraded]
         need = spares_needed(deficit, cost, self.extra_domains)
