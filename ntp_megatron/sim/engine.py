@@ -30,6 +30,7 @@ class TrialResult:
     summary: dict[str, float]
     throughput: np.ndarray  # per time bin: average throughput (fraction of ideal) in the bin
     goodput: np.ndarray  # at each bin end: useful work so far / ideal work so far
+    lost_work: np.ndarray  # at each bin end: ideal - useful work so far, in hours of the whole job
     spares_needed: np.ndarray  # per time bin: most spare domains needed at any moment in the bin
 
 
@@ -203,5 +204,6 @@ def _summarise(tr: _Tracked, horizon: float, bins: int) -> TrialResult:
         summary=summary,
         throughput=np.diff(done) / np.diff(edges),
         goodput=useful[1:] / edges[1:],
+        lost_work=edges[1:] - useful[1:],
         spares_needed=need_bins,
     )

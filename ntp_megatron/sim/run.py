@@ -94,7 +94,7 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
     series = {}
     for name, trials in results.items():
         s = {}
-        for key in ("throughput", "goodput", "spares_needed"):
+        for key in ("throughput", "goodput", "lost_work", "spares_needed"):
             m = np.stack([getattr(t, key) for t in trials])
             s[f"{key}_mean"] = m.mean(axis=0).tolist()
             s[f"{key}_p5"] = np.percentile(m, 5, axis=0).tolist()

@@ -153,6 +153,7 @@ def test_losses_add_up_and_stay_in_range():
     assert s["dp_drop"]["goodput"]["mean"] <= s["hot_spares"]["goodput"]["mean"]
     series = p.series["ntp"]
     assert len(series["throughput_mean"]) == len(p.hours) == 300
+    assert series["lost_work_mean"][-1] == pytest.approx((1 - s["ntp"]["goodput"]["mean"]) * 5 * 24)
 
 
 def _json(*overrides: str) -> str:
