@@ -96,7 +96,7 @@ def test_simulator_imports_neither_torch_nor_plotting():
 
 def test_bench_runs_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert bench.main(["--trials", "1", "--days", "1", "--sizes", "1024,2048", "--out", str(out)]) == 0
+    assert bench.main(["--trials", "1", "--days", "1", "--sizes", "1024,2048", "--repeat", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["gpus"] for r in rows] == [1024, 2048] and all(r["seconds"] > 0 for r in rows)
     assert "| 2048 |" in capsys.readouterr().out
