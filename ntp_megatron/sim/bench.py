@@ -23,8 +23,8 @@ SIZES = (8192, 16384, 32768, 65536, 100000)
 def time_one(gpus: int, trials: int, days: float, repeat: int) -> dict:
     """Best of ``repeat`` runs: the machine may be shared, and the minimum is the least disturbed."""
     overrides = [
-        f"cluster.gpus={gpus}", "cluster.domain_size=32", "cluster.tp=32", "cluster.pp=8", f"cluster.spare_domains={max(1, gpus // 1024)}",
-        f"run.trials={trials}", f"run.duration_days={days}",
+        f"cluster.gpus={gpus}", "cluster.domain_size=32", "cluster.tp=32", "cluster.pp=8",
+        f"cluster.spare_domains={max(1, gpus // 1024)}", f"run.trials={trials}", f"run.duration_days={days}",
     ]  # fmt: skip
     _, points = load(None, overrides)
     times = []
@@ -62,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['seconds']:.2f} | {r['seconds_per_trial']:.3f} |"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": platform.platform(), "python": platform.python_version(), "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps({"machine": platform.platform(), "python": platform.python_version(), "rows": rows}, indent=1)
+    )
     print(f"wrote {args.out}")
     return 0
 

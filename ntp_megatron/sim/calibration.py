@@ -53,7 +53,9 @@ class StepTimeRatios:
         if measured is not None:
             return measured
         if self.source is not None and (tp_base, tp) not in self.fallbacks:
-            log.warning("calibration %s has no ratio for TP %d->%d; using ideal %d/%d", self.source, tp_base, tp, tp_base, tp)
+            log.warning(
+                "calibration %s has no ratio for TP %d->%d; using ideal %d/%d", self.source, tp_base, tp, tp_base, tp
+            )
         self.fallbacks.add((tp_base, tp))
         return tp_base / tp
 

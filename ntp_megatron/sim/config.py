@@ -9,8 +9,9 @@ which raises :class:`ConfigError` with a one-line message naming the key, as pyd
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -79,7 +80,7 @@ class PerfTable(Section):
 
 class Boost(Section):
     max_power: float = Field(1.3, ge=1, le=3, description="power cap of a degraded domain, x nominal")
-    curve: Annotated[Union[PowerLaw, PerfTable], Field(discriminator="kind")] = Field(default_factory=PowerLaw)
+    curve: Annotated[PowerLaw | PerfTable, Field(discriminator="kind")] = Field(default_factory=PowerLaw)
 
 
 class Ntp(Section):
@@ -138,9 +139,7 @@ def check_consistency(cfg: SimConfig) -> None:
     if c.spare_domains >= domains:
         raise ConfigError(f"cluster.spare_domains={c.spare_domains} leaves no domain for the job ({domains} domains)")
     if c.dp is not None and (c.dp * c.pp * c.tp) % c.domain_size:
-        raise ConfigError(
-            f"cluster.dp*pp*tp={c.dp * c.pp * c.tp} must fill whole domains of {c.domain_size} GPUs"
-        )
+        raise ConfigError(f"cluster.dp*pp*tp={c.dp * c.pp * c.tp} must fill whole domains of {c.domain_size} GPUs")
     if c.dp is not None and c.dp * c.pp * c.tp > (domains - c.spare_domains) * c.domain_size:
         raise ConfigError(
             f"cluster.dp={c.dp} needs {c.dp * c.pp * c.tp} GPUs but only "

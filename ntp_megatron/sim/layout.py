@@ -92,7 +92,8 @@ def build_layout(c: Cluster) -> Layout:
             dp -= 1
         if dp == 0:
             raise ConfigError(
-                f"cluster: a replica of tp*pp={c.tp * c.pp} GPUs does not fit in {usable_gpus} usable GPUs in whole domains"
+                f"cluster: a replica of tp*pp={c.tp * c.pp} GPUs does not fit in whole domains "
+                f"of the {usable_gpus} GPUs beside the spares"
             )
     job_domains = dp * c.pp * c.tp // c.domain_size
     return Layout(

@@ -45,7 +45,8 @@ def to_json(base: SimConfig, points: list[PointResult], notes: list[str]) -> dic
                 "extra": p.extra,
                 "hours": p.hours,
                 "strategies": {
-                    name: {"summary": summary, "series": p.series.get(name, {})} for name, summary in p.summaries.items()
+                    name: {"summary": summary, "series": p.series.get(name, {})}
+                    for name, summary in p.summaries.items()
                 },
             }
             for p in points
@@ -143,7 +144,9 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
         ax1.set_title("throughput loss, % of healthy (dash: worst trial)", fontsize=9)
         ax2.set_title("spare domains for a fixed minibatch (dash: worst trial)", fontsize=9)
     else:
-        ax1.set_title("spare domains to never pause a fixed minibatch\n(peak over the run; dash: worst trial)", fontsize=9)
+        ax1.set_title(
+            "spare domains to never pause a fixed minibatch\n(peak over the run; dash: worst trial)", fontsize=9
+        )
         ax2.set_title(f"goodput, % of ideal, with {base.cluster.spare_domains} spare domains", fontsize=9)
     for ax in (ax1, ax2):
         ax.set_xlabel(xlabel)
@@ -192,7 +195,9 @@ def write_outputs(
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "results.json", out / "summary.md"]
     write_json(written[0], to_json(base, points, notes))
-    written[1].write_text(f"# {title}\n\n" + summary_table(base, points) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n")
+    written[1].write_text(
+        f"# {title}\n\n" + summary_table(base, points) + "\n\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    )
     if not plots:
         return written
     if len(points) > 1:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,10 @@ def run_snapshot(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tic
         config=cfg,
         layout=layout,
         summaries={name: _aggregate(rows) for name, rows in per_trial.items()},
-        extra={"domains_hit_fraction": _stats(domains_hit), "failed_gpus": int(round(cfg.failures.fraction * layout.active_gpus))},
+        extra={
+            "domains_hit_fraction": _stats(domains_hit),
+            "failed_gpus": int(round(cfg.failures.fraction * layout.active_gpus)),
+        },
     )
 
 

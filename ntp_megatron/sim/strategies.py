@@ -8,13 +8,13 @@ Every strategy reduces to two things that are tested separately:
 * an *interruption model*: what a failure that touches running GPUs costs the whole job
   (a pause, and for checkpoint-restart a rollback to the last checkpoint).
 
-| strategy            | rate table                               | spares (shrinking minibatch) | per failure            |
-|---------------------|------------------------------------------|------------------------------|------------------------|
-| checkpoint_restart  | 1 if k == 0 else 0                        | swapped in on restart        | rollback + restart     |
-| dp_drop             | 1 if k == 0 else 0                        | unused                       | reconfigure pause      |
-| hot_spares          | 1 if k == 0 else 0                        | swapped in while they last   | reconfigure pause      |
-| ntp                 | 1 / ratio(tp, tp_eff)  (0 if no tp_eff)   | unused                       | reconfigure pause      |
-| ntp_boost           | min(1, perf(max_power) / ratio(tp, tp_eff)) | unused                     | reconfigure pause      |
+| strategy           | rate table                                 | spares (shrinking batch) | per failure   |
+|--------------------|--------------------------------------------|--------------------------|---------------|
+| checkpoint_restart | 1 if k == 0 else 0                         | swapped in on restart    | rollback + restart |
+| dp_drop            | 1 if k == 0 else 0                         | unused                   | reconfigure pause |
+| hot_spares         | 1 if k == 0 else 0                         | swapped in while they last | reconfigure pause |
+| ntp                | 1 / ratio(tp, tp_eff), 0 if no tp_eff      | unused                   | reconfigure pause |
+| ntp_boost          | min(1, perf(max_power) / ratio(tp, tp_eff)) | unused                  | reconfigure pause |
 
 ``tp_eff`` is the largest allowed TP not above ``tp - k``; ``ratio`` is the degraded step-time ratio,
 ideally ``tp / tp_eff``, or measured (calibration).
@@ -219,4 +219,6 @@ def evaluate(d: Degradation, strategy: Strategy, batch_policy: str) -> StateEval
     swapped[d.degraded[order[:n_restored]]] = True
     recovered = float(d.deficit[order[:n_restored]].sum())
     used = int(spent[n_restored - 1]) if n_restored else 0
-    return StateEval(1.0 - (lost - recovered) / d.rep.size, d.need, used, d.healthy_spares, (d.rep > 0) | swapped, swapped)
+    return StateEval(
+        1.0 - (lost - recovered) / d.rep.size, d.need, used, d.healthy_spares, (d.rep > 0) | swapped, swapped
+    )

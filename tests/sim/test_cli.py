@@ -59,7 +59,9 @@ def test_sweep_expands_to_one_config_per_point():
 
 def test_run_writes_json_tables_and_plots(tmp_path, capsys):
     cfg = tmp_path / "mine.yaml"
-    cfg.write_text("title: tiny\nstrategies:\n  reconfigure_s: 30\nsweep:\n  key: failures.rate_multiplier\n  values: [1, 4]\n")
+    cfg.write_text(
+        "title: tiny\nstrategies:\n  reconfigure_s: 30\nsweep:\n  key: failures.rate_multiplier\n  values: [1, 4]\n"
+    )
     out = tmp_path / "out"
     assert main([str(cfg), *SMALL, "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
@@ -77,7 +79,15 @@ def test_run_writes_json_tables_and_plots(tmp_path, capsys):
 def test_snapshot_run_with_calibration(tmp_path, capsys):
     calib = tmp_path / "bench.json"
     calib.write_text(json.dumps({"degraded_step_time_ratio": {"32": {"31": 1.02}}}))
-    args = ["--set", "failures.mode=snapshot", "--set", f"calibration={calib}", "--set", "run.trials=5", "--no-progress"]
+    args = [
+        "--set",
+        "failures.mode=snapshot",
+        "--set",
+        f"calibration={calib}",
+        "--set",
+        "run.trials=5",
+        "--no-progress",
+    ]
     assert main([*args, "--out", str(tmp_path / "o")]) == 0
     stdout = capsys.readouterr().out
     assert "snapshot mode has no time: skipped checkpoint_restart" in stdout

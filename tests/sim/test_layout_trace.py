@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sim_helpers import config
 
 from ntp_megatron.sim.failures import poisson_trace, snapshot_counts
 from ntp_megatron.sim.layout import build_layout
-from sim_helpers import config
 
 
 def test_default_dp_fills_the_cluster_beside_the_spares():
-    lay = build_layout(config("cluster.gpus=32768", "cluster.tp=32", "cluster.pp=8", "cluster.spare_domains=32").cluster)
+    lay = build_layout(
+        config("cluster.gpus=32768", "cluster.tp=32", "cluster.pp=8", "cluster.spare_domains=32").cluster
+    )
     assert (lay.dp, lay.job_domains, lay.spare_domains, lay.idle_domains) == (124, 992, 32, 0)
     assert lay.active_gpus == 32768
 
@@ -26,7 +27,9 @@ def test_explicit_dp_leaves_idle_domains_out_of_the_simulation():
 def test_replica_domains_when_stages_straddle_domains():
     # TP4 in 8-GPU domains (2 groups per domain), PP3: replica 0 = groups 0,1,2 -> domains 0,1;
     # replica 1 = groups 3,4,5 -> domains 1,2 (domain 1 is shared)
-    lay = build_layout(config("cluster.gpus=64", "cluster.domain_size=8", "cluster.tp=4", "cluster.pp=3", "cluster.dp=2").cluster)
+    lay = build_layout(
+        config("cluster.gpus=64", "cluster.domain_size=8", "cluster.tp=4", "cluster.pp=3", "cluster.dp=2").cluster
+    )
     assert lay.replica_domains().tolist() == [[0, 1], [1, 2]]
 
 
@@ -53,7 +56,9 @@ def test_snapshot_fails_exactly_the_requested_gpus():
     seed=st.integers(0, 10_000),
     warm=st.booleans(),
 )
-def test_trace_counts_stay_in_range_and_follow_the_blast_radius(tp, groups_per_domain, blast, spares, mtbf, repair, seed, warm):
+def test_trace_counts_stay_in_range_and_follow_the_blast_radius(
+    tp, groups_per_domain, blast, spares, mtbf, repair, seed, warm
+):
     domain = tp * groups_per_domain
     cfg = config(
         f"cluster.gpus={domain * (8 + spares)}", f"cluster.domain_size={domain}", f"cluster.tp={tp}",

@@ -72,7 +72,9 @@ def test_tables_are_ordered_dp_drop_le_ntp_le_boost(tp, min_tp, alpha, power):
     eff = reduced_tp(tp, min_tp=min_tp)
     drop = dp_drop_rates(tp)
     ntp = ntp_rates(tp, eff, StepTimeRatios())
-    boosted = boost_rates(tp, eff, StepTimeRatios(), Boost(max_power=power, curve={"kind": "power_law", "alpha": alpha}))
+    boosted = boost_rates(
+        tp, eff, StepTimeRatios(), Boost(max_power=power, curve={"kind": "power_law", "alpha": alpha})
+    )
     for table in (drop, ntp, boosted):
         assert table[0] == 1.0
         assert np.all((table >= 0) & (table <= 1))
