@@ -186,12 +186,9 @@ def sweep_points(cfg_data: dict[str, Any]) -> list[tuple[str, list[str]]]:
     out = []
     for p in points:
         label = str(p.pop("label", ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in p.items())))
-        out.append((label, [f"{k}={_yaml_scalar(v)}" for k, v in p.items()]))
+        # JSON is valid YAML, so lists and strings survive the --set round trip
+        out.append((label, [f"{k}={json.dumps(v)}" for k, v in p.items()]))
     return out
-
-
-def _yaml_scalar(v: Any) -> str:
-    return json.dumps(v)  # JSON is valid YAML, so lists and strings survive the --set round trip
 
 
 def load(path: str | Path | None, overrides: Iterable[str] = ()) -> tuple[SimConfig, list[tuple[str, SimConfig]]]:

@@ -99,12 +99,12 @@ def _interrupts(trace: Trace, i: int, ev: StateEval, counts: np.ndarray, lay: La
     probability used / healthy, decided by the trace's uniform draw for the step.
     """
     g = lay.groups_per_domain
-    spare_hits = 0
+    spare_hits = set()  # spare domains that were healthy before this step
     for j in trace.groups[trace.ptr[i] : trace.ptr[i + 1]].tolist():
         if j >= lay.job_groups:
-            d = (j - lay.job_groups) // g
-            first = lay.job_groups + d * g
-            spare_hits += not counts[first : first + g].any()
+            first = j - (j - lay.job_groups) % g
+            if not counts[first : first + g].any():
+                spare_hits.add(first)
             continue
         r = j // lay.pp
         if ev.running is not None and not ev.running[r]:
@@ -113,9 +113,9 @@ def _interrupts(trace: Trace, i: int, ev: StateEval, counts: np.ndarray, lay: La
         if ev.swapped is not None and ev.swapped[r] and (rate[counts[d * g : (d + 1) * g]] < 1.0 - EPS).any():
             continue
         return True
-    if spare_hits == 0 or ev.spares_used == 0:
+    if not spare_hits or ev.spares_used == 0:
         return False
-    return trace.u[i] < 1.0 - (1.0 - ev.spares_used / ev.healthy_spares) ** spare_hits
+    return trace.u[i] < 1.0 - (1.0 - ev.spares_used / ev.healthy_spares) ** len(spare_hits)
 
 
 class _Tracked:
@@ -123,6 +123,7 @@ class _Tracked:
 
     def __init__(self, strategy: Strategy, ev: StateEval, interval_h: float):
         self.strategy = strategy
+        self.key = strategy.rate.tobytes()  # strategies with equal rate tables share a ReplicaState
         self.ev = ev
         self.run = _Run(ev.capacity, interval_h, strategy.rollback)
         self.need_t = [0.0]
@@ -142,9 +143,7 @@ def replay(
 ) -> dict[str, TrialResult]:
     """Replay the trace under every strategy in one pass; strategies sharing a rate table share its state."""
     counts = trace.initial.copy()
-    states: dict[bytes, ReplicaState] = {}
-    for s in strategies:
-        states.setdefault(s.rate.tobytes(), ReplicaState(layout, s.rate))
+    states = {s.rate.tobytes(): ReplicaState(layout, s.rate) for s in strategies}
     degr = {key: st.reset(counts) for key, st in states.items()}
     tracked = [_Tracked(s, evaluate(degr[s.rate.tobytes()], s, batch_policy), interval_h) for s in strategies]
     times, is_failure, ptr = trace.times.tolist(), trace.is_failure.tolist(), trace.ptr
@@ -155,7 +154,7 @@ def replay(
         degr = {key: st.update(counts, groups, deltas) for key, st in states.items()}
         for tr, hit in zip(tracked, hits):
             tr.run.advance(t)
-            tr.ev = evaluate(degr[tr.strategy.rate.tobytes()], tr.strategy, batch_policy)
+            tr.ev = evaluate(degr[tr.key], tr.strategy, batch_policy)
             if hit:
                 tr.interruptions += 1
                 tr.run.interrupt(tr.strategy.pause_h)

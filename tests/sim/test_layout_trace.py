@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sim_helpers import config
 
 from ntp_megatron.sim.failures import poisson_trace, snapshot_counts
 from ntp_megatron.sim.layout import build_layout
+
+from .sim_helpers import config
 
 
 def test_default_dp_fills_the_cluster_beside_the_spares():

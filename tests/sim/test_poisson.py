@@ -13,7 +13,6 @@ from math import comb, exp, sqrt
 
 import numpy as np
 import pytest
-from sim_helpers import SMALL_CLUSTER, config, run_point, within
 
 from ntp_megatron.sim.calibration import StepTimeRatios
 from ntp_megatron.sim.config import LLAMA3_RATE_PER_GPU_HOUR, Boost, load
@@ -22,6 +21,8 @@ from ntp_megatron.sim.layout import build_layout
 from ntp_megatron.sim.report import to_json
 from ntp_megatron.sim.run import simulate
 from ntp_megatron.sim.strategies import boost_rates, dp_drop_rates, ntp_rates, reduced_tp
+
+from .sim_helpers import SMALL_CLUSTER, config, run_point, within
 
 MEAN_REPAIR = 20.0
 REPAIR = "failures.classes=[{name: hw, share: 1.0, repair_hours: [10, 30]}]"

@@ -7,11 +7,12 @@ from math import comb, sqrt
 
 import numpy as np
 import pytest
-from sim_helpers import SMALL_CLUSTER, hypergeom_none, run_point, within
 
 from ntp_megatron.sim.calibration import StepTimeRatios
 from ntp_megatron.sim.config import Boost
 from ntp_megatron.sim.strategies import boost_rates, ntp_rates, reduced_tp
+
+from .sim_helpers import SMALL_CLUSTER, hypergeom_none, run_point, within
 
 TRIALS = 1500
 
