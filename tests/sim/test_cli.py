@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,9 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
 def test_config_error_class_is_shared():
     with pytest.raises(ConfigError):
         load(None, ["cluster.tp=12"])
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "sim").glob("*.yaml")), ids=str)
+def test_shipped_configs_load(path):
+    base, points = load(path)
+    assert base.title and len(points) >= 1

@@ -148,3 +148,32 @@ def test_hot_spares_restore_the_cheapest_replicas_first():
     assert evaluate(d, drop, "shrink").capacity == pytest.approx(1 / 4)
     assert evaluate(d, drop, "fixed").capacity == 0.0  # 4 needed, 2 healthy: the fixed minibatch pauses
     assert evaluate(Degradation(rep, d.degraded, d.deficit, d.cost, 4, 4), drop, "fixed").capacity == 1.0
+
+
+def _brute_force_spares(deficit: list[float], cost: list[int], extra: np.ndarray) -> int:
+    """Try every set of replicas to restore and every number of extra replicas."""
+    best = None
+    n = len(deficit)
+    for mask in range(1 << n):
+        restored = [i for i in range(n) if mask >> i & 1]
+        left = sum(deficit) - sum(deficit[i] for i in restored)
+        k = max(0, math.ceil(left - 1e-9))
+        total = int(extra[k]) + sum(cost[i] for i in restored)
+        best = total if best is None else min(best, total)
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    deficits=st.lists(st.sampled_from([1.0, 0.5, 0.25, 1 / 16, 1 / 8]), min_size=1, max_size=8),
+    costs=st.lists(st.integers(1, 3), min_size=8, max_size=8),
+    pp_tp=st.sampled_from([(8, 32), (1, 8), (2, 32)]),
+)
+def test_spares_needed_is_optimal_for_single_domain_replicas_and_an_upper_bound_otherwise(deficits, costs, pp_tp):
+    pp, tp = pp_tp
+    lay = _layout(tp=tp, pp=pp, dp=16, domain=32)
+    d = np.array(deficits)
+    ones = np.ones(len(d), dtype=int)
+    assert spares_needed(d, ones, _extra(lay)) == _brute_force_spares(deficits, ones.tolist(), _extra(lay))
+    c = np.array(costs[: len(d)])
+    assert spares_needed(d, c, _extra(lay)) >= _brute_force_spares(deficits, c.tolist(), _extra(lay))
