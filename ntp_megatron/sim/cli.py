@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = results[0].layout.describe()
     print(f"# {title}")
     print(
-        f"{lay['job_gpus']} job GPUs: DP {lay['dp']} x PP {lay['pp']} x TP {lay['tp']} in domains of "
+        ("first point: " if len(results) > 1 else "")
+        + f"{lay['job_gpus']} job GPUs: DP {lay['dp']} x PP {lay['pp']} x TP {lay['tp']} in domains of "
         f"{lay['domain_size']}; {lay['spare_domains']} spare domains; mode {base.failures.mode}, "
         f"{base.run.trials} trials, batch policy {base.strategies.batch_policy}"
     )
