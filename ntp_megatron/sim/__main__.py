@@ -1,0 +1,3 @@
+from ntp_megatron.sim.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Degraded step-time ratios: measured ones from ``scripts/bench.sh`` when given, else the ideal tp/tp_eff.
+
+The JSON shape (documented in docs/sim.md) maps healthy TP -> reduced TP -> step-time ratio
+(degraded step time / healthy step time)::
+
+    {"degraded_step_time_ratio": {"32": {"30": 1.08, "28": 1.17}}}
+
+Other top-level keys (hardware, model, dates ...) are ignored so the benchmark can record context.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ntp_megatron.config_io import ConfigError, format_validation_error
+
+log = logging.getLogger(__name__)
+
+
+class CalibrationFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    degraded_step_time_ratio: dict[int, dict[int, float]] = Field(min_length=1)
+
+    @field_validator("degraded_step_time_ratio")
+    @classmethod
+    def _sane(cls, table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+        for base, row in table.items():
+            for tp, ratio in row.items():
+                if not 0 < tp < base:
+                    raise ValueError(f"reduced TP {tp} must be in 1..{base - 1} for healthy TP {base}")
+                if ratio <= 0:
+                    raise ValueError(f"ratio for TP {base}->{tp} must be > 0, got {ratio}")
+        return table
+
+
+class StepTimeRatios:
+    """Step-time ratio lookup that remembers which TP pairs fell back to the ideal, to say so in the output."""
+
+    def __init__(self, measured: dict[int, dict[int, float]] | None = None, source: str | None = None):
+        self.measured = measured or {}
+        self.source = source
+        self.fallbacks: set[tuple[int, int]] = set()
+
+    def ratio(self, tp_base: int, tp: int) -> float:
+        if tp == tp_base:
+            return 1.0
+        measured = self.measured.get(tp_base, {}).get(tp)
+        if measured is not None:
+            return measured
+        if self.source is not None and (tp_base, tp) not in self.fallbacks:
+            log.warning(
+                "calibration %s has no ratio for TP %d->%d; using ideal %d/%d", self.source, tp_base, tp, tp_base, tp
+            )
+        self.fallbacks.add((tp_base, tp))
+        return tp_base / tp
+
+    def notes(self) -> list[str]:
+        if self.source is None:
+            return ["no calibration file: degraded step times use the ideal ratio tp/tp_eff"]
+        used = sorted(self.fallbacks)
+        notes = [f"calibration: step-time ratios from {self.source}"]
+        if used:
+            pairs = ", ".join(f"{a}->{b}" for a, b in used)
+            notes.append(f"calibration has no entry for TP {pairs}: used the ideal ratio tp/tp_eff there")
+        return notes
+
+
+def load_calibration(path: str | Path | None) -> StepTimeRatios:
+    if path is None:
+        return StepTimeRatios()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"calibration file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be an object with 'degraded_step_time_ratio'")
+    try:
+        parsed = CalibrationFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{p}: {format_validation_error(exc, CalibrationFile)}") from None
+    return StepTimeRatios(parsed.degraded_step_time_ratio, str(p))
