@@ -1,6 +1,6 @@
 """Degraded step-time ratios: measured ones from ``scripts/bench.sh`` when given, else the ideal tp/tp_eff.
 
-The JSON shape (documented in docs/sim.md) maps healthy TP -> reduced TP -> step-time ratio
+The JSON shape (documented in the README, "Calibration from scripts/bench.sh") maps healthy TP -> reduced TP -> step-time ratio
 (degraded step time / healthy step time)::
 
     {"degraded_step_time_ratio": {"32": {"30": 1.08, "28": 1.17}}}
