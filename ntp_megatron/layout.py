@@ -78,6 +78,8 @@ def balanced_counts(num_units: int, width: int) -> list[int]:
 def sync_partitions(num_units: int, sync_width: int) -> list[list[int]]:
     """Contiguous blocks of unit ids with sizes ``balanced_counts(num_units, sync_width)``:
     ``sync_partitions(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]``."""
+    _check_int("num_units", num_units, 0)
+    _check_int("sync_width", sync_width, 1)
     return [list(block) for block in _partitions(num_units, sync_width)]
 
 
@@ -100,14 +102,16 @@ def replica_layout(num_units: int, width: int, sync_width: int) -> list[list[int
     A core always fits in its partition: ``counts[i] = ceil((N - i) / width) <= ceil((N - i) / sync_width)``
     = size of partition ``i``, because ``width >= sync_width`` and ``N - i > 0``.
     """
+    # Validate before the cache: 8.0 == 8 would otherwise hit a cached entry and slip through.
+    _check_int("num_units", num_units, 0)
+    _check_int("width", width, 1)
+    _check_int("sync_width", sync_width, 1)
     return [list(units) for units in _layout(num_units, width, sync_width)]
 
 
 @lru_cache(maxsize=4096)
 def _layout(num_units: int, width: int, sync_width: int) -> tuple[tuple[int, ...], ...]:
-    _check_int("num_units", num_units, 0)
-    _check_int("width", width, 1)
-    _check_int("sync_width", sync_width, 1)
+    """Cached core of replica_layout; callers pass ints already checked."""
     if width < sync_width:
         raise ValueError(f"replica width {width} is below the sync width {sync_width}: the sync width is the "
                          f"smallest replica width")
