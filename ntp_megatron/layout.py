@@ -15,7 +15,7 @@ every process (and the controller) computes the same answer without talking to a
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Iterable, Literal
 

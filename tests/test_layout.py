@@ -479,3 +479,16 @@ def test_transition_plan_lost_unit_and_model_mismatch():
         transition_plan(topo, next_topology(topo, [1]), [1])
     with pytest.raises(ValueError, match="different models"):
         transition_plan(topo, make_topology(2, 1, {"heads": 6}))
+
+
+def test_lookup_errors_name_what_is_live():
+    topo = make_topology(2, 3, {"heads": 4, "vocab": 10})
+    dropped = next_topology(topo, [2, 3])
+    assert dropped.replica(2).ranks == (2, 3) and {topo, dropped, Topology.from_json(topo.to_json())} == {topo, dropped}
+    with pytest.raises(ValueError, match=r"no replica with index 1; live replicas: \[0, 2\]"):
+        dropped.layout("heads", 1)
+    with pytest.raises(ValueError, match="unknown unit family 'ffn'"):
+        topo.units_of(0, "ffn")
+    with pytest.raises(ValueError, match=r"partition 2 out of range 0..1"):
+        topo.partition_holders("heads", 0, 2)
+    assert topo.rank_of(1, 5) is None and dropped.rank_of(1, 0) is None
