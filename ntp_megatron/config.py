@@ -118,6 +118,11 @@ class DataSection(_Section):
 class NTPSection(_Section):
     enabled: bool = False
     min_tp: int = Field(1, ge=1)
+    dead_slots: list[str] = Field(default_factory=list)
+    """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``."""
+    degraded_batch: Literal["full", "proportional"] = "full"
+    """``full``: every replica processes the same local batch. ``proportional``: a replica at width w of
+    tp_base processes about w/tp_base of its micro-batches; gradients are averaged over the samples processed."""
 
 
 class CheckpointSection(_Section):
@@ -156,7 +161,11 @@ class JobConfig(_Section):
             )
         tp = p.tensor_model_parallel_size
         groups = m.num_query_groups or m.num_attention_heads
-        if not self.ntp.enabled:
+        if self.ntp.enabled:
+            self._check_ntp()
+        elif self.ntp.dead_slots:
+            raise ValueError("ntp.dead_slots needs ntp.enabled: true (without NTP a replica cannot run degraded)")
+        else:
             for name, value in (("model.num_attention_heads", m.num_attention_heads),
                                 ("model.num_query_groups", groups)):
                 if value % tp:
@@ -175,6 +184,47 @@ class JobConfig(_Section):
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
         return self
+
+    def _check_ntp(self) -> None:
+        unsupported = {
+            "parallel.use_distributed_optimizer": self.parallel.use_distributed_optimizer,
+            "parallel.sequence_parallel": self.parallel.sequence_parallel,
+            "checkpoint.save": self.checkpoint.save is not None,
+            "checkpoint.load": self.checkpoint.load is not None,
+        }
+        for key, on in unsupported.items():
+            if on:
+                raise ValueError(f"{key} is not supported with ntp.enabled yet; switch one of them off")
+        if self.model.transformer_impl != "local":
+            raise ValueError("ntp.enabled needs model.transformer_impl: local (NTP layers build on the local spec)")
+        try:
+            self.topology()
+        except ValueError as exc:  # dead slot out of range, replica below min_tp, fewer units than TP ranks
+            message = str(exc)
+            raise ValueError(message if message.startswith("ntp.") else f"ntp.dead_slots / model: {message}") from None
+
+    def unit_counts(self) -> dict[str, int]:
+        """Units per TP-split family: query groups (heads under MHA), FFN hidden units, vocabulary rows."""
+        m = self.model
+        return {
+            "heads": m.num_query_groups or m.num_attention_heads,
+            "ffn": m.ffn_hidden_size or 4 * m.hidden_size,
+            "vocab": m.vocab_size,
+        }
+
+    def topology(self):
+        """The starting NTP topology (generation 0); pure, so the launcher and the tests can call it."""
+        from ntp_megatron.layout import make_topology, parse_dead_slots
+
+        return make_topology(
+            self.parallel.tensor_model_parallel_size, self.parallel.data_parallel_size, self.unit_counts(),
+            dead_slots=parse_dead_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks to start: tensor × data parallel size, less the dead slots of a degraded start."""
+        return self.topology().world_size if self.ntp.enabled else self.parallel.world_size
 
     @property
     def num_microbatches(self) -> int:

@@ -70,7 +70,7 @@ class Launcher:
         self.failures = failures
         self.config_path = config_path
         self.args = args
-        self.world_size = cfg.parallel.world_size
+        self.world_size = cfg.world_size
         if self.world_size % args.nnodes:
             raise ConfigError(
                 f"world size {self.world_size} (tensor × data parallel) is not divisible by --nnodes {args.nnodes}"
@@ -159,14 +159,15 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         store = self._start_store()
         store_port = store.port
+        if self.args.node_rank == 0 and self.cfg.ntp.enabled:
+            # Ranks read the topology of their generation from the store, where later re-formations publish theirs.
+            store.set(runtime.TOPOLOGY_KEY.format(generation=0), json.dumps(self.cfg.topology().to_json()))
         if self.args.node_rank == 0:
             lg = self.cfg.logging
             metrics_file = Path(lg.metrics_file) if lg.metrics_file else None
             tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
             self.sink = metrics.MetricsSink(metrics_file, tb_dir)
-            self.sink.event("job_started", world_size=self.world_size,
-                            tp_per_replica=[self.cfg.parallel.tensor_model_parallel_size]
-                            * self.cfg.parallel.data_parallel_size)
+            self.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
 
         self._say(f"starting ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
                   f"(store {self.args.store_host}:{store_port}, run dir {self.run_dir})")
@@ -230,6 +231,12 @@ class Launcher:
             return 1
         self._say(f"all {len(self.ranks)} ranks finished")
         return 0
+
+
+def tp_per_replica(cfg: JobConfig) -> list[int]:
+    if cfg.ntp.enabled:
+        return [replica.width for replica in cfg.topology().replicas]
+    return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -335,7 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
         config_path.write_text(cfg.model_dump_json(indent=2))
-        failures = [faults.parse_failure_spec(f, cfg.parallel.world_size) for f in args.failures]
+        failures = [faults.parse_failure_spec(f, cfg.world_size) for f in args.failures]
         launcher = Launcher(cfg, config_path, args, failures)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)

@@ -49,6 +49,12 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     version = check_megatron_version()
     if cpu is None:
         cpu = not torch.cuda.is_available()
+    from ntp_megatron.patches import distributed_param_and_grad_buffer, optimizer_grad_norm
+
+    # Hook points only: without a registered grad syncer / norm override they run upstream's code.
+    distributed_param_and_grad_buffer.apply()
+    optimizer_grad_norm.apply()
+    _applied.extend(["distributed_param_and_grad_buffer", "optimizer_grad_norm"])
     if cpu:
         from ntp_megatron.patches import cpu_shim, optimizer_clip_grads, tensor_parallel_random
 

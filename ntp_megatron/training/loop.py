@@ -10,16 +10,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.data import microbatches, replica_sample_range
+from ntp_megatron.training.parallel import ParallelSetup
 
 logger = logging.getLogger(__name__)
 
@@ -49,18 +48,13 @@ class Trainer:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     dataset: Any
-    pg: ProcessGroupCollection
+    setup: ParallelSetup
     device: torch.device
-    replica: int
-    num_replicas: int
     coords: checkpoint.ParallelCoords
     is_reporting_rank: bool
     failures: faults.FailureTrigger | None = None
     iteration: int = 0
     """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
-
-    def tp_per_replica(self) -> list[int]:
-        return [self.cfg.parallel.tensor_model_parallel_size] * self.num_replicas
 
     def train_step(self) -> dict[str, Any]:
         """Run 0-based iteration ``self.iteration`` and return its record (lm loss over the global batch)."""
@@ -68,7 +62,9 @@ class Trainer:
         start = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        samples = replica_sample_range(self.iteration, self.replica, self.num_replicas, t.global_batch_size)
+        s = self.setup
+        samples = replica_sample_range(self.iteration, s.replica, s.num_replicas, t.global_batch_size)
+        samples = samples[: s.microbatches * t.micro_batch_size]
         lr = self.optimizer.param_groups[0]["lr"]
         reported = get_forward_backward_func()(
             forward_step_func=forward_step,
@@ -78,28 +74,28 @@ class Trainer:
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
-            pg_collection=self.pg,
+            pg_collection=s.pg,
         )
         update_ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=t.global_batch_size)
         self.iteration += 1
 
         loss_and_tokens = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-        dist.all_reduce(loss_and_tokens, group=self.pg.dp)
+        s.sum_over_replicas(loss_and_tokens)
         elapsed = time.perf_counter() - start
         return {
             "kind": "iteration",
             "iteration": self.iteration,
             "train_iters": t.train_iters,
-            "consumed_samples": self.iteration * t.global_batch_size,
-            "global_batch_size": t.global_batch_size,
+            "consumed_samples": self.iteration * s.samples_per_iteration,
+            "global_batch_size": s.samples_per_iteration,
             "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "lr": lr,
             "elapsed_ms": elapsed * 1e3,
-            "tokens_per_s": t.global_batch_size * self.cfg.model.seq_length / elapsed,
+            "tokens_per_s": s.samples_per_iteration * self.cfg.model.seq_length / elapsed,
             "skipped": 0 if update_ok else 1,
-            "tp_per_replica": self.tp_per_replica(),
+            "tp_per_replica": s.tp_per_replica,
         }
 
     def report(self, record: dict[str, Any]) -> None:

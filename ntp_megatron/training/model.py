@@ -39,7 +39,9 @@ def transformer_config(cfg: JobConfig, device: torch.device) -> TransformerConfi
         activation_func=activation[m.activation],
         init_method_std=m.init_method_std,
         layernorm_epsilon=m.layernorm_epsilon,
-        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        # Under NTP the TP degree differs per replica and comes from the process group; the config's value
+        # only feeds upstream's divisibility asserts, which uneven layouts must not hit.
+        tensor_model_parallel_size=1 if cfg.ntp.enabled else p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
         # One master weight sliced per rank: initial weights do not depend on the TP layout.
         use_cpu_initialization=True,
@@ -77,20 +79,32 @@ def layer_spec(cfg: JobConfig):
 
 
 def build_model(
-    cfg: JobConfig, tf_config: TransformerConfig, pg_collection: ProcessGroupCollection, device: torch.device
+    cfg: JobConfig, tf_config: TransformerConfig, pg_collection: ProcessGroupCollection, device: torch.device,
+    topology=None, rank: int | None = None,
 ) -> DistributedDataParallel:
+    """Megatron's GPTModel (uniform TP), or with ``topology`` the NTP model of ``rank``'s units; wrapped in DDP."""
     m = cfg.model
-    gpt = GPTModel(
-        config=tf_config,
-        transformer_layer_spec=layer_spec(cfg),
-        vocab_size=m.vocab_size,
+    common = dict(
         max_sequence_length=m.max_position_embeddings or m.seq_length,
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         pg_collection=pg_collection,
-    ).to(device)
+    )
+    if topology is None:
+        gpt = GPTModel(config=tf_config, transformer_layer_spec=layer_spec(cfg), vocab_size=m.vocab_size, **common)
+    else:
+        from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+
+        counts = cfg.unit_counts()
+        units = RankUnits(
+            heads=tuple(topology.units_of(rank, "heads")), ffn=tuple(topology.units_of(rank, "ffn")),
+            vocab=tuple(topology.units_of(rank, "vocab")),
+            num_heads=counts["heads"], num_ffn=counts["ffn"], num_vocab=counts["vocab"],
+        )
+        gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, **common)
+    gpt = gpt.to(device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,

@@ -28,15 +28,14 @@ def main() -> int:
     runtime.quiet_optional_dependency_warnings()
 
     import torch
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     from ntp_megatron import faults
     from ntp_megatron.config import JobConfig
     from ntp_megatron.patches import apply_patches
-    from ntp_megatron.training import checkpoint, data, model as model_lib
+    from ntp_megatron.training import checkpoint, data, model as model_lib, parallel
     from ntp_megatron.training.loop import Trainer
 
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
@@ -47,15 +46,23 @@ def main() -> int:
     runtime.init_process_group(env, store, backend, cfg.parallel.timeout_s)
 
     p, t = cfg.parallel, cfg.training
-    if env.world_size != p.world_size:
-        raise SystemExit(f"world size {env.world_size} != tensor × data parallel size {p.world_size}")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
+    if env.world_size != cfg.world_size:
+        raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
+    setup = parallel.ntp_parallel(cfg, store, env.rank) if cfg.ntp.enabled else parallel.uniform_parallel(cfg)
+    pg = setup.pg
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
 
     tf_config = model_lib.transformer_config(cfg, device)
-    model = model_lib.build_model(cfg, tf_config, pg, device)
+    model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank)
+    if setup.topology is not None:
+        from ntp_megatron.grad_sync import NTPGradSync
+        from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
+
+        syncer = NTPGradSync(setup.topology, env.rank, setup.groups.tp, setup.groups.sync)
+        syncer.attach(model)
+        tf_config.finalize_model_grads_func = syncer.finalize_model_grads
+        set_grad_norm_override(syncer.grad_norm)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -89,13 +96,12 @@ def main() -> int:
     dataset = data.build_train_dataset(cfg, tokenizer, cache_dir)
 
     coords = checkpoint.ParallelCoords(
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=p.tensor_model_parallel_size,
-        dp_rank=parallel_state.get_data_parallel_rank(), dp_size=p.data_parallel_size,
+        tp_rank=setup.tp_rank, tp_size=p.tensor_model_parallel_size,
+        dp_rank=setup.replica, dp_size=p.data_parallel_size,
     )
     trainer = Trainer(
-        cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, pg=pg, device=device,
-        replica=coords.dp_rank, num_replicas=p.data_parallel_size, coords=coords,
-        is_reporting_rank=env.rank == 0,
+        cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, setup=setup,
+        device=device, coords=coords, is_reporting_rank=env.rank == 0,
         failures=faults.FailureTrigger(env.rank, faults.from_env()),
     )
     if cfg.checkpoint.load:

@@ -28,6 +28,9 @@ ENV_STORE_PORT = "NTP_STORE_PORT"
 ENV_RUN_DIR = "NTP_RUN_DIR"
 ENV_CONFIG = "NTP_RESOLVED_CONFIG"
 
+TOPOLOGY_KEY = "topology/gen{generation}"
+"""Store key under which the launcher publishes each generation's topology (JSON)."""
+
 
 @dataclass(frozen=True)
 class RankEnv:

@@ -1,0 +1,121 @@
+"""A Megatron-Core GPTModel whose TP-split tensors follow an NTP layout (one rank's view).
+
+Built from Megatron's local layer spec with the TP modules swapped for the unit-aware ones of
+:mod:`ntp_megatron.layers`; the GPTModel itself is upstream's, subclassed only to look tokens up and score
+them through vocabulary rows that are an explicit set per rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ntp_megatron.layers import (
+    InitRecipe,
+    NTPColumnParallelLinear,
+    NTPRowParallelLinear,
+    NTPSelfAttention,
+    NTPVocabParallelEmbedding,
+    UnitShard,
+    initialize_like_megatron,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass(frozen=True)
+class RankUnits:
+    """The units one rank holds per family (ascending), and the global unit counts."""
+
+    heads: tuple[int, ...]
+    ffn: tuple[int, ...]
+    vocab: tuple[int, ...]
+    num_heads: int
+    num_ffn: int
+    num_vocab: int
+
+
+def ntp_layer_spec(tf_config, units: RankUnits, normalization: str) -> ModuleSpec:
+    """Megatron's local GPT layer spec with unit-aware attention, QKV/proj and fc1/fc2."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization))
+    groups = tf_config.num_query_groups
+    head_dim = tf_config.kv_channels
+    heads_per_group = tf_config.num_attention_heads // groups
+    attn = spec.submodules.self_attention
+    attn.module = NTPSelfAttention
+    attn.params = {**attn.params, "query_groups": units.heads}
+    attn.submodules.linear_qkv = ModuleSpec(
+        module=NTPColumnParallelLinear,
+        params={"units": units.heads, "num_units": groups, "unit_rows": (heads_per_group + 2) * head_dim,
+                "family": "heads"},
+    )
+    attn.submodules.linear_proj = ModuleSpec(
+        module=NTPRowParallelLinear,
+        params={"units": units.heads, "num_units": groups, "unit_cols": heads_per_group * head_dim,
+                "family": "heads"},
+    )
+    mlp = spec.submodules.mlp
+    mlp.submodules.linear_fc1 = ModuleSpec(
+        module=NTPColumnParallelLinear,
+        params={"units": units.ffn, "num_units": units.num_ffn, "unit_rows": 1, "family": "ffn"},
+    )
+    mlp.submodules.linear_fc2 = ModuleSpec(
+        module=NTPRowParallelLinear,
+        params={"units": units.ffn, "num_units": units.num_ffn, "unit_cols": 1, "family": "ffn"},
+    )
+    return spec
+
+
+class NTPGPTModel(GPTModel):
+    """GPTModel over one rank's NTP units. Construct with :func:`build_ntp_gpt`."""
+
+    def __init__(self, config, units: RankUnits, normalization: str, vocab_size: int, **kwargs) -> None:
+        tp_group = kwargs["pg_collection"].tp
+        tp = tp_group.size()
+        init_config = copy.copy(config)
+        init_config.perform_initialization = False
+        # Upstream sizes the embedding and output layer as divide(vocab, tp): ask for local × tp rows.
+        super().__init__(config=init_config, transformer_layer_spec=ntp_layer_spec(config, units, normalization),
+                         vocab_size=len(units.vocab) * tp, **kwargs)
+        self.config = config
+        self.vocab_size = vocab_size
+        self.ntp_units = units
+        embedding = self.embedding
+        embedding.word_embeddings = NTPVocabParallelEmbedding(
+            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
+            units=units.vocab, tp_group=tp_group,
+        )
+        self.setup_embeddings_and_output_layer()
+        position = getattr(embedding, "position_embeddings", None)
+        if position is not None:
+            position.weight.ntp_init = InitRecipe("embedding", config.embedding_init_method)
+        if self.output_layer.weight is not None:  # untied output layer: vocab rows like the embedding
+            weight = self.output_layer.weight
+            weight.ntp_init = InitRecipe("master", config.init_method, (vocab_size, config.hidden_size))
+            weight.ntp_shard = UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size)
+            self.output_layer.output_size = vocab_size
+        for name, param in self.named_parameters():
+            if not hasattr(param, "ntp_init") and "norm" in name:
+                param.ntp_init = InitRecipe("constant")
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` from local logits ``[s, b, local vocab]``."""
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.embedding.word_embeddings.global_to_local,
+            self.pg_collection.tp,
+        )
+        return loss.transpose(0, 1).contiguous()
+
+
+def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int, **gpt_kwargs) -> NTPGPTModel:
+    """Construct the model, then give it the initial weights of a TP1 Megatron model built from the same RNG
+    state (layout-independent)."""
+    rng_state = torch.get_rng_state()
+    model = NTPGPTModel(config, units, normalization, vocab_size, **gpt_kwargs)
+    torch.set_rng_state(rng_state)  # replay from where a Megatron model's construction would have started
+    initialize_like_megatron(model)
+    return model
