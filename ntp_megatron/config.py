@@ -139,6 +139,12 @@ class LoggingSection(_Section):
     """Default: ``<run_dir>/tensorboard``; set to the empty string to switch TensorBoard off."""
     run_dir: str = "runs/latest"
     metrics_file: Optional[str] = None
+    state_checksums: bool = False
+    """Verification aid: after every iteration each replica reports checksums of its full parameters and
+    optimizer state (a ``state_checksums`` record in the metrics file). Costs a gather per tensor."""
+    dump_state: Optional[str] = None
+    """Verification aid: at the end each replica saves its full parameters and optimizer state to
+    ``<dump_state>/replica<r>.pt``."""
 
 
 class JobConfig(_Section):
@@ -201,7 +207,7 @@ class JobConfig(_Section):
             self.topology()
         except ValueError as exc:  # dead slot out of range, replica below min_tp, fewer units than TP ranks
             message = str(exc)
-            raise ValueError(message if message.startswith("ntp.") else f"ntp.dead_slots / model: {message}") from None
+            raise ValueError(message if message.startswith("ntp.") else f"ntp topology: {message}") from None
 
     def unit_counts(self) -> dict[str, int]:
         """Units per TP-split family: query groups (heads under MHA), FFN hidden units, vocabulary rows."""

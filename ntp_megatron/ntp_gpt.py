@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
@@ -119,3 +120,29 @@ def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int,
     torch.set_rng_state(rng_state)  # replay from where a Megatron model's construction would have started
     initialize_like_megatron(model)
     return model
+
+
+def family_geometry(name: str, tf_config, num_units: dict[str, int]) -> Optional[tuple[str, int, int]]:
+    """(family, outer, inner) of a TP-split GPT parameter by name, None for a replicated one.
+
+    The same folding the NTP layers tag their parameters with; used to read a uniform Megatron model's
+    shards (contiguous unit blocks per rank) the same way as an NTP model's.
+    """
+    hidden = tf_config.hidden_size
+    head_dim = tf_config.kv_channels
+    heads_per_group = tf_config.num_attention_heads // tf_config.num_query_groups
+    gate = 2 if tf_config.gated_linear_unit else 1
+    table = {
+        "word_embeddings.weight": ("vocab", 1, hidden),
+        "output_layer.weight": ("vocab", 1, hidden),
+        "linear_qkv.weight": ("heads", 1, (heads_per_group + 2) * head_dim * hidden),
+        "linear_qkv.bias": ("heads", 1, (heads_per_group + 2) * head_dim),
+        "linear_proj.weight": ("heads", hidden, heads_per_group * head_dim),
+        "linear_fc1.weight": ("ffn", gate, hidden),
+        "linear_fc1.bias": ("ffn", gate, 1),
+        "linear_fc2.weight": ("ffn", hidden, 1),
+    }
+    for suffix, geometry in table.items():
+        if name.endswith(suffix):
+            return geometry
+    return None

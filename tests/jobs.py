@@ -15,7 +15,7 @@ JOB_TIMEOUT_S = 300
 # The tiny model of the equivalence tests: fp32, dropout off, short sequences.
 TINY = [
     "--set", "model.hidden_dropout=0.0", "--set", "model.attention_dropout=0.0",
-    "--set", "training.micro_batch_size=2", "--set", "training.global_batch_size=8",
+    "--set", "training.micro_batch_size=2", "--set", "training.global_batch_size=12",
     "--set", "training.lr_warmup_iters=1",
     "--set", "logging.log_interval=1", "--set", "logging.tensorboard_dir=",
 ]

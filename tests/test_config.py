@@ -47,6 +47,8 @@ def test_slot_lists_stay_strings():
         ("model.num_attention_heads=7", "model.num_attention_heads (7) must divide model.hidden_size (64)"),
         ("training.global_batch_size=10", "training.global_batch_size (10) must be a multiple of"),
         ("training.train_iters=5", "training.lr_warmup_iters (5) must be below training.lr_decay_iters"),
+        ("ntp.dead_slots=[1:1]", "ntp.dead_slots needs ntp.enabled: true"),
+        ("ntp.degraded_batch=half", "bad value for 'ntp.degraded_batch': Input should be 'full' or 'proportional'"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, expected):
@@ -55,6 +57,32 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["ntp.dead_slots=[2:0]"], "ntp topology: dead slot (2, 0): replica 2 out of range 0..1"),
+        (["ntp.dead_slots=[x]"], "ntp.dead_slots: expected 'replica:slot' like '1:3', got 'x'"),
+        (["ntp.dead_slots=[0:0,0:1]"], "ntp topology: replica 0 has no live slot"),
+        (["ntp.min_tp=2", "ntp.dead_slots=[1:1]"], "ntp topology: replica 1 starts with 1 live slots, below ntp.min_tp (2)"),
+        (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], "ntp topology: family 'heads' has 2 units"),
+        (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer is not supported with ntp"),
+        (["model.transformer_impl=transformer_engine"], "ntp.enabled needs model.transformer_impl: local"),
+    ],
+)
+def test_ntp_config_errors(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_job_config(overrides=["ntp.enabled=true", *overrides])
+    assert str(err.value).startswith(expected), str(err.value)
+
+
+def test_degraded_start_sizes_the_world():
+    cfg = load_job_config(overrides=["ntp.enabled=true", "parallel.tensor_model_parallel_size=4",
+                                     "ntp.dead_slots=[1:3]"])
+    assert cfg.world_size == 7
+    assert [r.width for r in cfg.topology().replicas] == [4, 3]
+    assert cfg.unit_counts() == {"heads": 8, "ffn": 256, "vocab": 256}
 
 
 def test_megatron_style_flags_become_overrides():

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs import assert_ok, layout_args, relative_difference, run_job
+from tests.jobs import assert_ok, layout_args, relative_difference
 
 ITERS = 10
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 @pytest.fixture(scope="module")
-def losses_by_layout(tmp_path_factory) -> dict[tuple[int, int], dict[int, float]]:
+def losses_by_layout(jobs) -> dict[tuple[int, int], dict[int, float]]:
     out = {}
     for tp, dp in LAYOUTS:
-        result = run_job(tmp_path_factory.mktemp(f"tp{tp}dp{dp}"), layout_args(tp, dp, ITERS))
+        result = jobs.run(f"tp{tp}dp{dp}", layout_args(tp, dp, ITERS))
         assert_ok(result)
         out[(tp, dp)] = result.losses()
     return out

@@ -52,6 +52,7 @@ class Trainer:
     device: torch.device
     coords: checkpoint.ParallelCoords
     is_reporting_rank: bool
+    tf_config: Any = None
     failures: faults.FailureTrigger | None = None
     iteration: int = 0
     """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
@@ -105,6 +106,29 @@ class Trainer:
         if record["iteration"] % self.cfg.logging.log_interval == 0 or record["iteration"] == record["train_iters"]:
             print(metrics.iteration_line(record), flush=True)
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        from ntp_megatron.training.inspect_state import full_state
+
+        return full_state(self.model, self.optimizer, self.tf_config, self.cfg.unit_counts(), self.setup.pg.tp,
+                          self.setup.tp_rank)
+
+    def verify_state(self, final: bool = False) -> None:
+        """The verification aids of the ``logging`` section (checksums per iteration, a dump at the end)."""
+        lg = self.cfg.logging
+        if not (lg.state_checksums or (final and lg.dump_state)):
+            return
+        state = self.full_state()
+        if self.setup.tp_rank != 0:
+            return
+        if lg.state_checksums and not final:
+            from ntp_megatron.training.inspect_state import checksums
+
+            metrics.emit({"kind": "state_checksums", "iteration": self.iteration, "replica": self.setup.replica,
+                          "checksums": checksums(state)}, sys.stdout)
+        if final and lg.dump_state:
+            Path(lg.dump_state).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(lg.dump_state) / f"replica{self.setup.replica}.pt")
+
     def maybe_save(self, final: bool = False) -> Optional[Path]:
         ck = self.cfg.checkpoint
         if ck.save is None:
@@ -127,7 +151,9 @@ class Trainer:
             if self.failures is not None:
                 self.failures.before_iteration(self.iteration + 1)
             self.report(self.train_step())
+            self.verify_state()
             if self.maybe_save():
                 last_saved = self.iteration
         if last_saved != self.iteration:
             self.maybe_save(final=True)
+        self.verify_state(final=True)

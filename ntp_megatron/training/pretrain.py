@@ -101,7 +101,7 @@ def main() -> int:
     )
     trainer = Trainer(
         cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, setup=setup,
-        device=device, coords=coords, is_reporting_rank=env.rank == 0,
+        device=device, coords=coords, is_reporting_rank=env.rank == 0, tf_config=tf_config,
         failures=faults.FailureTrigger(env.rank, faults.from_env()),
     )
     if cfg.checkpoint.load:

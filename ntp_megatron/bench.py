@@ -1,0 +1,127 @@
+"""``scripts/bench.sh``: step time of NTP against plain Megatron-Core, measured side by side in one run.
+
+Every case is a real job through ``ntp-launch``; the cases run in interleaved rounds (A B C … A B C …) so
+machine drift hits all of them alike, and each case's step time is the median ``elapsed_ms`` over its
+iterations after warm-up, pooled over rounds. Output: a table on stdout and JSON (``--out``), including a
+``degraded_step_time_ratio`` section in the format the goodput simulator reads as calibration.
+
+On a CPU machine with fewer cores than ranks, ranks time-share cores: ratios between jobs with different
+rank counts then measure total work rather than per-GPU speed. The comparisons below are arranged so that
+each pair runs the same number of ranks, except where the table says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
+         "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
+         "--set", "training.micro_batch_size=4", "--set", "training.global_batch_size=16",
+         "--set", "training.lr_warmup_iters=1", "--set", "logging.tensorboard_dir=", "--set", "logging.log_interval=1000"]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    args: tuple[str, ...]
+    ranks: int
+
+
+def _layout(tp: int, dp: int, ntp: bool, dead: Sequence[str] = ()) -> tuple[str, ...]:
+    args = ["--set", f"parallel.tensor_model_parallel_size={tp}", "--set", f"parallel.data_parallel_size={dp}",
+            "--set", f"ntp.enabled={'true' if ntp else 'false'}"]
+    if dead:
+        args += ["--set", f"ntp.dead_slots=[{','.join(dead)}]"]
+    return tuple(args)
+
+
+CASES = [
+    Case("megatron tp2x1", _layout(2, 1, False), 2),
+    Case("ntp tp2x1", _layout(2, 1, True), 2),
+    Case("megatron tp2x2", _layout(2, 2, False), 4),
+    Case("ntp tp2x2", _layout(2, 2, True), 4),
+    Case("ntp tp2+tp1", _layout(2, 2, True, ["1:1"]), 3),
+    Case("ntp tp1 (of tp2)", _layout(2, 1, True, ["0:1"]), 1),
+]
+
+# (label, case, baseline case, note)
+RATIOS = [
+    ("NTP on a uniform topology / plain Megatron, TP2 x DP1", "ntp tp2x1", "megatron tp2x1", "same ranks"),
+    ("NTP on a uniform topology / plain Megatron, TP2 x DP2", "ntp tp2x2", "megatron tp2x2", "same ranks"),
+    ("mixed TP2+TP1 / uniform TP2+TP2 (NTP)", "ntp tp2+tp1", "ntp tp2x2", "3 vs 4 ranks time-share cores"),
+    ("one replica degraded TP2 -> TP1 / healthy TP2", "ntp tp1 (of tp2)", "ntp tp2x1", "1 vs 2 ranks"),
+]
+
+
+def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
+    run_dir = Path(tempfile.mkdtemp(prefix=case.name.replace(" ", "_").replace("(", "").replace(")", ""), dir=workdir))
+    metrics = run_dir / "metrics.jsonl"
+    cmd = [*launcher, "--run-dir", str(run_dir), "--metrics-file", str(metrics), *MODEL,
+           "--set", f"training.train_iters={iters}", *case.args]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench: case {case.name!r} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
+
+
+def measure(iters: int, rounds: int, warmup: int, launcher: Sequence[str], workdir: Path) -> dict:
+    samples: dict[str, list[float]] = {c.name: [] for c in CASES}
+    for round_index in range(rounds):
+        for case in CASES:
+            started = time.monotonic()
+            times = run_case(case, iters, workdir, launcher)
+            samples[case.name].extend(times[warmup:])
+            print(f"round {round_index + 1}/{rounds} {case.name:<18} {time.monotonic() - started:6.1f} s", file=sys.stderr)
+    step_ms = {name: statistics.median(values) for name, values in samples.items()}
+    ratios = [{"comparison": label, "ratio": step_ms[case] / step_ms[base], "case_ms": step_ms[case],
+               "baseline_ms": step_ms[base], "note": note} for label, case, base, note in RATIOS]
+    return {
+        "machine": "CPU, gloo",
+        "iterations_per_case": iters, "warmup_iterations": warmup, "rounds": rounds,
+        "cases": {c.name: {"ranks": c.ranks, "median_step_ms": step_ms[c.name], "samples": len(samples[c.name])}
+                  for c in CASES},
+        "ratios": ratios,
+        "degraded_step_time_ratio": {"2": {"1": step_ms["ntp tp1 (of tp2)"] / step_ms["ntp tp2x1"]}},
+    }
+
+
+def table(result: dict) -> str:
+    lines = ["| case | ranks | median step (ms) |", "|---|---|---|"]
+    lines += [f"| {name} | {c['ranks']} | {c['median_step_ms']:.1f} |" for name, c in result["cases"].items()]
+    lines += ["", "| comparison | ratio | note |", "|---|---|---|"]
+    lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=12, help="iterations per job")
+    p.add_argument("--warmup", type=int, default=3, help="iterations dropped from the start of each job")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
+    args = p.parse_args(argv)
+    if args.warmup >= args.iters:
+        print("bench: --warmup must be below --iters", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ntp-bench-") as workdir:
+        result = measure(args.iters, args.rounds, args.warmup, [sys.executable, "-m", "ntp_megatron.launcher"],
+                         Path(workdir))
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
