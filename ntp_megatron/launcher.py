@@ -19,16 +19,17 @@ import json
 import os
 import queue
 import signal
-import subprocess
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
-from ntp_megatron import faults
+from ntp_megatron import faults, metrics
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
@@ -37,13 +38,21 @@ STOP_GRACE_S = 5.0
 POLL_S = 0.1
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the launcher dies, however it dies (Linux)."""
+def _prctl(option: int, arg) -> None:
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
+    except OSError:  # not Linux: no parent-death signal, no process name
         pass
+
+
+def _die_with_parent() -> None:
+    """In a rank: get SIGKILL when the launcher dies, however it dies."""
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _name_process(name: str) -> None:
+    """What ``ps -o comm``/``top`` show for a rank (forked ranks otherwise look like the launcher)."""
+    _prctl(15, ctypes.create_string_buffer(name.encode()[:15]))  # PR_SET_NAME
 
 
 def describe_exit(returncode: int) -> str:
@@ -55,11 +64,71 @@ def describe_exit(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-@dataclass
 class RankProcess:
-    rank: int
-    proc: subprocess.Popen
-    threads: list[threading.Thread] = field(default_factory=list)
+    """One forked rank: its pid, output pipes, and its exit status once reaped (by one thread only)."""
+
+    def __init__(self, rank: int, pid: int, stdout_fd: int, stderr_fd: int) -> None:
+        self.rank, self.pid = rank, pid
+        self.stdout = os.fdopen(stdout_fd, "r", encoding="utf-8", errors="replace")
+        self.stderr = os.fdopen(stderr_fd, "r", encoding="utf-8", errors="replace")
+        self.returncode: Optional[int] = None
+        self.threads: list[threading.Thread] = []
+        self._done = threading.Event()
+
+    def reap(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self._done.set()
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _run_rank_in_child(env: dict[str, str], stdout_w: int, stderr_w: int, close_fds: list[int]) -> None:
+    """The forked child: become its own session, route output to the pipes, run ``ntp-pretrain``, exit.
+
+    Never returns; nothing of the launcher (threads, store, sink) exists yet when ranks are forked.
+    """
+    code = 1
+    try:
+        os.setsid()
+        _die_with_parent()
+        _name_process(f"ntp-rank{env[runtime.ENV_RANK]}")
+        os.dup2(stdout_w, 1)
+        os.dup2(stderr_w, 2)
+        for fd in [stdout_w, stderr_w, *close_fds]:
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        from ntp_megatron.training import pretrain
+
+        code = pretrain.main()
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a rank's crash must become its exit code, with the traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
 
 
 class Launcher:
@@ -78,9 +147,9 @@ class Launcher:
         per_node = self.world_size // args.nnodes
         self.local_ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
         self.ranks: list[RankProcess] = []
+        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
         self.sink = None
         self.print_lock = threading.Lock()
-        self.stopping = threading.Event()
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
@@ -88,8 +157,6 @@ class Launcher:
             print(f"ntp-launch: {message}", file=sys.stderr, flush=True)
 
     def _relay(self, rank: int, stream: IO[str], out: IO[str]) -> None:
-        from ntp_megatron import metrics
-
         prefix = f"[rank {rank}] "
         for line in stream:
             record = metrics.parse(line)
@@ -102,17 +169,15 @@ class Launcher:
                     out.flush()
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def _start_store(self):
+    def _start_store(self, port: int):
         import torch.distributed as dist
-        from datetime import timedelta
 
         a = self.args
         timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
-        if a.node_rank == 0:
-            return dist.TCPStore(a.store_host, a.store_port, None, True, timeout=timeout, wait_for_workers=False)
-        return dist.TCPStore(a.store_host, a.store_port, None, False, timeout=timeout, wait_for_workers=False)
+        is_server = a.node_rank == 0
+        return dist.TCPStore(a.store_host, port, None, is_server, timeout=timeout, wait_for_workers=False)
 
-    def _spawn(self, rank: int, store_port: int) -> RankProcess:
+    def _rank_env(self, rank: int, store_port: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
             runtime.ENV_RANK: str(rank),
@@ -123,44 +188,57 @@ class Launcher:
             runtime.ENV_RUN_DIR: str(self.run_dir),
             runtime.ENV_CONFIG: str(self.config_path),
             faults.ENV_FAILURES: faults.to_env(self.failures),
-            "PYTHONUNBUFFERED": "1",
             # Ranks share the machine's cores; one intra-op thread each keeps them from oversubscribing.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
             # Megatron's recommendation for TP communication ordering on GPUs; harmless on CPU.
             "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         })
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ntp_megatron.training.pretrain"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        return RankProcess(rank, proc)
+        return env
+
+    def _fork_ranks(self, store_port: int) -> list[RankProcess]:
+        """Fork every local rank from this process, which has imported torch and Megatron-Core already.
+
+        Called before the launcher starts any thread, store or file writer, so the children inherit none.
+        """
+        sys.stdout.flush()
+        sys.stderr.flush()
+        ranks: list[RankProcess] = []
+        for rank in self.local_ranks:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                inherited = [fd for r in ranks for fd in (r.stdout.fileno(), r.stderr.fileno())]
+                _run_rank_in_child(self._rank_env(rank, store_port), out_w, err_w, [out_r, err_r, *inherited])
+            os.close(out_w)
+            os.close(err_w)
+            ranks.append(RankProcess(rank, pid, out_r, err_r))
+        return ranks
 
     def _stop_all(self) -> None:
         """SIGTERM every live rank's process group, then SIGKILL what is left after a grace period."""
-        self.stopping.set()
-        live = [r for r in self.ranks if r.proc.poll() is None]
+        live = [r for r in self.ranks if r.poll() is None]
         for r in live:
-            _signal_group(r.proc, signal.SIGTERM)
+            _signal_group(r.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for r in live:
-            try:
-                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+            r.wait(timeout=max(0.0, deadline - time.monotonic()))
         for r in self.ranks:
-            _signal_group(r.proc, signal.SIGKILL)  # also reaps any grandchildren left in the group
-            r.proc.wait()
+            _signal_group(r.pid, signal.SIGKILL)  # also takes any grandchildren left in the group
+            r.wait()
 
     def run(self) -> int:
-        from ntp_megatron import metrics
-
         self.run_dir = Path(self.cfg.logging.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        store = self._start_store()
-        store_port = store.port
+        store_port = self.args.store_port or _free_port(self.args.store_host)
+        import ntp_megatron.training.pretrain  # noqa: F401 - the import every forked rank then skips
+
+        self.ranks = self._fork_ranks(store_port)
+        (self.run_dir / f"ranks.node{self.args.node_rank}.json").write_text(
+            json.dumps({str(r.rank): r.pid for r in self.ranks}) + "\n")
+        store = self._start_store(store_port)
         if self.args.node_rank == 0 and self.cfg.ntp.enabled:
-            # Ranks read the topology of their generation from the store, where later re-formations publish theirs.
+            # Ranks read their generation's topology from the store, where later re-formations publish theirs.
             store.set(runtime.TOPOLOGY_KEY.format(generation=0), json.dumps(self.cfg.topology().to_json()))
         if self.args.node_rank == 0:
             lg = self.cfg.logging
@@ -168,15 +246,14 @@ class Launcher:
             tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
             self.sink = metrics.MetricsSink(metrics_file, tb_dir)
             self.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
-
-        self._say(f"starting ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
+        self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
                   f"(store {self.args.store_host}:{store_port}, run dir {self.run_dir})")
-        self.ranks = [self._spawn(rank, store_port) for rank in self.local_ranks]
-        for r in self.ranks:  # threads start after every fork: preexec_fn is not thread-safe
-            for stream, out in ((r.proc.stdout, sys.stdout), (r.proc.stderr, sys.stderr)):
+        for r in self.ranks:
+            for stream, out in ((r.stdout, sys.stdout), (r.stderr, sys.stderr)):
                 t = threading.Thread(target=self._relay, args=(r.rank, stream, out), daemon=True)
                 t.start()
                 r.threads.append(t)
+            threading.Thread(target=lambda r=r: self.exits.put((r.rank, r.reap())), daemon=True).start()
 
         def on_signal(signum, _frame):
             raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -202,13 +279,10 @@ class Launcher:
 
     def _monitor(self, store) -> int:
         """Wait for the ranks; on the first failure (in the order the exits happened) stop the rest."""
-        exits: queue.Queue[tuple[int, int]] = queue.Queue()
-        for r in self.ranks:
-            threading.Thread(target=lambda r=r: exits.put((r.rank, r.proc.wait())), daemon=True).start()
         finished = 0
         while finished < len(self.ranks):
             try:
-                rank, returncode = exits.get(timeout=POLL_S)
+                rank, returncode = self.exits.get(timeout=POLL_S)
             except queue.Empty:
                 if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
                     self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
@@ -218,13 +292,13 @@ class Launcher:
             if returncode == 0:
                 finished += 1
                 continue
-            pid = next(r.proc.pid for r in self.ranks if r.rank == rank)
+            pid = next(r.pid for r in self.ranks if r.rank == rank)
             reason = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
             self._say(reason)
             if self.sink is not None:
                 self.sink.event("rank_failed", rank=rank, returncode=returncode)
             _try_set(store, ABORT_KEY, reason)
-            live = sum(r.proc.poll() is None for r in self.ranks)
+            live = sum(r.poll() is None for r in self.ranks)
             self._say(f"stopping the other {live} local rank(s)")
             self._stop_all()
             self._say("all ranks stopped")
@@ -239,9 +313,9 @@ def tp_per_replica(cfg: JobConfig) -> list[int]:
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(pid: int, sig: int) -> None:
     try:
-        os.killpg(proc.pid, sig)
+        os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

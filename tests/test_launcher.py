@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import psutil
@@ -10,17 +11,18 @@ import pytest
 from tests.jobs import layout_args, run_job
 
 
-def job_processes(run_dir) -> list[psutil.Process]:
-    """Rank processes of the job whose run dir is ``run_dir`` that are still alive."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
+def job_processes(run_dir) -> list[int]:
+    """Rank processes of the job in ``run_dir`` (pids the launcher recorded) that still exist."""
+    pids = json.loads((run_dir / "ranks.node0.json").read_text())
+    assert len(pids) == 4
+    alive = []
+    for rank, pid in pids.items():
         try:
-            if "ntp_megatron.training.pretrain" in " ".join(proc.info["cmdline"] or []) and \
-                    proc.environ().get("NTP_RUN_DIR") == str(run_dir.resolve()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if psutil.Process(pid).name() == f"ntp-rank{rank}" and psutil.Process(pid).status() != "zombie":
+                alive.append(pid)
+        except psutil.NoSuchProcess:
             continue
-    return found
+    return alive
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,9 @@
 
 Reads the config the launcher resolved, joins the job through the launcher's store, builds the Megatron-Core
 stack (parallel groups, GPTModel, DDP, optimizer, scheduler, datasets) and trains.
+
+Importing this module imports torch and Megatron-Core (seconds of CPU per process): the launcher imports
+it once and forks every rank from there, so ranks start without paying it again.
 """
 
 from __future__ import annotations
@@ -9,8 +12,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from ntp_megatron.training import runtime
+
+runtime.quiet_optional_dependency_warnings()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+
+from ntp_megatron import faults  # noqa: E402
+from ntp_megatron.config import JobConfig  # noqa: E402
+from ntp_megatron.grad_sync import NTPGradSync  # noqa: E402
+from ntp_megatron.patches import apply_patches  # noqa: E402
+from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override  # noqa: E402
+from ntp_megatron.training import checkpoint, data, model as model_lib, parallel  # noqa: E402
+from ntp_megatron.training.loop import Trainer  # noqa: E402
 
 logger = logging.getLogger("ntp_megatron.pretrain")
 
@@ -25,19 +45,7 @@ def _setup_logging(rank: int) -> None:
 def main() -> int:
     env = runtime.RankEnv.from_environ()
     _setup_logging(env.rank)
-    runtime.quiet_optional_dependency_warnings()
-
-    import torch
-    from megatron.core import tensor_parallel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from ntp_megatron import faults
-    from ntp_megatron.config import JobConfig
-    from ntp_megatron.patches import apply_patches
-    from ntp_megatron.training import checkpoint, data, model as model_lib, parallel
-    from ntp_megatron.training.loop import Trainer
-
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
     device = runtime.select_device(cfg.training.device)
     apply_patches(cpu=device.type == "cpu")
@@ -56,9 +64,6 @@ def main() -> int:
     tf_config = model_lib.transformer_config(cfg, device)
     model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank)
     if setup.topology is not None:
-        from ntp_megatron.grad_sync import NTPGradSync
-        from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
-
         syncer = NTPGradSync(setup.topology, env.rank, setup.groups.tp, setup.groups.sync)
         syncer.attach(model)
         tf_config.finalize_model_grads_func = syncer.finalize_model_grads
@@ -92,7 +97,7 @@ def main() -> int:
 
     run_dir = env.run_dir
     tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
-    cache_dir = runtime.Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
     dataset = data.build_train_dataset(cfg, tokenizer, cache_dir)
 
     coords = checkpoint.ParallelCoords(
@@ -106,11 +111,9 @@ def main() -> int:
     )
     if cfg.checkpoint.load:
         trainer.iteration = checkpoint.load_checkpoint(
-            runtime.Path(cfg.checkpoint.load), model, optimizer, scheduler, coords
+            Path(cfg.checkpoint.load), model, optimizer, scheduler, coords
         )
     trainer.run()
-    import torch.distributed as dist
-
     dist.barrier()
     dist.destroy_process_group()
     return 0
