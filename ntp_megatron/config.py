@@ -70,6 +70,8 @@ class ParallelSection(_Section):
     timeout_s: float = Field(120.0, gt=0.0)
     """Bound on every collective and store wait (invariant 5: nothing hangs)."""
     overlap_grad_reduce: bool = False
+    ddp_bucket_size: Optional[int] = Field(None, ge=1)
+    """Elements per DDP gradient bucket (Megatron's --ddp-bucket-size); None: Megatron's default."""
     use_distributed_optimizer: bool = False
     sequence_parallel: bool = False
 
@@ -83,6 +85,7 @@ class TrainingSection(_Section):
     micro_batch_size: int = Field(4, ge=1)
     global_batch_size: int = Field(16, ge=1)
     seed: int = Field(1234, ge=0)
+    optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = Field(1e-3, gt=0.0)
     min_lr: float = Field(1e-4, ge=0.0)
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
@@ -92,6 +95,7 @@ class TrainingSection(_Section):
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0)
     adam_beta2: float = Field(0.95, gt=0.0, lt=1.0)
     adam_eps: float = Field(1e-8, gt=0.0)
+    sgd_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     clip_grad: float = Field(1.0, ge=0.0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -7,8 +7,13 @@ unit's partition (point-to-point inside the replica) and take the summed values 
 (non-TP) parameters hold identical gradients on every rank of a replica; they are pre-scaled by ``1/width``
 and all-reduced over all ranks, so each replica counts once and every rank ends with the same bits.
 
-Collectives are issued per parameter, in the same order on every rank, so no replica needs its DDP
-buckets laid out like any other's; Megatron's bucket readiness still decides *when* (overlap on or off).
+Collectives are issued per parameter in the same (registration) order on every rank, so replicas need
+not lay their DDP buckets out alike; Megatron's bucket readiness decides when each bucket starts. Nothing
+blocks inside a backward hook: a rank whose bucket is ready only posts its sends and receives, because a
+peer of the same replica may still be in backward, in a TP collective this rank has to join. When some
+replica is wider than the sync width, every sync-group all-reduce therefore waits for
+``finish_grad_sync`` (issued there in parameter order, on all ranks alike, so the groups' collective order
+matches); when all replicas are at the sync width, each starts as soon as its bucket is ready.
 The grad norm is computed from per-unit sums so it is bit-identical on every replica (see
 :meth:`NTPGradSync.grad_norm`), which keeps the replicas' updates bit-identical.
 """
@@ -71,6 +76,14 @@ def family_role(topology: Topology, rank: int, family: str) -> FamilyRole:
     return FamilyRole(core_of=None, to_cores=tuple(to_cores))
 
 
+def sum_over_replicas(value: torch.Tensor, tp_rank: int) -> torch.Tensor:
+    """Sum, in place over all ranks, a quantity every rank of a replica holds identically: each replica once."""
+    if tp_rank != 0:
+        value.zero_()
+    dist.all_reduce(value)
+    return value
+
+
 @dataclass
 class _Pending:
     """Communication of one parameter still in flight between ``start`` and ``wait``."""
@@ -80,6 +93,7 @@ class _Pending:
     tag: int
     work: list = field(default_factory=list)     # works to wait for before finishing
     buffer: Optional[torch.Tensor] = None         # core: the partition buffer being all-reduced
+    incoming: list = field(default_factory=list)  # core: (buffer positions, receive buffer, work) per extra
     keep: list = field(default_factory=list)      # send buffers that must outlive their isend
 
 
@@ -103,18 +117,26 @@ class NTPGradSync:
         self.width = topology.replica_of(rank).width
         self.local_rank = topology.local_rank(rank)
         self.roles = {family: family_role(topology, rank, family) for family in topology.units}
+        m = topology.sync_width
+        self.defer_sync = any(replica.width > m for replica in topology.replicas)
         self._order: dict[torch.nn.Parameter, int] = {}
         self._params: list[torch.nn.Parameter] = []
 
     def attach(self, ddp_model) -> None:
         """Route every bucket group of ``ddp_model`` through this syncer (see patches/)."""
+        if ddp_model.config.sequence_parallel:
+            raise ValueError("NTP grad sync does not all-reduce sequence-parallel norm gradients")
         self._params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        for name, param in ddp_model.module.named_parameters():
+            if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_shard"):
+                raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
         self._order = {p: i for i, p in enumerate(self._params)}
         for group in list(ddp_model.bucket_groups) + list(ddp_model.expert_parallel_bucket_groups):
             group.grad_syncer = self
 
     # -- bucket communication ----------------------------------------------------------------------
-    def start(self, bucket_group, async_op: bool) -> _Handle:
+    def start(self, bucket_group, async_op: bool = True) -> _Handle:
+        """Post this bucket group's communication (never blocks); the handle's ``wait`` completes it."""
         pending = []
         for bucket in bucket_group.buckets:
             for param in bucket.params_list:
@@ -138,17 +160,26 @@ class NTPGradSync:
                 p.keep.append(payload)
                 p.work.append(dist.isend(payload, dst=core, tag=tag))
             return p
-        if role.is_plain:
+        for extra, positions in role.from_extras:
+            incoming = grad.new_empty(grad.shape[0], len(positions), grad.shape[2])
+            p.incoming.append((positions, incoming, dist.irecv(incoming, src=extra, tag=tag)))
+        if not self.defer_sync:  # every core of every replica is plain: all-reduce in place, now
             p.buffer = grad
-        else:
-            p.buffer = grad.new_zeros(grad.shape[0], role.partition_size, grad.shape[2])
-            p.buffer[:, list(role.own_positions), :] = grad
-            for extra, positions in role.from_extras:
-                incoming = grad.new_empty(grad.shape[0], len(positions), grad.shape[2])
-                dist.irecv(incoming, src=extra, tag=tag).wait()
-                p.buffer[:, list(positions), :] = incoming
-        p.work.append(dist.all_reduce(p.buffer, group=self.sync_group, async_op=True))
+            p.work.append(dist.all_reduce(p.buffer, group=self.sync_group, async_op=True))
         return p
+
+    def _reduce_partition(self, p: _Pending) -> None:
+        """Core, deferred mode: gather the partition from this rank and its extras, all-reduce it."""
+        role = p.role
+        if role.is_plain:
+            p.buffer = p.grad
+        else:
+            p.buffer = p.grad.new_empty(p.grad.shape[0], role.partition_size, p.grad.shape[2])
+            p.buffer[:, list(role.own_positions), :] = p.grad
+            for positions, incoming, work in p.incoming:
+                work.wait()
+                p.buffer[:, list(positions), :] = incoming
+        dist.all_reduce(p.buffer, group=self.sync_group)
 
     def _finish(self, pending: list[_Pending]) -> None:
         sends = []
@@ -159,6 +190,8 @@ class NTPGradSync:
             if role is None:
                 continue
             if role.core_of is not None:
+                if self.defer_sync:
+                    self._reduce_partition(p)
                 if not role.is_plain:
                     p.grad.copy_(p.buffer[:, list(role.own_positions), :])
                     for extra, positions in role.from_extras:
@@ -180,17 +213,10 @@ class NTPGradSync:
         for chunk in model:
             chunk.finish_grad_sync()
         if num_tokens is not None:
-            tokens = self.sum_over_replicas(num_tokens.clone())
+            tokens = sum_over_replicas(num_tokens.clone(), self.local_rank)
             if tokens > 0:
                 for chunk in model:
                     chunk.scale_gradients(1.0 / tokens)
-
-    def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a per-replica quantity (equal on all ranks of a replica) over replicas, in place."""
-        if self.local_rank != 0:
-            value.zero_()
-        dist.all_reduce(value)
-        return value
 
     @torch.no_grad()
     def grad_norm(self, *_args, **_kwargs) -> float:
@@ -201,7 +227,8 @@ class NTPGradSync:
         identical everywhere and summed in parameter order.
         """
         unit_sums = []
-        replicated = torch.zeros((), dtype=torch.float64)
+        device = self._params[0].main_grad.device
+        replicated = torch.zeros((), dtype=torch.float64, device=device)
         for param in self._params:
             grad = param.main_grad
             shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
@@ -209,7 +236,7 @@ class NTPGradSync:
                 replicated += grad.double().pow(2).sum()
                 continue
             per_unit = shard.view(grad).permute(1, 0, 2).reshape(len(shard.units), -1).double().pow(2).sum(dim=1)
-            full = torch.zeros(shard.num_units, dtype=torch.float64)
+            full = torch.zeros(shard.num_units, dtype=torch.float64, device=device)
             full[list(shard.units)] = per_unit
             unit_sums.append(full)
         total = replicated

@@ -200,6 +200,10 @@ class Launcher:
 
         Called before the launcher starts any thread, store or file writer, so the children inherit none.
         """
+        import torch
+
+        if torch.cuda.is_initialized():  # a forked child cannot use a CUDA context made by its parent
+            raise RuntimeError("CUDA was initialised in the launcher before forking ranks (by an import?)")
         sys.stdout.flush()
         sys.stderr.flush()
         ranks: list[RankProcess] = []

@@ -22,6 +22,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 
@@ -66,12 +67,17 @@ class InitRecipe:
     full_shape: tuple[int, ...] = ()
 
 
-def _tag(param: Optional[torch.nn.Parameter], recipe: InitRecipe, shard: Optional[UnitShard] = None) -> None:
+def _tag(param: Optional[torch.nn.Parameter], recipe: InitRecipe, shard: Optional[UnitShard] = None,
+         dim: int = 0, stride: int = 1) -> None:
+    """Record how to initialise ``param`` and, for a split tensor, its units — plus Megatron's own TP
+    attributes, which upstream sets only when it initialises (it does not here)."""
     if param is None:
         return
     param.ntp_init = recipe
     if shard is not None:
         param.ntp_shard = shard
+        if not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, True, dim, stride)
 
 
 def _no_init(config):
@@ -95,8 +101,9 @@ class NTPColumnParallelLinear(ColumnParallelLinear):
         self.output_size = stride * num_units * unit_rows
         self.output_size_per_partition = local_out
         _tag(self.weight, InitRecipe("master", init_method, (self.output_size, input_size)),
-             UnitShard(family, num_units, tuple(units), stride, unit_rows * input_size))
-        _tag(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows))
+             UnitShard(family, num_units, tuple(units), stride, unit_rows * input_size), dim=0, stride=stride)
+        _tag(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows),
+             dim=0, stride=stride)
 
 
 class NTPRowParallelLinear(RowParallelLinear):
@@ -112,7 +119,7 @@ class NTPRowParallelLinear(RowParallelLinear):
         self.input_size = num_units * unit_cols
         self.input_size_per_partition = local_in
         _tag(self.weight, InitRecipe("master", init_method, (output_size, self.input_size)),
-             UnitShard(family, num_units, tuple(units), output_size, unit_cols))
+             UnitShard(family, num_units, tuple(units), output_size, unit_cols), dim=1)
         _tag(self.bias, InitRecipe("zeros"))
 
 
@@ -159,7 +166,6 @@ class NTPSelfAttention(SelfAttention):
         heads_per_group = config.num_attention_heads // num_groups
         tp = pg_collection.tp.size()
         local = copy.copy(config)
-        local.kv_channels = config.kv_channels
         local.num_query_groups = len(query_groups) * tp
         local.num_attention_heads = len(query_groups) * heads_per_group * tp
         super().__init__(local, submodules, layer_number, pg_collection=pg_collection, **kwargs)

@@ -30,14 +30,11 @@ from ntp_megatron.layers import (
 
 @dataclass(frozen=True)
 class RankUnits:
-    """The units one rank holds per family (ascending), and the global unit counts."""
+    """The units one rank holds per family, ascending (global counts come from the model config)."""
 
     heads: tuple[int, ...]
     ffn: tuple[int, ...]
     vocab: tuple[int, ...]
-    num_heads: int
-    num_ffn: int
-    num_vocab: int
 
 
 def ntp_layer_spec(tf_config, units: RankUnits, normalization: str) -> ModuleSpec:
@@ -62,11 +59,11 @@ def ntp_layer_spec(tf_config, units: RankUnits, normalization: str) -> ModuleSpe
     mlp = spec.submodules.mlp
     mlp.submodules.linear_fc1 = ModuleSpec(
         module=NTPColumnParallelLinear,
-        params={"units": units.ffn, "num_units": units.num_ffn, "unit_rows": 1, "family": "ffn"},
+        params={"units": units.ffn, "num_units": tf_config.ffn_hidden_size, "unit_rows": 1, "family": "ffn"},
     )
     mlp.submodules.linear_fc2 = ModuleSpec(
         module=NTPRowParallelLinear,
-        params={"units": units.ffn, "num_units": units.num_ffn, "unit_cols": 1, "family": "ffn"},
+        params={"units": units.ffn, "num_units": tf_config.ffn_hidden_size, "unit_cols": 1, "family": "ffn"},
     )
     return spec
 
@@ -122,7 +119,7 @@ def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int,
     return model
 
 
-def family_geometry(name: str, tf_config, num_units: dict[str, int]) -> Optional[tuple[str, int, int]]:
+def family_geometry(name: str, tf_config) -> Optional[tuple[str, int, int]]:
     """(family, outer, inner) of a TP-split GPT parameter by name, None for a replicated one.
 
     The same folding the NTP layers tag their parameters with; used to read a uniform Megatron model's

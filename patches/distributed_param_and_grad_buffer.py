@@ -4,7 +4,7 @@
 Megatron's bucket group all-reduces each flat bucket over one data-parallel group. That only works when
 every replica lays its buckets out identically; nonuniform TP layouts do not. This patch lets a bucket group
 hand its communication to a *grad syncer* (``bucket_group.grad_syncer``): ``start(bucket_group, async_op)``
-launches it and returns a handle whose ``wait()`` completes it, or ``None`` when it completed synchronously.
+launches it without blocking and returns a handle whose ``wait()`` completes it.
 Everything else about the bucket group — readiness counting, first-batch handling, gradient scaling, the
 overlap on/off split between ``start_grad_sync`` and ``finish_grad_sync`` — stays upstream's. Bucket groups
 without a syncer, and the distributed optimizer, take upstream's path unchanged.
@@ -35,8 +35,9 @@ def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
         if bucket.gradient_scaling_factor != 1.0:
             bucket.grad_data *= bucket.gradient_scaling_factor
     handle = syncer.start(self, async_op=self.ddp_config.overlap_grad_reduce)
-    self.grad_reduce_handle = handle if self.ddp_config.overlap_grad_reduce else None
-    if handle is not None and not self.ddp_config.overlap_grad_reduce:
+    if self.ddp_config.overlap_grad_reduce:
+        self.grad_reduce_handle = handle  # finish_grad_sync waits for it
+    else:
         handle.wait()
 
 

@@ -30,7 +30,9 @@ def ntp_args(tp: int, dp: int, dead: list[str], extra: list[str] = ()) -> list[s
 # name: (NTP args, model variant args, expected TP degree per replica)
 TOPOLOGIES = {
     "tp4+tp3": (ntp_args(4, 2, ["1:3"]), [], [4, 3]),
-    "tp4+tp3-overlap": (ntp_args(4, 2, ["1:3"], ["--set", "parallel.overlap_grad_reduce=true"]), [], [4, 3]),
+    # Small buckets: many of them, with boundaries that differ between layouts (and between a core and its extra).
+    "tp4+tp3-overlap": (ntp_args(4, 2, ["1:3"], ["--set", "parallel.overlap_grad_reduce=true",
+                                                 "--set", "parallel.ddp_bucket_size=3000"]), [], [4, 3]),
     "tp2+tp1": (ntp_args(2, 2, ["1:1"]), [], [2, 1]),
     "tp4+tp3+tp2": (ntp_args(4, 3, ["1:3", "2:2", "2:3"]), [], [4, 3, 2]),
     "tp3-8heads": (ntp_args(3, 1, []), [], [3]),

@@ -25,7 +25,7 @@ def shard_of(name: str, param: torch.nn.Parameter, tf_config, num_units: dict[st
     shard = getattr(param, "ntp_shard", None)
     if shard is not None or tp_size == 1:
         return shard
-    geometry = family_geometry(name, tf_config, num_units)
+    geometry = family_geometry(name, tf_config)
     if geometry is None:
         return None
     family, outer, inner = geometry

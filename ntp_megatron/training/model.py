@@ -97,17 +97,13 @@ def build_model(
     else:
         from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
 
-        counts = cfg.unit_counts()
-        units = RankUnits(
-            heads=tuple(topology.units_of(rank, "heads")), ffn=tuple(topology.units_of(rank, "ffn")),
-            vocab=tuple(topology.units_of(rank, "vocab")),
-            num_heads=counts["heads"], num_ffn=counts["ffn"], num_vocab=counts["vocab"],
-        )
+        units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, **common)
     gpt = gpt.to(device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        bucket_size=cfg.parallel.ddp_bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     )

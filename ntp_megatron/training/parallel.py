@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.config import JobConfig
+from ntp_megatron.grad_sync import sum_over_replicas
 
 
 @dataclass
@@ -31,11 +32,7 @@ class ParallelSetup:
     groups: Optional[object] = None  # ntp_megatron.groups.NTPGroups when NTP is on
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum, in place, a quantity every rank of a replica holds identically, counting each replica once."""
-        if self.tp_rank != 0:
-            value.zero_()
-        dist.all_reduce(value)
-        return value
+        return sum_over_replicas(value, self.tp_rank)
 
 
 def microbatches_per_replica(cfg: JobConfig, widths: dict[int, int]) -> dict[int, int]:

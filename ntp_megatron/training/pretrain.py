@@ -70,7 +70,7 @@ def main() -> int:
         set_grad_norm_override(syncer.grad_norm)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            optimizer=t.optimizer, lr=t.lr, sgd_momentum=t.sgd_momentum, min_lr=t.min_lr, weight_decay=t.weight_decay,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
             clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
             params_dtype=tf_config.params_dtype,
@@ -80,6 +80,9 @@ def main() -> int:
         use_gloo_process_groups=False,
         pg_collection=pg,
     )
+    if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
+        # The norm override returns the global norm; a chain of several would combine it several times.
+        raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
     samples_per_iter = t.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer,
