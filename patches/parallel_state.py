@@ -34,9 +34,9 @@ def install_tensor_parallel_group(tp_group: dist.ProcessGroup, tp_ranks: Sequenc
 
 
 def install_data_parallel_group(dp_group: dist.ProcessGroup, dp_ranks: Sequence[int]) -> None:
-    """The group Megatron's own DP collectives run in (NTP installs this rank alone: its grad sync does the
-    cross-replica work). The TP1 initialiser's other DP-derived groups span the whole world, which is wrong
-    for any layout, so they are cleared: code that still reaches for them fails loudly instead."""
+    """The group Megatron's own DP collectives run in (for NTP: the sync group when all replicas are equally
+    wide, else this rank alone). The TP1 initialiser's other DP-derived groups span the whole world, which
+    is wrong for any layout, so they are cleared: code that still reaches for them fails loudly instead."""
     for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_AG",
                  "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_TENSOR_AND_DATA_PARALLEL_GROUP",
                  "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"):

@@ -36,6 +36,8 @@ TOPOLOGIES = {
     "tp2+tp1": (ntp_args(2, 2, ["1:1"]), [], [2, 1]),
     "tp4+tp3+tp2": (ntp_args(4, 3, ["1:3", "2:2", "2:3"]), [], [4, 3, 2]),
     "tp3-8heads": (ntp_args(3, 1, []), [], [3]),
+    # Equal widths: Megatron's own DDP all-reduce over the sync groups, NTP layers and groups around it.
+    "tp2+tp2": (ntp_args(2, 2, []), [], [2, 2]),
     "gqa-gated-tp3+tp2": (ntp_args(3, 2, ["1:2"]), GQA_GATED, [3, 2]),
 }
 

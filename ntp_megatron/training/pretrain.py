@@ -63,7 +63,8 @@ def main() -> int:
 
     tf_config = model_lib.transformer_config(cfg, device)
     model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank)
-    if setup.topology is not None:
+    syncer = None
+    if setup.topology is not None and not setup.groups.megatron_dp_sync:
         syncer = NTPGradSync(setup.topology, env.rank, setup.groups.tp, setup.groups.sync)
         syncer.attach(model)
         tf_config.finalize_model_grads_func = syncer.finalize_model_grads
@@ -80,7 +81,7 @@ def main() -> int:
         use_gloo_process_groups=False,
         pg_collection=pg,
     )
-    if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
+    if syncer is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
         # The norm override returns the global norm; a chain of several would combine it several times.
         raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
     samples_per_iter = t.global_batch_size
