@@ -7,13 +7,14 @@ unit's partition (point-to-point inside the replica) and take the summed values 
 (non-TP) parameters hold identical gradients on every rank of a replica; they are pre-scaled by ``1/width``
 and all-reduced over all ranks, so each replica counts once and every rank ends with the same bits.
 
-Collectives are issued per parameter in the same (registration) order on every rank, so replicas need
-not lay their DDP buckets out alike; Megatron's bucket readiness decides when each bucket starts. Nothing
-blocks inside a backward hook: a rank whose bucket is ready only posts its sends and receives, because a
-peer of the same replica may still be in backward, in a TP collective this rank has to join. When some
-replica is wider than the sync width, every sync-group all-reduce therefore waits for
-``finish_grad_sync`` (issued there in parameter order, on all ranks alike, so the groups' collective order
-matches); when all replicas are at the sync width, each starts as soon as its bucket is ready.
+Used only when replica widths differ (equal widths have identical layouts, and Megatron's own DDP
+all-reduce over the sync groups does the job; see :mod:`ntp_megatron.groups`). Collectives are issued per
+parameter in the same (registration) order on every rank, so replicas need not lay their DDP buckets out
+alike; Megatron's bucket readiness decides when each bucket starts. Nothing blocks inside a backward hook:
+a rank whose bucket is ready only posts its sends and receives (and the replicated all-reduce), because a
+peer of the same replica may still be in backward, in a TP collective this rank has to join. The
+sync-group all-reduces wait for ``finish_grad_sync``, where every core issues them in parameter order, so
+each group sees the same collective order on all its members.
 The grad norm is computed from per-unit sums so it is bit-identical on every replica (see
 :meth:`NTPGradSync.grad_norm`), which keeps the replicas' updates bit-identical.
 """
@@ -92,7 +93,7 @@ class _Pending:
     role: Optional[FamilyRole]
     tag: int
     work: list = field(default_factory=list)     # works to wait for before finishing
-    buffer: Optional[torch.Tensor] = None         # core: the partition buffer being all-reduced
+    buffer: Optional[torch.Tensor] = None         # core: the partition buffer, all-reduced in finish
     incoming: list = field(default_factory=list)  # core: (buffer positions, receive buffer, work) per extra
     keep: list = field(default_factory=list)      # send buffers that must outlive their isend
 
@@ -117,8 +118,6 @@ class NTPGradSync:
         self.width = topology.replica_of(rank).width
         self.local_rank = topology.local_rank(rank)
         self.roles = {family: family_role(topology, rank, family) for family in topology.units}
-        m = topology.sync_width
-        self.defer_sync = any(replica.width > m for replica in topology.replicas)
         self._order: dict[torch.nn.Parameter, int] = {}
         self._params: list[torch.nn.Parameter] = []
 
@@ -163,13 +162,10 @@ class NTPGradSync:
         for extra, positions in role.from_extras:
             incoming = grad.new_empty(grad.shape[0], len(positions), grad.shape[2])
             p.incoming.append((positions, incoming, dist.irecv(incoming, src=extra, tag=tag)))
-        if not self.defer_sync:  # every core of every replica is plain: all-reduce in place, now
-            p.buffer = grad
-            p.work.append(dist.all_reduce(p.buffer, group=self.sync_group, async_op=True))
         return p
 
     def _reduce_partition(self, p: _Pending) -> None:
-        """Core, deferred mode: gather the partition from this rank and its extras, all-reduce it."""
+        """Core: gather the partition from this rank and its extras, all-reduce it across replicas."""
         role = p.role
         if role.is_plain:
             p.buffer = p.grad
@@ -190,8 +186,7 @@ class NTPGradSync:
             if role is None:
                 continue
             if role.core_of is not None:
-                if self.defer_sync:
-                    self._reduce_partition(p)
+                self._reduce_partition(p)
                 if not role.is_plain:
                     p.grad.copy_(p.buffer[:, list(role.own_positions), :])
                     for extra, positions in role.from_extras:
