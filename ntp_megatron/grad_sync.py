@@ -21,7 +21,6 @@ The grad norm is computed from per-unit sums so it is bit-identical on every rep
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -32,15 +31,11 @@ import torch.distributed as dist
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
 
-logger = logging.getLogger(__name__)
-
-
 @dataclass(frozen=True)
 class FamilyRole:
     """This rank's part in syncing one unit family."""
 
     core_of: Optional[int]                      # partition index if this rank is a core
-    partition_start: int = 0                    # first unit of that partition (partitions are contiguous)
     partition_size: int = 0
     own_positions: tuple[int, ...] = ()         # positions of this rank's units inside the partition buffer
     from_extras: tuple[tuple[int, tuple[int, ...]], ...] = ()   # core: (extra rank, buffer positions)
@@ -62,7 +57,7 @@ def family_role(topology: Topology, rank: int, family: str) -> FamilyRole:
         partition = sorted(u for _, units in holders for u in units)
         start = partition[0]
         return FamilyRole(
-            core_of=local, partition_start=start, partition_size=len(partition),
+            core_of=local, partition_size=len(partition),
             own_positions=tuple(u - start for u in mine),
             from_extras=tuple((r, tuple(u - start for u in units)) for r, units in holders if r != rank),
         )
@@ -111,8 +106,6 @@ class NTPGradSync:
 
     def __init__(self, topology: Topology, rank: int, tp_group: dist.ProcessGroup,
                  sync_group: Optional[dist.ProcessGroup]) -> None:
-        self.topology = topology
-        self.rank = rank
         self.tp_group = tp_group
         self.sync_group = sync_group
         self.width = topology.replica_of(rank).width

@@ -15,7 +15,6 @@ in Megatron's own order, so any layout starts from the weights a TP1 Megatron mo
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -26,9 +25,6 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 
-logger = logging.getLogger(__name__)
-
-
 @dataclass(frozen=True)
 class UnitShard:
     """Which units of a TP-split tensor this rank holds, and how the tensor folds into ``[outer, units, inner]``."""
@@ -38,10 +34,6 @@ class UnitShard:
     units: tuple[int, ...]
     outer: int
     inner: int
-
-    @property
-    def local_numel(self) -> int:
-        return self.outer * len(self.units) * self.inner
 
     def view(self, local: torch.Tensor) -> torch.Tensor:
         """The local tensor as ``[outer, len(units), inner]`` (a view)."""
@@ -169,7 +161,6 @@ class NTPSelfAttention(SelfAttention):
         local.num_query_groups = len(query_groups) * tp
         local.num_attention_heads = len(query_groups) * heads_per_group * tp
         super().__init__(local, submodules, layer_number, pg_collection=pg_collection, **kwargs)
-        self.ntp_query_groups = tuple(query_groups)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

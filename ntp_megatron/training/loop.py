@@ -29,8 +29,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.float().view(-1)
     loss_sum = torch.sum(losses * mask)
-    num_tokens = mask.sum().to(torch.int)
-    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum().detach()])}
+    tokens = mask.sum()
+    return loss_sum, tokens.to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])}
 
 
 def forward_step(data_iterator, model):
@@ -71,7 +71,7 @@ class Trainer:
             forward_step_func=forward_step,
             data_iterator=microbatches(self.dataset, samples, t.micro_batch_size, self.device),
             model=[self.model],
-            num_microbatches=len(samples) // t.micro_batch_size,
+            num_microbatches=s.microbatches,
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             forward_only=False,

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_config(cfg: JobConfig, device: torch.device) -> TransformerConfig:
+def transformer_config(cfg: JobConfig) -> TransformerConfig:
     """Megatron's TransformerConfig; the YAML ``model`` keys are its own field names."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     activation = {"gelu": F.gelu, "swiglu": F.silu, "squared_relu": lambda x: torch.pow(F.relu(x), 2)}

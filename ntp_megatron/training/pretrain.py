@@ -32,9 +32,6 @@ from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override  # n
 from ntp_megatron.training import checkpoint, data, model as model_lib, parallel  # noqa: E402
 from ntp_megatron.training.loop import Trainer  # noqa: E402
 
-logger = logging.getLogger("ntp_megatron.pretrain")
-
-
 def _setup_logging(rank: int) -> None:
     """Warnings from every rank; our own INFO lines from rank 0 only (``NTP_LOG_LEVEL`` overrides both)."""
     level = os.environ.get("NTP_LOG_LEVEL")
@@ -61,7 +58,7 @@ def main() -> int:
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
 
-    tf_config = model_lib.transformer_config(cfg, device)
+    tf_config = model_lib.transformer_config(cfg)
     model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank)
     syncer = None
     if setup.topology is not None and not setup.groups.megatron_dp_sync:
