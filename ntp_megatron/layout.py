@@ -1,38 +1,102 @@
-"""Layout math for Nonuniform Tensor Parallelism: pure Python, no torch.
+"""Layout math for Nonuniform Tensor Parallelism (NTP): pure Python, no torch.
 
-Vocabulary (DESIGN.md §2): a *replica* is one DP replica (one TP group); a *slot* is a position
-0..tp_base-1 in its nominal TP group; a *unit* is the smallest movable piece of a TP-split family (one head or
-query group, one FFN hidden unit, one vocabulary row); a *layout* says which units each live rank of a replica
-holds; a *topology* is a generation, the replicas with their live ranks, and (implicitly) the layouts.
+NTP lets a data-parallel replica whose tensor-parallel group lost GPUs keep training at a lower TP degree. This
+module decides which rank holds which piece of every TP-split weight, which ranks sum which gradients, and what
+must move when ranks die or come back. Everything is a deterministic function of plain data, so every process
+(and the controller) computes the same answer without talking to anyone.
 
-Gradients of TP-split parameters are all-reduced across replicas in ``m`` *sync partitions*, ``m`` being the
-smallest replica width (the *sync width*). In each replica, rank ``i < m`` is the *core* of sync partition
-``i`` and holds only units of that partition; ranks ``>= m`` are *extras* holding the leftovers, which they
-hand to the cores around the DP all-reduce. Everything here is a deterministic function of plain data, so
-every process (and the controller) computes the same answer without talking to anyone.
+Vocabulary
+----------
+*replica*
+    One data-parallel (DP) replica, i.e. one TP group. Its index 0..dp-1 is stable for the whole job.
+*slot*
+    A position 0..tp_base-1 in a replica's nominal TP group. A live slot has a process, a dead slot has none.
+    A process is identified across generations by ``(replica index, slot)``; its process-group *rank* is
+    renumbered every generation (0, 1, ... over the live slots in (replica, slot) order), and its *TP rank* is
+    its position among its replica's live slots.
+*unit*
+    The smallest movable piece of a TP-split *family* (see :data:`FAMILIES`); family ``f`` has
+    ``units[f]`` units numbered 0..N-1.
+*layout*
+    For each replica and family, the units each live rank holds (ascending).
+*topology*
+    One generation of the job: the surviving replicas, their live slots and ranks, and what each holds.
+
+Canonical blocks, healthy and degraded replicas
+-----------------------------------------------
+Block ``s`` of a family with N units is the ``s``-th contiguous run of unit ids with sizes
+``balanced_counts(N, tp_base)`` (larger blocks first): ``canonical_blocks(6, 4) == [[0, 1], [2, 3], [4], [5]]``.
+Every family needs ``N >= tp_base`` so that no block is empty.
+
+A *healthy* replica (all slots live) holds exactly the canonical layout: slot ``s`` holds block ``s``. In a
+*degraded* replica every live slot still holds its own block, and the units of each dead slot's block are
+*dealt* to live slots so that, per family, the ranks' unit counts differ by at most one. Each dead block has
+exactly one *proxy*: a live slot of the same replica (one per dead block, the same for every family).
+
+Sync groups
+-----------
+Gradients of block ``s`` are summed across replicas in *sync group* ``s``: one member per replica, ordered by
+replica index, namely the rank at slot ``s`` or, where slot ``s`` is dead, the rank of the proxy of block
+``s``. There are always ``tp_base`` groups. Inside a replica the ranks holding units of block ``s``
+(:meth:`Topology.block_holders`) gather them to the member before the cross-replica sum and get them back after.
+
+Shrinking is sticky
+-------------------
+When ranks die (:func:`next_topology`), every surviving process keeps exactly the units it held and proxies
+keep their roles; only what the dead ranks held (their own block and any dealt units) is dealt to the survivors
+of their replica. The layout therefore depends on the history, not only on the live slots, which is why a
+topology stores, for each degraded replica, the dealt units and the proxies. Released units are handled block
+by block in ascending order:
+
+1. *Proxy rule.* If the block needs a proxy (its slot just died, or its proxy just died), it goes to the live
+   slot with the fewest proxy roles so far, then the most units of that block currently held (summed over
+   families, counting units kept and already dealt in this step), then the lowest slot.
+2. *Dealing rule.* The block's released units, family by family in ascending unit order, each go to a live
+   slot with the minimum current count of that family, preferring the block's proxy, then the lowest slot.
+
+Counts were balanced (max - min <= 1) before the failure, removing ranks cannot break that, and giving a unit to
+a current minimum keeps it, so counts stay balanced. :func:`make_topology` with dead slots is the healthy
+topology shrunk by all of them at once.
+
+Widening
+--------
+When repaired processes rejoin (:func:`join_topology`), each joined slot takes its whole canonical block back
+from whoever holds it in its replica, and the proxy role of that block ends. Proxies of blocks that are still
+dead stay where they are (a joining slot never becomes a proxy of a surviving replica). Counts are then
+rebalanced with the fewest moves: while some family's counts differ by two or more, the lowest slot with the
+maximum count gives its largest dealt unit to a slot with the minimum count (the proxy of that unit's block if
+it has the minimum, else the lowest such slot). A replica whose slots are all live again is exactly canonical. A
+dropped replica may come back: its missing blocks are dealt among its joined slots as in :func:`make_topology`.
+
+Transition plans
+----------------
+:func:`transition_plan` lists the units each new-generation rank lacks, with a source for each: a surviving
+process of the same replica, else a surviving process of another replica.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Mapping
 
 __all__ = [
     "FAMILIES",
+    "POLICIES",
     "Move",
     "Replica",
     "Topology",
     "TopologyError",
     "balanced_counts",
+    "canonical_blocks",
     "join_topology",
     "make_topology",
     "next_topology",
     "parse_dead_slots",
-    "replica_layout",
     "survivor_ranks",
-    "sync_partitions",
     "transition_plan",
 ]
 
@@ -41,12 +105,13 @@ FAMILIES = ("heads", "ffn", "vocab")
 FFN hidden unit (a row of fc1 — gate and up rows for a gated MLP — and the matching column of fc2); vocab: one
 vocabulary row (embedding and output layer)."""
 
-Policy = Literal["drop_replica", "fail"]
-POLICIES: tuple[str, ...] = ("drop_replica", "fail")
+Policy = Literal["drop_replica", "stop"]
+POLICIES: tuple[str, ...] = ("drop_replica", "stop")
+"""What :func:`next_topology` does with a replica left below ``min_tp`` (config ``ntp.on_unrecoverable``)."""
 
 
 class TopologyError(ValueError):
-    """A failure NTP cannot absorb (a replica below ``ntp.min_tp`` under policy "fail", every replica gone, a
+    """A failure NTP cannot absorb (a replica below ``ntp.min_tp`` under policy "stop", every replica gone, a
     unit with no surviving holder): the caller must take the restart-from-checkpoint path."""
 
 
@@ -59,79 +124,74 @@ def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
     return value
 
 
+class _FrozenDict(dict):
+    """A dict that refuses changes once built, so a frozen topology (and its caches) cannot be altered through
+    its mappings. Hashable; compares, serialises to JSON, copies and pickles like a dict."""
+
+    __slots__ = ()
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("topology mappings are read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only  # type: ignore
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def __reduce__(self) -> tuple:
+        return type(self), (dict(self),)
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# Unit-level layout math
+# Canonical blocks
 
 
 def balanced_counts(num_units: int, width: int) -> list[int]:
-    """Per-rank unit counts, larger first, differing by at most one: ``balanced_counts(8, 3) == [3, 3, 2]``.
-
-    Rank ``i`` gets ``ceil((num_units - i) / width)`` units; the closed form is what makes a core's count never
-    exceed its sync partition's size (see :func:`replica_layout`).
-    """
+    """Per-rank unit counts, larger first, differing by at most one: ``balanced_counts(8, 3) == [3, 3, 2]``."""
     _check_int("num_units", num_units, 0)
     _check_int("width", width, 1)
     base, rest = divmod(num_units, width)
     return [base + 1 if i < rest else base for i in range(width)]
 
 
-def sync_partitions(num_units: int, sync_width: int) -> list[list[int]]:
-    """Contiguous blocks of unit ids with sizes ``balanced_counts(num_units, sync_width)``:
-    ``sync_partitions(8, 3) == [[0, 1, 2], [3, 4, 5], [6, 7]]``."""
+def canonical_blocks(num_units: int, tp_base: int) -> list[list[int]]:
+    """The canonical blocks of a family: contiguous runs of unit ids with sizes
+    ``balanced_counts(num_units, tp_base)``. ``canonical_blocks(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]``,
+    ``canonical_blocks(6, 4) == [[0, 1], [2, 3], [4], [5]]``. Block ``s`` is what slot ``s`` of a healthy replica
+    holds."""
+    # Validate before the cache: 8.0 == 8 would otherwise hit a cached entry and slip through.
     _check_int("num_units", num_units, 0)
-    _check_int("sync_width", sync_width, 1)
-    return [list(block) for block in _partitions(num_units, sync_width)]
+    _check_int("tp_base", tp_base, 1)
+    return [list(block) for block in _blocks(num_units, tp_base)]
 
 
-@lru_cache(maxsize=4096)
-def _partitions(num_units: int, sync_width: int) -> tuple[tuple[int, ...], ...]:
+@lru_cache(maxsize=1024)
+def _blocks(num_units: int, tp_base: int) -> tuple[range, ...]:
+    """Cached core of canonical_blocks (ranges: O(1) memory even for a large vocabulary); ints already checked."""
     blocks, start = [], 0
-    for size in balanced_counts(num_units, sync_width):
-        blocks.append(tuple(range(start, start + size)))
+    for size in balanced_counts(num_units, tp_base):
+        blocks.append(range(start, start + size))
         start += size
     return tuple(blocks)
 
 
-def replica_layout(num_units: int, width: int, sync_width: int) -> list[list[int]]:
-    """Unit ids held by each rank 0..width-1 of one replica of ``width`` live ranks, each list ascending.
-
-    Counts are ``balanced_counts(num_units, width)``. Core rank ``i < sync_width`` holds the first
-    ``counts[i]`` units of sync partition ``i``; extra ranks take the leftovers of the partitions (partition by
-    partition, ascending) in rank order. ``width == sync_width`` gives exactly the sync partitions.
-
-    A core always fits in its partition: ``counts[i] = ceil((N - i) / width) <= ceil((N - i) / sync_width)``
-    = size of partition ``i``, because ``width >= sync_width`` and ``N - i > 0``.
-    """
-    # Validate before the cache: 8.0 == 8 would otherwise hit a cached entry and slip through.
-    _check_int("num_units", num_units, 0)
-    _check_int("width", width, 1)
-    _check_int("sync_width", sync_width, 1)
-    return [list(units) for units in _layout(num_units, width, sync_width)]
+def _block_of(num_units: int, tp_base: int, unit: int) -> int:
+    """Index of the canonical block holding ``unit`` (needs ``num_units >= tp_base``)."""
+    base, rest = divmod(num_units, tp_base)
+    edge = rest * (base + 1)  # the first `rest` blocks have base + 1 units
+    return unit // (base + 1) if unit < edge else rest + (unit - edge) // base
 
 
-@lru_cache(maxsize=4096)
-def _layout(num_units: int, width: int, sync_width: int) -> tuple[tuple[int, ...], ...]:
-    """Cached core of replica_layout; callers pass ints already checked."""
-    if width < sync_width:
-        raise ValueError(f"replica width {width} is below the sync width {sync_width}: the sync width is the "
-                         f"smallest replica width")
-    if num_units < width:
-        raise ValueError(f"{num_units} units cannot be spread over {width} ranks: every rank must hold at least "
-                         f"one unit of each family")
-    counts = balanced_counts(num_units, width)
-    cores: list[tuple[int, ...]] = []
-    leftovers: list[int] = []
-    for i, block in enumerate(_partitions(num_units, sync_width)):
-        if counts[i] > len(block):  # impossible by the docstring's argument; kept as a guard, not a path
-            raise AssertionError(f"core {i} needs {counts[i]} units but partition {i} has {len(block)}")
-        cores.append(block[:counts[i]])
-        leftovers.extend(block[counts[i]:])
-    extras, start = [], 0
-    for count in counts[sync_width:]:
-        extras.append(tuple(leftovers[start:start + count]))
-        start += count
-    assert start == len(leftovers)
-    return tuple(cores) + tuple(extras)
+def _check_units(units: Any, tp_base: int) -> None:
+    if not isinstance(units, Mapping) or not units:
+        raise ValueError(f"units must be a non-empty mapping family -> number of units, got {units!r}")
+    for family, count in units.items():
+        if not isinstance(family, str) or not family:
+            raise ValueError(f"unit family names must be non-empty strings, got {family!r}")
+        _check_int(f"units[{family!r}]", count, 1)
+        if count < tp_base:
+            raise ValueError(f"family {family!r} has {count} units, fewer than tp_base ({tp_base}): every slot's "
+                             f"canonical block needs at least one unit")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,7 +200,8 @@ def _layout(num_units: int, width: int, sync_width: int) -> tuple[tuple[int, ...
 
 @dataclass(frozen=True)
 class Replica:
-    """One DP replica: its stable index, its live slots and the process-group rank of each in this generation."""
+    """One DP replica in one generation: its stable index, live slots, ranks, and (if degraded) how the units of
+    its dead blocks are spread."""
 
     index: int
     """Replica index 0..dp-1, stable for the whole job (the data order depends on it, never on the layout)."""
@@ -148,6 +209,13 @@ class Replica:
     """Live slots, ascending (slot = position 0..tp_base-1 in the nominal TP group)."""
     ranks: tuple[int, ...]
     """Process-group rank of each live slot in this generation, same order as ``slots``."""
+    proxies: Mapping[int, int] = field(default_factory=dict)
+    """Dead block -> the live slot that is its proxy (its member in the block's sync group). Empty when
+    healthy."""
+    dealt: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
+    """Family -> unit of a dead block -> live slot holding it. Empty when healthy; otherwise it has every
+    family, and every unit of every dead block appears exactly once. Units of live blocks are not listed: live
+    slot ``s`` always holds block ``s``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", tuple(self.slots))
@@ -163,6 +231,28 @@ class Replica:
             raise ValueError(f"replica {self.index}: slots must be distinct and ascending, got {list(self.slots)}")
         if len(self.ranks) != len(self.slots):
             raise ValueError(f"replica {self.index}: {len(self.slots)} slots but {len(self.ranks)} ranks")
+        if not isinstance(self.proxies, Mapping) or not isinstance(self.dealt, Mapping):
+            raise ValueError(f"replica {self.index}: proxies and dealt must be mappings")
+        for block, slot in self.proxies.items():
+            _check_int(f"replica {self.index}: proxied block", block, 0)
+            self._check_live(f"proxy of block {block}", slot)
+        dealt = {}
+        for family, units in self.dealt.items():
+            if not isinstance(family, str) or not isinstance(units, Mapping):
+                raise ValueError(f"replica {self.index}: dealt must map family names to {{unit: slot}} mappings, "
+                                 f"got {family!r}: {units!r}")
+            for unit, slot in units.items():
+                _check_int(f"replica {self.index}: dealt unit of family {family!r}", unit, 0)
+                self._check_live(f"holder of dealt unit {unit} of family {family!r}", slot)
+            dealt[family] = _FrozenDict(sorted(units.items()))
+        object.__setattr__(self, "proxies", _FrozenDict(sorted(self.proxies.items())))
+        object.__setattr__(self, "dealt", _FrozenDict(sorted(dealt.items())))
+
+    def _check_live(self, what: str, slot: Any) -> None:
+        _check_int(f"replica {self.index}: {what}", slot, 0)
+        if slot not in self.slots:
+            raise ValueError(f"replica {self.index}: {what} is slot {slot}, which is not live "
+                             f"(live slots {list(self.slots)})")
 
     @property
     def width(self) -> int:
@@ -170,12 +260,19 @@ class Replica:
         return len(self.slots)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "slots": list(self.slots), "ranks": list(self.ranks)}
+        """Plain JSON: mappings with int keys become lists of ``[key, slot]`` pairs, ascending."""
+        return {"index": self.index, "slots": list(self.slots), "ranks": list(self.ranks),
+                "proxies": [[b, s] for b, s in self.proxies.items()],
+                "dealt": {f: [[u, s] for u, s in units.items()] for f, units in self.dealt.items()}}
 
     @classmethod
     def from_json(cls, d: dict) -> "Replica":
-        _expect_keys("replica", d, ("index", "slots", "ranks"))
-        return cls(index=d["index"], slots=tuple(d["slots"]), ranks=tuple(d["ranks"]))
+        _expect_keys("replica", d, ("index", "slots", "ranks", "proxies", "dealt"))
+        if not isinstance(d["dealt"], dict):
+            raise ValueError(f"replica JSON: 'dealt' must be an object, got {type(d['dealt']).__name__}")
+        return cls(index=d["index"], slots=tuple(d["slots"]), ranks=tuple(d["ranks"]),
+                   proxies=_pairs_to_dict("proxies", d["proxies"]),
+                   dealt={f: _pairs_to_dict(f"dealt[{f!r}]", pairs) for f, pairs in d["dealt"].items()})
 
 
 def _expect_keys(what: str, d: Any, keys: tuple[str, ...]) -> None:
@@ -184,32 +281,46 @@ def _expect_keys(what: str, d: Any, keys: tuple[str, ...]) -> None:
         raise ValueError(f"{what} JSON must have exactly the keys {list(keys)}, got {got}")
 
 
+def _pairs_to_dict(what: str, pairs: Any) -> dict:
+    if not isinstance(pairs, list):
+        raise ValueError(f"replica JSON: {what} must be a list of [key, slot] pairs, got {pairs!r}")
+    out: dict = {}
+    for pair in pairs:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"replica JSON: {what} must be a list of [key, slot] pairs, got item {pair!r}")
+        if pair[0] in out:
+            raise ValueError(f"replica JSON: {what} lists key {pair[0]!r} twice")
+        out[pair[0]] = pair[1]
+    return out
+
+
 @dataclass(frozen=True)
 class Topology:
-    """Generation ``generation`` of the job: the surviving replicas (ascending index) and their live ranks.
+    """Generation ``generation`` of the job: the surviving replicas (ascending index), their live ranks, and for
+    each degraded replica its dealt units and proxies (healthy replicas store nothing: they are canonical).
 
-    Layouts are not stored: they are a function of ``units`` and the replica widths, recomputed on demand, so a
-    topology published in the store is small and cannot disagree with itself. Hashable (usable as a cache key).
+    Validated on construction (every unit held exactly once per replica, dealt units from dead blocks only, one
+    live proxy per dead block, balanced counts), immutable, hashable (usable as a cache key), and exactly
+    round-tripped by :meth:`to_json` / :meth:`from_json`.
     """
 
     generation: int
     tp_base: int
-    units: dict[str, int]
-    """Family -> number of units, e.g. ``{"heads": 8, "ffn": 256, "vocab": 256}``."""
+    units: Mapping[str, int]
+    """Family -> number of units, e.g. ``{"heads": 8, "ffn": 256, "vocab": 256}``; each at least ``tp_base``."""
     replicas: tuple[Replica, ...]
 
     def __post_init__(self) -> None:
-        # Defensive copies: a frozen topology must not change because a caller mutates its own dict.
-        object.__setattr__(self, "units", dict(self.units))
-        object.__setattr__(self, "replicas", tuple(self.replicas))
         _check_int("generation", self.generation, 0)
         _check_int("tp_base", self.tp_base, 1)
-        for family, count in self.units.items():
-            if not isinstance(family, str) or not family:
-                raise ValueError(f"unit family names must be non-empty strings, got {family!r}")
-            _check_int(f"units[{family!r}]", count, 1)
+        _check_units(self.units, self.tp_base)
+        # Defensive copies: a frozen topology must not change because a caller mutates its own dict.
+        object.__setattr__(self, "units", _FrozenDict(sorted(self.units.items())))
+        object.__setattr__(self, "replicas", tuple(self.replicas))
         if not self.replicas:
             raise TopologyError("a topology needs at least one replica")
+        if not all(isinstance(rep, Replica) for rep in self.replicas):
+            raise ValueError("replicas must be Replica objects")
         indices = [rep.index for rep in self.replicas]
         if indices != sorted(set(indices)):
             raise ValueError(f"replica indices must be distinct and ascending, got {indices}")
@@ -217,22 +328,45 @@ class Topology:
         if sorted(ranks) != list(range(len(ranks))):
             raise ValueError(f"process-group ranks must be exactly 0..{len(ranks) - 1}, got {ranks}")
         for rep in self.replicas:
-            if rep.slots[-1] >= self.tp_base:
-                raise ValueError(f"replica {rep.index}: slot {rep.slots[-1]} out of range 0..{self.tp_base - 1}")
-            for family, count in self.units.items():
-                if count < rep.width:
-                    raise ValueError(f"family {family!r} has {count} units, fewer than the {rep.width} live ranks "
-                                     f"of replica {rep.index}: every rank must hold at least one unit")
+            self._check_replica(rep)
+
+    def _check_replica(self, rep: Replica) -> None:
+        if rep.slots[-1] >= self.tp_base:
+            raise ValueError(f"replica {rep.index}: slot {rep.slots[-1]} out of range 0..{self.tp_base - 1}")
+        dead = [s for s in range(self.tp_base) if s not in rep.slots]
+        if sorted(rep.proxies) != dead:
+            raise ValueError(f"replica {rep.index}: proxies are given for blocks {sorted(rep.proxies)} but the "
+                             f"dead blocks are {dead}: every dead block needs exactly one proxy")
+        if not dead:
+            if rep.dealt:
+                raise ValueError(f"replica {rep.index} is healthy (canonical) but lists dealt units")
+            return
+        if set(rep.dealt) != set(self.units):
+            raise ValueError(f"replica {rep.index} is degraded: dealt must list the families {sorted(self.units)}, "
+                             f"got {sorted(rep.dealt)}")
+        for family, num_units in self.units.items():
+            blocks = _blocks(num_units, self.tp_base)
+            dealt = rep.dealt[family]
+            expected = [u for s in dead for u in blocks[s]]
+            if sorted(dealt) != expected:
+                stray = sorted(set(dealt) - set(expected))
+                missing = sorted(set(expected) - set(dealt))
+                raise ValueError(f"replica {rep.index}, family {family!r}: dealt units must be exactly the units "
+                                 f"of the dead blocks {dead}; not in a dead block: {stray}, not dealt: {missing}")
+            counts = Counter({s: len(blocks[s]) for s in rep.slots})
+            counts.update(dealt.values())
+            if max(counts.values()) - min(counts.values()) > 1:
+                raise ValueError(f"replica {rep.index}, family {family!r}: unit counts per live slot "
+                                 f"{dict(sorted(counts.items()))} differ by more than one")
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.generation, self.tp_base, self.units, self.replicas))
 
     def __hash__(self) -> int:
-        return hash((self.generation, self.tp_base, tuple(sorted(self.units.items())), self.replicas))
+        return self._hash
 
-    # -- basic queries ------------------------------------------------------------------------------------------
-
-    @property
-    def sync_width(self) -> int:
-        """m: the smallest replica width, i.e. the number of sync partitions."""
-        return min(rep.width for rep in self.replicas)
+    # -- ranks, slots, replicas ---------------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
@@ -251,7 +385,7 @@ class Topology:
         """The replica with index ``index`` (indices survive drops, so this is not ``replicas[index]``)."""
         try:
             return self._by_index[index]
-        except KeyError:
+        except (KeyError, TypeError):
             raise ValueError(f"no replica with index {index!r}; live replicas: {sorted(self._by_index)}") from None
 
     def replica_of(self, rank: int) -> Replica:
@@ -259,7 +393,7 @@ class Topology:
         return self._locate(rank)[0]
 
     def local_rank(self, rank: int) -> int:
-        """Position of ``rank`` inside its replica: its TP rank (core if < sync_width, extra otherwise)."""
+        """Position of ``rank`` among its replica's live slots: its TP rank."""
         return self._locate(rank)[1]
 
     def slot_of(self, rank: int) -> tuple[int, int]:
@@ -274,6 +408,10 @@ class Topology:
             return None
         return rep.ranks[rep.slots.index(slot)]
 
+    def is_healthy(self, replica_index: int) -> bool:
+        """Whether every slot of the replica is live (then its layout is exactly the canonical blocks)."""
+        return self.replica(replica_index).width == self.tp_base
+
     def _locate(self, rank: int) -> tuple[Replica, int]:
         try:
             return self._where[rank]
@@ -284,48 +422,94 @@ class Topology:
     def _units(self, family: str) -> int:
         try:
             return self.units[family]
-        except KeyError:
+        except (KeyError, TypeError):
             raise ValueError(f"unknown unit family {family!r}; this topology has {sorted(self.units)}") from None
+
+    def _check_block(self, block: int) -> int:
+        _check_int("block", block, 0)
+        if block >= self.tp_base:
+            raise ValueError(f"block {block} out of range 0..{self.tp_base - 1}")
+        return block
 
     # -- layouts ------------------------------------------------------------------------------------------------
 
-    def partitions(self, family: str) -> list[list[int]]:
-        """The sync partitions of ``family``: ``sync_partitions(units[family], sync_width)``."""
-        return sync_partitions(self._units(family), self.sync_width)
+    def block(self, family: str, s: int) -> list[int]:
+        """Canonical block ``s`` of ``family``: what slot ``s`` always holds while it is live."""
+        return list(_blocks(self._units(family), self.tp_base)[self._check_block(s)])
+
+    @cached_property
+    def _layouts(self) -> dict[tuple[int, str], tuple[tuple[int, ...], ...]]:
+        """(replica index, family) -> units held by each live slot, in slot order, each ascending."""
+        out = {}
+        for rep in self.replicas:
+            for family, num_units in self.units.items():
+                blocks = _blocks(num_units, self.tp_base)
+                if not rep.proxies:
+                    out[rep.index, family] = tuple(tuple(b) for b in blocks)
+                    continue
+                extra: dict[int, list[int]] = {s: [] for s in rep.slots}
+                for unit, slot in rep.dealt[family].items():  # ascending units
+                    extra[slot].append(unit)
+                out[rep.index, family] = tuple(tuple(sorted([*blocks[s], *extra[s]])) for s in rep.slots)
+        return out
 
     def layout(self, family: str, replica: int) -> list[list[int]]:
-        """Units of ``family`` held by each local rank of the replica with index ``replica``."""
-        return replica_layout(self._units(family), self.replica(replica).width, self.sync_width)
+        """Units of ``family`` held by each live slot of the replica with index ``replica``, in slot order (= TP
+        rank order), each ascending."""
+        self._units(family)
+        self.replica(replica)
+        return [list(units) for units in self._layouts[replica, family]]
 
     def units_of(self, rank: int, family: str) -> list[int]:
         """Units of ``family`` held by process-group rank ``rank``, ascending."""
         rep, pos = self._locate(rank)
-        return list(_layout(self._units(family), rep.width, self.sync_width)[pos])
+        self._units(family)
+        return list(self._layouts[rep.index, family][pos])
+
+    # -- sync groups --------------------------------------------------------------------------------------------
+
+    def proxy(self, replica_index: int, block: int) -> int:
+        """The live slot of the replica that is its member of sync group ``block``: slot ``block`` itself if it
+        is live, else the proxy of that dead block."""
+        rep = self.replica(replica_index)
+        self._check_block(block)
+        return block if block in rep.slots else rep.proxies[block]
+
+    def sync_member(self, replica_index: int, block: int) -> int:
+        """Process-group rank of the replica's member of sync group ``block``."""
+        rank = self.rank_of(replica_index, self.proxy(replica_index, block))
+        assert rank is not None  # proxies are live slots (validated)
+        return rank
 
     def sync_groups(self) -> list[tuple[int, ...]]:
-        """For each sync partition i: the ranks that are core i of every replica, ordered by replica index.
+        """For each block ``s`` (always ``tp_base`` of them), the ranks that sum gradients of block ``s`` across
+        replicas: one per replica, ordered by replica index. A rank may be in several groups (proxy roles)."""
+        return [tuple(self.sync_member(rep.index, s) for rep in self.replicas) for s in range(self.tp_base)]
 
-        These are the DP all-reduce groups for TP-split parameters; extra ranks are in none of them.
-        """
-        return [tuple(rep.ranks[i] for rep in self.replicas) for i in range(self.sync_width)]
+    def member_blocks(self, rank: int) -> list[int]:
+        """Ascending blocks whose sync group ``rank`` belongs to: its own slot's block plus the dead blocks of its
+        replica it is proxy of."""
+        rep, pos = self._locate(rank)
+        slot = rep.slots[pos]
+        return sorted([slot, *(b for b, p in rep.proxies.items() if p == slot)])
 
-    def partition_holders(self, family: str, replica: int, partition: int) -> list[tuple[int, list[int]]]:
-        """Within one replica, ``(rank, units of sync partition `partition` it holds)`` for every rank holding
-        some: the core first, then the extras in rank order. This is the in-replica gather/scatter around the DP
-        all-reduce of partition ``partition``."""
-        m = self.sync_width
-        _check_int("partition", partition, 0)
-        if partition >= m:
-            raise ValueError(f"partition {partition} out of range 0..{m - 1} (sync width {m})")
-        rep = self.replica(replica)
-        block = set(_partitions(self._units(family), m)[partition])
-        layout = _layout(self._units(family), rep.width, m)
-        out = []
-        for pos in (partition, *range(m, rep.width)):
-            held = [u for u in layout[pos] if u in block]
-            if held:
-                out.append((rep.ranks[pos], held))
-        return out
+    def block_holders(self, family: str, replica_index: int, block: int) -> list[tuple[int, list[int]]]:
+        """``(rank, units of block `block` it holds)`` within one replica: the block's sync member first (listed
+        even when it holds none of the block, as it is where the block's gradients are gathered), then every
+        other rank holding some of the block, by TP rank. Together they cover the block exactly once."""
+        rep = self.replica(replica_index)
+        self._check_block(block)
+        wanted = set(_blocks(self._units(family), self.tp_base)[block])
+        member = self.proxy(replica_index, block)
+        first: list[tuple[int, list[int]]] = []
+        rest: list[tuple[int, list[int]]] = []
+        for slot, rank, units in zip(rep.slots, rep.ranks, self._layouts[replica_index, family]):
+            held = [u for u in units if u in wanted]
+            if slot == member:
+                first.append((rank, held))
+            elif held:
+                rest.append((rank, held))
+        return first + rest
 
     # -- serialisation ------------------------------------------------------------------------------------------
 
@@ -342,56 +526,148 @@ class Topology:
                    replicas=tuple(Replica.from_json(r) for r in d["replicas"]))
 
 
-def _build(generation: int, tp_base: int, units: dict[str, int],
-           live: dict[int, list[int]]) -> Topology:
+# ---------------------------------------------------------------------------------------------------------------
+# Replica transitions. A draft is (index, live slots, proxies, dealt), plain data without ranks.
+
+_Draft = tuple[int, list[int], dict[int, int], dict[str, dict[int, int]]]
+
+
+def _draft_of(rep: Replica) -> _Draft:
+    return rep.index, list(rep.slots), dict(rep.proxies), {f: dict(d) for f, d in rep.dealt.items()}
+
+
+def _healthy(index: int, tp_base: int) -> _Draft:
+    return index, list(range(tp_base)), {}, {}
+
+
+def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:
+    """The replica after slots ``dying`` died at once: survivors keep what they hold and their proxy roles; what
+    the dying held is dealt by the proxy and dealing rules of the module docstring. Needs a survivor."""
+    index, slots, proxies, dealt = draft
+    if not dying:
+        return draft
+    live = [s for s in slots if s not in dying]
+    assert live, "a replica with no survivor is dropped, not shrunk"
+    kept = {b: p for b, p in proxies.items() if p not in dying}
+    orphans = set(dying) | {b for b, p in proxies.items() if p in dying}  # blocks needing a new proxy
+    new_dealt: dict[str, dict[int, int]] = {}
+    counts: dict[str, dict[int, int]] = {}
+    released: dict[int, dict[str, list[int]]] = {}  # block -> family -> released units
+    of_block: Counter[tuple[int, int]] = Counter()  # (block, slot) -> units of that block the slot holds
+    for family, num_units in units.items():
+        blocks = _blocks(num_units, tp_base)
+        counts[family] = {s: len(blocks[s]) for s in live}
+        new_dealt[family] = {}
+        for s in dying:
+            released.setdefault(s, {}).setdefault(family, []).extend(blocks[s])
+        for unit, holder in dealt.get(family, {}).items():
+            block = _block_of(num_units, tp_base, unit)
+            if holder in dying:
+                released.setdefault(block, {}).setdefault(family, []).append(unit)
+            else:
+                new_dealt[family][unit] = holder
+                counts[family][holder] += 1
+                of_block[block, holder] += 1
+    roles = Counter(kept.values())
+    for block in sorted(orphans | set(released)):
+        if block in orphans:
+            proxy = min(live, key=lambda s: (roles[s], -of_block[block, s], s))
+            kept[block] = proxy
+            roles[proxy] += 1
+        proxy = kept[block]
+        for family in sorted(released.get(block, {})):
+            count = counts[family]
+            for unit in sorted(released[block][family]):
+                low = min(count.values())
+                target = proxy if count[proxy] == low else min(s for s in live if count[s] == low)
+                new_dealt[family][unit] = target
+                count[target] += 1
+                of_block[block, target] += 1
+    return index, live, kept, new_dealt
+
+
+def _widen(draft: _Draft, joining: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:
+    """The replica after slots ``joining`` rejoined: they take their blocks back, their blocks' proxy roles end,
+    other proxies stay, and counts are rebalanced with the fewest moves (rule in the module docstring)."""
+    index, slots, proxies, dealt = draft
+    live = sorted({*slots, *joining})
+    if len(live) == tp_base:
+        return _healthy(index, tp_base)
+    kept = {b: p for b, p in proxies.items() if b not in joining}
+    new_dealt: dict[str, dict[int, int]] = {}
+    for family, num_units in sorted(units.items()):
+        blocks = _blocks(num_units, tp_base)
+        mine: dict[int, list[int]] = {s: [] for s in live}  # dealt units per slot, ascending
+        for unit, holder in dealt[family].items():  # ascending units
+            if _block_of(num_units, tp_base, unit) not in joining:
+                mine[holder].append(unit)
+        count = {s: len(blocks[s]) + len(mine[s]) for s in live}
+        while True:
+            high, low = max(count.values()), min(count.values())
+            if high - low <= 1:
+                break
+            # high >= low + 2 > the largest block, so the donor holds dealt units.
+            donor = min(s for s in live if count[s] == high)
+            unit = mine[donor].pop()
+            proxy = kept[_block_of(num_units, tp_base, unit)]
+            target = proxy if count[proxy] == low else min(s for s in live if count[s] == low)
+            bisect.insort(mine[target], unit)
+            count[donor] -= 1
+            count[target] += 1
+        new_dealt[family] = {u: s for s in live for u in mine[s]}
+    return index, live, kept, new_dealt
+
+
+def _build(generation: int, tp_base: int, units: Mapping[str, int], drafts: Iterable[_Draft]) -> Topology:
     """A topology whose ranks are numbered 0, 1, ... over live slots in (replica, slot) order."""
     replicas, next_rank = [], 0
-    for index in sorted(live):
-        slots = sorted(live[index])
-        replicas.append(Replica(index, tuple(slots), tuple(range(next_rank, next_rank + len(slots)))))
+    for index, slots, proxies, dealt in sorted(drafts, key=lambda d: d[0]):
+        replicas.append(Replica(index, tuple(slots), tuple(range(next_rank, next_rank + len(slots))),
+                                proxies=proxies, dealt=dealt if proxies else {}))
         next_rank += len(slots)
     return Topology(generation=generation, tp_base=tp_base, units=dict(units), replicas=tuple(replicas))
 
 
-def _check_units_fit(units: dict[str, int], live: dict[int, list[int]]) -> None:
-    for family, count in units.items():
-        _check_int(f"units[{family!r}]", count, 1)
-        for index, slots in sorted(live.items()):
-            if count < len(slots):
-                raise ValueError(f"family {family!r} has {count} units, fewer than the {len(slots)} live ranks of "
-                                 f"replica {index}: need at least one unit per rank")
+def _slot_pair(what: str, item: Any, tp_base: int) -> tuple[int, int]:
+    try:
+        replica, slot = item
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a (replica, slot) pair, got {item!r}") from None
+    _check_int(f"replica of {what} {item!r}", replica, 0)
+    _check_int(f"slot of {what} {item!r}", slot, 0)
+    if slot >= tp_base:
+        raise ValueError(f"{what} {item!r}: slot {slot} out of range 0..{tp_base - 1}")
+    return replica, slot
 
 
-def make_topology(tp_base: int, dp: int, units: dict[str, int], dead_slots: Iterable[tuple[int, int]] = (),
+def make_topology(tp_base: int, dp: int, units: Mapping[str, int], dead_slots: Iterable[tuple[int, int]] = (),
                   generation: int = 0, min_tp: int = 1) -> Topology:
-    """The starting topology: replica r has slots 0..tp_base-1 minus its dead slots; ranks are assigned
-    0, 1, 2, ... to live slots in (replica, slot) order. A replica that starts below ``min_tp`` is a
-    configuration error here (there is no drop policy at launch)."""
+    """The starting topology: ``dp`` healthy replicas shrunk by ``dead_slots`` ((replica, slot) pairs), all
+    dead at once, with the usual proxy and dealing rules; ranks 0, 1, ... go to live slots in (replica, slot)
+    order. A replica that starts with no slot or below ``min_tp`` is a configuration error (ValueError): there is
+    no drop policy at launch."""
     _check_int("tp_base", tp_base, 1)
     _check_int("dp", dp, 1)
     _check_int("generation", generation, 0)
     _check_int("min_tp", min_tp, 1)
     if min_tp > tp_base:
         raise ValueError(f"ntp.min_tp ({min_tp}) must be <= tp_base ({tp_base})")
-    dead: set[tuple[int, int]] = set()
+    _check_units(units, tp_base)
+    dead: dict[int, set[int]] = {r: set() for r in range(dp)}
     for item in dead_slots:
-        try:
-            replica, slot = item
-        except (TypeError, ValueError):
-            raise ValueError(f"dead slot must be a (replica, slot) pair, got {item!r}") from None
-        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < dp:
-            raise ValueError(f"dead slot {item!r}: replica {replica!r} out of range 0..{dp - 1}")
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < tp_base:
-            raise ValueError(f"dead slot {item!r}: slot {slot!r} out of range 0..{tp_base - 1}")
-        dead.add((replica, slot))
-    live = {r: [s for s in range(tp_base) if (r, s) not in dead] for r in range(dp)}
-    for r, slots in live.items():
-        if not slots:
+        replica, slot = _slot_pair("dead slot", item, tp_base)
+        if replica >= dp:
+            raise ValueError(f"dead slot {item!r}: replica {replica} out of range 0..{dp - 1}")
+        dead[replica].add(slot)
+    drafts = []
+    for r in range(dp):
+        left = tp_base - len(dead[r])
+        if not left:
             raise ValueError(f"replica {r} has no live slot: all {tp_base} slots are in dead_slots")
-        if len(slots) < min_tp:
-            raise ValueError(f"replica {r} starts with {len(slots)} live slots, below ntp.min_tp ({min_tp})")
-    _check_units_fit(units, live)
-    return _build(generation, tp_base, units, live)
+        if left < min_tp:
+            raise ValueError(f"replica {r} starts with {left} live slots, below ntp.min_tp ({min_tp})")
+        drafts.append(_shrink(_healthy(r, tp_base), dead[r], tp_base, units))
+    return _build(generation, tp_base, units, drafts)
 
 
 _SLOT_RE = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*", re.ASCII)
@@ -424,61 +700,68 @@ def parse_dead_slots(items: Iterable[str | tuple[int, int] | list[int]] | str | 
 
 def _check_policy(policy: str) -> None:
     if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {list(POLICIES)}, got {policy!r}")
+        raise ValueError(f"policy (ntp.on_unrecoverable) must be one of {list(POLICIES)}, got {policy!r}")
 
 
 def next_topology(current: Topology, dead_ranks: Iterable[int], min_tp: int = 1,
                   policy: Policy = "drop_replica") -> Topology:
     """The topology of generation g+1 after process-group ranks ``dead_ranks`` of ``current`` died.
 
-    Their slots are removed and survivors renumbered 0.. in (replica, slot) order. A replica left with no slot or
-    below ``min_tp`` is dropped (policy "drop_replica"; the other replicas keep their indices) or raises
-    :class:`TopologyError` (policy "fail"). Losing every replica raises :class:`TopologyError`.
+    Each replica that lost ranks shrinks stickily (survivors keep their units and proxy roles; the dead ranks'
+    units are dealt to the survivors of their replica); healthy and untouched replicas keep their layout.
+    Survivors are renumbered 0.. in (replica, slot) order. A replica left with no slot or below ``min_tp`` is
+    dropped (policy "drop_replica"; the other replicas keep their indices) or raises :class:`TopologyError`
+    (policy "stop"). Losing every replica raises :class:`TopologyError`.
     """
     _check_int("min_tp", min_tp, 1)
     _check_policy(policy)
     dead = _check_ranks(current, dead_ranks)
-    live: dict[int, list[int]] = {}
+    drafts = []
     for rep in current.replicas:
-        slots = [s for s, r in zip(rep.slots, rep.ranks) if r not in dead]
-        if len(slots) < min_tp:  # includes "no slot left", since min_tp >= 1
-            if policy == "fail":
-                lost = [s for s, r in zip(rep.slots, rep.ranks) if r in dead]
-                raise TopologyError(f"replica {rep.index} fell below ntp.min_tp ({min_tp}): {len(slots)} live "
-                                    f"slots left after losing slots {lost}")
+        dying = {s for s, r in zip(rep.slots, rep.ranks) if r in dead}
+        left = rep.width - len(dying)
+        if left < min_tp:  # includes "no slot left", since min_tp >= 1
+            if policy == "stop":
+                raise TopologyError(f"replica {rep.index} fell below ntp.min_tp ({min_tp}): {left} live slots "
+                                    f"left after losing slots {sorted(dying)} (policy 'stop')")
             continue
-        live[rep.index] = slots
-    if not live:
+        drafts.append(_shrink(_draft_of(rep), dying, current.tp_base, current.units))
+    if not drafts:
         raise TopologyError(f"no replica survives generation {current.generation}: every replica lost all its "
                             f"ranks or fell below ntp.min_tp ({min_tp})")
-    return _build(current.generation + 1, current.tp_base, current.units, live)
+    return _build(current.generation + 1, current.tp_base, current.units, drafts)
 
 
 def join_topology(current: Topology, joined_slots: Iterable[tuple[int, int]], min_tp: int = 1) -> Topology:
-    """The topology of generation g+1 after processes for ``joined_slots`` ((replica, slot) pairs) are admitted.
+    """The topology of generation g+1 after new processes for ``joined_slots`` ((replica, slot) pairs) are
+    admitted; all ranks are renumbered in (replica, slot) order.
 
-    The rejoin counterpart of :func:`next_topology`: replicas widen again (a dropped replica index may come back
-    if it reaches ``min_tp``), and all ranks are renumbered in (replica, slot) order.
+    In a surviving replica each joined slot takes its canonical block back, its block's proxy role ends, the
+    other proxies stay, and counts are rebalanced with the fewest moves (module docstring); a replica whose slots
+    are all live again is canonical. A replica index absent from ``current`` (a dropped replica) comes back if
+    its joined slots number at least ``min_tp`` (else :class:`TopologyError`), laid out like :func:`make_topology`
+    with its other slots dead. Joining a slot that is live, or listing one twice, is a ValueError.
     """
     _check_int("min_tp", min_tp, 1)
-    live = {rep.index: list(rep.slots) for rep in current.replicas}
+    joining: dict[int, set[int]] = {}
     for item in joined_slots:
-        try:
-            replica, slot = item
-        except (TypeError, ValueError):
-            raise ValueError(f"joined slot must be a (replica, slot) pair, got {item!r}") from None
-        _check_int(f"replica of joined slot {item!r}", replica, 0)
-        _check_int(f"slot of joined slot {item!r}", slot, 0)
-        if slot >= current.tp_base:
-            raise ValueError(f"joined slot {item!r}: slot {slot} out of range 0..{current.tp_base - 1}")
-        if slot in live.get(replica, ()):
+        replica, slot = _slot_pair("joined slot", item, current.tp_base)
+        if current.rank_of(replica, slot) is not None:
             raise ValueError(f"joined slot {item!r} is already live in generation {current.generation}")
-        live.setdefault(replica, []).append(slot)
-    for index, slots in live.items():
+        if slot in joining.get(replica, ()):
+            raise ValueError(f"joined slot {item!r} is listed twice")
+        joining.setdefault(replica, set()).add(slot)
+    drafts = []
+    for rep in current.replicas:
+        slots = joining.pop(rep.index, set())
+        drafts.append(_widen(_draft_of(rep), slots, current.tp_base, current.units) if slots else _draft_of(rep))
+    for index, slots in sorted(joining.items()):  # what is left: dropped replicas coming back
         if len(slots) < min_tp:
-            raise TopologyError(f"replica {index} would rejoin with {len(slots)} slots, below ntp.min_tp ({min_tp})")
-    _check_units_fit(current.units, live)
-    return _build(current.generation + 1, current.tp_base, current.units, live)
+            raise TopologyError(f"dropped replica {index} would come back with {len(slots)} slots, below "
+                                f"ntp.min_tp ({min_tp})")
+        dying = set(range(current.tp_base)) - slots
+        drafts.append(_shrink(_healthy(index, current.tp_base), dying, current.tp_base, current.units))
+    return _build(current.generation + 1, current.tp_base, current.units, drafts)
 
 
 def _check_ranks(topology: Topology, ranks: Iterable[int]) -> frozenset[int]:
@@ -506,8 +789,8 @@ class Move:
     src: int | None
     """Old-generation rank of the same replica that holds it and survives; None if no survivor there does."""
     peer: int | None
-    """When ``src`` is None: old-generation rank of another surviving replica holding the unit (lowest replica
-    index first); None otherwise."""
+    """When ``src`` is None: old-generation rank of another surviving replica holding the unit (a replica that
+    was healthy in the old generation first, then the lowest replica index); None otherwise."""
 
     def __post_init__(self) -> None:
         if (self.src is None) == (self.peer is None):
@@ -543,27 +826,29 @@ def transition_plan(old: Topology, new: Topology, dead_ranks: Iterable[int] = ()
     """Every (family, unit, replica, dst) whose holder changes from ``old`` to ``new``, sorted by
     (family, replica, unit).
 
-    A unit the surviving process at dst's slot already holds produces no move, so the plan is minimal. Sources
-    are survivors in the same replica when possible (fast in-replica links), else the holder in the surviving
-    peer replica with the lowest index. Works for shrinking (after :func:`next_topology`) and widening (after
-    :func:`join_topology`). Raises :class:`TopologyError` if some unit has no surviving holder at all.
+    A unit the surviving process at dst's (replica, slot) already holds produces no move, so the plan is minimal.
+    The source is the surviving process of the same replica holding the unit (``src``) if there is one, else a
+    surviving process of another replica (``peer``): a replica healthy in ``old`` first, then the lowest replica
+    index. Works for shrinking (after :func:`next_topology`) and widening (after :func:`join_topology`). Raises
+    :class:`TopologyError` if some needed unit has no surviving holder at all.
     """
-    if old.units != new.units or old.tp_base != new.tp_base:
-        raise ValueError(f"old and new topologies describe different models: units {old.units} / {new.units}, "
-                         f"tp_base {old.tp_base} / {new.tp_base}")
+    if dict(old.units) != dict(new.units) or old.tp_base != new.tp_base:
+        raise ValueError(f"old and new topologies describe different models: units {dict(old.units)} / "
+                         f"{dict(new.units)}, tp_base {old.tp_base} / {new.tp_base}")
     survivors = survivor_ranks(old, new, dead_ranks)
+    peer_order = sorted((rep.index for rep in old.replicas), key=lambda i: (not old.is_healthy(i), i))
     moves: list[Move] = []
     for family in sorted(new.units):
-        # For each old replica: unit -> old rank holding it, restricted to processes that survive.
+        # For each old replica: unit -> old rank holding it, restricted to processes that survive (so a dropped
+        # replica offers nothing).
         held: dict[int, dict[int, int]] = {}
         for rep in old.replicas:
-            held[rep.index] = {u: rank for rank in rep.ranks if rank in survivors
-                               for u in old.units_of(rank, family)}
+            held[rep.index] = {u: rank for rank, units in zip(rep.ranks, old._layouts[rep.index, family])
+                               if rank in survivors for u in units}
         for rep in new.replicas:
             same = held.get(rep.index, {})
-            # Only survivors are in `held`, so a dropped replica offers nothing: peers are surviving replicas.
-            peers = [held[index] for index in sorted(held) if index != rep.index]
-            for dst, units in zip(rep.ranks, new.layout(family, rep.index)):
+            peers = [held[i] for i in peer_order if i != rep.index]
+            for dst, units in zip(rep.ranks, new._layouts[rep.index, family]):
                 for unit in units:
                     src = same.get(unit)
                     if src is not None and survivors[src] == dst:
