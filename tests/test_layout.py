@@ -498,6 +498,24 @@ def test_join_examples():
     assert [(mv.unit, mv.src, mv.dst) for mv in moves] == [(8, 0, 2), (9, 1, 2), (10, 1, 2), (11, 0, 2)]
 
 
+def test_join_rebalance_prefers_the_proxy_among_the_least_loaded():
+    """11 heads over TP4: blocks [0,1,2] [3,4,5] [6,7,8] [9,10]; only slot 3 starts live (proxy of 0, 1, 2)."""
+    topo = make_topology(4, 1, {"heads": 11}, dead_slots=[(0, 0), (0, 1), (0, 2)])
+    # Slot 0 takes 0, 1, 2 back (counts 3 / 8); slot 3 gives its largest dealt heads, 8 then 7, to slot 0.
+    one = join_topology(topo, [(0, 0)])
+    assert one.layout("heads", 0) == [[0, 1, 2, 7, 8], [3, 4, 5, 6, 9, 10]]
+    assert one.replica(0).proxies == {1: 3, 2: 3}
+    # Slot 1 takes 3, 4, 5 back: counts 5 / 3 / 3. Slot 0 gives head 8 (block 2); slots 1 and 3 are both least
+    # loaded, and slot 3 is the proxy of block 2, so it gets it rather than the lower slot 1.
+    two = join_topology(one, [(0, 1)])
+    assert two.layout("heads", 0) == [[0, 1, 2, 7], [3, 4, 5], [6, 8, 9, 10]]
+    assert two.replica(0).proxies == {2: 3}
+    assert transition_plan(one, two) == [Move("heads", 3, 0, dst=1, src=1, peer=None),
+                                         Move("heads", 4, 0, dst=1, src=1, peer=None),
+                                         Move("heads", 5, 0, dst=1, src=1, peer=None),
+                                         Move("heads", 8, 0, dst=2, src=0, peer=None)]
+
+
 def test_join_of_a_dropped_replica_and_min_tp():
     topo = make_topology(4, 3, {"heads": 8, "vocab": 12})
     dropped = next_topology(topo, [4, 5, 6], min_tp=2)  # replica 1 keeps 1 slot < 2: dropped
@@ -617,14 +635,17 @@ def degraded_json() -> dict:
     return next_topology(make_topology(4, 2, {"heads": 8}), [7]).to_json()
 
 
-def edit(change) -> dict:
-    d = degraded_json()
-    change(d["replicas"][1])
-    return d
+def edit(change):
+    """A blob maker (built at test time, so that a broken implementation fails a test, not the collection)."""
+    def make() -> dict:
+        d = degraded_json()
+        change(d["replicas"][1])
+        return d
+    return make
 
 
 @pytest.mark.parametrize(
-    "blob, message",
+    "make_blob, message",
     [
         (edit(lambda r: r.update(proxies=[])), "every dead block needs exactly one proxy"),
         (edit(lambda r: r.update(proxies=[[3, 0], [2, 1]])), "every dead block needs exactly one proxy"),
@@ -639,11 +660,12 @@ def edit(change) -> dict:
          "healthy (canonical) but lists dealt units"),
         (edit(lambda r: r.update(proxies=[[3, "0"]])), "proxy of block 3 must be an int"),
         (edit(lambda r: r.pop("dealt")), "replica JSON must have exactly the keys"),
-        ({"generation": 0, "tp_base": 2, "units": {}}, "topology JSON must have exactly the keys"),
-        ({**degraded_json(), "units": {"heads": 3}}, "family 'heads' has 3 units, fewer than tp_base (4)"),
+        (lambda: {"generation": 0, "tp_base": 2, "units": {}}, "topology JSON must have exactly the keys"),
+        (lambda: {**degraded_json(), "units": {"heads": 3}}, "family 'heads' has 3 units, fewer than tp_base (4)"),
     ],
 )
-def test_topology_validation(blob, message):
+def test_topology_validation(make_blob, message):
+    blob = make_blob()
     with pytest.raises(ValueError) as err:
         Topology.from_json(blob)
     assert message in str(err.value)
