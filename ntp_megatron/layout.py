@@ -37,8 +37,9 @@ Sync groups
 -----------
 Gradients of block ``s`` are summed across replicas in *sync group* ``s``: one member per replica, ordered by
 replica index, namely the rank at slot ``s`` or, where slot ``s`` is dead, the rank of the proxy of block
-``s``. There are always ``tp_base`` groups. Inside a replica the ranks holding units of block ``s``
-(:meth:`Topology.block_holders`) gather them to the member before the cross-replica sum and get them back after.
+``s``. There are always ``tp_base`` groups; a rank is in its own slot's group and in one more per proxy role.
+Inside a replica the ranks holding units of block ``s`` (:meth:`Topology.block_holders`) gather them to the
+member before the cross-replica sum and get them back after (a proxy may itself hold none of its block).
 
 Shrinking is sticky
 -------------------
@@ -58,6 +59,10 @@ Counts were balanced (max - min <= 1) before the failure, removing ranks cannot 
 a current minimum keeps it, so counts stay balanced. :func:`make_topology` with dead slots is the healthy
 topology shrunk by all of them at once.
 
+A replica left with no rank, or with fewer than ``min_tp`` (config ``ntp.min_tp``), cannot go on: under policy
+"drop_replica" it leaves the job (the other replicas keep their indices), under policy "stop" the failure is
+unrecoverable (:class:`TopologyError`, restart from a checkpoint); losing every replica is always unrecoverable.
+
 Widening
 --------
 When repaired processes rejoin (:func:`join_topology`), each joined slot takes its whole canonical block back
@@ -65,13 +70,18 @@ from whoever holds it in its replica, and the proxy role of that block ends. Pro
 dead stay where they are (a joining slot never becomes a proxy of a surviving replica). Counts are then
 rebalanced with the fewest moves: while some family's counts differ by two or more, the lowest slot with the
 maximum count gives its largest dealt unit to a slot with the minimum count (the proxy of that unit's block if
-it has the minimum, else the lowest such slot). A replica whose slots are all live again is exactly canonical. A
-dropped replica may come back: its missing blocks are dealt among its joined slots as in :func:`make_topology`.
+it has the minimum, else the lowest such slot). This is the fewest moves: balanced counts of a fixed total are
+all ``floor`` or ``ceil`` of the mean, and each move lowers the excess above ``ceil`` or the shortfall below
+``floor`` by one (both while both are positive). The donor always has a dealt unit to give, as its count exceeds
+the largest block. A replica whose slots are all live again is exactly canonical. A dropped replica may come
+back: its missing blocks are dealt among its joined slots as in :func:`make_topology`.
 
 Transition plans
 ----------------
-:func:`transition_plan` lists the units each new-generation rank lacks, with a source for each: a surviving
-process of the same replica, else a surviving process of another replica.
+:func:`transition_plan` lists the units each new-generation rank lacks (a unit the surviving process at the
+same slot already holds never moves), with a source for each: the surviving process of the same replica that
+holds it, else a surviving process of another replica, from a replica that was healthy first (its slot ``s``
+holds exactly block ``s``), then the lowest replica index.
 """
 
 from __future__ import annotations

@@ -285,7 +285,7 @@ def test_proxy_may_hold_none_of_its_block():
     assert topo.sync_groups() == [(0,), (1,), (0,), (2,)]
 
 
-def test_proxy_roles_spread_and_proxy_death_prefers_the_largest_holder():
+def test_proxy_rule_fewest_roles_then_largest_holder():
     topo = make_topology(4, 1, {"heads": 8}, dead_slots=[(0, 2), (0, 3)])
     # Block 2 -> slot 0 (lowest), block 3 -> slot 1 (fewest roles). Heads 4, 5 -> 0 then 1; 6, 7 -> 1 then 0.
     assert topo.replica(0).proxies == {2: 0, 3: 1}
@@ -299,6 +299,15 @@ def test_proxy_roles_spread_and_proxy_death_prefers_the_largest_holder():
     # Block 1 first: 3 -> slot 2 (tie, proxy), 4 -> slot 0 (fewer), 5 -> slot 2 (tie, proxy); then block 3's
     # head 10 -> slot 0 (fewer).
     assert after.layout("heads", 0) == [[0, 1, 2, 4, 9, 10], [3, 5, 6, 7, 8, 11]]
+    # Equal roles: the slot holding most of the block wins. 7 heads over TP4: blocks [0,1] [2,3] [4,5] [6].
+    seven = make_topology(4, 1, {"heads": 7}, dead_slots=[(0, 0)])
+    assert seven.layout("heads", 0) == [[1, 2, 3], [4, 5], [0, 6]] and seven.replica(0).proxies == {0: 1}
+    # Slot 1 dies (owner of block 1, proxy of block 0). Block 0: slots 2 and 3 have no role, slot 3 holds head 0
+    # -> slot 3 (not the lower slot 2); head 1 -> slot 3 (tie, proxy). Block 1: slot 2 has fewer roles -> slot 2;
+    # head 2 -> slot 2 (fewer), head 3 -> slot 2 (tie, proxy).
+    lost = next_topology(seven, [0])
+    assert lost.replica(0).proxies == {0: 3, 1: 2}
+    assert lost.layout("heads", 0) == [[2, 3, 4, 5], [0, 1, 6]]
 
 
 # ---------------------------------------------------------------------------------------------------------------
