@@ -147,8 +147,11 @@ class LoggingSection(_Section):
     """Verification aid: after every iteration each replica reports checksums of its full parameters and
     optimizer state (a ``state_checksums`` record in the metrics file). Costs a gather per tensor."""
     dump_state: Optional[str] = None
-    """Verification aid: at the end each replica saves its full parameters and optimizer state to
-    ``<dump_state>/replica<r>.pt``."""
+    """Verification aid: each replica saves its full parameters and optimizer state to
+    ``<dump_state>/replica<r>.init.pt`` before the first step and ``<dump_state>/replica<r>.pt`` at the end."""
+    comm_stats: bool = False
+    """Measurement aid: every rank reports, per iteration, its torch.distributed calls and their payload
+    bytes (a ``comm_stats`` record in the metrics file; see ``scripts/bench.sh``)."""
 
 
 class JobConfig(_Section):

@@ -1,235 +1,326 @@
-"""Cross-replica gradient sync for replicas whose TP layouts differ, inside Megatron's DDP buckets.
+"""Cross-replica gradient sync under NTP: canonical blocks in Megatron's own flat buckets.
 
-For each TP-split parameter, sync partition ``i`` (contiguous unit block) is summed across replicas by the
-ranks that are core ``i`` of every replica (one all-reduce per parameter and partition, on the sync group).
-In a replica wider than the sync width, extra ranks first hand their units' gradients to the core of each
-unit's partition (point-to-point inside the replica) and take the summed values back afterwards. Replicated
-(non-TP) parameters hold identical gradients on every rank of a replica; they are pre-scaled by ``1/width``
-and all-reduced over all ranks, so each replica counts once and every rank ends with the same bits.
+Every TP-split tensor is cut into ``tp_base`` canonical blocks of units (block ``s`` is what slot ``s`` of a
+healthy replica holds). Gradients of block ``s`` are summed in sync group ``s``, which has one member per
+replica (see :mod:`ntp_megatron.groups`):
 
-Used only when replica widths differ (equal widths have identical layouts, and Megatron's own DDP
-all-reduce over the sync groups does the job; see :mod:`ntp_megatron.groups`). Collectives are issued per
-parameter in the same (registration) order on every rank, so replicas need not lay their DDP buckets out
-alike; Megatron's bucket readiness decides when each bucket starts. Nothing blocks inside a backward hook:
-a rank whose bucket is ready only posts its sends and receives (and the replicated all-reduce), because a
-peer of the same replica may still be in backward, in a TP collective this rank has to join. The
-sync-group all-reduces wait for ``finish_grad_sync``, where every core issues them in parameter order, so
-each group sees the same collective order on all its members.
-The grad norm is computed from per-unit sums so it is bit-identical on every replica (see
-:meth:`NTPGradSync.grad_norm`), which keeps the replicas' updates bit-identical.
+* A rank of a **healthy** replica holds exactly block ``s``. Its DDP buckets are those of plain Megatron-Core
+  at slot ``s``, its data-parallel group is sync group ``s``, and upstream's ``finalize_model_grads`` syncs
+  it — same buckets, same collectives, same overlap. NTP adds nothing to its step.
+* A rank of a **degraded** replica holds its own block plus units dealt from dead slots' blocks, so its own
+  buckets line up with nobody's. For every block it is the sync-group member of (its slot's block, and each
+  dead block it is the proxy of) it keeps a *shadow*: Megatron's own ``DistributedDataParallel`` built over
+  meta-device parameters of the slot-``s`` shapes, whose flat buckets therefore match a healthy slot-``s``
+  rank's byte for byte. After backward it copies its units into the shadows, gathers the pieces of dead
+  blocks held by its replica peers (one packed message per peer and block, inside the replica), lets the
+  shadow's upstream ``finish_grad_sync`` all-reduce bucket by bucket over the sync group in creation order,
+  then copies the sums back and returns the peers' pieces. The cost lands where the failure is.
+
+Rules every member of a group follows, whatever its own layout:
+
+* Buckets go out in creation order (:mod:`ntp_megatron.patches.distributed_param_and_grad_buffer`); a rank
+  in several sync groups serves them in ascending block order, which cannot deadlock.
+* Every data-parallel collective is repeated in each group a rank is a member of (the bucket syncs, the
+  token count, the loss for the log). The loss is per token, so gradients are divided by the token count of
+  the global batch; no ``1/dp`` factor is involved.
+* Replicated parameters (norms, row-parallel biases, position embeddings) sit in every block's buckets.
+  When blocks are uneven (``units % tp_base != 0`` for some family), slots' buckets put them at different
+  offsets, and an all-reduce's summation order follows the offset: slots would end with different bits.
+  Their synced value is then taken from one place — block 0's member broadcasts it inside each replica.
+* The grad norm (:meth:`GradSync.grad_norm`) is assembled from a float64 table of squared sums per
+  (parameter, block), each cell computed on a slot-shaped buffer that is bitwise the same in every replica,
+  summed over the replica (one non-zero entry per cell, so the sum is exact) and finished with ``fsum``:
+  bit-identical on every rank of every replica, hence so are clipping and the update.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
+from ntp_megatron.groups import NTPGroups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
 
-@dataclass(frozen=True)
-class FamilyRole:
-    """This rank's part in syncing one unit family."""
+# Attributes Megatron's DDP and optimizer read from a parameter; a shadow parameter carries them too.
+_PARAM_ATTRS = ("allreduce", "shared_embedding", "tensor_model_parallel", "partition_dim", "partition_stride",
+                "sequence_parallel")
 
-    core_of: Optional[int]                      # partition index if this rank is a core
-    partition_size: int = 0
-    own_positions: tuple[int, ...] = ()         # positions of this rank's units inside the partition buffer
-    from_extras: tuple[tuple[int, tuple[int, ...]], ...] = ()   # core: (extra rank, buffer positions)
-    to_cores: tuple[tuple[int, tuple[int, ...]], ...] = ()      # extra: (core rank, local positions)
+
+def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> torch.Size:
+    """The shape ``param`` has on a rank that holds ``num_units`` units of its family (any layout)."""
+    dim = param.partition_dim
+    shape = list(param.shape)
+    per_unit, rest = divmod(shape[dim], len(shard.units))
+    assert rest == 0, f"dimension {dim} of {tuple(param.shape)} is not a multiple of {len(shard.units)} units"
+    shape[dim] = per_unit * num_units
+    return torch.Size(shape)
+
+
+def shadow_module(module: torch.nn.Module, topology: Topology, block: int) -> torch.nn.Module:
+    """A module whose parameters have the names, order, dtypes and attributes of ``module``'s, on the meta
+    device, at the shapes a healthy rank at slot ``block`` has. Megatron's DDP lays buckets out from exactly
+    those properties, so a DDP over this module has a slot-``block`` rank's buckets."""
+    root = torch.nn.Module()
+    for name, param in module.named_parameters():
+        shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
+        shape = param.shape if shard is None else slot_shape(param, shard, len(topology.block(shard.family, block)))
+        shadow = torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                    requires_grad=param.requires_grad)
+        for attr in _PARAM_ATTRS:
+            if hasattr(param, attr):
+                setattr(shadow, attr, getattr(param, attr))
+        owner = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        owner.register_parameter(leaf, shadow)
+    names = [n for n, _ in root.named_parameters()]
+    assert names == [n for n, _ in module.named_parameters()], "shadow parameters must keep the model's order"
+    return root
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Some units of one block of one TP-split parameter, on one rank: where they sit locally (positions in
+    that rank's unit list) and in the block (positions in the block's unit list)."""
+
+    name: str
+    shard: UnitShard
+    local: torch.Tensor
+    in_block: torch.Tensor
 
     @property
-    def is_plain(self) -> bool:
-        """A core that holds its whole partition and has no extras: all-reduce in place."""
-        return self.core_of is not None and not self.from_extras and len(self.own_positions) == self.partition_size
+    def numel(self) -> int:
+        return self.shard.outer * len(self.local) * self.shard.inner
 
 
-def family_role(topology: Topology, rank: int, family: str) -> FamilyRole:
-    replica = topology.replica_of(rank)
-    local = topology.local_rank(rank)
-    mine = topology.units_of(rank, family)
-    m = topology.sync_width
-    if local < m:
-        holders = topology.partition_holders(family, replica.index, local)
-        partition = sorted(u for _, units in holders for u in units)
-        start = partition[0]
-        return FamilyRole(
-            core_of=local, partition_size=len(partition),
-            own_positions=tuple(u - start for u in mine),
-            from_extras=tuple((r, tuple(u - start for u in units)) for r, units in holders if r != rank),
-        )
-    position = {u: i for i, u in enumerate(mine)}
-    to_cores = []
-    for partition_index in range(m):
-        holders = topology.partition_holders(family, replica.index, partition_index)
-        core_rank = holders[0][0]
-        for r, units in holders:
-            if r == rank:
-                to_cores.append((core_rank, tuple(position[u] for u in units)))
-    return FamilyRole(core_of=None, to_cores=tuple(to_cores))
+def _pieces(topology: Topology, rank: int, block: int, split: list[tuple[str, UnitShard]],
+            device: torch.device) -> list[_Piece]:
+    """Every unit of ``block`` that ``rank`` holds, per TP-split parameter, in parameter order."""
+    out = []
+    for name, shard in split:
+        held = topology.units_of(rank, shard.family)
+        block_units = topology.block(shard.family, block)
+        start = block_units[0]
+        mine = [(i, u - start) for i, u in enumerate(held) if start <= u <= block_units[-1]]
+        if mine:
+            local, in_block = zip(*mine)
+            out.append(_Piece(name, shard, torch.tensor(local, device=device), torch.tensor(in_block, device=device)))
+    return out
 
 
-def sum_over_replicas(value: torch.Tensor, tp_rank: int) -> torch.Tensor:
-    """Sum, in place over all ranks, a quantity every rank of a replica holds identically: each replica once."""
-    if tp_rank != 0:
-        value.zero_()
-    dist.all_reduce(value)
-    return value
+def _unit_view(tensor: torch.Tensor, shard: UnitShard, units: int) -> torch.Tensor:
+    return tensor.view(shard.outer, units, shard.inner)
 
 
-@dataclass
-class _Pending:
-    """Communication of one parameter still in flight between ``start`` and ``wait``."""
+class _Shadow:
+    """Slot-shaped buckets of one block on a degraded rank: Megatron's DDP over a meta module."""
 
-    grad: torch.Tensor                           # the parameter's main_grad, viewed [outer, units, inner]
-    role: Optional[FamilyRole]
-    tag: int
-    work: list = field(default_factory=list)     # works to wait for before finishing
-    buffer: Optional[torch.Tensor] = None         # core: the partition buffer, all-reduced in finish
-    incoming: list = field(default_factory=list)  # core: (buffer positions, receive buffer, work) per extra
-    keep: list = field(default_factory=list)      # send buffers that must outlive their isend
+    def __init__(self, module: torch.nn.Module, topology: Topology, block: int, groups: NTPGroups, tf_config,
+                 ddp_config) -> None:
+        self.block = block
+        self.module = shadow_module(module, topology, block)
+        self.ddp = DistributedDataParallel(tf_config, copy.deepcopy(ddp_config), self.module,
+                                           pg_collection=groups.with_data_parallel(groups.sync[block]))
+        self.grads = {name: p.main_grad for name, p in self.module.named_parameters()}
+        self.block_units = {family: len(topology.block(family, block)) for family in topology.units}
 
-
-class _Handle:
-    def __init__(self, sync: "NTPGradSync", pending: list[_Pending]) -> None:
-        self._sync, self._pending = sync, pending
-
-    def wait(self) -> None:
-        self._sync._finish(self._pending)
+    def region(self, piece: _Piece) -> torch.Tensor:
+        return _unit_view(self.grads[piece.name], piece.shard, self.block_units[piece.shard.family])
 
 
-class NTPGradSync:
-    """The grad syncer of one rank for one topology; attach it to a Megatron DDP model."""
+@dataclass(frozen=True)
+class _Transfer:
+    """One packed message inside a degraded replica: the pieces of ``block`` held by ``holder`` (a rank that
+    is not the block's sync-group member), in parameter order."""
 
-    def __init__(self, topology: Topology, rank: int, tp_group: dist.ProcessGroup,
-                 sync_group: Optional[dist.ProcessGroup]) -> None:
-        self.tp_group = tp_group
-        self.sync_group = sync_group
-        self.width = topology.replica_of(rank).width
-        self.local_rank = topology.local_rank(rank)
-        self.roles = {family: family_role(topology, rank, family) for family in topology.units}
-        self._order: dict[torch.nn.Parameter, int] = {}
-        self._params: list[torch.nn.Parameter] = []
+    block: int
+    holder: int
+    member: int
+    pieces: tuple[_Piece, ...]
 
-    def attach(self, ddp_model) -> None:
-        """Route every bucket group of ``ddp_model`` through this syncer (see patches/)."""
-        if ddp_model.config.sequence_parallel:
-            raise ValueError("NTP grad sync does not all-reduce sequence-parallel norm gradients")
-        self._params = [p for p in ddp_model.module.parameters() if p.requires_grad]
-        for name, param in ddp_model.module.named_parameters():
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.pieces)
+
+
+class GradSync:
+    """One rank's part of the cross-replica sync for one topology. Register :meth:`finalize_model_grads` as
+    the model config's ``finalize_model_grads_func`` and :meth:`grad_norm` as the grad-norm override."""
+
+    def __init__(self, topology: Topology, rank: int, groups: NTPGroups, model: DistributedDataParallel,
+                 tf_config, ddp_config) -> None:
+        """``ddp_config``: the job's DDP config as given to every healthy rank (before DDP mutated it)."""
+        self.topology, self.rank, self.groups = topology, rank, groups
+        replica = topology.replica_of(rank)
+        self.replica = replica.index
+        self.members = list(groups.sync)                  # blocks this rank serves, ascending
+        self.block0_member = topology.sync_member(replica.index, 0)
+        self.tp_base = topology.tp_base
+        self.uneven = any(n % topology.tp_base for n in topology.units.values())
+        self.params: list[tuple[str, torch.nn.Parameter]] = [
+            (n, p) for n, p in model.module.named_parameters() if p.requires_grad]
+        self.split = [(n, p.ntp_shard) for n, p in self.params if hasattr(p, "ntp_shard")]
+        self.replicated = [(n, p) for n, p in self.params if not hasattr(p, "ntp_shard")]
+        for name, param in self.params:
             if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_shard"):
                 raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
-        self._order = {p: i for i, p in enumerate(self._params)}
-        for group in list(ddp_model.bucket_groups) + list(ddp_model.expert_parallel_bucket_groups):
-            group.grad_syncer = self
+        self._by_name = dict(self.params)
+        self.shadows: dict[int, _Shadow] = {}
+        self.own: dict[int, list[_Piece]] = {}
+        self.incoming: list[_Transfer] = []
+        self.outgoing: list[_Transfer] = []
+        if not groups.healthy:
+            self._plan_degraded(model, tf_config, ddp_config)
 
-    # -- bucket communication ----------------------------------------------------------------------
-    def start(self, bucket_group, async_op: bool = True) -> _Handle:
-        """Post this bucket group's communication (never blocks); the handle's ``wait`` completes it."""
-        pending = []
-        for bucket in bucket_group.buckets:
-            for param in bucket.params_list:
-                pending.append(self._start_param(param))
-        return _Handle(self, pending)
+    # -- degraded replica: shadows and in-replica transfers ---------------------------------------------------
+    def _plan_degraded(self, model, tf_config, ddp_config) -> None:
+        topo, rank = self.topology, self.rank
+        device = self.params[0][1].main_grad.device
+        for block in self.members:
+            self.shadows[block] = _Shadow(model.module, topo, block, self.groups, tf_config, ddp_config)
+            self.own[block] = _pieces(topo, rank, block, self.split, device)
+        replica = topo.replica(self.replica)
+        for block in range(self.tp_base):
+            member = topo.sync_member(self.replica, block)
+            for holder in replica.ranks:
+                if holder == member or (rank not in (holder, member)):
+                    continue
+                pieces = tuple(_pieces(topo, holder, block, self.split, device))
+                if not pieces:
+                    continue
+                transfer = _Transfer(block, holder, member, pieces)
+                (self.incoming if rank == member else self.outgoing).append(transfer)
 
-    def _start_param(self, param: torch.nn.Parameter) -> _Pending:
-        tag = 2 * self._order[param]
-        shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-        if shard is None:
-            grad = param.main_grad
-            if self.width > 1:
-                grad.mul_(1.0 / self.width)
-            return _Pending(grad, None, tag, [dist.all_reduce(grad, async_op=True)])
-        grad = shard.view(param.main_grad)
-        role = self.roles[shard.family]
-        p = _Pending(grad, role, tag)
-        if role.core_of is None:
-            for core, positions in role.to_cores:
-                payload = grad[:, list(positions), :].contiguous()
-                p.keep.append(payload)
-                p.work.append(dist.isend(payload, dst=core, tag=tag))
-            return p
-        for extra, positions in role.from_extras:
-            incoming = grad.new_empty(grad.shape[0], len(positions), grad.shape[2])
-            p.incoming.append((positions, incoming, dist.irecv(incoming, src=extra, tag=tag)))
-        return p
-
-    def _reduce_partition(self, p: _Pending) -> None:
-        """Core: gather the partition from this rank and its extras, all-reduce it across replicas."""
-        role = p.role
-        if role.is_plain:
-            p.buffer = p.grad
-        else:
-            p.buffer = p.grad.new_empty(p.grad.shape[0], role.partition_size, p.grad.shape[2])
-            p.buffer[:, list(role.own_positions), :] = p.grad
-            for positions, incoming, work in p.incoming:
-                work.wait()
-                p.buffer[:, list(positions), :] = incoming
-        dist.all_reduce(p.buffer, group=self.sync_group)
-
-    def _finish(self, pending: list[_Pending]) -> None:
-        sends = []
-        for p in pending:
-            for work in p.work:
-                work.wait()
-            role = p.role
-            if role is None:
-                continue
-            if role.core_of is not None:
-                self._reduce_partition(p)
-                if not role.is_plain:
-                    p.grad.copy_(p.buffer[:, list(role.own_positions), :])
-                    for extra, positions in role.from_extras:
-                        payload = p.buffer[:, list(positions), :].contiguous()
-                        sends.append((payload, dist.isend(payload, dst=extra, tag=p.tag + 1)))
+    def _pack(self, transfer: _Transfer, from_shadow: bool) -> torch.Tensor:
+        parts = []
+        for piece in transfer.pieces:
+            if from_shadow:
+                source, index = self.shadows[transfer.block].region(piece), piece.in_block
             else:
-                for core, positions in role.to_cores:
-                    incoming = p.grad.new_empty(p.grad.shape[0], len(positions), p.grad.shape[2])
-                    dist.irecv(incoming, src=core, tag=p.tag + 1).wait()
-                    p.grad[:, list(positions), :] = incoming
+                param = self._by_name[piece.name]
+                source, index = _unit_view(param.main_grad, piece.shard, len(piece.shard.units)), piece.local
+            parts.append(source.index_select(1, index).reshape(-1))
+        return torch.cat(parts)
+
+    def _unpack(self, transfer: _Transfer, buffer: torch.Tensor, into_shadow: bool) -> None:
+        offset = 0
+        for piece in transfer.pieces:
+            chunk = buffer[offset:offset + piece.numel].view(piece.shard.outer, -1, piece.shard.inner)
+            offset += piece.numel
+            if into_shadow:
+                self.shadows[transfer.block].region(piece).index_copy_(1, piece.in_block, chunk)
+            else:
+                param = self._by_name[piece.name]
+                _unit_view(param.main_grad, piece.shard, len(piece.shard.units)).index_copy_(1, piece.local, chunk)
+
+    def _exchange(self, receive: list[_Transfer], send: list[_Transfer], to_member: bool) -> None:
+        """Post every receive and send of one direction, then complete them: receives land in the shadows
+        (towards members) or in ``main_grad`` (back to holders)."""
+        tag_base = 0 if to_member else self.tp_base
+        tp = self.groups.tp
+        works = []
+        for t in receive:
+            buffer = torch.empty(t.numel, dtype=torch.float32, device=self._device)
+            peer = t.holder if to_member else t.member
+            works.append((t, buffer, dist.irecv(buffer, src=peer, group=tp, tag=tag_base + t.block)))
+        sends = []
+        for t in send:
+            buffer = self._pack(t, from_shadow=not to_member)
+            peer = t.member if to_member else t.holder
+            sends.append((buffer, dist.isend(buffer, dst=peer, group=tp, tag=tag_base + t.block)))
+        for t, buffer, work in works:
+            work.wait()
+            self._unpack(t, buffer, into_shadow=to_member)
         for _, work in sends:
             work.wait()
 
-    # -- after the sync: token normalisation and the grad norm ------------------------------------
+    @property
+    def _device(self) -> torch.device:
+        return self.params[0][1].main_grad.device
+
+    def _sync_degraded(self, num_tokens: Optional[torch.Tensor]) -> None:
+        for block, shadow in self.shadows.items():
+            shadow.ddp.zero_grad_buffer()
+            for piece in self.own[block]:
+                param = self._by_name[piece.name]
+                local = _unit_view(param.main_grad, piece.shard, len(piece.shard.units))
+                shadow.region(piece).index_copy_(1, piece.in_block, local.index_select(1, piece.local))
+            for name, param in self.replicated:
+                shadow.grads[name].copy_(param.main_grad)
+        self._exchange(self.incoming, self.outgoing, to_member=True)
+        for shadow in self.shadows.values():      # ascending block order on every rank
+            shadow.ddp.finish_grad_sync()         # upstream: bucket by bucket over sync group `block`
+        if num_tokens is not None:
+            num_tokens.copy_(self.sum_over_replicas(num_tokens))
+            if num_tokens > 0:
+                scaling = 1.0 / num_tokens        # upstream's arithmetic, so the bits match healthy ranks
+                for shadow in self.shadows.values():
+                    shadow.ddp.scale_gradients(scaling)
+        for block, shadow in self.shadows.items():
+            for piece in self.own[block]:
+                param = self._by_name[piece.name]
+                local = _unit_view(param.main_grad, piece.shard, len(piece.shard.units))
+                local.index_copy_(1, piece.local, shadow.region(piece).index_select(1, piece.in_block))
+        if self.shadows:
+            first = next(iter(self.shadows.values()))
+            for name, param in self.replicated:
+                param.main_grad.copy_(first.grads[name])
+        self._exchange(self.outgoing, self.incoming, to_member=False)
+
+    # -- every rank ------------------------------------------------------------------------------------------
     def finalize_model_grads(self, model, num_tokens: Optional[torch.Tensor] = None, pg_collection=None,
                              force_all_reduce: bool = False) -> None:
-        """Megatron's ``finalize_model_grads`` for NTP: finish the bucket syncs, then divide by the number of
-        tokens in the global batch (each replica's count taken once, from its TP rank 0)."""
-        for chunk in model:
-            chunk.finish_grad_sync()
-        if num_tokens is not None:
-            tokens = sum_over_replicas(num_tokens.clone(), self.local_rank)
-            if tokens > 0:
-                for chunk in model:
-                    chunk.scale_gradients(1.0 / tokens)
+        """Megatron's ``finalize_model_grads`` for NTP: upstream's on a healthy rank, the shadow sync on a
+        degraded one; then, with uneven blocks, replicated gradients from block 0's member."""
+        if self.groups.healthy:
+            finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        else:
+            self._sync_degraded(num_tokens)
+        if self.uneven and self.replicated and self.groups.tp.size() > 1:
+            flat = torch.cat([p.main_grad.reshape(-1) for _, p in self.replicated])
+            dist.broadcast(flat, src=self.block0_member, group=self.groups.tp)
+            offset = 0
+            for _, param in self.replicated:
+                param.main_grad.view(-1).copy_(flat[offset:offset + param.numel()])
+                offset += param.numel()
+
+    def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over replicas of a value every rank of a replica holds alike (each replica counted once):
+        an all-reduce in each sync group this rank is a member of (the results are equal; the first is
+        returned)."""
+        result = None
+        for group in self.groups.sync.values():
+            reduced = value.clone()
+            dist.all_reduce(reduced, group=group)
+            result = reduced if result is None else result
+        return result
 
     @torch.no_grad()
     def grad_norm(self, *_args, **_kwargs) -> float:
-        """The global L2 norm of the synced gradients, bit-identical on every rank of every replica.
-
-        Per-unit squared sums (each unit lives on exactly one rank of a replica, so the TP all-reduce of
-        vectors that are zero elsewhere is exact), then one sum in unit order; replicated parameters are
-        identical everywhere and summed in parameter order.
-        """
-        unit_sums = []
-        device = self._params[0].main_grad.device
-        replicated = torch.zeros((), dtype=torch.float64, device=device)
-        for param in self._params:
-            grad = param.main_grad
-            shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-            if shard is None:
-                replicated += grad.double().pow(2).sum()
-                continue
-            per_unit = shard.view(grad).permute(1, 0, 2).reshape(len(shard.units), -1).double().pow(2).sum(dim=1)
-            full = torch.zeros(shard.num_units, dtype=torch.float64, device=device)
-            full[list(shard.units)] = per_unit
-            unit_sums.append(full)
-        total = replicated
-        if unit_sums:
-            units = torch.cat(unit_sums)
-            dist.all_reduce(units, group=self.tp_group)
-            total = total + units.sum()
-        return math.sqrt(float(total))
+        """The global L2 norm of the synced gradients, bit-identical on every rank of every replica."""
+        n_split = len(self.split)
+        table = torch.zeros(n_split * self.tp_base + len(self.replicated), dtype=torch.float64,
+                            device=self._device)
+        if self.groups.healthy:
+            [block] = self.members
+            for i, (name, _) in enumerate(self.split):
+                table[i * self.tp_base + block] = self._by_name[name].main_grad.double().pow(2).sum()
+        else:
+            for block, shadow in self.shadows.items():
+                for i, (name, _) in enumerate(self.split):
+                    table[i * self.tp_base + block] = shadow.grads[name].double().pow(2).sum()
+        if self.rank == self.block0_member:
+            for j, (_, param) in enumerate(self.replicated):
+                table[n_split * self.tp_base + j] = param.main_grad.double().pow(2).sum()
+        dist.all_reduce(table, group=self.groups.tp)
+        return math.sqrt(math.fsum(table.tolist()))

@@ -59,7 +59,7 @@ class InitRecipe:
     full_shape: tuple[int, ...] = ()
 
 
-def _tag(param: Optional[torch.nn.Parameter], recipe: InitRecipe, shard: Optional[UnitShard] = None,
+def tag_parameter(param: Optional[torch.nn.Parameter], recipe: InitRecipe, shard: Optional[UnitShard] = None,
          dim: int = 0, stride: int = 1) -> None:
     """Record how to initialise ``param`` and, for a split tensor, its units — plus Megatron's own TP
     attributes, which upstream sets only when it initialises (it does not here)."""
@@ -92,9 +92,9 @@ class NTPColumnParallelLinear(ColumnParallelLinear):
         self.config = config
         self.output_size = stride * num_units * unit_rows
         self.output_size_per_partition = local_out
-        _tag(self.weight, InitRecipe("master", init_method, (self.output_size, input_size)),
+        tag_parameter(self.weight, InitRecipe("master", init_method, (self.output_size, input_size)),
              UnitShard(family, num_units, tuple(units), stride, unit_rows * input_size), dim=0, stride=stride)
-        _tag(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows),
+        tag_parameter(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows),
              dim=0, stride=stride)
 
 
@@ -110,9 +110,9 @@ class NTPRowParallelLinear(RowParallelLinear):
         self.config = config
         self.input_size = num_units * unit_cols
         self.input_size_per_partition = local_in
-        _tag(self.weight, InitRecipe("master", init_method, (output_size, self.input_size)),
+        tag_parameter(self.weight, InitRecipe("master", init_method, (output_size, self.input_size)),
              UnitShard(family, num_units, tuple(units), output_size, unit_cols), dim=1)
-        _tag(self.bias, InitRecipe("zeros"))
+        tag_parameter(self.bias, InitRecipe("zeros"))
 
 
 class NTPVocabParallelEmbedding(VocabParallelEmbedding):
@@ -127,7 +127,7 @@ class NTPVocabParallelEmbedding(VocabParallelEmbedding):
         self.num_embeddings = num_embeddings
         self.num_embeddings_per_partition = len(units)
         self.register_buffer("global_to_local", global_to_local_index(units, num_embeddings), persistent=False)
-        _tag(self.weight, InitRecipe("master", init_method, (num_embeddings, embedding_dim)),
+        tag_parameter(self.weight, InitRecipe("master", init_method, (num_embeddings, embedding_dim)),
              UnitShard("vocab", num_embeddings, tuple(units), 1, embedding_dim))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:

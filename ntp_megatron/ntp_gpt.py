@@ -24,6 +24,7 @@ from ntp_megatron.layers import (
     NTPVocabParallelEmbedding,
     UnitShard,
     initialize_like_megatron,
+    tag_parameter,
     vocab_parallel_cross_entropy,
 )
 
@@ -92,9 +93,9 @@ class NTPGPTModel(GPTModel):
         if position is not None:
             position.weight.ntp_init = InitRecipe("embedding", config.embedding_init_method)
         if self.output_layer.weight is not None:  # untied output layer: vocab rows like the embedding
-            weight = self.output_layer.weight
-            weight.ntp_init = InitRecipe("master", config.init_method, (vocab_size, config.hidden_size))
-            weight.ntp_shard = UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size)
+            tag_parameter(self.output_layer.weight,
+                          InitRecipe("master", config.init_method, (vocab_size, config.hidden_size)),
+                          UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size), dim=0)
             self.output_layer.output_size = vocab_size
         for name, param in self.named_parameters():
             if not hasattr(param, "ntp_init") and "norm" in name:

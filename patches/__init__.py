@@ -49,12 +49,22 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     version = check_megatron_version()
     if cpu is None:
         cpu = not torch.cuda.is_available()
-    from ntp_megatron.patches import distributed_param_and_grad_buffer, optimizer_grad_norm
+    from ntp_megatron.patches import (
+        datasets_gpt_dataset,
+        distributed_data_parallel,
+        distributed_param_and_grad_buffer,
+        optimizer_grad_norm,
+    )
 
-    # Hook points only: without a registered grad syncer / norm override they run upstream's code.
+    # Bucket groups dispatch in creation order (a rule every member of a sync group can follow); the grad
+    # norm runs upstream's code unless NTP registers its layout-independent norm.
     distributed_param_and_grad_buffer.apply()
+    distributed_data_parallel.apply()
     optimizer_grad_norm.apply()
-    _applied.extend(["distributed_param_and_grad_buffer", "optimizer_grad_norm"])
+    # An upstream bug fix: loss masks must not depend on which sample a process read first.
+    datasets_gpt_dataset.apply()
+    _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
+                     "datasets_gpt_dataset"])
     if cpu:
         from ntp_megatron.patches import cpu_shim, optimizer_clip_grads, tensor_parallel_random
 

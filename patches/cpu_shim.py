@@ -30,6 +30,7 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.module",
     "megatron.core.utils",
     "megatron.core.rerun_state_machine",

@@ -1,13 +1,19 @@
-"""Pluggable gradient communication for DDP bucket groups
+"""Bucket groups dispatch their collectives in creation order
 (upstream: ``megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucketGroup``).
 
-Megatron's bucket group all-reduces each flat bucket over one data-parallel group. That only works when
-every replica lays its buckets out identically; nonuniform TP layouts do not. This patch lets a bucket group
-hand its communication to a *grad syncer* (``bucket_group.grad_syncer``): ``start(bucket_group, async_op)``
-launches it without blocking and returns a handle whose ``wait()`` completes it.
-Everything else about the bucket group — readiness counting, first-batch handling, gradient scaling, the
-overlap on/off split between ``start_grad_sync`` and ``finish_grad_sync`` — stays upstream's. Bucket groups
-without a syncer, and the distributed optimizer, take upstream's path unchanged.
+With ``overlap_grad_reduce``, upstream starts a bucket group's all-reduce the moment its last gradient is
+ready (after the first batch; in the first batch ``finish_grad_sync`` starts them in creation order).
+Readiness order is a property of one rank's backward pass, and nothing makes it the same on every member
+of a data-parallel group. Under NTP the members of a sync group are ranks of different replicas, and a
+degraded replica's rank issues its group's collectives in creation order: a healthy rank that dispatched
+in readiness order would meet it with a different bucket (gloo fails on the size mismatch; NCCL would
+hang or, on equal sizes, silently sum the wrong tensors).
+
+The rule here: a ready bucket group is dispatched only once every group created before it has been
+dispatched, so the longest ready prefix goes out. Backward usually finishes buckets in creation order
+(buckets are laid out in reverse parameter order for exactly that reason), so overlap is kept. The
+ordered list of groups is attached by :mod:`ntp_megatron.patches.distributed_data_parallel`; a group
+without one behaves as upstream.
 """
 
 from __future__ import annotations
@@ -16,30 +22,38 @@ from typing import Optional
 
 from megatron.core.distributed import param_and_grad_buffer as upstream
 
-_upstream_start_grad_sync = upstream._ParamAndGradBucketGroup.start_grad_sync
+_Group = upstream._ParamAndGradBucketGroup
+_upstream_reset = _Group.reset
 
 
-def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
-    syncer = getattr(self, "grad_syncer", None)
-    if syncer is None or self.ddp_config.use_distributed_optimizer:
-        return _upstream_start_grad_sync(self, force_all_reduce=force_all_reduce)
-    if self.is_first_batch and self.grad_reduce_handle is not None:
+def _register_grad_ready(self, param, force_all_reduce: Optional[bool] = False) -> None:
+    assert self.ddp_config.overlap_grad_reduce, "register_grad_ready() needs overlap_grad_reduce"
+    if not self.is_last_microbatch:
         return
-    assert self.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
-    if self.ddp_config.check_for_nan_in_grad or self.ddp_config.check_for_large_grads:
-        self.check_grads(
-            check_for_nan_or_inf=self.ddp_config.check_for_nan_in_grad,
-            check_for_large=self.ddp_config.check_for_large_grads,
-        )
-    for bucket in self.buckets:
-        if bucket.gradient_scaling_factor != 1.0:
-            bucket.grad_data *= bucket.gradient_scaling_factor
-    handle = syncer.start(self, async_op=self.ddp_config.overlap_grad_reduce)
-    if self.ddp_config.overlap_grad_reduce:
-        self.grad_reduce_handle = handle  # finish_grad_sync waits for it
-    else:
-        handle.wait()
+    assert param in self.param_to_bucket, "Param is not in the bucket group"
+    self.per_param_grad_ready_counts[param] = self.per_param_grad_ready_counts.get(param, 0) + 1
+    if self.is_first_batch or self.per_param_grad_ready_counts != self.golden_per_param_grad_ready_counts:
+        return
+    order = getattr(self, "dispatch_order", None)
+    if order is None:
+        self.start_grad_sync(force_all_reduce=force_all_reduce)
+        return
+    self.ready_to_dispatch = True
+    for group in order:
+        if getattr(group, "dispatched", False):
+            continue
+        if not getattr(group, "ready_to_dispatch", False):
+            break
+        group.dispatched = True
+        group.start_grad_sync(force_all_reduce=force_all_reduce)
+
+
+def _reset(self) -> None:
+    _upstream_reset(self)
+    self.ready_to_dispatch = False
+    self.dispatched = False
 
 
 def apply() -> None:
-    upstream._ParamAndGradBucketGroup.start_grad_sync = _start_grad_sync
+    _Group.register_grad_ready = _register_grad_ready
+    _Group.reset = _reset

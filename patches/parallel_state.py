@@ -9,17 +9,21 @@ group and the data-parallel group it syncs in. Code that still reads the globals
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Sequence
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 
-def initialize_trivial_groups() -> None:
-    """Megatron's own initializer at TP 1 / PP 1 / CP 1: valid for any world size."""
+def initialize_trivial_groups(timeout: timedelta) -> None:
+    """Megatron's own initializer at TP 1 / PP 1 / CP 1: valid for any world size. No gloo side groups (the
+    job's backend is gloo on CPU already), and every group bounded by ``timeout``."""
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                 distributed_timeout_minutes=timeout.total_seconds() / 60,
+                                 create_gloo_process_groups=False)
 
 
 def install_tensor_parallel_group(tp_group: dist.ProcessGroup, tp_ranks: Sequence[int]) -> None:

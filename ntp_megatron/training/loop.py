@@ -54,12 +54,15 @@ class Trainer:
     is_reporting_rank: bool
     tf_config: Any = None
     failures: faults.FailureTrigger | None = None
+    comm_stats: Any = None  # training.comm_stats.CommStats with logging.comm_stats
     iteration: int = 0
     """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
 
     def train_step(self) -> dict[str, Any]:
         """Run 0-based iteration ``self.iteration`` and return its record (lm loss over the global batch)."""
         t = self.cfg.training
+        if self.comm_stats is not None:
+            self.comm_stats.take()  # count this iteration's step only
         start = time.perf_counter()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -81,8 +84,7 @@ class Trainer:
         self.scheduler.step(increment=t.global_batch_size)
         self.iteration += 1
 
-        loss_and_tokens = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-        s.sum_over_replicas(loss_and_tokens)
+        loss_and_tokens = s.sum_over_replicas(torch.stack([r["lm loss"] for r in reported]).sum(dim=0))
         elapsed = time.perf_counter() - start
         return {
             "kind": "iteration",
@@ -112,22 +114,35 @@ class Trainer:
         return full_state(self.model, self.optimizer, self.tf_config, self.cfg.unit_counts(), self.setup.pg.tp,
                           self.setup.tp_rank)
 
-    def verify_state(self, final: bool = False) -> None:
-        """The verification aids of the ``logging`` section (checksums per iteration, a dump at the end)."""
+    def verify_state(self, record: Optional[dict[str, Any]] = None, final: bool = False) -> None:
+        """The verification aids of the ``logging`` section: after each iteration every rank (every TP rank
+        of every replica) reports checksums of its replica's full state — TP-split tensors gathered in unit
+        order, replicated ones as this rank holds them — and the bits of the grad norm it clipped with; at
+        the end TP rank 0 of each replica dumps the full state."""
         lg = self.cfg.logging
         if not (lg.state_checksums or (final and lg.dump_state)):
             return
         state = self.full_state()
-        if self.setup.tp_rank != 0:
-            return
         if lg.state_checksums and not final:
             from ntp_megatron.training.inspect_state import checksums
 
+            grad_norm = record.get("grad_norm") if record else None
             metrics.emit({"kind": "state_checksums", "iteration": self.iteration, "replica": self.setup.replica,
-                          "checksums": checksums(state)}, sys.stdout)
-        if final and lg.dump_state:
+                          "tp_rank": self.setup.tp_rank, "checksums": checksums(state),
+                          "grad_norm": float(grad_norm).hex() if grad_norm is not None else None}, sys.stdout)
+        if final and lg.dump_state and self.setup.tp_rank == 0:
             Path(lg.dump_state).mkdir(parents=True, exist_ok=True)
             torch.save(state, Path(lg.dump_state) / f"replica{self.setup.replica}.pt")
+
+    def dump_initial_state(self) -> None:
+        """With ``logging.dump_state``: each replica's full state before its first step, ``replica<r>.init.pt``
+        (what an update is measured against)."""
+        if not self.cfg.logging.dump_state:
+            return
+        state = self.full_state()
+        if self.setup.tp_rank == 0:
+            Path(self.cfg.logging.dump_state).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(self.cfg.logging.dump_state) / f"replica{self.setup.replica}.init.pt")
 
     def maybe_save(self, final: bool = False) -> Optional[Path]:
         ck = self.cfg.checkpoint
@@ -147,11 +162,16 @@ class Trainer:
     def run(self) -> None:
         t = self.cfg.training
         last_saved = None
+        self.dump_initial_state()
         while self.iteration < t.train_iters:
             if self.failures is not None:
                 self.failures.before_iteration(self.iteration + 1)
-            self.report(self.train_step())
-            self.verify_state()
+            record = self.train_step()
+            if self.comm_stats is not None:
+                metrics.emit({"kind": "comm_stats", "iteration": self.iteration, "replica": self.setup.replica,
+                              "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)
+            self.report(record)
+            self.verify_state(record)
             if self.maybe_save():
                 last_saved = self.iteration
         if last_saved != self.iteration:

@@ -78,11 +78,26 @@ def layer_spec(cfg: JobConfig):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.model.normalization)
 
 
+def ddp_config(cfg: JobConfig) -> DistributedDataParallelConfig:
+    """The job's DDP config (a fresh object each call: Megatron's DDP writes into the one it is given)."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        bucket_size=cfg.parallel.ddp_bucket_size,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+    )
+
+
 def build_model(
     cfg: JobConfig, tf_config: TransformerConfig, pg_collection: ProcessGroupCollection, device: torch.device,
-    topology=None, rank: int | None = None,
+    topology=None, rank: int | None = None, own_buckets_sync: bool = True,
 ) -> DistributedDataParallel:
-    """Megatron's GPTModel (uniform TP), or with ``topology`` the NTP model of ``rank``'s units; wrapped in DDP."""
+    """Megatron's GPTModel (uniform TP), or with ``topology`` the NTP model of ``rank``'s units; wrapped in DDP.
+
+    ``own_buckets_sync=False`` (a degraded NTP replica): the DDP buckets only accumulate gradients; they are
+    never communicated (the NTP grad sync copies them into slot-shaped shadows), so no overlap is set up.
+    """
     m = cfg.model
     common = dict(
         max_sequence_length=m.max_position_embeddings or m.seq_length,
@@ -100,14 +115,12 @@ def build_model(
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, **common)
     gpt = gpt.to(device)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        bucket_size=cfg.parallel.ddp_bucket_size,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        check_for_nan_in_grad=False,
-    )
-    model = DistributedDataParallel(tf_config, ddp_config, gpt, pg_collection=pg_collection)
+    config = ddp_config(cfg)
+    if not own_buckets_sync:
+        config.overlap_grad_reduce = False
+    model = DistributedDataParallel(tf_config, config, gpt, pg_collection=pg_collection)
+    if config.overlap_grad_reduce:
+        tf_config.no_sync_func = model.no_sync  # as Megatron-LM's training loop: sync after the last micro-batch
     n_params = sum(p.numel() for p in gpt.parameters())
     logger.info("GPT model: %d parameters on this rank", n_params)
     return model

@@ -16,7 +16,6 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.config import JobConfig
-from ntp_megatron.grad_sync import sum_over_replicas
 
 
 @dataclass
@@ -30,9 +29,15 @@ class ParallelSetup:
     samples_per_iteration: int       # over all replicas
     topology: Optional[object] = None
     groups: Optional[object] = None  # ntp_megatron.groups.NTPGroups when NTP is on
+    grad_sync: Optional[object] = None  # ntp_megatron.grad_sync.GradSync, once the model exists (NTP on)
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
-        return sum_over_replicas(value, self.tp_rank)
+        """Sum a value every rank of a replica holds alike, each replica once (the loss for the log)."""
+        if self.grad_sync is not None:
+            return self.grad_sync.sum_over_replicas(value)
+        value = value.clone()
+        dist.all_reduce(value, group=self.pg.dp)
+        return value
 
 
 def microbatches_per_replica(cfg: JobConfig, widths: dict[int, int]) -> dict[int, int]:
@@ -46,7 +51,9 @@ def microbatches_per_replica(cfg: JobConfig, widths: dict[int, int]) -> dict[int
 
 def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
     p = cfg.parallel
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
+                                             distributed_timeout_minutes=p.timeout_s / 60,
+                                             create_gloo_process_groups=False)
     m = cfg.num_microbatches
     return ParallelSetup(
         pg=ProcessGroupCollection.use_mpu_process_groups(),
@@ -66,7 +73,7 @@ def ntp_parallel(cfg: JobConfig, store: dist.Store, rank: int, generation: int =
     from ntp_megatron.training.runtime import TOPOLOGY_KEY
 
     topology = Topology.from_json(json.loads(store.get(TOPOLOGY_KEY.format(generation=generation))))
-    groups = build_groups(topology, rank)
+    groups = build_groups(topology, rank, cfg.parallel.timeout_s)
     widths = {rep.index: rep.width for rep in topology.replicas}
     counts = microbatches_per_replica(cfg, widths)
     replica = topology.replica_of(rank)

@@ -26,10 +26,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # n
 
 from ntp_megatron import faults  # noqa: E402
 from ntp_megatron.config import JobConfig  # noqa: E402
-from ntp_megatron.grad_sync import NTPGradSync  # noqa: E402
+from ntp_megatron.grad_sync import GradSync  # noqa: E402
 from ntp_megatron.patches import apply_patches  # noqa: E402
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override  # noqa: E402
 from ntp_megatron.training import checkpoint, data, model as model_lib, parallel  # noqa: E402
+from ntp_megatron.training.comm_stats import CommStats  # noqa: E402
 from ntp_megatron.training.loop import Trainer  # noqa: E402
 
 def _setup_logging(rank: int) -> None:
@@ -59,13 +60,13 @@ def main() -> int:
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
 
     tf_config = model_lib.transformer_config(cfg)
-    model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank)
-    syncer = None
-    if setup.topology is not None and not setup.groups.megatron_dp_sync:
-        syncer = NTPGradSync(setup.topology, env.rank, setup.groups.tp, setup.groups.sync)
-        syncer.attach(model)
-        tf_config.finalize_model_grads_func = syncer.finalize_model_grads
-        set_grad_norm_override(syncer.grad_norm)
+    healthy = setup.groups is None or setup.groups.healthy
+    model = model_lib.build_model(cfg, tf_config, pg, device, setup.topology, env.rank, own_buckets_sync=healthy)
+    if setup.topology is not None:
+        setup.grad_sync = GradSync(setup.topology, env.rank, setup.groups, model, tf_config,
+                                   model_lib.ddp_config(cfg))
+        tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads
+        set_grad_norm_override(setup.grad_sync.grad_norm)
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=t.optimizer, lr=t.lr, sgd_momentum=t.sgd_momentum, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -78,7 +79,7 @@ def main() -> int:
         use_gloo_process_groups=False,
         pg_collection=pg,
     )
-    if syncer is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
+    if setup.grad_sync is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
         # The norm override returns the global norm; a chain of several would combine it several times.
         raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
     samples_per_iter = t.global_batch_size
@@ -109,6 +110,7 @@ def main() -> int:
         cfg=cfg, model=model, optimizer=optimizer, scheduler=scheduler, dataset=dataset, setup=setup,
         device=device, coords=coords, is_reporting_rank=env.rank == 0, tf_config=tf_config,
         failures=faults.FailureTrigger(env.rank, faults.from_env()),
+        comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
     )
     if cfg.checkpoint.load:
         trainer.iteration = checkpoint.load_checkpoint(
