@@ -62,15 +62,48 @@ RATIOS = [
 ]
 
 
-def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
-    run_dir = Path(tempfile.mkdtemp(prefix=case.name.replace(" ", "_").replace("(", "").replace(")", ""), dir=workdir))
+# Communication of a healthy replica's ranks, in a job with one degraded replica and in the same job with none:
+# NTP's promise is that the healthy ranks' steps do not change (same collectives, same payload bytes).
+COMM_JOBS = {"no degraded replica": _layout(4, 2, True), "one degraded replica": _layout(4, 2, True, ["1:3"])}
+COMM_ITERS = 3
+
+
+def run_job_records(args: Sequence[str], iters: int, workdir: Path, launcher: Sequence[str], name: str) -> list[dict]:
+    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_"), dir=workdir))
     metrics = run_dir / "metrics.jsonl"
     cmd = [*launcher, "--run-dir", str(run_dir), "--metrics-file", str(metrics), *MODEL,
-           "--set", f"training.train_iters={iters}", *case.args]
+           "--set", f"training.train_iters={iters}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"bench: case {case.name!r} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        raise SystemExit(f"bench: case {name!r} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def measure_comm(launcher: Sequence[str], workdir: Path) -> dict:
+    """Per-iteration torch.distributed calls and payload bytes of replica 0's ranks (healthy in both jobs)."""
+    per_job = {}
+    for name, args in COMM_JOBS.items():
+        records = run_job_records([*args, "--set", "logging.comm_stats=true"], COMM_ITERS, workdir, launcher, name)
+        stats: dict[int, list[dict]] = {}
+        for r in records:
+            if r.get("kind") == "comm_stats" and r["replica"] == 0:
+                stats.setdefault(r["tp_rank"], []).append({"calls": r["calls"], "bytes": r["bytes"]})
+        per_job[name] = stats
+        print(f"comm {name:<22} done", file=sys.stderr)
+    healthy, degraded = per_job["no degraded replica"], per_job["one degraded replica"]
+    ranks = []
+    for tp_rank in sorted(healthy):
+        a, b = healthy[tp_rank], degraded.get(tp_rank)
+        ranks.append({
+            "replica": 0, "tp_rank": tp_rank, "equal": a == b,
+            "per_iteration": {"no degraded replica": a[-1], "one degraded replica": b[-1] if b else None},
+            "iterations_compared": len(a),
+        })
+    return {"jobs": {name: " ".join(args) for name, args in COMM_JOBS.items()}, "ranks": ranks}
+
+
+def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
+    rows = run_job_records(case.args, iters, workdir, launcher, case.name.replace("(", "").replace(")", ""))
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
 
 
@@ -100,6 +133,17 @@ def table(result: dict) -> str:
     lines += [f"| {name} | {c['ranks']} | {c['median_step_ms']:.1f} |" for name, c in result["cases"].items()]
     lines += ["", "| comparison | ratio | note |", "|---|---|---|"]
     lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
+    comm = result.get("communication")
+    if comm:
+        lines += ["", "Per iteration, replica 0 (healthy) of TP4 x 2, without and with replica 1 degraded to TP3:", "",
+                  "| rank | collectives (none degraded) | collectives (one degraded) | payload bytes (none) | "
+                  "payload bytes (one) | equal |", "|---|---|---|---|---|---|"]
+        for r in comm["ranks"]:
+            a, b = r["per_iteration"]["no degraded replica"], r["per_iteration"]["one degraded replica"] or {}
+            calls = lambda s: ", ".join(f"{k} {v}" for k, v in s.get("calls", {}).items())
+            total = lambda s: sum(s.get("bytes", {}).values())
+            lines.append(f"| replica 0, TP rank {r['tp_rank']} | {calls(a)} | {calls(b)} | {total(a)} | {total(b)} | "
+                         f"{'yes' if r['equal'] else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -115,8 +159,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ntp-bench-") as workdir:
-        result = measure(args.iters, args.rounds, args.warmup, [sys.executable, "-m", "ntp_megatron.launcher"],
-                         Path(workdir))
+        launcher = [sys.executable, "-m", "ntp_megatron.launcher"]
+        result = measure(args.iters, args.rounds, args.warmup, launcher, Path(workdir))
+        result["communication"] = measure_comm(launcher, Path(workdir))
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"\nwrote {args.out}")

@@ -1,0 +1,185 @@
+"""Drawn equivalence cases: an NTP topology, GPT options and DDP settings, and how to compare the NTP run
+with plain Megatron-Core at TP1 on the same samples. Shared by the suite's derandomized property test and
+``scripts/fuzz_equivalence.sh``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+from hypothesis import strategies as st
+
+from tests.jobs import JobResult, relative_difference
+
+MAX_RANKS = 8
+ITERS = 3
+TOL = 1e-5          # lm loss and grad norm per iteration; each tensor's relative L2 difference at the end
+PEAK_TOL = 1e-4     # each tensor's largest elementwise difference relative to its largest entry: Adam turns
+                    # round-off in near-zero gradients into whole steps (plain Megatron TP2 vs TP1: 1.1e-5)
+VOCABS = (257, 259, 263, 265, 269, 271)  # no width 2..4 divides them
+
+
+@dataclass(frozen=True)
+class Case:
+    tp_base: int
+    dp: int
+    dead: tuple[tuple[int, int], ...]
+    num_layers: int
+    query_groups: int
+    heads_per_group: int
+    kv_channels: int
+    hidden_size: int
+    ffn_hidden_size: int
+    vocab_size: int
+    position: str
+    normalization: str
+    untie: bool
+    activation: str
+    overlap: bool
+    bucket_size: Optional[int]
+    clip_grad: float
+    micro_batches: int
+
+    @property
+    def heads(self) -> int:
+        return self.query_groups * self.heads_per_group
+
+    @property
+    def widths(self) -> list[int]:
+        return [self.tp_base - sum(1 for r, _ in self.dead if r == replica) for replica in range(self.dp)]
+
+    def model_args(self) -> list[str]:
+        """Model, batch and optimizer settings shared by the NTP run and its TP1 reference."""
+        gated = self.activation == "swiglu"
+        sets = {
+            "model.num_layers": self.num_layers, "model.hidden_size": self.hidden_size,
+            "model.num_attention_heads": self.heads, "model.num_query_groups": self.query_groups,
+            "model.kv_channels": self.kv_channels, "model.ffn_hidden_size": self.ffn_hidden_size,
+            "model.vocab_size": self.vocab_size, "model.seq_length": 32,
+            "model.position_embedding_type": self.position, "model.normalization": self.normalization,
+            "model.untie_embeddings_and_output_weights": str(self.untie).lower(),
+            "model.activation": self.activation, "model.gated_linear_unit": str(gated).lower(),
+            "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
+            "training.train_iters": ITERS, "training.micro_batch_size": 2,
+            "training.global_batch_size": 2 * self.dp * self.micro_batches,
+            "training.lr_warmup_iters": 1, "training.clip_grad": self.clip_grad,
+            "logging.log_interval": 1, "logging.tensorboard_dir": "",
+        }
+        return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+    def ntp_args(self) -> list[str]:
+        sets = {
+            "parallel.tensor_model_parallel_size": self.tp_base, "parallel.data_parallel_size": self.dp,
+            "ntp.enabled": "true", "logging.state_checksums": "true",
+            "parallel.overlap_grad_reduce": str(self.overlap).lower(),
+        }
+        if self.bucket_size is not None:
+            sets["parallel.ddp_bucket_size"] = self.bucket_size
+        if self.dead:
+            sets["ntp.dead_slots"] = "[" + ",".join(f"{r}:{s}" for r, s in self.dead) + "]"
+        return self.model_args() + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+    def reference_args(self) -> list[str]:
+        """Plain Megatron-Core (NTP off) at TP1 × DP1 on the same global batch: the same samples."""
+        return self.model_args() + ["--set", "parallel.tensor_model_parallel_size=1",
+                                    "--set", "parallel.data_parallel_size=1"]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@st.composite
+def cases(draw) -> Case:
+    tp_base = draw(st.integers(1, 4))
+    dp = draw(st.integers(1, 3))
+    dead: list[tuple[int, int]] = []
+    for replica in range(dp):
+        lost = draw(st.sets(st.integers(0, tp_base - 1), max_size=tp_base - 1))
+        dead += [(replica, slot) for slot in sorted(lost)]
+    # At most MAX_RANKS processes: kill further slots (never a replica's last) until the job fits.
+    while dp * tp_base - len(dead) > MAX_RANKS:
+        alive = [(r, s) for r in range(dp) for s in range(tp_base)
+                 if (r, s) not in dead and sum(1 for d in dead if d[0] == r) < tp_base - 1]
+        dead.append(draw(st.sampled_from(alive)))
+    query_groups = draw(st.integers(tp_base, max(tp_base, 6)))
+    heads_per_group = draw(st.sampled_from([1, 2]))
+    activation = draw(st.sampled_from(["gelu", "swiglu", "squared_relu"]))
+    overlap = draw(st.booleans())
+    # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
+    bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
+    return Case(
+        tp_base=tp_base, dp=dp, dead=tuple(sorted(dead)),
+        num_layers=draw(st.integers(1, 3)), query_groups=query_groups, heads_per_group=heads_per_group,
+        kv_channels=8, hidden_size=draw(st.sampled_from([24, 32])),
+        ffn_hidden_size=draw(st.integers(max(tp_base, 37), 70)), vocab_size=draw(st.sampled_from(VOCABS)),
+        position=draw(st.sampled_from(["learned_absolute", "rope"])),
+        normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])), untie=draw(st.booleans()),
+        activation=activation, overlap=overlap, bucket_size=bucket_size,
+        clip_grad=draw(st.sampled_from([0.05, 1.0])), micro_batches=draw(st.integers(1, 2)),
+    )
+
+
+# -- comparison --------------------------------------------------------------------------------------------------
+
+def masked_key_bias(key: str, tensor: torch.Tensor, case: Case) -> torch.Tensor:
+    """Drop the key rows of the QKV bias: their true gradient is exactly zero (softmax ignores a shift shared by
+    all keys), so Adam turns round-off noise into steps in any implementation — plain Megatron TP2 vs TP1
+    included. Everything else is compared in full."""
+    if ".linear_qkv.bias" not in key:
+        return tensor
+    q = case.heads_per_group * case.kv_channels
+    per_group = tensor.reshape(case.query_groups, q + 2 * case.kv_channels)
+    return torch.cat([per_group[:, :q], per_group[:, q + case.kv_channels:]], dim=1).reshape(-1)
+
+
+def iteration_records(result: JobResult) -> dict[int, dict]:
+    return {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
+
+
+def compare_with_reference(case: Case, ntp: JobResult, ref: JobResult) -> dict:
+    """Assert the NTP run computes plain Megatron TP1's function; return the worst differences seen."""
+    got, want = iteration_records(ntp), iteration_records(ref)
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1)), (sorted(got), sorted(want))
+    worst = {"loss": 0.0, "grad_norm": 0.0, "l2": 0.0, "peak": 0.0}
+    for i, record in want.items():
+        assert got[i]["tp_per_replica"] == case.widths, got[i]["tp_per_replica"]
+        for key, name in (("lm_loss", "loss"), ("grad_norm", "grad_norm")):
+            diff = relative_difference(got[i][key], record[key])
+            worst[name] = max(worst[name], diff)
+            assert diff <= TOL, f"iteration {i}: {key} {got[i][key]!r} vs TP1 {record[key]!r} ({diff:.2e})"
+    state = torch.load(ntp.run_dir / "state" / "replica0.pt")
+    reference = torch.load(ref.run_dir / "state" / "replica0.pt")
+    assert set(state) == set(reference) and any(k.endswith("exp_avg_sq") for k in reference)
+    for key, expected in reference.items():
+        a = masked_key_bias(key, state[key].reshape(-1), case)
+        b = masked_key_bias(key, expected.reshape(-1), case)
+        l2 = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        peak = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+        worst["l2"], worst["peak"] = max(worst["l2"], l2), max(worst["peak"], peak)
+        assert l2 <= TOL and peak <= PEAK_TOL, f"{key} differs from TP1 by {l2:.2e} (L2), {peak:.2e} (peak)"
+    return worst
+
+
+def assert_replicas_agree(case: Case, ntp: JobResult) -> None:
+    """After every iteration, every TP rank of every replica reports the same checksums of the full state and
+    the same grad-norm bits."""
+    by_iteration: dict[int, dict[tuple[int, int], dict]] = {}
+    for r in ntp.records:
+        if r.get("kind") == "state_checksums":
+            by_iteration.setdefault(r["iteration"], {})[(r["replica"], r["tp_rank"])] = r
+    assert sorted(by_iteration) == list(range(1, ITERS + 1))
+    expected_ranks = {(replica, t) for replica, w in enumerate(case.widths) for t in range(w)}
+    for iteration, reports in by_iteration.items():
+        assert set(reports) == expected_ranks, (iteration, sorted(reports))
+        first_key = min(reports)
+        first = reports[first_key]
+        for who, other in reports.items():
+            differing = [k for k in first["checksums"] if first["checksums"][k] != other["checksums"].get(k)]
+            assert not differing, f"iteration {iteration}: {who} differs from {first_key} in {differing[:3]}"
+            assert other["grad_norm"] == first["grad_norm"], f"iteration {iteration}: grad norm bits differ ({who})"
+    assert by_iteration[1][(0, 0)]["checksums"] != by_iteration[ITERS][(0, 0)]["checksums"]
+
+
+def clipped(case: Case, ntp: JobResult) -> bool:
+    return any(r["grad_norm"] > case.clip_grad for r in iteration_records(ntp).values())
