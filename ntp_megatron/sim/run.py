@@ -1,7 +1,8 @@
 """Runs a loaded config: every sweep point x trial x strategy, then aggregates trials into summaries and series.
 
 Trial ``i`` draws from ``default_rng([seed, i])`` at every sweep point, so points of a sweep share random
-numbers and a result depends only on the config (determinism under a seed).
+numbers and a result depends only on the config (determinism under a seed). Strategies with the same rate
+table and placement share one time line (states.py).
 """
 
 from __future__ import annotations
@@ -16,10 +17,20 @@ import numpy as np
 
 from ntp_megatron.sim.calibration import load_calibration
 from ntp_megatron.sim.config import SimConfig
-from ntp_megatron.sim.engine import TrialResult, replay
-from ntp_megatron.sim.failures import poisson_trace, rate_per_gpu_hour, snapshot_counts
+from ntp_megatron.sim.engine import TrialResult, integrate
+from ntp_megatron.sim.failures import (
+    Trace,
+    poisson_trace,
+    rate_per_gpu_hour,
+    snapshot_counts,
+    virtual_pool_downs,
+    virtual_pool_snapshot,
+)
 from ntp_megatron.sim.layout import Layout, build_layout
-from ntp_megatron.sim.strategies import ReplicaState, Strategy, build_strategies, evaluate
+from ntp_megatron.sim.spares import PoolHistory, pool_history, spares_with_failures
+from ntp_megatron.sim.states import Evaluation, build_state
+from ntp_megatron.sim.strategies import Strategy, build_strategies
+from ntp_megatron.sim.trace_view import TraceView
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +64,76 @@ def _aggregate(per_trial: list[dict[str, float]]) -> dict[str, dict[str, float]]
     return {k: _stats([t[k] for t in per_trial]) for k in per_trial[0]}
 
 
+def _evaluate_all(view: TraceView, strategies: list[Strategy], policy: str) -> dict[str, Evaluation]:
+    states: dict[tuple, Any] = {}
+    out = {}
+    for s in strategies:
+        key = s.state_key()
+        if key not in states:
+            states[key] = build_state(view, s)
+        out[s.name] = states[key].evaluate(s, policy)
+    return out
+
+
+def _pool(cfg: SimConfig, layout: Layout, view: TraceView, seed: list[int], size: int, horizon: float) -> PoolHistory:
+    """The configured spare domains (from the trace) followed by virtual ones, ``size`` in all."""
+    first, extra = layout.spare_domains, max(0, size - layout.spare_domains)
+    initial = [view.spare_initial_failed]
+    flips = np.flatnonzero(view.spare_flip != 0)
+    ev_t, ev_pos, ev_fail = [view.step_t[view.sub_step[flips]]], [view.spare_dom[flips]], [view.spare_flip[flips] < 0]
+    if extra and horizon > 0:
+        d = virtual_pool_downs(layout, cfg.failures, horizon, cfg.run.warm_start, seed, first, extra)
+        initial.append(d.index[d.start <= 0])
+        later = d.start > 0
+        back = np.isfinite(d.end)
+        ev_t += [d.start[later], d.end[back]]
+        ev_pos += [d.index[later], d.index[back]]
+        ev_fail += [np.ones(later.sum(), bool), np.zeros(back.sum(), bool)]
+    elif extra:
+        initial.append(virtual_pool_snapshot(layout, cfg.failures.fraction, seed, first, extra))
+    cat = np.concatenate
+    return pool_history(max(size, first), cat(initial).astype(np.int64), cat(ev_t), cat(ev_pos).astype(np.int64), cat(ev_fail))
+
+
+def _spares_with_failures(
+    cfg: SimConfig, layout: Layout, view: TraceView, seed: list[int], evals: dict[str, Evaluation], horizon: float
+) -> dict[str, tuple[int, int]]:
+    """Per strategy: fewest spares never pausing, and at the percentile; the pool grows until it can tell."""
+    size = max(layout.spare_domains, int(1.5 * max(int(e.need.max()) for e in evals.values())) + 64)
+    while True:
+        pool = _pool(cfg, layout, view, seed, size, horizon)
+        out = {}
+        for name, ev in evals.items():
+            got = spares_with_failures(ev.rows_t, ev.need, pool, horizon, cfg.run.spares_percentile)
+            if got is None:
+                break
+            out[name] = got
+        else:
+            return out
+        size *= 2
+
+
+def _empty_trace(counts: np.ndarray) -> Trace:
+    z = np.zeros(0, dtype=np.int64)
+    return Trace(counts, np.zeros(0), np.zeros(0, dtype=bool), np.zeros(1, dtype=np.int64), z, z, np.zeros(0))
+
+
 def run_snapshot(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick: Callable[[], None]) -> PointResult:
-    policy = cfg.strategies.batch_policy
-    states = {s.name: ReplicaState(layout, s.rate) for s in strategies}
     per_trial: dict[str, list[dict[str, float]]] = {s.name: [] for s in strategies}
     domains_hit = []
     for trial in range(cfg.run.trials):
-        rng = np.random.default_rng([cfg.run.seed, trial])
-        counts = snapshot_counts(layout, cfg.failures.fraction, rng)
+        seed = [cfg.run.seed, trial]
+        counts = snapshot_counts(layout, cfg.failures.fraction, np.random.default_rng(seed))
         per_domain = counts[: layout.job_groups].reshape(layout.job_domains, layout.groups_per_domain).sum(axis=1)
         domains_hit.append(float(np.count_nonzero(per_domain) / layout.job_domains))
-        for s in strategies:
-            e = evaluate(states[s.name].reset(counts), s, policy)
-            per_trial[s.name].append(
-                {"capacity": e.capacity, "throughput_loss": 1.0 - e.capacity, "spares_needed": float(e.spares_needed)}
-            )
+        view = TraceView(_empty_trace(counts), layout, 0.0)
+        evals = _evaluate_all(view, strategies, cfg.strategies.batch_policy)
+        held = _spares_with_failures(cfg, layout, view, seed, evals, 0.0)
+        for name, e in evals.items():
+            per_trial[name].append({
+                "capacity": float(e.capacity[0]), "throughput_loss": 1.0 - float(e.capacity[0]),
+                "spares_needed": float(e.need[0]), "spares_no_pause": float(held[name][0]),
+            })  # fmt: skip
         tick()
     return PointResult(
         label="",
@@ -77,6 +143,7 @@ def run_snapshot(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tic
         extra={
             "domains_hit_fraction": _stats(domains_hit),
             "failed_gpus": int(round(cfg.failures.fraction * layout.active_gpus)),
+            "rate_tables": {s.name: s.table.describe() for s in strategies},
         },
     )
 
@@ -88,12 +155,17 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
     results: dict[str, list[TrialResult]] = {s.name: [] for s in strategies}
     steps = []
     for trial in range(cfg.run.trials):
-        rng = np.random.default_rng([cfg.run.seed, trial])
-        trace = poisson_trace(layout, cfg.failures, horizon, cfg.run.warm_start, rng)
+        seed = [cfg.run.seed, trial]
+        trace = poisson_trace(layout, cfg.failures, horizon, cfg.run.warm_start, np.random.default_rng(seed))
         steps.append(trace.steps)
-        replayed = replay(trace, layout, strategies, cfg.strategies.batch_policy, horizon, interval, bins)
-        for name, r in replayed.items():
-            results[name].append(r)
+        view = TraceView(trace, layout, horizon)
+        evals = _evaluate_all(view, strategies, cfg.strategies.batch_policy)
+        held = _spares_with_failures(cfg, layout, view, seed, evals, horizon)
+        for s in strategies:
+            interrupts = trace.is_failure & (trace.u < evals[s.name].interrupt_p)
+            r = integrate(evals[s.name], s, trace.times, interrupts, horizon, interval, bins)
+            r.summary["spares_no_pause"], r.summary["spares_at_percentile"] = map(float, held[s.name])
+            results[s.name].append(r)
         tick()
     series = {}
     for name, trials in results.items():
@@ -114,6 +186,7 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
         extra={
             "failure_rate_per_gpu_hour": rate_per_gpu_hour(cfg.failures),
             "trace_steps_mean": float(np.mean(steps)),
+            "rate_tables": {s.name: s.table.describe() for s in strategies},
         },
     )
 
