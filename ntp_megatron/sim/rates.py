@@ -43,6 +43,24 @@ class RateTable:
                 break
         return rows
 
+    def line(self) -> str:
+        """Runs of equal rows as text, e.g. ``k=1-2 TP30 0.875; k=3-4 TP28 0.875; k=5+ out``."""
+        runs: list[list] = []
+        for r in self.describe()[1:]:
+            key = (r["tp"], r["speed"], r["power"])
+            if runs and runs[-1][2] == key:
+                runs[-1][1] = r["failed"]
+            else:
+                runs.append([r["failed"], r["failed"], key])
+        parts = []
+        for lo, hi, (tp, speed, power) in runs:
+            ks = f"k={lo}" if lo == hi else f"k={lo}-{hi}"
+            if speed == 0:
+                parts.append(f"k={lo}+ out")
+                break
+            parts.append(f"{ks} TP{tp} {speed:.4g}" + (f" at {power:.3g}x power" if power != 1 else ""))
+        return "; ".join(parts)
+
 
 def reduced_tp(tp: int, min_tp: int = 1, allowed: list[int] | None = None) -> np.ndarray:
     """tp_eff[k]: the TP a group with k failed GPUs re-forms at, 0 when none is allowed (the replica drops)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from ntp_megatron.sim.calibration import load_calibration
 from ntp_megatron.sim.config import SimConfig
-from ntp_megatron.sim.engine import TrialResult, integrate
+from ntp_megatron.sim.engine import StepIntegral, TrialResult, integrate
 from ntp_megatron.sim.failures import (
     Trace,
     poisson_trace,
@@ -153,12 +153,13 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
     bins = cfg.run.grid_points
     interval = cfg.checkpoint.interval_min / 60.0
     results: dict[str, list[TrialResult]] = {s.name: [] for s in strategies}
-    steps = []
+    steps, healthy = [], []
     for trial in range(cfg.run.trials):
         seed = [cfg.run.seed, trial]
         trace = poisson_trace(layout, cfg.failures, horizon, cfg.run.warm_start, np.random.default_rng(seed))
         steps.append(trace.steps)
         view = TraceView(trace, layout, horizon)
+        healthy.append(float(StepIntegral(view.rows_t, view.h_rows.astype(float))(horizon)) / horizon)
         evals = _evaluate_all(view, strategies, cfg.strategies.batch_policy)
         held = _spares_with_failures(cfg, layout, view, seed, evals, horizon)
         for s in strategies:
@@ -186,6 +187,7 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
         extra={
             "failure_rate_per_gpu_hour": rate_per_gpu_hour(cfg.failures),
             "trace_steps_mean": float(np.mean(steps)),
+            "healthy_spares": _stats(healthy),  # time-average of healthy spare domains (spares fail too)
             "rate_tables": {s.name: s.table.describe() for s in strategies},
         },
     )
@@ -216,6 +218,9 @@ def simulate(points: list[tuple[str, SimConfig]], progress: bool = False) -> tup
             point.elapsed_s = time.perf_counter() - started
             for n in ratios.notes():
                 _note(notes, n)
+            for s in strategies:
+                if s.name in ("ntp", "ntp_boost"):
+                    _note(notes, f"{label + ': ' if label else ''}{s.name} speed with k failed GPUs in a TP group: {s.table.line()}")
             log.info("point %r done in %.2fs", label, point.elapsed_s)
             out.append(point)
     return out, notes
