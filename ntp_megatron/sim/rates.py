@@ -43,23 +43,28 @@ class RateTable:
                 break
         return rows
 
-    def line(self) -> str:
-        """Runs of equal rows as text, e.g. ``k=1-2 TP30 0.875; k=3-4 TP28 0.875; k=5+ out``."""
-        runs: list[list] = []
+    def line(self, max_runs: int = 6) -> str:
+        """Runs of k with equal speed and power as text, e.g. ``k=1-2 TP30 0.875; k=3-4 TP28 0.875; k=5+ out``."""
+        runs: list[list] = []  # [first k, last k, first TP, last TP, speed, power]
         for r in self.describe()[1:]:
-            key = (r["tp"], r["speed"], r["power"])
-            if runs and runs[-1][2] == key:
-                runs[-1][1] = r["failed"]
+            key = (r["speed"], round(r["power"], 2))
+            if runs and (runs[-1][4], runs[-1][5]) == key:
+                runs[-1][1], runs[-1][3] = r["failed"], r["tp"]
             else:
-                runs.append([r["failed"], r["failed"], key])
+                runs.append([r["failed"], r["failed"], r["tp"], r["tp"], *key])
         parts = []
-        for lo, hi, (tp, speed, power) in runs:
-            ks = f"k={lo}" if lo == hi else f"k={lo}-{hi}"
+        for i, (lo, hi, tp_hi, tp_lo, speed, power) in enumerate(runs):
             if speed == 0:
                 parts.append(f"k={lo}+ out")
                 break
-            parts.append(f"{ks} TP{tp} {speed:.4g}" + (f" at {power:.3g}x power" if power != 1 else ""))
-        return "; ".join(parts)
+            if i == max_runs:
+                parts.append("...")
+                parts.append(f"k={runs[-1][0]}+ out" if runs[-1][4] == 0 else "")
+                break
+            ks = f"k={lo}" if lo == hi else f"k={lo}-{hi}"
+            tps = f"TP{tp_hi}" if tp_hi == tp_lo else f"TP{tp_hi}-{tp_lo}"
+            parts.append(f"{ks} {tps} {speed:.4g}" + (f" at {power:.3g}x power" if power != 1 else ""))
+        return "; ".join(p for p in parts if p)
 
 
 def reduced_tp(tp: int, min_tp: int = 1, allowed: list[int] | None = None) -> np.ndarray:

@@ -142,7 +142,8 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
     snapshot = base.failures.mode == "snapshot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in points[0].summaries:
-        style = dict(color=COLORS[name], ls=STYLES[name][0], marker=STYLES[name][1], ms=4, label=LABELS[name])
+        line = STYLES[name][0] if ticks is None else "none"  # categorical points are not a curve
+        style = dict(color=COLORS[name], ls=line, marker=STYLES[name][1], ms=5, label=LABELS[name])
         worst_style = dict(color=COLORS[name], ls="none", marker="_", ms=10, alpha=0.8)
         if snapshot:
             ax1.plot(xs, [100 * p.summaries[name]["throughput_loss"]["mean"] for p in points], **style)
@@ -151,6 +152,7 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
             ax2.plot(xs, [p.summaries[name]["spares_needed"]["max"] for p in points], **worst_style)
         else:
             ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["mean"] for p in points], **style)
+            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["max"] for p in points], **{**worst_style, "marker": "x", "ms": 6})
             ax1.plot(xs, [p.summaries[name]["spares_no_pause"]["max"] for p in points], **worst_style)
             ax2.plot(xs, [100 * p.summaries[name]["goodput"]["mean"] for p in points], **style)
     if snapshot:
@@ -158,7 +160,7 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
         ax2.set_title("spare domains for a fixed minibatch (dash: worst trial)", fontsize=9)
     else:
         ax1.set_title(
-            "spare domains for a fixed minibatch: peak need (line, mean over trials)\n"
+            "spare domains for a fixed minibatch: peak need (line: mean over trials, x: worst trial)\n"
             "and fewest that never pause in any trial, spares failing too (dash)", fontsize=9,
         )  # fmt: skip
         ax2.set_title(f"goodput, % of ideal, with {base.cluster.spare_domains} spare domains", fontsize=9)

@@ -199,6 +199,7 @@ def simulate(points: list[tuple[str, SimConfig]], progress: bool = False) -> tup
 
     total = sum(cfg.run.trials for _, cfg in points)
     notes: list[str] = []
+    rate_lines: dict[str, list[tuple[str, str]]] = {}  # strategy -> (point label, rate table line)
     out = []
     with tqdm(total=total, disable=not progress, unit="trial", leave=False) as bar:
         for label, cfg in points:
@@ -220,9 +221,14 @@ def simulate(points: list[tuple[str, SimConfig]], progress: bool = False) -> tup
                 _note(notes, n)
             for s in strategies:
                 if s.name in ("ntp", "ntp_boost"):
-                    _note(notes, f"{label + ': ' if label else ''}{s.name} speed with k failed GPUs in a TP group: {s.table.line()}")
+                    rate_lines.setdefault(s.name, []).append((label, s.table.line()))
             log.info("point %r done in %.2fs", label, point.elapsed_s)
             out.append(point)
+    for name, lines in rate_lines.items():  # one line when every point has the same table
+        same = len({line for _, line in lines}) == 1
+        for label, line in lines[:1] if same else lines:
+            where = "" if same or not label else f" at {label}"
+            _note(notes, f"{name}{where}: speed with k failed GPUs in a TP group: {line}")
     return out, notes
 
 
