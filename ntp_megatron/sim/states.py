@@ -120,8 +120,11 @@ class MapState:
         bins_pm: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row, bin, +1/-1)
         self.j_subs, self.j_cls, self.j_cost, self.j_lev = [], [], [], []
         prev_cap, prev_bins = 0.0, (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        counts, applied = view.initial.copy(), 0  # counts at the segment's start, advanced segment by segment
         for k in range(n_seg):
-            counts = view.initial if k == 0 else view.counts_at_time(seg_t[k])
+            upto = view.trace.ptr[np.searchsorted(view.step_t, seg_t[k], side="right")]
+            np.add.at(counts, view.grp[applied:upto], view.delta[applied:upto])
+            applied = upto
             lev0 = self.level[counts[:jg]]
             perm = pack_order(lev0) if pack else np.arange(jg)
             slot = np.empty(jg, dtype=np.int64)

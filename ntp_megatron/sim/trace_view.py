@@ -64,13 +64,6 @@ class TraceView:
         ok = (pos >= 0) & (self.grp[hit] == groups)
         return np.where(ok, self.cnt_after[hit], self.initial[groups])
 
-    def counts_at_time(self, t: float, groups: slice = slice(None)) -> np.ndarray:
-        """Failed GPUs of every group after all steps at or before ``t``."""
-        done = self.sub_step < np.searchsorted(self.step_t, t, side="right")
-        out = self.initial.copy()
-        np.add.at(out, self.grp[done], self.delta[done])
-        return out[groups]
-
     def _spares(self) -> None:
         """Health of spare domains: per sub-step whether a spare domain broke (-1) or came back (+1)."""
         lay = self.layout
