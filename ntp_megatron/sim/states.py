@@ -54,6 +54,8 @@ def _spare_interrupts(view: TraceView, rows_before: np.ndarray, used: np.ndarray
 
 
 class PackedState:
+    """Placement ``packed``: per row, how many job groups sit at each speed level; the rest is placement.py."""
+
     def __init__(self, view: TraceView, rate: np.ndarray):
         lay = view.layout
         self.view = view
@@ -97,96 +99,107 @@ class PackedState:
         return Evaluation(view.rows_t, cap, need, used, p, np.zeros(0))
 
 
+def _replica_changes(
+    view: TraceView, level: np.ndarray, perm: np.ndarray, start: tuple[np.ndarray, np.ndarray], subs: np.ndarray, pp: int
+):
+    """(class, bad groups) of the replica each job sub-step touches, before and after it, under map ``perm``.
+
+    A replica's class is its slowest group's level; its groups' counts right after each sub-step come from
+    as-of look-ups, and "before" is the previous sub-step on the same replica (or the segment's start).
+    """
+    cls0, cost0 = start
+    slot = np.empty(perm.size, dtype=np.int64)
+    slot[perm] = np.arange(perm.size)
+    r = slot[view.grp[subs]] // pp
+    sl = level[view.count_at(perm[(r * pp)[:, None] + np.arange(pp)], subs[:, None])]
+    cls_a, cost_a = sl.max(axis=1), (sl > 0).sum(axis=1)
+    o = np.lexsort((subs, r))
+    first = np.ones(o.size, dtype=bool)
+    first[1:] = r[o][1:] != r[o][:-1]
+    cls_b, cost_b = np.empty_like(cls_a), np.empty_like(cost_a)
+    cls_b[o] = np.where(first, cls0[r[o]], np.roll(cls_a[o], 1))
+    cost_b[o] = np.where(first, cost0[r[o]], np.roll(cost_a[o], 1))
+    return cls_b, cost_b, cls_a, cost_a
+
+
 class MapState:
+    """Replicas tied to their groups between (re-)packings: per row, capacity and degraded replicas per bin."""
+
     def __init__(self, view: TraceView, rate: np.ndarray, pack: bool, restart_every_h: float | None):
-        lay = view.layout
         self.view = view
         self.level, self.speeds = levels(rate)
-        pp, dp, jg = lay.pp, lay.dp, lay.job_groups
-        seg_t = [0.0]
+        seg_t = np.zeros(1)
         if restart_every_h is not None:
-            seg_t += list(np.arange(1, int(np.ceil(view.horizon / restart_every_h))) * restart_every_h)
-        seg_t = np.asarray(seg_t, dtype=float)
-        n_seg = seg_t.size
+            seg_t = np.arange(int(np.ceil(view.horizon / restart_every_h))) * restart_every_h
         seg_of_step = np.searchsorted(seg_t, view.step_t, side="right") - 1
-        self.seg_row = np.searchsorted(view.step_t, seg_t, side="left") + np.arange(n_seg)
+        self.seg_row = np.searchsorted(view.step_t, seg_t, side="left") + np.arange(seg_t.size)
         self.step_row = np.arange(view.n_steps) + 1 + seg_of_step
-        self.rows_t = np.empty(view.n_steps + n_seg)
+        self.rows_t = np.empty(view.n_steps + seg_t.size)
         self.rows_t[self.seg_row], self.rows_t[self.step_row] = seg_t, view.step_t
         self.restarts = seg_t[1:]
+        self._build(pack, seg_t, seg_of_step[view.sub_step])
 
-        sub_seg = seg_of_step[view.sub_step]
+    def _build(self, pack: bool, seg_t: np.ndarray, sub_seg: np.ndarray) -> None:
+        """Per segment: (re-)pack the map, then every job sub-step's replica change; all rows at the end.
+
+        Each segment's start row replaces what the previous segment ended with, so the running sums of capacity
+        and of the bin histogram are reset there by adding the difference.
+        """
+        view, lay = self.view, self.view.layout
+        pp, dp, jg = lay.pp, lay.dp, lay.job_groups
         cap_delta = np.zeros(self.rows_t.size)
-        bins_pm: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row, bin, +1/-1)
-        self.j_subs, self.j_cls, self.j_cost, self.j_lev = [], [], [], []
-        prev_cap, prev_bins = 0.0, (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        counts, applied = view.initial.copy(), 0  # counts at the segment's start, advanced segment by segment
-        for k in range(n_seg):
-            upto = view.trace.ptr[np.searchsorted(view.step_t, seg_t[k], side="right")]
+        pm: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (row, bin id, +-count) changes of the histogram
+        subs_l, cls_l, cost_l, lev_l = [], [], [], []
+        end_cap, end_bins = 0.0, np.zeros(0, dtype=np.int64)  # state at the previous segment's end
+        counts, applied = view.initial.copy(), 0
+        for k, t in enumerate(seg_t):
+            upto = view.trace.ptr[np.searchsorted(view.step_t, t, side="right")]
             np.add.at(counts, view.grp[applied:upto], view.delta[applied:upto])
             applied = upto
             lev0 = self.level[counts[:jg]]
             perm = pack_order(lev0) if pack else np.arange(jg)
-            slot = np.empty(jg, dtype=np.int64)
-            slot[perm] = np.arange(jg)
             rep = lev0[perm].reshape(dp, pp)
             cls0, cost0 = rep.max(axis=1), (rep > 0).sum(axis=1)
-            # the segment's start row replaces whatever the previous segment ended with
-            start_cap = self.speeds[cls0].sum() / dp
             row0 = self.seg_row[k]
-            cap_delta[row0] += start_cap - prev_cap
-            bad = cls0 > 0
-            start_bins = cls0[bad] * (pp + 1) + cost0[bad]
-            bins_pm.append((np.full(prev_bins[0].size, row0), prev_bins[0], -prev_bins[1]))
-            ub, uc = np.unique(start_bins, return_counts=True)
-            bins_pm.append((np.full(ub.size, row0), ub, uc))
-            net_cap, net_bins = start_cap, {int(b): int(c) for b, c in zip(ub, uc)}
-
+            start_cap = self.speeds[cls0].sum() / dp
+            cap_delta[row0] += start_cap - end_cap
+            start_bins = (cls0 * (pp + 1) + cost0)[cls0 > 0]
+            pm.append((np.full(end_bins.size, row0), end_bins, -np.ones(end_bins.size, dtype=np.int64)))
+            pm.append((np.full(start_bins.size, row0), start_bins, np.ones(start_bins.size, dtype=np.int64)))
+            end_cap, end_bins = start_cap, start_bins
             subs = np.flatnonzero(view.is_job & (sub_seg == k))
-            if subs.size:
-                r = slot[view.grp[subs]] // pp
-                sib = perm[(r * pp)[:, None] + np.arange(pp)]
-                sl = self.level[view.count_at(sib, subs[:, None])]
-                cls_a, cost_a = sl.max(axis=1), (sl > 0).sum(axis=1)
-                o = np.lexsort((subs, r))
-                first = np.ones(o.size, dtype=bool)
-                first[1:] = r[o][1:] != r[o][:-1]
-                cls_b, cost_b = np.empty_like(cls_a), np.empty_like(cost_a)
-                cls_b[o] = np.where(first, cls0[r[o]], np.roll(cls_a[o], 1))
-                cost_b[o] = np.where(first, cost0[r[o]], np.roll(cost_a[o], 1))
-                row = self.step_row[view.sub_step[subs]]
-                dcap = (self.speeds[cls_a] - self.speeds[cls_b]) / dp
-                np.add.at(cap_delta, row, dcap)
-                net_cap += dcap.sum()
-                b_before, b_after = cls_b * (pp + 1) + cost_b, cls_a * (pp + 1) + cost_a
-                for sign, b, cl in ((-1, b_before, cls_b), (1, b_after, cls_a)):
-                    keep = (cl > 0) & (b_before != b_after)
-                    bins_pm.append((row[keep], b[keep], np.full(keep.sum(), sign)))
-                    for bb, cc in zip(*np.unique(b[keep], return_counts=True)):
-                        net_bins[int(bb)] = net_bins.get(int(bb), 0) + sign * int(cc)
-                self.j_subs.append(subs)
-                self.j_cls.append(cls_b)
-                self.j_cost.append(cost_b)
-                self.j_lev.append(self.level[view.cnt_before[subs]])
-            prev_cap = net_cap
-            nz = {b: c for b, c in net_bins.items() if c}
-            prev_bins = (np.array(list(nz), dtype=np.int64), np.array(list(nz.values()), dtype=np.int64))
+            if subs.size == 0:
+                continue
+            cls_b, cost_b, cls_a, cost_a = _replica_changes(view, self.level, perm, (cls0, cost0), subs, pp)
+            row = self.step_row[view.sub_step[subs]]
+            dcap = (self.speeds[cls_a] - self.speeds[cls_b]) / dp
+            np.add.at(cap_delta, row, dcap)
+            end_cap += dcap.sum()
+            b_before, b_after = cls_b * (pp + 1) + cost_b, cls_a * (pp + 1) + cost_a
+            moved = b_before != b_after
+            out, into = moved & (cls_b > 0), moved & (cls_a > 0)
+            pm.append((row[out], b_before[out], -np.ones(out.sum(), dtype=np.int64)))
+            pm.append((row[into], b_after[into], np.ones(into.sum(), dtype=np.int64)))
+            end_bins = _multiset_update(end_bins, b_before[out], b_after[into])
+            subs_l.append(subs), cls_l.append(cls_b), cost_l.append(cost_b)
+            lev_l.append(self.level[view.cnt_before[subs]])
 
         self.capacity_plain = np.cumsum(cap_delta)
-        rows, ids, signs = (np.concatenate(x) for x in zip(*bins_pm))
+        rows, ids, signs = (np.concatenate(x) for x in zip(*pm))
         uniq = np.unique(ids)
-        cls_u, cost_u = uniq // (pp + 1), uniq % (pp + 1)
-        self.deficit_u = 1.0 - self.speeds[cls_u]
-        order = greedy_order(self.deficit_u, cost_u.astype(float))
-        self.bin_ids, self.deficit, self.cost = uniq[order], self.deficit_u[order], cost_u[order].astype(float)
+        cls_u, cost_u = uniq // (pp + 1), (uniq % (pp + 1)).astype(float)
+        order = greedy_order(1.0 - self.speeds[cls_u], cost_u)
+        self.deficit, self.cost = 1.0 - self.speeds[cls_u][order], cost_u[order]
         col = np.empty(uniq.size, dtype=np.int64)
         col[order] = np.arange(uniq.size)
         delta = np.zeros((self.rows_t.size, uniq.size), dtype=np.int64)
         np.add.at(delta, (rows, col[np.searchsorted(uniq, ids)]), signs)
         self.hist = np.cumsum(delta, axis=0)
         self._uniq, self._col = uniq, col
-        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
-        self.j_subs, self.j_cls, self.j_cost, self.j_lev = (cat(x) for x in (self.j_subs, self.j_cls, self.j_cost, self.j_lev))
+        empty = np.zeros(0, dtype=np.int64)
+        self.j_subs, self.j_cls, self.j_cost, self.j_lev = (
+            np.concatenate(x) if x else empty for x in (subs_l, cls_l, cost_l, lev_l)
+        )
 
     def _col_of(self, b: np.ndarray) -> np.ndarray:
         """Column of bin ids ``b`` in the histogram, -1 for bins never degraded."""
@@ -230,6 +243,14 @@ class MapState:
         _max_per_step(view, subs, pj, p)
         _spare_interrupts(view, lambda s: self.step_row[view.sub_step[s]] - 1, used, h, p)
         return Evaluation(self.rows_t, cap, need, used, p, self.restarts)
+
+
+def _multiset_update(items: np.ndarray, removed: np.ndarray, added: np.ndarray) -> np.ndarray:
+    """``items`` as a multiset, minus ``removed`` (each present) plus ``added``."""
+    vals = np.unique(np.concatenate((items, removed, added)))
+    tally = sum(sign * np.bincount(np.searchsorted(vals, x), minlength=vals.size)
+                for sign, x in ((1, items), (-1, removed), (1, added)))  # fmt: skip
+    return np.repeat(vals, tally)
 
 
 def build_state(view: TraceView, strategy: Strategy) -> PackedState | MapState:
