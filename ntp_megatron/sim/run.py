@@ -35,6 +35,7 @@ from ntp_megatron.sim.trace_view import TraceView
 log = logging.getLogger(__name__)
 
 SNAPSHOT_SKIPS = ("checkpoint_restart",)  # a snapshot has no time, so rollbacks and restarts do not exist
+MAX_POOL = 1 << 16  # spare domains the virtual pool may grow to
 
 
 @dataclass
@@ -51,6 +52,11 @@ class PointResult:
 
 def _stats(values: list[float]) -> dict[str, float]:
     a = np.asarray(values, dtype=float)
+    with np.errstate(invalid="ignore"):  # spares can be infinite (README, "Spares")
+        return _describe(a)
+
+
+def _describe(a: np.ndarray) -> dict[str, float]:
     return {
         "mean": float(a.mean()),
         "std": float(a.std(ddof=1)) if a.size > 1 else 0.0,
@@ -97,20 +103,25 @@ def _pool(cfg: SimConfig, layout: Layout, view: TraceView, seed: list[int], size
 
 def _spares_with_failures(
     cfg: SimConfig, layout: Layout, view: TraceView, seed: list[int], evals: dict[str, Evaluation], horizon: float
-) -> dict[str, tuple[int, int]]:
-    """Per strategy: fewest spares never pausing, and at the percentile; the pool grows until it can tell."""
+) -> dict[str, tuple[float, float]]:
+    """Per strategy: fewest spares never pausing, and at the percentile; the pool grows until it can tell.
+
+    When spare domains are almost never healthy (failure rates far beyond any real cluster) no pool of up to
+    ``MAX_POOL`` domains suffices, and the answer is infinite.
+    """
     size = max(layout.spare_domains, int(1.5 * max(int(e.need.max()) for e in evals.values())) + 64)
-    while True:
+    out: dict[str, tuple[float, float]] = {}
+    while len(out) < len(evals):
         pool = _pool(cfg, layout, view, seed, size, horizon)
-        out = {}
         for name, ev in evals.items():
-            got = spares_with_failures(ev.rows_t, ev.need, pool, horizon, cfg.run.spares_percentile)
-            if got is None:
-                break
-            out[name] = got
-        else:
-            return out
-        size *= 2
+            if name not in out:
+                got = spares_with_failures(ev.rows_t, ev.need, pool, horizon, cfg.run.spares_percentile)
+                if got is not None:
+                    out[name] = got
+                elif size >= MAX_POOL:
+                    out[name] = (float("inf"), float("inf"))
+        size = min(2 * size, MAX_POOL)
+    return out
 
 
 def _empty_trace(counts: np.ndarray) -> Trace:

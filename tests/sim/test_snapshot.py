@@ -129,3 +129,12 @@ def test_packed_dp_drop_keeps_every_full_replica_of_healthy_groups():
     cap = p.summaries["dp_drop"]["capacity"]
     assert within(cap["mean"], expected, _stderr(cap, TRIALS)), (cap["mean"], expected)
     assert cap["mean"] > hypergeom_none(512, 16, 20)  # packing beats a fixed placement
+
+
+def test_spares_are_infinite_when_spare_domains_are_almost_never_healthy():
+    p = run_point(
+        "failures.mode=snapshot", "failures.fraction=0.5", "cluster.gpus=1024", "run.trials=2",
+        "strategies.enabled=[dp_drop]",
+    )  # fmt: skip
+    assert p.summaries["dp_drop"]["spares_no_pause"]["min"] == float("inf")
+    assert p.summaries["dp_drop"]["spares_needed"]["max"] < float("inf")
