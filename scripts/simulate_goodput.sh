@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Cluster-scale goodput simulator (README, "Goodput simulator").
 #   scripts/simulate_goodput.sh [CONFIG] [--set k=v ...] [--out DIR]
-#   e.g. scripts/simulate_goodput.sh configs/sim/study_b_nvl32_boost.yaml
+#   e.g. scripts/simulate_goodput.sh configs/sim/paper_fig6.yaml
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$ROOT"

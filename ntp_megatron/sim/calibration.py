@@ -1,9 +1,11 @@
-"""Degraded step-time ratios: measured ones from ``scripts/bench.sh`` when given, else the ideal tp/tp_eff.
+"""Measured inputs from ``scripts/bench.sh`` (and the live runtime): step-time ratios and the recovery pause.
 
-The JSON shape (documented in the README, "Calibration from scripts/bench.sh") maps healthy TP -> reduced TP -> step-time ratio
-(degraded step time / healthy step time)::
+Without calibration a group at reduced TP ``tp_eff`` takes the ideal ``tp / tp_eff`` times longer per step and a
+live re-formation pauses the job for ``strategies.reconfigure_s``. The JSON (README, "Calibration") may carry
+either or both of::
 
-    {"degraded_step_time_ratio": {"32": {"30": 1.08, "28": 1.17}}}
+    {"degraded_step_time_ratio": {"32": {"30": 1.08, "28": 1.17}},   # healthy TP -> reduced TP -> ratio
+     "recovery_s": 42.0}                                            # measured pause per failure, seconds
 
 Other top-level keys (hardware, model, dates ...) are ignored so the benchmark can record context.
 """
@@ -24,12 +26,13 @@ log = logging.getLogger(__name__)
 class CalibrationFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    degraded_step_time_ratio: dict[int, dict[int, float]] = Field(min_length=1)
+    degraded_step_time_ratio: dict[int, dict[int, float]] | None = Field(None, min_length=1)
+    recovery_s: float | None = Field(None, ge=0, description="measured job-wide pause per failure (live re-formation)")
 
     @field_validator("degraded_step_time_ratio")
     @classmethod
-    def _sane(cls, table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
-        for base, row in table.items():
+    def _sane(cls, table: dict[int, dict[int, float]] | None) -> dict[int, dict[int, float]] | None:
+        for base, row in (table or {}).items():
             for tp, ratio in row.items():
                 if not 0 < tp < base:
                     raise ValueError(f"reduced TP {tp} must be in 1..{base - 1} for healthy TP {base}")
@@ -41,10 +44,20 @@ class CalibrationFile(BaseModel):
 class StepTimeRatios:
     """Step-time ratio lookup that remembers which TP pairs fell back to the ideal, to say so in the output."""
 
-    def __init__(self, measured: dict[int, dict[int, float]] | None = None, source: str | None = None):
+    def __init__(
+        self,
+        measured: dict[int, dict[int, float]] | None = None,
+        source: str | None = None,
+        recovery_s: float | None = None,
+    ):
         self.measured = measured or {}
         self.source = source
+        self.recovery_s = recovery_s
         self.fallbacks: set[tuple[int, int]] = set()
+
+    def reconfigure_s(self, configured: float) -> float:
+        """The live re-formation pause: the measured one when the calibration has it, else the configured one."""
+        return configured if self.recovery_s is None else self.recovery_s
 
     def ratio(self, tp_base: int, tp: int) -> float:
         if tp == tp_base:
@@ -63,8 +76,17 @@ class StepTimeRatios:
         if self.source is None:
             return ["no calibration file: degraded step times use the ideal ratio tp/tp_eff"]
         used = sorted(self.fallbacks)
-        notes = [f"calibration: step-time ratios from {self.source}"]
-        if used:
+        notes = []
+        if self.measured:
+            notes.append(f"calibration: step-time ratios from {self.source}")
+        else:
+            notes.append(f"calibration {self.source} has no step-time ratios: used the ideal ratio tp/tp_eff")
+        if self.recovery_s is not None:
+            notes.append(
+                f"calibration: live re-formation pause {self.recovery_s:g} s per failure from {self.source} "
+                "(replaces strategies.reconfigure_s)"
+            )
+        if used and self.measured:
             pairs = ", ".join(f"{a}->{b}" for a, b in used)
             notes.append(f"calibration has no entry for TP {pairs}: used the ideal ratio tp/tp_eff there")
         return notes
@@ -81,9 +103,11 @@ def load_calibration(path: str | Path | None) -> StepTimeRatios:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{p}: not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be an object with 'degraded_step_time_ratio'")
+        raise ConfigError(f"{p}: the top level must be an object with 'degraded_step_time_ratio' and/or 'recovery_s'")
     try:
         parsed = CalibrationFile.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(f"{p}: {format_validation_error(exc, CalibrationFile)}") from None
-    return StepTimeRatios(parsed.degraded_step_time_ratio, str(p))
+    if parsed.degraded_step_time_ratio is None and parsed.recovery_s is None:
+        raise ConfigError(f"{p}: needs 'degraded_step_time_ratio' or 'recovery_s' (or both)")
+    return StepTimeRatios(parsed.degraded_step_time_ratio, str(p), parsed.recovery_s)

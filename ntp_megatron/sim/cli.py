@@ -50,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         ("first point: " if len(results) > 1 else "")
         + f"{lay['job_gpus']} job GPUs: DP {lay['dp']} x PP {lay['pp']} x TP {lay['tp']} in domains of "
         f"{lay['domain_size']}; {lay['spare_domains']} spare domains; mode {base.failures.mode}, "
-        f"{base.run.trials} trials, batch policy {base.strategies.batch_policy}"
+        f"{base.run.trials} trials, batch policy {base.strategies.batch_policy}, degraded speed "
+        + (
+            f"integer batch (local batch {base.strategies.degraded_speed.local_batch})"
+            if base.strategies.degraded_speed.model == "integer_batch"
+            else "continuous"
+        )
     )
     print()
     print(summary_table(base, results))
@@ -60,3 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {', '.join(str(w) for w in written)}")
     print(f"simulated in {time.perf_counter() - started:.2f} s")
     return 0
+
+
+if __name__ == "__main__":  # python -m ntp_megatron.sim.cli does what ntp-sim does
+    raise SystemExit(main())

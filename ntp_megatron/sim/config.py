@@ -68,9 +68,14 @@ class Failures(Section):
     fraction: float = Field(0.001, ge=0, lt=1, description="snapshot mode: fraction of GPUs failed")
 
 
+# NVIDIA's published peak dense FP8 throughput of one B200 at two power limits: 4.5 PFLOPS at 1,000 W (HGX B200)
+# and 5.0 PFLOPS at 1,200 W (GB200). alpha = ln(5.0 / 4.5) / ln(1.2) = 0.578 (README, "Power boost").
+B200_ALPHA = 0.58
+
+
 class PowerLaw(Section):
     kind: Literal["power_law"] = "power_law"
-    alpha: float = Field(0.5, gt=0, le=1, description="performance = power ** alpha")
+    alpha: float = Field(B200_ALPHA, gt=0, le=1, description="performance = power ** alpha")
 
 
 class PerfTable(Section):
@@ -88,10 +93,38 @@ class Ntp(Section):
     allowed_tp: list[int] | None = Field(None, min_length=1, description="TP degrees a group may run at")
 
 
+class DegradedSpeed(Section):
+    """How fast a degraded replica contributes: the paper's integer local batch, or the continuous tp_eff/tp."""
+
+    model: Literal["integer_batch", "continuous"] = "integer_batch"
+    local_batch: int = Field(16, gt=0, description="samples per replica per iteration in the healthy job")
+
+
+PlacementName = Literal["fixed", "packed", "packed_on_restart"]
+
+
+class Placement(Section):
+    """Which DP replica each TP group serves, per strategy (README, "Placement": who may move domains, at what cost)."""
+
+    checkpoint_restart: PlacementName = "packed"
+    dp_drop: PlacementName = "packed_on_restart"
+    hot_spares: PlacementName = "fixed"
+    ntp: PlacementName = "packed_on_restart"
+    ntp_boost: PlacementName = "packed_on_restart"
+
+
 class Strategies(Section):
     enabled: list[StrategyName] = Field(default_factory=lambda: list(STRATEGY_NAMES), min_length=1)
     batch_policy: Literal["shrink", "fixed"] = "shrink"
     reconfigure_s: float = Field(0.0, ge=0, description="job-wide pause per failure for non-restart strategies")
+    placement: Placement = Field(default_factory=Placement)
+    restart_every_h: float | None = Field(
+        None, gt=0, description="planned restarts that re-pack packed_on_restart strategies; null = none"
+    )
+    repack_pause_s: float | None = Field(
+        None, ge=0, description="pause when domains move between replicas; null = checkpoint.restart_min"
+    )
+    degraded_speed: DegradedSpeed = Field(default_factory=DegradedSpeed)
     ntp: Ntp = Field(default_factory=Ntp)
     boost: Boost = Field(default_factory=Boost)
 
@@ -107,6 +140,9 @@ class Run(Section):
     seed: int = Field(0, ge=0)
     warm_start: bool = Field(True, description="start from the failure process's steady state, not all healthy")
     grid_points: int = Field(300, ge=2, le=100000)
+    spares_percentile: float = Field(
+        99.0, gt=0, le=100, description="also report the fewest spares that pause at most (100 - this) % of the time"
+    )
 
 
 class Sweep(Section):

@@ -1,17 +1,16 @@
 """Where each replica's TP groups sit: the map from GPUs to TP groups, domains and DP replicas.
 
 GPUs are numbered domain by domain. A domain of ``domain_size`` GPUs holds ``domain_size / tp`` TP groups of
-consecutive GPUs; TP group ``j`` is stage ``j % pp`` of replica ``j // pp``. So a replica occupies ``pp``
-consecutive TP groups, which may fill several domains (TP = domain size, PP > 1) or share one (TP < domain
-size). The job's domains come first, then the spare domains; any further domains of the cluster are idle
-and never simulated, since nothing that happens there changes the job.
+consecutive GPUs. With placement ``fixed``, TP group ``j`` is stage ``j % pp`` of replica ``j // pp``, so a
+replica occupies ``pp`` consecutive TP groups, which may fill several domains (TP = domain size, PP > 1) or
+share one (TP < domain size); packing re-assigns groups to replicas (placement.py). The job's domains come
+first, then the spare domains; any further domains of the cluster are idle and never simulated, since
+nothing that happens there changes the job.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
 
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.sim.config import Cluster
@@ -46,25 +45,6 @@ class Layout:
     @property
     def active_gpus(self) -> int:
         return self.active_domains * self.domain_size
-
-    @property
-    def replica_gpus(self) -> int:
-        return self.pp * self.tp
-
-    def domains_for_replicas(self, k: np.ndarray | int) -> np.ndarray | int:
-        """Spare domains it takes to host ``k`` extra replicas (a replica may be smaller than a domain)."""
-        return -(-np.asarray(k) * self.replica_gpus // self.domain_size)
-
-    def replica_domains(self) -> np.ndarray:
-        """(dp, m) matrix of the distinct domains each replica touches, padded with the index ``job_domains``."""
-        doms = np.arange(self.job_groups).reshape(self.dp, self.pp) // self.groups_per_domain
-        first = np.ones_like(doms, dtype=bool)  # rows are sorted: a domain is new where the value changes
-        first[:, 1:] = doms[:, 1:] != doms[:, :-1]
-        slot = np.cumsum(first, axis=1) - 1
-        out = np.full((self.dp, int(slot.max()) + 1), self.job_domains, dtype=np.int64)
-        rows, cols = np.nonzero(first)
-        out[rows, slot[rows, cols]] = doms[rows, cols]
-        return out
 
     def describe(self) -> dict:
         return {

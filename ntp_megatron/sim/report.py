@@ -68,36 +68,49 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _placement(p: PointResult, name: str) -> str:
+    return getattr(p.config.strategies.placement, name)
+
+
 def summary_table(base: SimConfig, points: list[PointResult]) -> str:
-    """One markdown row per (sweep point, strategy); means over trials unless the column says otherwise."""
+    """One markdown row per (sweep point, strategy); means over trials unless the column says otherwise.
+
+    Spares: *needed* is the peak of what a fixed minibatch needs (spares assumed healthy), as the mean over
+    trials and the worst trial; *never pause* is the fewest spares with no pause in any trial when spares fail
+    too (the answer to "how many spares so that we never pause").
+    """
     sweep = len(points) > 1 or points[0].label
     lead = ["point"] if sweep else []
     rows = []
     if base.failures.mode == "snapshot":
         header = lead + [
-            "strategy", "capacity %", "loss % (mean)", "loss % (max)", "domains hit %",
-            "spares needed (mean)", "spares needed (max)",
+            "strategy", "placement", "capacity %", "loss % (mean)", "loss % (max)", "domains hit %",
+            "spares needed (mean / max)", "spares to never pause",
         ]  # fmt: skip
         for p in points:
             hit = p.extra["domains_hit_fraction"]["mean"]
             for name, m in p.summaries.items():
                 rows.append(([p.label] if sweep else []) + [
-                    LABELS[name], _pct(m["capacity"]["mean"]), _pct(m["throughput_loss"]["mean"]),
+                    LABELS[name], _placement(p, name), _pct(m["capacity"]["mean"]), _pct(m["throughput_loss"]["mean"]),
                     _pct(m["throughput_loss"]["max"]), _pct(hit),
-                    f"{m['spares_needed']['mean']:.1f}", f"{m['spares_needed']['max']:.0f}",
+                    f"{m['spares_needed']['mean']:.1f} / {m['spares_needed']['max']:.0f}",
+                    f"{m['spares_no_pause']['max']:.0f}",
                 ])  # fmt: skip
         return _table(header, rows)
+    pct = f"{100 - base.run.spares_percentile:g}"
     header = lead + [
-        "strategy", "goodput %", "lost: capacity %", "lost: pauses %", "lost: rollback %",
-        "max loss %", "interruptions/day", "spares needed (mean of max)", "spares needed (max)",
+        "strategy", "placement", "goodput %", "lost: capacity %", "lost: pauses %", "lost: rollback %",
+        "max loss %", "interruptions/day", "spares needed, peak (mean / max)", "spares to never pause",
+        f"spares to pause <= {pct} %",
     ]  # fmt: skip
     for p in points:
         for name, m in p.summaries.items():
             rows.append(([p.label] if sweep else []) + [
-                LABELS[name], _pct(m["goodput"]["mean"]), _pct(m["lost_capacity"]["mean"]),
+                LABELS[name], _placement(p, name), _pct(m["goodput"]["mean"]), _pct(m["lost_capacity"]["mean"]),
                 _pct(m["lost_pause"]["mean"]), _pct(m["lost_rollback"]["mean"]),
                 _pct(m["max_throughput_loss"]["max"]), f"{m['interruptions_per_day']['mean']:.1f}",
-                f"{m['spares_needed_max']['mean']:.1f}", f"{m['spares_needed_max']['max']:.0f}",
+                f"{m['spares_needed_max']['mean']:.1f} / {m['spares_needed_max']['max']:.0f}",
+                f"{m['spares_no_pause']['max']:.0f}", f"{m['spares_at_percentile']['max']:.0f}",
             ])  # fmt: skip
     return _table(header, rows)
 
@@ -129,7 +142,8 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
     snapshot = base.failures.mode == "snapshot"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in points[0].summaries:
-        style = dict(color=COLORS[name], ls=STYLES[name][0], marker=STYLES[name][1], ms=4, label=LABELS[name])
+        line = STYLES[name][0] if ticks is None else "none"  # categorical points are not a curve
+        style = dict(color=COLORS[name], ls=line, marker=STYLES[name][1], ms=5, label=LABELS[name])
         worst_style = dict(color=COLORS[name], ls="none", marker="_", ms=10, alpha=0.8)
         if snapshot:
             ax1.plot(xs, [100 * p.summaries[name]["throughput_loss"]["mean"] for p in points], **style)
@@ -138,15 +152,17 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
             ax2.plot(xs, [p.summaries[name]["spares_needed"]["max"] for p in points], **worst_style)
         else:
             ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["mean"] for p in points], **style)
-            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["max"] for p in points], **worst_style)
+            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["max"] for p in points], **{**worst_style, "marker": "x", "ms": 6})
+            ax1.plot(xs, [p.summaries[name]["spares_no_pause"]["max"] for p in points], **worst_style)
             ax2.plot(xs, [100 * p.summaries[name]["goodput"]["mean"] for p in points], **style)
     if snapshot:
         ax1.set_title("throughput loss, % of healthy (dash: worst trial)", fontsize=9)
         ax2.set_title("spare domains for a fixed minibatch (dash: worst trial)", fontsize=9)
     else:
         ax1.set_title(
-            "spare domains to never pause a fixed minibatch\n(peak over the run; dash: worst trial)", fontsize=9
-        )
+            "spare domains for a fixed minibatch: peak need (line: mean over trials, x: worst trial)\n"
+            "and fewest that never pause in any trial, spares failing too (dash)", fontsize=9,
+        )  # fmt: skip
         ax2.set_title(f"goodput, % of ideal, with {base.cluster.spare_domains} spare domains", fontsize=9)
     for ax in (ax1, ax2):
         ax.set_xlabel(xlabel)

@@ -36,6 +36,12 @@ SMALL = ["--set", "cluster.gpus=1024", "--set", "run.trials=2", "--set", "run.du
         (["sweep.key=cluster.tp"], "sweep: give either key and values, or points"),
         (["sweep.key=cluster.tp", "sweep.values=[32, 7]"], "sweep point 'tp=7': cluster.tp=7 must divide"),
         (["calibration=/nonexistent.json"], "calibration file not found"),
+        (["strategies.placement.ntp=tight"], "'fixed', 'packed' or 'packed_on_restart'"),
+        (["strategies.placement.magic=fixed"], "allowed keys here: checkpoint_restart, dp_drop"),
+        (["strategies.degraded_speed.model=x"], "'integer_batch' or 'continuous'"),
+        (["strategies.degraded_speed.local_batch=0"], "strategies.degraded_speed.local_batch"),
+        (["strategies.restart_every_h=-1"], "strategies.restart_every_h"),
+        (["run.spares_percentile=101"], "run.spares_percentile"),
     ],
 )
 def test_config_errors_are_one_line_and_exit_2(overrides, fragment, capsys, tmp_path):
@@ -73,7 +79,7 @@ def test_run_writes_json_tables_and_plots(tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert [p["label"] for p in data["points"]] == ["rate_multiplier=1", "rate_multiplier=4"]
     ntp = data["points"][1]["strategies"]["ntp"]
-    assert set(ntp["summary"]) >= {"goodput", "lost_capacity", "spares_needed_max"}
+    assert set(ntp["summary"]) >= {"goodput", "lost_capacity", "spares_needed_max", "spares_no_pause"}
     assert len(ntp["series"]["goodput_mean"]) == len(data["points"][1]["hours"])
 
 
@@ -110,7 +116,22 @@ def test_bench_runs_and_writes_json(tmp_path, capsys):
     assert bench.main(["--trials", "1", "--days", "1", "--sizes", "1024,2048", "--repeat", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["gpus"] for r in rows] == [1024, 2048] and all(r["seconds"] > 0 for r in rows)
-    assert "| 2048 |" in capsys.readouterr().out
+    assert all(r["strategies"] == 5 for r in rows)
+    assert "| 2,048 |" in capsys.readouterr().out
+
+
+def test_python_dash_m_cli_is_ntp_sim(tmp_path, capsys):
+    args = [*SMALL, "--no-plots"]
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    direct = capsys.readouterr().out
+    run = subprocess.run(
+        [sys.executable, "-m", "ntp_megatron.sim.cli", *args, "--out", str(tmp_path / "b")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith(("wrote", "simulated in"))]  # noqa: E731
+    assert strip(run.stdout) == strip(direct) and "| NTP |" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "ntp_megatron.sim.cli", "--set", "cluster.tp=12"], capture_output=True, text=True)
+    assert bad.returncode == EXIT_CONFIG_ERROR and bad.stderr.startswith("ntp-sim: cluster.tp=12")
 
 
 def test_config_error_class_is_shared():

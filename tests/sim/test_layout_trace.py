@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.sim.failures import poisson_trace, snapshot_counts
+from ntp_megatron.sim.failures import _events, merge_down_intervals, poisson_trace, snapshot_counts
 from ntp_megatron.sim.layout import build_layout
 
 from .sim_helpers import config
@@ -23,21 +24,6 @@ def test_default_dp_fills_the_cluster_beside_the_spares():
 def test_explicit_dp_leaves_idle_domains_out_of_the_simulation():
     lay = build_layout(config("cluster.gpus=1024", "cluster.domain_size=8", "cluster.tp=8", "cluster.dp=16").cluster)
     assert (lay.job_domains, lay.idle_domains, lay.active_gpus) == (16, 112, 128)
-
-
-def test_replica_domains_when_stages_straddle_domains():
-    # TP4 in 8-GPU domains (2 groups per domain), PP3: replica 0 = groups 0,1,2 -> domains 0,1;
-    # replica 1 = groups 3,4,5 -> domains 1,2 (domain 1 is shared)
-    lay = build_layout(
-        config("cluster.gpus=64", "cluster.domain_size=8", "cluster.tp=4", "cluster.pp=3", "cluster.dp=2").cluster
-    )
-    assert lay.replica_domains().tolist() == [[0, 1], [1, 2]]
-
-
-def test_replica_domains_are_padded_when_replicas_share_a_domain():
-    lay = build_layout(config("cluster.gpus=72", "cluster.domain_size=72", "cluster.tp=8", "cluster.pp=1").cluster)
-    assert lay.dp == 9 and lay.replica_domains().tolist() == [[0]] * 9
-    assert lay.domains_for_replicas(np.arange(11)).tolist() == [0] + [1] * 9 + [2]
 
 
 def test_snapshot_fails_exactly_the_requested_gpus():
@@ -80,3 +66,54 @@ def test_trace_counts_stay_in_range_and_follow_the_blast_radius(
         counts[trace.groups[sl]] += deltas
         assert counts.min() >= 0 and counts.max() <= tp
         assert np.all(counts % unit == 0)
+
+
+def _brute_union(unit, start, end):
+    """Per unit, walk its events in time order and merge overlapping [start, end) intervals."""
+    out = {}
+    for u, s, e in sorted(zip(unit.tolist(), start.tolist(), end.tolist())):
+        ivs = out.setdefault(u, [])
+        if ivs and s <= ivs[-1][1]:
+            ivs[-1][1] = max(ivs[-1][1], e)
+        else:
+            ivs.append([s, e])
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 60), units=st.integers(1, 6), seed=st.integers(0, 10_000))
+def test_merged_down_intervals_match_a_sequential_merge(n, units, seed):
+    rng = np.random.default_rng(seed)
+    unit = rng.integers(0, units, n)
+    start = rng.uniform(-5, 50, n)
+    end = start + rng.uniform(0, 10, n)
+    u, s, e = merge_down_intervals(unit, start, end)
+    got = {}
+    for a, b, c in zip(u.tolist(), s.tolist(), e.tolist()):
+        got.setdefault(a, []).append([b, c])
+    assert got == _brute_union(unit, start, end)
+
+
+@pytest.mark.parametrize("blast, node", [("gpu", 2), ("node", 2), ("node", 8), ("domain", 2)])
+def test_trace_counts_are_the_union_of_the_raw_events(blast, node):
+    # the trace's first draws are its raw events: redraw them with the same seed and merge them by brute force
+    cfg = config(
+        "cluster.gpus=96", "cluster.domain_size=8", "cluster.tp=4", "cluster.spare_domains=2", "failures.rate=mtbf",
+        "failures.mtbf_hours=200", f"failures.blast_radius={blast}", f"failures.node_size={node}",
+        "failures.classes=[{name: a, share: 0.5, repair_hours: [5, 30]}, {name: b, share: 0.5, repair_hours: [1, 1]}]",
+    )  # fmt: skip
+    lay = build_layout(cfg.cluster)
+    width = {"gpu": 1, "node": node, "domain": 8}[blast]
+    trace = poisson_trace(lay, cfg.failures, 100.0, True, np.random.default_rng(5))
+    unit, start, end = _events(cfg.failures, lay.active_gpus // width, width, -30.0, 100.0, np.random.default_rng(5))
+    merged = _brute_union(unit, start, end)
+    for t in np.linspace(0.0, 100.0, 41):
+        gpu_down = np.zeros(lay.active_gpus, dtype=np.int64)
+        for u, ivs in merged.items():
+            if any(a <= t < b for a, b in ivs):
+                gpu_down[u * width : (u + 1) * width] = 1
+        expected = gpu_down.reshape(-1, lay.tp).sum(axis=1)
+        done = np.searchsorted(trace.times, t, side="right")
+        counts = trace.initial.copy()
+        np.add.at(counts, trace.groups[: trace.ptr[done]], trace.deltas[: trace.ptr[done]])
+        assert np.array_equal(counts, expected), t

@@ -15,17 +15,18 @@ import numpy as np
 import pytest
 
 from ntp_megatron.sim.calibration import StepTimeRatios
-from ntp_megatron.sim.config import LLAMA3_RATE_PER_GPU_HOUR, Boost, load
+from ntp_megatron.sim.config import LLAMA3_RATE_PER_GPU_HOUR, load
 from ntp_megatron.sim.failures import poisson_trace
 from ntp_megatron.sim.layout import build_layout
 from ntp_megatron.sim.report import to_json
 from ntp_megatron.sim.run import simulate
-from ntp_megatron.sim.strategies import boost_rates, dp_drop_rates, ntp_rates, reduced_tp
+from ntp_megatron.sim.strategies import build_strategies
 
 from .sim_helpers import SMALL_CLUSTER, config, run_point, within
 
 MEAN_REPAIR = 20.0
 REPAIR = "failures.classes=[{name: hw, share: 1.0, repair_hours: [10, 30]}]"
+FIXED = ("strategies.placement.dp_drop=fixed", "strategies.placement.ntp=fixed", "strategies.placement.ntp_boost=fixed")
 
 
 def _stderr(stats: dict[str, float], trials: int) -> float:
@@ -61,19 +62,15 @@ def _replica_speed(rate: np.ndarray, tp: int, pp: int, width: int, q: float) -> 
 @pytest.mark.parametrize("blast, width", [("gpu", 1), ("node", 4), ("domain", 8)])
 def test_stationary_capacity_of_dp_drop_ntp_and_boost(blast, width):
     mtbf, trials = 3000.0, 6
-    p = run_point(
+    overrides = (
         *SMALL_CLUSTER, "failures.rate=mtbf", f"failures.mtbf_hours={mtbf}", REPAIR,
         f"failures.blast_radius={blast}", "failures.node_size=4", "run.duration_days=100", f"run.trials={trials}",
-        "strategies.enabled=[dp_drop, ntp, ntp_boost]", "strategies.boost.max_power=1.1",
+        "strategies.enabled=[dp_drop, ntp, ntp_boost]", "strategies.boost.max_power=1.1", *FIXED,
     )  # fmt: skip
+    p = run_point(*overrides)
     lam = 1 / mtbf
     q = 1 - exp(-lam * width * MEAN_REPAIR)
-    eff = reduced_tp(8)
-    rates = {
-        "dp_drop": dp_drop_rates(8),
-        "ntp": ntp_rates(8, eff, StepTimeRatios()),
-        "ntp_boost": boost_rates(8, eff, StepTimeRatios(), Boost(max_power=1.1)),
-    }
+    rates = {s.name: s.table.rate for s in build_strategies(config(*overrides), StepTimeRatios())}
     # a replica is 16 GPUs; DP-drop keeps it iff none is down: exp(-lambda * 16 * E[D]) for any blast radius
     assert _replica_speed(rates["dp_drop"], 8, 2, width, q) == pytest.approx(exp(-lam * 16 * MEAN_REPAIR))
     for name, rate in rates.items():
@@ -107,7 +104,7 @@ def test_checkpoint_restart_matches_the_renewal_formula():
 
 def test_hot_spares_lose_nothing_while_spares_last_and_equal_dp_drop_without_spares():
     common = (*SMALL_CLUSTER, "failures.rate=mtbf", "failures.mtbf_hours=3000", REPAIR, "run.duration_days=30",
-              "run.trials=3", "strategies.enabled=[dp_drop, hot_spares]")  # fmt: skip
+              "run.trials=3", "strategies.enabled=[dp_drop, hot_spares]", "strategies.placement.dp_drop=fixed")  # fmt: skip
     plenty = run_point(*common, "cluster.gpus=1024", "cluster.dp=32", "cluster.spare_domains=64")
     assert plenty.summaries["hot_spares"]["goodput"]["min"] == pytest.approx(1.0, abs=1e-12)
     assert plenty.summaries["dp_drop"]["goodput"]["max"] < 0.99
@@ -141,7 +138,7 @@ def test_losses_add_up_and_stay_in_range():
     p = run_point(
         "cluster.gpus=4096", "cluster.domain_size=32", "cluster.tp=32", "cluster.pp=4", "cluster.spare_domains=4",
         "failures.rate_multiplier=20", "strategies.reconfigure_s=120", "run.duration_days=5", "run.trials=2",
-        "strategies.ntp.allowed_tp=[32, 30, 28]",
+        "strategies.ntp.allowed_tp=[32, 30, 28]", "strategies.placement.dp_drop=fixed",  # hot spares' placement
     )  # fmt: skip
     for name, m in p.summaries.items():
         total = m["lost_capacity"]["mean"] + m["lost_pause"]["mean"] + m["lost_rollback"]["mean"]
@@ -167,3 +164,65 @@ def _json(*overrides: str) -> str:
 def test_deterministic_under_a_seed():
     assert _json("run.seed=7") == _json("run.seed=7")
     assert _json("run.seed=7") != _json("run.seed=8")
+
+
+def test_packed_dp_drop_runs_every_full_replica_of_healthy_groups():
+    # stationary, one GPU per event: groups are healthy independently w.p. p0 = exp(-lambda * 8 * E[D]), so packed
+    # DP-drop runs E[floor(H / 2)] of 32 replicas with H ~ Binomial(64, p0); no pause (repack_pause_s = 0)
+    trials, mtbf = 6, 1500.0
+    p = run_point(
+        *SMALL_CLUSTER, "failures.rate=mtbf", f"failures.mtbf_hours={mtbf}", REPAIR, "run.duration_days=100",
+        f"run.trials={trials}", "strategies.enabled=[dp_drop]", "strategies.placement.dp_drop=packed",
+        "strategies.repack_pause_s=0",
+    )  # fmt: skip
+    p0 = exp(-8 / mtbf * MEAN_REPAIR)
+    expected = sum(comb(64, h) * p0**h * (1 - p0) ** (64 - h) * (h // 2) for h in range(65)) / 32
+    got = p.summaries["dp_drop"]["goodput"]
+    assert within(got["mean"], expected, _stderr(got, trials)), (got["mean"], expected)
+    assert got["mean"] > exp(-16 / mtbf * MEAN_REPAIR)  # fixed placement's closed form: packing helps
+
+
+def test_packed_strategies_pay_a_restart_per_interrupting_failure():
+    common = (*SMALL_CLUSTER, "failures.rate=mtbf", "failures.mtbf_hours=3000", REPAIR, "run.duration_days=20",
+              "run.trials=2", "strategies.enabled=[ntp]", "checkpoint.restart_min=6", "strategies.reconfigure_s=0")  # fmt: skip
+    packed = run_point(*common, "strategies.placement.ntp=packed").summaries["ntp"]
+    fixed = run_point(*common, "strategies.placement.ntp=fixed").summaries["ntp"]
+    # each interruption pauses 0.1 h; pauses rarely overlap at this rate
+    per_day = packed["interruptions_per_day"]["mean"]
+    assert packed["lost_pause"]["mean"] == pytest.approx(per_day * 0.1 / 24, rel=0.05)
+    assert fixed["lost_pause"]["max"] == 0.0
+
+
+def test_planned_restarts_re_pack_and_cost_their_pause():
+    # failures so rare that none happens: the only pauses are the planned restarts at 24, 48, ..., 216 h
+    p = run_point(
+        *SMALL_CLUSTER, "failures.rate=mtbf", "failures.mtbf_hours=1e12", "run.duration_days=10", "run.trials=1",
+        "strategies.enabled=[dp_drop]", "strategies.restart_every_h=24", "strategies.repack_pause_s=360",
+    )  # fmt: skip
+    assert p.summaries["dp_drop"]["lost_pause"]["mean"] == pytest.approx(9 * 0.1 / 240)
+
+
+def test_measured_recovery_replaces_the_reconfigure_pause(tmp_path):
+    calib = tmp_path / "runtime.json"
+    calib.write_text(json.dumps({"recovery_s": 90}))
+    common = (*SMALL_CLUSTER, "failures.rate=mtbf", "failures.mtbf_hours=2000", REPAIR, "run.duration_days=10",
+              "run.trials=2", "strategies.enabled=[dp_drop, ntp]")  # fmt: skip
+    measured = run_point(*common, f"calibration={calib}", "strategies.reconfigure_s=5")
+    configured = run_point(*common, "strategies.reconfigure_s=90")
+    assert measured.summaries == configured.summaries
+    assert measured.summaries["ntp"]["lost_pause"]["mean"] > 0
+
+
+def test_spare_domains_are_healthy_as_often_as_the_failure_process_allows():
+    # a spare domain of 8 GPUs is healthy w.p. exp(-lambda * 8 * E[D]); the job cannot use the others
+    trials, mtbf = 4, 2000.0
+    p = run_point(
+        *SMALL_CLUSTER, "cluster.gpus=1024", "cluster.dp=32", "cluster.spare_domains=64", "failures.rate=mtbf",
+        f"failures.mtbf_hours={mtbf}", REPAIR, "run.duration_days=60", f"run.trials={trials}",
+        "strategies.enabled=[dp_drop]",
+    )  # fmt: skip
+    got = p.extra["healthy_spares"]
+    assert within(got["mean"], 64 * exp(-8 / mtbf * MEAN_REPAIR), got["std"] / sqrt(trials))
+    s = p.summaries["dp_drop"]
+    assert s["spares_no_pause"]["min"] >= s["spares_needed_max"]["min"]
+    assert s["spares_at_percentile"]["max"] <= s["spares_no_pause"]["max"]

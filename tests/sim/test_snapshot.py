@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 from math import comb, sqrt
 
 import numpy as np
 import pytest
 
 from ntp_megatron.sim.calibration import StepTimeRatios
-from ntp_megatron.sim.config import Boost
-from ntp_megatron.sim.strategies import boost_rates, ntp_rates, reduced_tp
+from ntp_megatron.sim.strategies import build_strategies
 
-from .sim_helpers import SMALL_CLUSTER, hypergeom_none, run_point, within
+from .sim_helpers import SMALL_CLUSTER, config, hypergeom_none, run_point, within
+
+FIXED = ("strategies.placement.dp_drop=fixed", "strategies.placement.ntp=fixed", "strategies.placement.ntp_boost=fixed")
 
 TRIALS = 1500
 
@@ -58,19 +60,22 @@ def _expected_replica_speed(rate: np.ndarray, cdf: np.ndarray) -> float:
     return float((rate * pmf).sum())
 
 
-def test_dp_drop_ntp_and_boost_capacity_match_exact_expectations():
+@pytest.mark.parametrize("speed", ["integer_batch", "continuous"])
+def test_fixed_placement_capacity_matches_exact_expectations(speed):
     fraction = 0.04  # 20 of 512 GPUs down: hypergeometric, not binomial, at this size
-    p = run_point(
+    overrides = (
         *SMALL_CLUSTER, "failures.mode=snapshot", f"failures.fraction={fraction}", f"run.trials={TRIALS}",
-        "strategies.enabled=[dp_drop, ntp, ntp_boost]", "strategies.boost.max_power=1.1",
+        "strategies.enabled=[dp_drop, ntp, ntp_boost]", "strategies.boost.max_power=1.1", *FIXED,
+        f"strategies.degraded_speed.model={speed}", "strategies.degraded_speed.local_batch=5",
     )  # fmt: skip
+    p = run_point(*overrides)
     n_total, tp, pp, n = 512, 8, 2, round(fraction * 512)
     cdf = _max_count_cdf(n_total, tp, pp, n)
-    eff = reduced_tp(tp)
+    rates = {s.name: s.table.rate for s in build_strategies(config(*overrides), StepTimeRatios())}
     expected = {
         "dp_drop": hypergeom_none(n_total, tp * pp, n),
-        "ntp": _expected_replica_speed(ntp_rates(tp, eff, StepTimeRatios()), cdf),
-        "ntp_boost": _expected_replica_speed(boost_rates(tp, eff, StepTimeRatios(), Boost(max_power=1.1)), cdf),
+        "ntp": _expected_replica_speed(rates["ntp"], cdf),
+        "ntp_boost": _expected_replica_speed(rates["ntp_boost"], cdf),
     }
     assert expected["dp_drop"] == pytest.approx(cdf[0])
     for name, value in expected.items():
@@ -93,11 +98,43 @@ def test_dp_drop_spares_needed_is_the_number_of_hit_domains():
     fraction = 0.02
     p = run_point(
         *SMALL_CLUSTER, "failures.mode=snapshot", f"failures.fraction={fraction}", f"run.trials={TRIALS}",
-        "strategies.enabled=[dp_drop, hot_spares]",
+        "strategies.enabled=[dp_drop, hot_spares]", "strategies.placement.dp_drop=fixed",
     )  # fmt: skip
     n = round(fraction * 512)
     expected = 64 * (1 - hypergeom_none(512, 8, n))
     need = p.summaries["dp_drop"]["spares_needed"]
     assert within(need["mean"], expected, _stderr(need, TRIALS))
-    # with no spare domains, hot spares are exactly DP-drop
+    # with no spare domains, hot spares are exactly DP-drop; the pool that never pauses holds at least the need
     assert p.summaries["hot_spares"] == p.summaries["dp_drop"]
+    assert p.summaries["dp_drop"]["spares_no_pause"]["min"] >= p.summaries["dp_drop"]["spares_needed"]["min"]
+
+
+def _healthy_groups_pmf(n_total: int, groups: int, size: int, n_failed: int) -> list[Fraction]:
+    """P(exactly h of ``groups`` fixed groups of ``size`` GPUs have no failed GPU), by inclusion-exclusion."""
+    denom = comb(n_total, n_failed)
+    at_least = [Fraction(comb(groups, m) * comb(n_total - m * size, n_failed), denom) for m in range(groups + 1)]
+    return [sum((-1) ** (m - h) * comb(m, h) * at_least[m] for m in range(h, groups + 1)) for h in range(groups + 1)]
+
+
+def test_packed_dp_drop_keeps_every_full_replica_of_healthy_groups():
+    # packed DP-drop runs floor(healthy groups / pp) replicas: E[floor(H / 2)] / 32 with H's exact law
+    fraction = 0.04
+    p = run_point(
+        *SMALL_CLUSTER, "failures.mode=snapshot", f"failures.fraction={fraction}", f"run.trials={TRIALS}",
+        "strategies.enabled=[dp_drop]", "strategies.placement.dp_drop=packed",
+    )  # fmt: skip
+    pmf = _healthy_groups_pmf(512, 64, 8, round(fraction * 512))
+    assert sum(pmf) == 1
+    expected = float(sum(w * (h // 2) for h, w in enumerate(pmf))) / 32
+    cap = p.summaries["dp_drop"]["capacity"]
+    assert within(cap["mean"], expected, _stderr(cap, TRIALS)), (cap["mean"], expected)
+    assert cap["mean"] > hypergeom_none(512, 16, 20)  # packing beats a fixed placement
+
+
+def test_spares_are_infinite_when_spare_domains_are_almost_never_healthy():
+    p = run_point(
+        "failures.mode=snapshot", "failures.fraction=0.5", "cluster.gpus=1024", "run.trials=2",
+        "strategies.enabled=[dp_drop]",
+    )  # fmt: skip
+    assert p.summaries["dp_drop"]["spares_no_pause"]["min"] == float("inf")
+    assert p.summaries["dp_drop"]["spares_needed"]["max"] < float("inf")
