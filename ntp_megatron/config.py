@@ -127,6 +127,14 @@ class NTPSection(_Section):
     degraded_batch: Literal["full", "proportional"] = "full"
     """``full``: every replica processes the same local batch. ``proportional``: a replica at width w of
     tp_base processes about w/tp_base of its micro-batches; gradients are averaged over the samples processed."""
+    on_unrecoverable: Literal["drop_replica", "stop"] = "drop_replica"
+    """A failure NTP cannot absorb in place — a replica loses every rank or falls below ``min_tp``:
+    ``drop_replica`` trains on without it (its share of the global batch goes to the other replicas, so the
+    global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1."""
+    heartbeat_interval_s: float = Field(0.2, gt=0.0)
+    """How often every rank tells the launcher it is alive."""
+    heartbeat_timeout_s: float = Field(3.0, gt=0.0)
+    """A rank silent this long (SIGSTOP, a hung device) is fenced: SIGKILLed, then handled as dead."""
 
 
 class CheckpointSection(_Section):
@@ -135,6 +143,9 @@ class CheckpointSection(_Section):
     save_interval: Optional[int] = Field(None, ge=1)
     load: Optional[str] = None
     """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory."""
+    max_restarts: int = Field(3, ge=0)
+    """With NTP off and ``save`` set: how many times a failed rank restarts the whole job from the last
+    checkpoint (the restart-from-checkpoint baseline) before the run ends with an error."""
 
 
 class LoggingSection(_Section):
@@ -154,6 +165,12 @@ class LoggingSection(_Section):
     bytes (a ``comm_stats`` record in the metrics file; see ``scripts/bench.sh``)."""
 
 
+class FaultsSection(_Section):
+    inject: list[str] = Field(default_factory=list)
+    """``--inject-failure`` specs (see ``ntp_megatron.faults``); ``--inject-failure`` on the command line
+    replaces this list."""
+
+
 class JobConfig(_Section):
     model: ModelSection = Field(default_factory=ModelSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
@@ -162,6 +179,7 @@ class JobConfig(_Section):
     ntp: NTPSection = Field(default_factory=NTPSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    faults: FaultsSection = Field(default_factory=FaultsSection)
 
     @model_validator(mode="after")
     def _batch(self) -> "JobConfig":
@@ -194,6 +212,9 @@ class JobConfig(_Section):
             )
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.ntp.heartbeat_timeout_s <= self.ntp.heartbeat_interval_s:
+            raise ValueError(f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}) must exceed "
+                             f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
         return self

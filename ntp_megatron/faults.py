@@ -1,90 +1,245 @@
-"""Failure injection: ``--inject-failure ACTION:rank=R,iter=N[,code=C]``, triggered inside the rank.
+"""Failure injection: the ``--inject-failure`` grammar, the in-rank trigger, and the controller-side killers.
 
-Actions: ``kill`` — the rank SIGKILLs itself (a dead GPU/host: no cleanup, no goodbye); ``exit`` — the rank
-exits with ``code`` (default 1), as a crashing program would. A spec fires once, in the rank it names, just
-before it starts 1-based iteration ``iter``. The launcher validates the specs and hands them to the ranks
-in an environment variable.
+In-rank (the rank does it to itself, at a chosen point of a chosen iteration)::
+
+    ACTION:rank=R,iter=N[,phase=P][,code=C]
+
+``ACTION``: ``kill`` (SIGKILL: a dead GPU or host, no cleanup), ``hang`` (SIGSTOP: the process stops
+responding, as a hung GPU does; the launcher fences it), ``exit`` (exit code C, default 1, as a crashing
+program would). ``R`` is the *launch rank*: a process's identity for the whole run (process-group ranks are
+renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based iteration. ``P``:
+
+- ``start`` (default): before iteration N begins;
+- ``forward``: inside the forward pass of N, at its middle micro-batch;
+- ``backward``: inside the backward pass of N, when the middle micro-batch's backward begins;
+- ``grad_sync``: during the cross-replica gradient sync of N;
+- ``optimizer``: after this rank has voted to commit N and before its own parameter update;
+- ``checkpoint``: during a checkpoint save (only where checkpoints are saved).
+
+Controller-side (the launcher does it from outside)::
+
+    kill:rank=R,after=S                              SIGKILL launch rank R at S seconds of wall time
+    random:mtbf=S[,seed=K][,max=M][,action=kill|hang]   kill (or hang) random live ranks, exponential gaps of mean S
+
+Every spec fires at most once per run, also across restarts from a checkpoint (the launcher's store records
+what fired). A bad spec is one line naming the problem (exit code 2).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
+import time
 from dataclasses import asdict, dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
 from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
-ACTIONS = ("kill", "exit")
+ACTIONS = ("kill", "hang", "exit")
+PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint")
+USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
+         f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
 
 @dataclass(frozen=True)
-class FailureSpec:
-    action: Literal["kill", "exit"]
+class RankFailure:
+    """A failure the rank triggers in itself."""
+
+    action: Literal["kill", "hang", "exit"]
     rank: int
     iteration: int
+    phase: str = "start"
     code: int = 1
 
     def __str__(self) -> str:
-        extra = f",code={self.code}" if self.action == "exit" else ""
-        return f"{self.action}:rank={self.rank},iter={self.iteration}{extra}"
+        text = f"{self.action}:rank={self.rank},iter={self.iteration}"
+        if self.phase != "start":
+            text += f",phase={self.phase}"
+        return text + (f",code={self.code}" if self.action == "exit" else "")
 
 
-_KEYS = {"rank": "rank", "iter": "iteration", "iteration": "iteration", "code": "code"}
+@dataclass(frozen=True)
+class TimedKill:
+    """The launcher SIGKILLs launch rank ``rank`` ``after_s`` seconds after the job started."""
+
+    rank: int
+    after_s: float
+
+    def __str__(self) -> str:
+        return f"kill:rank={self.rank},after={self.after_s:g}"
 
 
-def parse_failure_spec(text: str, world_size: int | None = None) -> FailureSpec:
-    """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed."""
-    usage = "expected ACTION:rank=R,iter=N[,code=C] with ACTION in kill, exit (e.g. kill:rank=1,iter=5)"
-    action, sep, rest = text.partition(":")
-    if not sep or action not in ACTIONS:
-        raise ConfigError(f"--inject-failure {text!r}: {usage}")
-    fields: dict[str, int] = {}
+@dataclass(frozen=True)
+class RandomFailures:
+    """The launcher kills (or hangs) a random live rank after exponentially distributed gaps of mean ``mtbf_s``."""
+
+    mtbf_s: float
+    seed: int = 0
+    max: Optional[int] = None
+    action: Literal["kill", "hang"] = "kill"
+
+    def __str__(self) -> str:
+        text = f"random:mtbf={self.mtbf_s:g},seed={self.seed}"
+        return text + (f",max={self.max}" if self.max is not None else "") + f",action={self.action}"
+
+    def schedule(self) -> Iterable[tuple[float, random.Random]]:
+        """Wall-clock offsets of successive failures (with the generator that then picks the victim)."""
+        rng = random.Random(self.seed)
+        t, n = 0.0, 0
+        while self.max is None or n < self.max:
+            t += rng.expovariate(1.0 / self.mtbf_s)
+            n += 1
+            yield t, rng
+
+
+FailureSpec = Union[RankFailure, TimedKill, RandomFailures]
+
+
+def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
+    out: dict = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
-        if not eq or key not in _KEYS:
-            raise ConfigError(f"--inject-failure {text!r}: unknown field {key!r}; allowed: rank, iter, code")
+        if not eq or key not in allowed:
+            raise ConfigError(f"--inject-failure {text!r}: unknown field {key!r}; allowed here: "
+                              f"{', '.join(allowed)}")
+        if key in out:
+            raise ConfigError(f"--inject-failure {text!r}: field {key!r} given twice")
+        kind = allowed[key]
+        if kind is str:
+            out[key] = value
+            continue
         try:
-            fields[_KEYS[key]] = int(value)
+            out[key] = kind(value)
         except ValueError:
-            raise ConfigError(f"--inject-failure {text!r}: {key} must be an integer, got {value!r}") from None
-    for required in ("rank", "iteration"):
-        if required not in fields:
-            raise ConfigError(f"--inject-failure {text!r}: missing {'iter' if required == 'iteration' else required}; {usage}")
-    if "code" in fields and action != "exit":
+            raise ConfigError(f"--inject-failure {text!r}: {key} must be {'an integer' if kind is int else 'a number'}"
+                              f", got {value!r}") from None
+    return out
+
+
+def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters: Optional[int] = None,
+                       checkpoints: bool = False) -> FailureSpec:
+    """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed.
+
+    ``world_size``: launch ranks are 0..world_size-1. ``train_iters``: an iteration past the run never fires,
+    so it is refused. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it).
+    """
+    action, sep, rest = text.partition(":")
+    if not sep or action not in (*ACTIONS, "random"):
+        raise ConfigError(f"--inject-failure {text!r}: {USAGE}")
+    if action == "random":
+        f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str})
+        if "mtbf" not in f:
+            raise ConfigError(f"--inject-failure {text!r}: missing mtbf (mean seconds between failures)")
+        if f["mtbf"] <= 0:
+            raise ConfigError(f"--inject-failure {text!r}: mtbf must be > 0")
+        if f.get("max") is not None and f["max"] < 1:
+            raise ConfigError(f"--inject-failure {text!r}: max must be ≥ 1")
+        if f.get("action", "kill") not in ("kill", "hang"):
+            raise ConfigError(f"--inject-failure {text!r}: action must be kill or hang, got {f['action']!r}")
+        return RandomFailures(mtbf_s=f["mtbf"], seed=f.get("seed", 0), max=f.get("max"), action=f.get("action", "kill"))
+    if "after=" in rest:
+        if action != "kill":
+            raise ConfigError(f"--inject-failure {text!r}: after= applies to kill only (kill:rank=R,after=S)")
+        f = _fields(text, rest, {"rank": int, "after": float})
+        if "rank" not in f:
+            raise ConfigError(f"--inject-failure {text!r}: missing rank; {USAGE}")
+        if f["after"] < 0:
+            raise ConfigError(f"--inject-failure {text!r}: after must be ≥ 0 seconds")
+        _check_rank(text, f["rank"], world_size)
+        return TimedKill(rank=f["rank"], after_s=f["after"])
+    f = _fields(text, rest, {"rank": int, "iter": int, "phase": str, "code": int})
+    for required in ("rank", "iter"):
+        if required not in f:
+            raise ConfigError(f"--inject-failure {text!r}: missing {required}; {USAGE}")
+    if "code" in f and action != "exit":
         raise ConfigError(f"--inject-failure {text!r}: code applies to the exit action only")
-    spec = FailureSpec(action=action, **fields)  # type: ignore[arg-type]
+    phase = f.get("phase", "start")
+    if phase not in PHASES:
+        raise ConfigError(f"--inject-failure {text!r}: phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if phase == "checkpoint" and not checkpoints:
+        raise ConfigError(f"--inject-failure {text!r}: phase checkpoint needs checkpoints to be saved "
+                          "(set checkpoint.save and checkpoint.save_interval)")
+    spec = RankFailure(action=action, rank=f["rank"], iteration=f["iter"], phase=phase,  # type: ignore[arg-type]
+                       code=f.get("code", 1))
     if spec.iteration < 1:
         raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
-    if world_size is not None and not 0 <= spec.rank < world_size:
-        raise ConfigError(f"--inject-failure {text!r}: rank must be in 0..{world_size - 1}")
+    if train_iters is not None and spec.iteration > train_iters:
+        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is past training.train_iters "
+                          f"({train_iters}); it would never fire")
+    _check_rank(text, spec.rank, world_size)
     if spec.action == "exit" and not 1 <= spec.code <= 255:
         raise ConfigError(f"--inject-failure {text!r}: code must be in 1..255")
     return spec
 
 
+def _check_rank(text: str, rank: int, world_size: Optional[int]) -> None:
+    if rank < 0 or (world_size is not None and rank >= world_size):
+        bound = f"0..{world_size - 1}" if world_size is not None else "≥ 0"
+        raise ConfigError(f"--inject-failure {text!r}: rank must be a launch rank in {bound}")
+
+
 def to_env(specs: Sequence[FailureSpec]) -> str:
-    return json.dumps([asdict(s) for s in specs])
+    """The in-rank specs, for the ranks' environment (controller-side ones stay in the launcher)."""
+    return json.dumps([asdict(s) for s in specs if isinstance(s, RankFailure)])
 
 
-def from_env(environ: dict[str, str] | None = None) -> list[FailureSpec]:
+def from_env(environ: Optional[dict[str, str]] = None) -> list[RankFailure]:
     raw = (environ if environ is not None else os.environ).get(ENV_FAILURES)
-    return [FailureSpec(**item) for item in json.loads(raw)] if raw else []
+    return [RankFailure(**item) for item in json.loads(raw)] if raw else []
 
 
 class FailureTrigger:
-    """The in-rank side: call :meth:`before_iteration` at the start of every iteration."""
+    """The in-rank side: the training code calls :meth:`point` at every phase of every iteration.
 
-    def __init__(self, rank: int, specs: Iterable[FailureSpec]) -> None:
-        self._mine = {s.iteration: s for s in specs if s.rank == rank}
+    ``fired(spec)`` says whether a spec already fired in this run (a restarted rank must not fail again);
+    ``on_fire(spec)`` records the failure just before it happens (what, where, when), so the launcher can
+    report it. Both talk to the launcher's store in a real run.
+    """
 
-    def before_iteration(self, iteration: int) -> None:
-        spec = self._mine.pop(iteration, None)
-        if spec is None:
-            return
+    def __init__(self, launch_rank: int, specs: Iterable[RankFailure],
+                 on_fire: Optional[Callable[[RankFailure], None]] = None,
+                 fired: Optional[Callable[[RankFailure], bool]] = None) -> None:
+        self._mine = [s for s in specs if s.rank == launch_rank]
+        self._on_fire = on_fire
+        self._fired = fired
+        self.iteration = 0
+        """The 1-based iteration in progress (set by the training loop)."""
+
+    def point(self, phase: str, iteration: Optional[int] = None) -> None:
+        iteration = self.iteration if iteration is None else iteration
+        for spec in self._mine:
+            if spec.phase == phase and spec.iteration == iteration:
+                self._mine.remove(spec)
+                if self._fired is not None and self._fired(spec):
+                    return
+                self._fire(spec)
+                return
+
+    def _fire(self, spec: RankFailure) -> None:
         print(f"injected failure: {spec}", flush=True)
+        if self._on_fire is not None:
+            self._on_fire(spec)
         if spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.action == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(3600)  # not reached unless someone sends SIGCONT: stay hung, the launcher fences us
         os._exit(spec.code)
+
+
+_active: Optional[FailureTrigger] = None
+
+
+def install(trigger: Optional[FailureTrigger]) -> None:
+    """Make ``trigger`` the one :func:`point` consults (one per rank process)."""
+    global _active
+    _active = trigger
+
+
+def point(phase: str) -> None:
+    """A phase of the iteration in progress was reached: fire a matching in-rank failure, if any."""
+    if _active is not None:
+        _active.point(phase)

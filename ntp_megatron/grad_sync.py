@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
+from ntp_megatron import faults
 from ntp_megatron.groups import NTPGroups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
@@ -175,6 +176,7 @@ class GradSync:
             if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_shard"):
                 raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
         self._by_name = dict(self.params)
+        self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}
         self.incoming: list[_Transfer] = []
@@ -282,6 +284,7 @@ class GradSync:
                              force_all_reduce: bool = False) -> None:
         """Megatron's ``finalize_model_grads`` for NTP: upstream's on a healthy rank, the shadow sync on a
         degraded one; then, with uneven blocks, replicated gradients from block 0's member."""
+        faults.point("grad_sync")
         if self.groups.healthy:
             finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         else:
@@ -305,8 +308,20 @@ class GradSync:
             result = reduced if result is None else result
         return result
 
-    @torch.no_grad()
     def grad_norm(self, *_args, **_kwargs) -> float:
+        """Megatron's ``get_grad_norm_fp32`` under NTP: the norm :meth:`compute_grad_norm` computed before the
+        commit point (the optimizer's step after it must not communicate), or, outside the training loop, a
+        fresh one."""
+        cached, self._cached_norm = self._cached_norm, None
+        return cached if cached is not None else self._grad_norm()
+
+    def compute_grad_norm(self) -> float:
+        """Compute (a collective over the replica) and keep the grad norm the next optimizer step clips with."""
+        self._cached_norm = self._grad_norm()
+        return self._cached_norm
+
+    @torch.no_grad()
+    def _grad_norm(self) -> float:
         """The global L2 norm of the synced gradients, bit-identical on every rank of every replica."""
         n_split = len(self.split)
         table = torch.zeros(n_split * self.tp_base + len(self.replicated), dtype=torch.float64,

@@ -14,12 +14,12 @@ abort key in the store so the other launchers stop their ranks too.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import queue
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -35,24 +35,9 @@ from ntp_megatron.training import runtime
 
 ABORT_KEY = "launcher/abort"
 STOP_GRACE_S = 5.0
-POLL_S = 0.1
-
-
-def _prctl(option: int, arg) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
-    except OSError:  # not Linux: no parent-death signal, no process name
-        pass
-
-
-def _die_with_parent() -> None:
-    """In a rank: get SIGKILL when the launcher dies, however it dies."""
-    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _name_process(name: str) -> None:
-    """What ``ps -o comm``/``top`` show for a rank (forked ranks otherwise look like the launcher)."""
-    _prctl(15, ctypes.create_string_buffer(name.encode()[:15]))  # PR_SET_NAME
+POLL_S = 0.02
+DEBOUNCE_S = 0.05
+"""Deaths within this long of each other are handled as one failure (one new generation)."""
 
 
 def describe_exit(returncode: int) -> str:
@@ -65,15 +50,19 @@ def describe_exit(returncode: int) -> str:
 
 
 class RankProcess:
-    """One forked rank: its pid, output pipes, and its exit status once reaped (by one thread only)."""
+    """One rank process (forked, or spawned for a restart): pid, output streams, exit status once reaped."""
 
-    def __init__(self, rank: int, pid: int, stdout_fd: int, stderr_fd: int) -> None:
+    def __init__(self, rank: int, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
         self.rank, self.pid = rank, pid
-        self.stdout = os.fdopen(stdout_fd, "r", encoding="utf-8", errors="replace")
-        self.stderr = os.fdopen(stderr_fd, "r", encoding="utf-8", errors="replace")
+        self.stdout, self.stderr = stdout, stderr
         self.returncode: Optional[int] = None
         self.threads: list[threading.Thread] = []
         self._done = threading.Event()
+
+    @classmethod
+    def from_fds(cls, rank: int, pid: int, stdout_fd: int, stderr_fd: int) -> "RankProcess":
+        return cls(rank, pid, os.fdopen(stdout_fd, "r", encoding="utf-8", errors="replace"),
+                   os.fdopen(stderr_fd, "r", encoding="utf-8", errors="replace"))
 
     def reap(self) -> int:
         _, status = os.waitpid(self.pid, 0)
@@ -102,8 +91,7 @@ def _run_rank_in_child(env: dict[str, str], stdout_w: int, stderr_w: int, close_
     code = 1
     try:
         os.setsid()
-        _die_with_parent()
-        _name_process(f"ntp-rank{env[runtime.ENV_RANK]}")
+        runtime.become_rank_process(int(env[runtime.ENV_RANK]))
         os.dup2(stdout_w, 1)
         os.dup2(stderr_w, 2)
         for fd in [stdout_w, stderr_w, *close_fds]:
@@ -132,9 +120,8 @@ def _run_rank_in_child(env: dict[str, str], stdout_w: int, stderr_w: int, close_
 
 
 class Launcher:
-    def __init__(
-        self, cfg: JobConfig, config_path: Path, args: argparse.Namespace, failures: list[faults.FailureSpec]
-    ) -> None:
+    def __init__(self, cfg: JobConfig, config_path: Path, args: argparse.Namespace,
+                 failures: list[faults.FailureSpec]) -> None:
         self.cfg = cfg
         self.failures = failures
         self.config_path = config_path
@@ -146,15 +133,22 @@ class Launcher:
             )
         per_node = self.world_size // args.nnodes
         self.local_ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
-        self.ranks: list[RankProcess] = []
-        self.exits: queue.Queue[tuple[int, int]] = queue.Queue()
-        self.sink = None
+        self.ranks: dict[int, RankProcess] = {}
+        self.exits: queue.Queue[tuple[RankProcess, int]] = queue.Queue()
+        self.sink: Optional[metrics.MetricsSink] = None
         self.print_lock = threading.Lock()
+        self.controller = None
+        self.restarts = 0
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
         with self.print_lock:
             print(f"ntp-launch: {message}", file=sys.stderr, flush=True)
+
+    def _emit(self, record: dict) -> None:
+        with self.print_lock:
+            if self.sink is not None:
+                self.sink.write(record)
 
     def _relay(self, rank: int, stream: IO[str], out: IO[str]) -> None:
         prefix = f"[rank {rank}] "
@@ -168,7 +162,7 @@ class Launcher:
                     out.write(prefix + line)
                     out.flush()
 
-    # -- lifecycle -----------------------------------------------------------------------------------
+    # -- processes -----------------------------------------------------------------------------------
     def _start_store(self, port: int):
         import torch.distributed as dist
 
@@ -187,6 +181,7 @@ class Launcher:
             runtime.ENV_STORE_PORT: str(store_port),
             runtime.ENV_RUN_DIR: str(self.run_dir),
             runtime.ENV_CONFIG: str(self.config_path),
+            runtime.ENV_RESTART: str(self.restarts),
             faults.ENV_FAILURES: faults.to_env(self.failures),
             # Ranks share the machine's cores; one intra-op thread each keeps them from oversubscribing.
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
@@ -195,7 +190,7 @@ class Launcher:
         })
         return env
 
-    def _fork_ranks(self, store_port: int) -> list[RankProcess]:
+    def _fork_ranks(self, store_port: int) -> dict[int, RankProcess]:
         """Fork every local rank from this process, which has imported torch and Megatron-Core already.
 
         Called before the launcher starts any thread, store or file writer, so the children inherit none.
@@ -206,58 +201,79 @@ class Launcher:
             raise RuntimeError("CUDA was initialised in the launcher before forking ranks (by an import?)")
         sys.stdout.flush()
         sys.stderr.flush()
-        ranks: list[RankProcess] = []
+        ranks: dict[int, RankProcess] = {}
         for rank in self.local_ranks:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                inherited = [fd for r in ranks for fd in (r.stdout.fileno(), r.stderr.fileno())]
+                inherited = [fd for r in ranks.values() for fd in (r.stdout.fileno(), r.stderr.fileno())]
                 _run_rank_in_child(self._rank_env(rank, store_port), out_w, err_w, [out_r, err_r, *inherited])
             os.close(out_w)
             os.close(err_w)
-            ranks.append(RankProcess(rank, pid, out_r, err_r))
+            ranks[rank] = RankProcess.from_fds(rank, pid, out_r, err_r)
         return ranks
+
+    def _spawn_rank(self, rank: int, store_port: int) -> RankProcess:
+        """Start a rank as a fresh interpreter: the launcher has threads now, and a forked child of a threaded
+        process may inherit locks held by threads that do not exist in it."""
+        proc = subprocess.Popen([sys.executable, "-m", "ntp_megatron.training.pretrain"],
+                                env=self._rank_env(rank, store_port), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+        return RankProcess(rank, proc.pid, proc.stdout, proc.stderr)
+
+    def _watch(self, r: RankProcess) -> None:
+        for stream, out in ((r.stdout, sys.stdout), (r.stderr, sys.stderr)):
+            t = threading.Thread(target=self._relay, args=(r.rank, stream, out), daemon=True)
+            t.start()
+            r.threads.append(t)
+        threading.Thread(target=lambda: self.exits.put((r, r.reap())), daemon=True).start()
+
+    def _record_pids(self) -> None:
+        (self.run_dir / f"ranks.node{self.args.node_rank}.json").write_text(
+            json.dumps({str(r.rank): r.pid for r in self.ranks.values()}) + "\n")
 
     def _stop_all(self) -> None:
         """SIGTERM every live rank's process group, then SIGKILL what is left after a grace period."""
-        live = [r for r in self.ranks if r.poll() is None]
+        live = [r for r in self.ranks.values() if r.poll() is None]
         for r in live:
+            _signal_group(r.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
             _signal_group(r.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for r in live:
             r.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for r in self.ranks:
+        for r in self.ranks.values():
             _signal_group(r.pid, signal.SIGKILL)  # also takes any grandchildren left in the group
             r.wait()
 
+    # -- the job -------------------------------------------------------------------------------------
     def run(self) -> int:
         self.run_dir = Path(self.cfg.logging.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        store_port = self.args.store_port or _free_port(self.args.store_host)
+        self.store_port = self.args.store_port or _free_port(self.args.store_host)
         import ntp_megatron.training.pretrain  # noqa: F401 - the import every forked rank then skips
 
-        self.ranks = self._fork_ranks(store_port)
-        (self.run_dir / f"ranks.node{self.args.node_rank}.json").write_text(
-            json.dumps({str(r.rank): r.pid for r in self.ranks}) + "\n")
-        store = self._start_store(store_port)
-        if self.args.node_rank == 0 and self.cfg.ntp.enabled:
-            # Ranks read their generation's topology from the store, where later re-formations publish theirs.
-            store.set(runtime.TOPOLOGY_KEY.format(generation=0), json.dumps(self.cfg.topology().to_json()))
+        self.ranks = self._fork_ranks(self.store_port)
+        self._record_pids()
+        self.started = time.time()
+        store = self._start_store(self.store_port)
+        self.store = store
         if self.args.node_rank == 0:
             lg = self.cfg.logging
             metrics_file = Path(lg.metrics_file) if lg.metrics_file else None
             tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
             self.sink = metrics.MetricsSink(metrics_file, tb_dir)
             self.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
+            if self.cfg.ntp.enabled:
+                from ntp_megatron.elastic.controller import Controller
+
+                ntp = self.cfg.ntp
+                self.controller = Controller(store, self.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable,
+                                             self._say, self._emit)
         self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
-                  f"(store {self.args.store_host}:{store_port}, run dir {self.run_dir})")
-        for r in self.ranks:
-            for stream, out in ((r.stdout, sys.stdout), (r.stderr, sys.stderr)):
-                t = threading.Thread(target=self._relay, args=(r.rank, stream, out), daemon=True)
-                t.start()
-                r.threads.append(t)
-            threading.Thread(target=lambda r=r: self.exits.put((r.rank, r.reap())), daemon=True).start()
+                  f"(store {self.args.store_host}:{self.store_port}, run dir {self.run_dir})")
+        for r in self.ranks.values():
+            self._watch(r)
 
         def on_signal(signum, _frame):
             raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -273,42 +289,126 @@ class Launcher:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            for r in self.ranks:
+            for r in self.ranks.values():
                 for t in r.threads:
                     t.join(timeout=2.0)
             if self.sink is not None:
                 self.sink.event("job_ended", exit_code=exit_code)
+                self._summarize(exit_code)
                 self.sink.close()
         return exit_code
 
     def _monitor(self, store) -> int:
-        """Wait for the ranks; on the first failure (in the order the exits happened) stop the rest."""
-        finished = 0
-        while finished < len(self.ranks):
+        """Wait for the ranks. A death is absorbed by NTP (a new generation), or restarts the job from the last
+        checkpoint (NTP off, checkpoints on), or ends the job."""
+        agent = None
+        if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
+            from ntp_megatron.elastic.agent import Agent
+
+            agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
+                          startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures, say=self._say,
+                          live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
+        finished: set[int] = set()
+        while True:
+            if agent is not None:
+                agent.poll()
+            deaths = self._collect_exits(finished, agent)
+            if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
+                self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                self._stop_all()
+                return 1
+            if deaths:
+                outcome = self._handle_deaths(deaths, store)
+                if outcome is not None:
+                    return outcome
+            running = [r for r in self.ranks.values() if r.poll() is None]
+            if not running:
+                self._say(f"all {len(finished)} ranks finished")
+                return 0
+
+    def _collect_exits(self, finished: set[int], agent) -> list:
+        """Reaped ranks since the last poll; deaths (non-zero exits) as ``Death`` records. A death waits
+        ``DEBOUNCE_S`` for its companions, so simultaneous failures make one generation."""
+        from ntp_megatron.elastic.controller import Death
+
+        deaths = []
+        timeout = POLL_S
+        while True:
             try:
-                rank, returncode = self.exits.get(timeout=POLL_S)
+                proc, returncode = self.exits.get(timeout=timeout)
             except queue.Empty:
-                if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
-                    self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
-                    self._stop_all()
-                    return 1
-                continue
+                return deaths
+            if proc is not self.ranks.get(proc.rank):
+                continue  # a process of an earlier restart
             if returncode == 0:
-                finished += 1
+                finished.add(proc.rank)
                 continue
-            pid = next(r.pid for r in self.ranks if r.rank == rank)
-            reason = f"rank {rank} (pid {pid}) {describe_exit(returncode)}"
+            when, cause = time.time(), describe_exit(returncode)
+            if agent is not None and proc.rank in agent.notes:
+                when, cause = agent.notes[proc.rank]
+            self._say(f"rank {proc.rank} (pid {proc.pid}) {cause}")
+            deaths.append(Death(proc.rank, when, cause))
+            timeout = DEBOUNCE_S
+
+    def _live_launch_ranks(self) -> list[int]:
+        if self.controller is not None:
+            return self.controller.live_launch_ranks()
+        return [r for r, p in self.ranks.items() if p.poll() is None]
+
+    def _handle_deaths(self, deaths: list, store) -> Optional[int]:
+        """None to keep going, or the launcher's exit code."""
+        if self.controller is not None:
+            reason = self.controller.handle(deaths)
+            if reason is None:
+                return None
             self._say(reason)
-            if self.sink is not None:
-                self.sink.event("rank_failed", rank=rank, returncode=returncode)
-            _try_set(store, ABORT_KEY, reason)
-            live = sum(r.poll() is None for r in self.ranks)
-            self._say(f"stopping the other {live} local rank(s)")
-            self._stop_all()
-            self._say("all ranks stopped")
-            return 1
-        self._say(f"all {len(self.ranks)} ranks finished")
-        return 0
+            self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
+        elif self.cfg.ntp.enabled:
+            return None  # another node's launcher runs the controller; it tells us to stop through the store
+        else:
+            for d in deaths:
+                self._emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,
+                            "cause": d.cause, "time": d.time})
+            if self._can_restart():
+                return self._restart(store)
+        _try_set(store, ABORT_KEY, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths))
+        live = sum(r.poll() is None for r in self.ranks.values())
+        self._say(f"stopping the other {live} local rank(s)")
+        self._stop_all()
+        self._say("all ranks stopped")
+        return 1
+
+    def _can_restart(self) -> bool:
+        ck = self.cfg.checkpoint
+        return ck.save is not None and self.restarts < ck.max_restarts and self.args.nnodes == 1
+
+    def _restart(self, store) -> Optional[int]:
+        """The restart-from-checkpoint baseline: stop every rank, start them all again (fresh processes), and
+        resume from the newest checkpoint in ``checkpoint.save``."""
+        self.restarts += 1
+        self._say(f"restarting all {self.world_size} ranks from the last checkpoint in {self.cfg.checkpoint.save} "
+                  f"(restart {self.restarts} of at most {self.cfg.checkpoint.max_restarts})")
+        self._stop_all()
+        self._emit({"kind": "event", "event": "restarted", "restart": self.restarts, "time": time.time()})
+        self.ranks = {rank: self._spawn_rank(rank, self.store_port) for rank in self.local_ranks}
+        self._record_pids()
+        for r in self.ranks.values():
+            self._watch(r)
+        return None
+
+    def _summarize(self, exit_code: int) -> None:
+        """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""
+        from ntp_megatron import run_report
+
+        summary = run_report.summarize(self.sink.records, wall_s=time.time() - self.started)
+        self.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
+        for line in run_report.summary_lines(summary):
+            self._say(line)
+        try:
+            path = run_report.plot(self.sink.records, self.run_dir / "run.png")
+            self._say(f"run plot: {path}")
+        except Exception as exc:  # noqa: BLE001 - a plot must never fail a run
+            self._say(f"could not draw the run plot: {exc}")
 
 
 def tp_per_replica(cfg: JobConfig) -> list[int]:
@@ -389,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set parallel.tensor_model_parallel_size=2")
     p.add_argument("--metrics-file", type=Path, default=None, help="JSON lines: one per iteration and event")
     p.add_argument("--inject-failure", dest="failures", action="append", default=[], metavar="SPEC",
-                   help="ACTION:rank=R,iter=N[,code=C], ACTION in kill, exit; repeatable")
+                   help="ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
+                        + ", ".join(faults.PHASES) + "), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M]"
+                        "[,action=kill|hang]; R is a launch rank; repeatable; replaces faults.inject of the config")
     p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
@@ -420,7 +522,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
         config_path.write_text(cfg.model_dump_json(indent=2))
-        failures = [faults.parse_failure_spec(f, cfg.world_size) for f in args.failures]
+        specs = args.failures if args.failures else cfg.faults.inject
+        checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
+        failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints)
+                    for f in specs]
         launcher = Launcher(cfg, config_path, args, failures)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)

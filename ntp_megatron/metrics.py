@@ -45,16 +45,23 @@ def iteration_line(record: dict[str, Any]) -> str:
         f" learning rate: {record['lr']:.6E} |"
         f" global batch size: {record['global_batch_size']:>5d} |"
         f" lm loss: {record['lm_loss']:.6E} |"
-        f" grad norm: {record['grad_norm']:.3f} |"
+        f" grad norm: {_fmt(record.get('grad_norm'), '.3f')} |"
         f" number of skipped iterations: {record.get('skipped', 0):>3d} |"
         f" tp per replica: {record['tp_per_replica']} |"
+        + (f" generation: {record['generation']} |" if record.get("generation") else "")
     )
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 class MetricsSink:
     """Writes records to a JSON-lines file and TensorBoard scalars; either may be switched off."""
 
     def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
+        self.records: list[dict[str, Any]] = []
+        """Everything written, in order (the launcher's end-of-run summary and plot read it)."""
         self._file: Optional[TextIO] = None
         if metrics_file is not None:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +73,8 @@ class MetricsSink:
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
+        if record.get("kind") in ("iteration", "event"):
+            self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         if self._tb is not None and record.get("kind") == "iteration":

@@ -110,13 +110,16 @@ class NTPGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
 
-def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int, **gpt_kwargs) -> NTPGPTModel:
+def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int, initialize: bool = True,
+                  **gpt_kwargs) -> NTPGPTModel:
     """Construct the model, then give it the initial weights of a TP1 Megatron model built from the same RNG
-    state (layout-independent)."""
+    state (layout-independent). ``initialize=False`` leaves the weights to the caller (a re-formation copies
+    them) and the RNG untouched."""
     rng_state = torch.get_rng_state()
     model = NTPGPTModel(config, units, normalization, vocab_size, **gpt_kwargs)
     torch.set_rng_state(rng_state)  # replay from where a Megatron model's construction would have started
-    initialize_like_megatron(model)
+    if initialize:
+        initialize_like_megatron(model)
     return model
 
 

@@ -72,5 +72,10 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         tensor_parallel_random.apply()
         optimizer_clip_grads.apply()
         _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads"])
+    from ntp_megatron.patches import optimizer_param_groups
+
+    # After the CPU shim, whose view of torch it wraps. Inactive until NTP switches it on.
+    optimizer_param_groups.apply()
+    _applied.append("optimizer_param_groups")
     logger.info("megatron-core %s; patches applied: %s", version, ", ".join(_applied) or "none")
     return list(_applied)

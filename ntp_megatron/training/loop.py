@@ -1,24 +1,32 @@
-"""The training loop: one Megatron-Core forward/backward + optimizer step per iteration, logged."""
+"""The training loop: one Megatron-Core forward/backward + optimizer step per iteration, logged; under NTP,
+each step is committed exactly once and a failed generation is left for the next one without stopping.
+
+Per iteration ``k``: forward/backward (Megatron's schedule; the gradient sync and the token count run in
+``finalize_model_grads``), the loss for the log and the grad norm — every cross-rank reduction of the step —
+then the commit point (:mod:`ntp_megatron.elastic.commit`), then the local optimizer step. Under NTP a
+collective that fails (a peer died, or the watchdog closed the generation's sockets) sends the rank to
+:meth:`Trainer.recover`: it rolls a committed step forward or drops an aborted one, leaves the old generation,
+joins the new one, keeps or rebuilds its model for the new layout (units it lacks come from peers), and
+training goes on at the settled iteration.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from megatron.core.optimizer import MegatronOptimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
 from ntp_megatron.training import checkpoint
+from ntp_megatron.training.components import Components
 from ntp_megatron.training.data import microbatches, replica_sample_range
-from ntp_megatron.training.parallel import ParallelSetup
 
 logger = logging.getLogger(__name__)
 
@@ -33,75 +41,125 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, tokens.to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), tokens.detach()])}
 
 
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"]
-    )
-    return output, lambda out: loss_func(batch["loss_mask"], out)
+class _ForwardStep:
+    """Megatron's ``forward_step_func``, with the ``forward`` and ``backward`` failure-injection points at the
+    middle micro-batch of the iteration."""
+
+    def __init__(self, num_microbatches: int) -> None:
+        self.middle = num_microbatches // 2
+        self.index = 0
+
+    def __call__(self, data_iterator, model):
+        batch = next(data_iterator)
+        middle = self.index == self.middle
+        self.index += 1
+        if middle:
+            faults.point("forward")
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+        if middle and output.requires_grad:
+            output.register_hook(_backward_point)
+        return output, lambda out: loss_func(batch["loss_mask"], out)
+
+
+def _backward_point(grad: torch.Tensor) -> torch.Tensor:
+    faults.point("backward")
+    return grad
 
 
 @dataclass
 class Trainer:
     cfg: JobConfig
-    model: Any  # DistributedDataParallel
-    optimizer: MegatronOptimizer
-    scheduler: OptimizerParamScheduler
+    parts: Components
     dataset: Any
-    setup: ParallelSetup
     device: torch.device
     coords: checkpoint.ParallelCoords
-    is_reporting_rank: bool
-    tf_config: Any = None
-    failures: faults.FailureTrigger | None = None
+    launch_rank: int
+    failures: Optional[faults.FailureTrigger] = None
     comm_stats: Any = None  # training.comm_stats.CommStats with logging.comm_stats
+    elastic: Any = None     # ntp_megatron.elastic.generation.ElasticRank under NTP
+    generation: Any = None  # its current Generation
+    reformer: Any = None    # ntp_megatron.training.reform.Reformer under NTP
     iteration: int = 0
-    """Completed iterations; the next step is 0-based iteration ``self.iteration``."""
+    """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""
+    pending: Optional[dict] = field(default=None, repr=False)
+    """The record of the iteration voted on and not yet stepped."""
 
+    @property
+    def setup(self):
+        return self.parts.setup
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        return self.generation.rank == 0 if self.generation is not None else self.launch_rank == 0
+
+    # -- one iteration --------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        """Run 0-based iteration ``self.iteration`` and return its record (lm loss over the global batch)."""
-        t = self.cfg.training
+        """Run iteration ``self.iteration + 1`` up to its commit point, then step; returns its record."""
+        t, s, parts = self.cfg.training, self.setup, self.parts
+        k = self.iteration + 1
+        if self.failures is not None:
+            self.failures.iteration = k
+        faults.point("start")
         if self.comm_stats is not None:
             self.comm_stats.take()  # count this iteration's step only
         start = time.perf_counter()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        s = self.setup
-        samples = replica_sample_range(self.iteration, s.replica, s.num_replicas, t.global_batch_size)
-        samples = samples[: s.microbatches * t.micro_batch_size]
-        lr = self.optimizer.param_groups[0]["lr"]
+        parts.model.zero_grad_buffer()
+        parts.optimizer.zero_grad()
+        samples: list[int] = []
+        per_share = s.microbatches_per_share * t.micro_batch_size
+        for share in s.shares:
+            samples += list(replica_sample_range(k - 1, share, s.num_replicas, t.global_batch_size))[:per_share]
+        lr = parts.optimizer.param_groups[0]["lr"]
         reported = get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=_ForwardStep(s.microbatches),
             data_iterator=microbatches(self.dataset, samples, t.micro_batch_size, self.device),
-            model=[self.model],
+            model=[parts.model],
             num_microbatches=s.microbatches,
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=t.micro_batch_size,
             forward_only=False,
             pg_collection=s.pg,
         )
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=t.global_batch_size)
-        self.iteration += 1
-
         loss_and_tokens = s.sum_over_replicas(torch.stack([r["lm loss"] for r in reported]).sum(dim=0))
-        elapsed = time.perf_counter() - start
-        return {
-            "kind": "iteration",
-            "iteration": self.iteration,
-            "train_iters": t.train_iters,
-            "consumed_samples": self.iteration * s.samples_per_iteration,
-            "global_batch_size": s.samples_per_iteration,
+        grad_norm = None
+        if s.grad_sync is not None and t.clip_grad > 0:
+            grad_norm = s.grad_sync.compute_grad_norm()  # the last reduction before the commit point
+        self.pending = {
+            "kind": "iteration", "iteration": k, "train_iters": t.train_iters,
+            "consumed_samples": k * s.samples_per_iteration, "global_batch_size": s.samples_per_iteration,
             "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "lr": lr,
-            "elapsed_ms": elapsed * 1e3,
-            "tokens_per_s": s.samples_per_iteration * self.cfg.model.seq_length / elapsed,
-            "skipped": 0 if update_ok else 1,
-            "tp_per_replica": s.tp_per_replica,
+            "grad_norm": grad_norm, "lr": lr, "tp_per_replica": s.tp_per_replica, "generation": s.generation,
+            "_start": start,
         }
+        if self.generation is not None:
+            decision = self.generation.commit.vote(k)
+            if decision != "commit":
+                from ntp_megatron.elastic.commit import IterationAborted
 
+                raise IterationAborted(f"iteration {k} aborted by the controller")
+        faults.point("optimizer")
+        return self._step()
+
+    def _step(self) -> dict[str, Any]:
+        """The local part of a committed iteration: the optimizer step; returns the iteration's record."""
+        record = self.pending
+        self.pending = None
+        parts = self.parts
+        update_ok, grad_norm, _ = parts.optimizer.step()
+        parts.scheduler.step(increment=self.cfg.training.global_batch_size)
+        self.iteration = record["iteration"]
+        elapsed = time.perf_counter() - record.pop("_start")
+        if record["grad_norm"] is None and grad_norm is not None:
+            record["grad_norm"] = float(grad_norm)
+        record.update(elapsed_ms=elapsed * 1e3, skipped=0 if update_ok else 1, time=time.time(),
+                      tokens_per_s=record["global_batch_size"] * self.cfg.model.seq_length / elapsed)
+        return record
+
+    # -- reporting --------------------------------------------------------------------------------------------
     def report(self, record: dict[str, Any]) -> None:
+        if self.comm_stats is not None:
+            metrics.emit({"kind": "comm_stats", "iteration": record["iteration"], "replica": self.setup.replica,
+                          "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)
         if not self.is_reporting_rank:
             return
         metrics.emit(record, sys.stdout)
@@ -111,7 +169,8 @@ class Trainer:
     def full_state(self) -> dict[str, torch.Tensor]:
         from ntp_megatron.training.inspect_state import full_state
 
-        return full_state(self.model, self.optimizer, self.tf_config, self.cfg.unit_counts(), self.setup.pg.tp,
+        p = self.parts
+        return full_state(p.model, p.optimizer, p.tf_config, self.cfg.unit_counts(), self.setup.pg.tp,
                           self.setup.tp_rank)
 
     def verify_state(self, record: Optional[dict[str, Any]] = None, final: bool = False) -> None:
@@ -128,7 +187,8 @@ class Trainer:
 
             grad_norm = record.get("grad_norm") if record else None
             metrics.emit({"kind": "state_checksums", "iteration": self.iteration, "replica": self.setup.replica,
-                          "tp_rank": self.setup.tp_rank, "checksums": checksums(state),
+                          "tp_rank": self.setup.tp_rank, "generation": self.setup.generation,
+                          "checksums": checksums(state),
                           "grad_norm": float(grad_norm).hex() if grad_norm is not None else None}, sys.stdout)
         if final and lg.dump_state and self.setup.tp_rank == 0:
             Path(lg.dump_state).mkdir(parents=True, exist_ok=True)
@@ -151,29 +211,56 @@ class Trainer:
         due = ck.save_interval is not None and self.iteration % ck.save_interval == 0
         if not (due or final):
             return None
-        path = checkpoint.save_checkpoint(
-            Path(ck.save), self.iteration, self.model, self.optimizer, self.scheduler, self.coords
-        )
+        p = self.parts
+        path = checkpoint.save_checkpoint(Path(ck.save), self.iteration, p.model, p.optimizer, p.scheduler,
+                                          self.coords)
         if self.is_reporting_rank:
             metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": self.iteration,
                           "path": str(path)}, sys.stdout)
         return path
 
+    # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
         t = self.cfg.training
         last_saved = None
-        self.dump_initial_state()
-        while self.iteration < t.train_iters:
-            if self.failures is not None:
-                self.failures.before_iteration(self.iteration + 1)
-            record = self.train_step()
-            if self.comm_stats is not None:
-                metrics.emit({"kind": "comm_stats", "iteration": self.iteration, "replica": self.setup.replica,
-                              "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)
-            self.report(record)
-            self.verify_state(record)
-            if self.maybe_save():
-                last_saved = self.iteration
+        self._guarded(self.dump_initial_state)
+        while True:
+            while self.iteration < t.train_iters:
+                try:
+                    record = self.train_step()
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except Exception:  # noqa: BLE001 - under NTP: a failed generation (see recover)
+                    if self.generation is None:
+                        raise
+                    self.recover()
+                    continue
+                self.report(record)
+                self._guarded(lambda: self.verify_state(record))
+                if self._guarded(self.maybe_save):
+                    last_saved = self.iteration
+            if self._guarded(lambda: self._finish(last_saved)):
+                return
+
+    def _finish(self, last_saved: Optional[int]) -> bool:
         if last_saved != self.iteration:
             self.maybe_save(final=True)
         self.verify_state(final=True)
+        torch.distributed.barrier()
+        return True
+
+    def _guarded(self, action: Callable[[], Any]) -> Any:
+        """Run a collective action; under NTP a failed generation sends the rank to recovery instead."""
+        try:
+            return action()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception:  # noqa: BLE001
+            if self.generation is None:
+                raise
+            self.recover()
+            return None
+
+    def recover(self) -> None:
+        """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`)."""
+        self.reformer.recover(self)

@@ -79,11 +79,20 @@ def layer_spec(cfg: JobConfig):
 
 
 def ddp_config(cfg: JobConfig) -> DistributedDataParallelConfig:
-    """The job's DDP config (a fresh object each call: Megatron's DDP writes into the one it is given)."""
+    """The job's DDP config (a fresh object each call: Megatron's DDP writes into the one it is given).
+
+    The bucket size is fixed here, from the launch-time data-parallel size, rather than left to Megatron's
+    default (which reads the size of the DP group at construction): under NTP a rank built after a
+    re-formation must lay its buckets out exactly as the healthy ranks built at launch did.
+    """
+    p = cfg.parallel
+    bucket_size = p.ddp_bucket_size
+    if bucket_size is None and p.overlap_grad_reduce:
+        bucket_size = max(40_000_000, 1_000_000 * p.data_parallel_size)  # Megatron's default at launch
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        bucket_size=cfg.parallel.ddp_bucket_size,
+        overlap_grad_reduce=p.overlap_grad_reduce,
+        bucket_size=bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         check_for_nan_in_grad=False,
     )
@@ -91,7 +100,7 @@ def ddp_config(cfg: JobConfig) -> DistributedDataParallelConfig:
 
 def build_model(
     cfg: JobConfig, tf_config: TransformerConfig, pg_collection: ProcessGroupCollection, device: torch.device,
-    topology=None, rank: int | None = None, own_buckets_sync: bool = True,
+    topology=None, rank: int | None = None, own_buckets_sync: bool = True, initialize: bool = True,
 ) -> DistributedDataParallel:
     """Megatron's GPTModel (uniform TP), or with ``topology`` the NTP model of ``rank``'s units; wrapped in DDP.
 
@@ -113,7 +122,7 @@ def build_model(
         from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
 
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
-        gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, **common)
+        gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize, **common)
     gpt = gpt.to(device)
     config = ddp_config(cfg)
     if not own_buckets_sync:

@@ -1,13 +1,18 @@
-"""This rank's place in the job: its replica, the groups it talks in, how many micro-batches it runs.
+"""This rank's place in the job: its replica, the groups it talks in, which samples it reads.
 
 Two builders with one result: :func:`uniform_parallel` (Megatron's own dense grid, NTP off) and
-:func:`ntp_parallel` (any topology, NTP on). The rest of training only reads :class:`ParallelSetup`.
+:func:`ntp_parallel` (any topology, NTP on; called again at every re-formation). The rest of training only
+reads :class:`ParallelSetup`.
+
+Samples: the global batch of iteration ``k`` is cut into ``dp`` *shares*, one per replica index of the
+starting topology (:func:`ntp_megatron.training.data.replica_sample_range`). A replica reads its own share;
+when a replica has been dropped (``ntp.on_unrecoverable: drop_replica``) its share is read by a surviving
+replica, so the global batch and the data order do not change.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -21,15 +26,22 @@ from ntp_megatron.config import JobConfig
 @dataclass
 class ParallelSetup:
     pg: ProcessGroupCollection
-    replica: int                     # replica index: with the iteration, it alone decides the samples read
-    num_replicas: int                # replicas the data is divided among (dp; a dropped replica keeps its index)
+    replica: int                     # replica index (stable for the whole job)
+    num_replicas: int                # shares the global batch is cut into (dp at launch)
     tp_rank: int
-    tp_per_replica: list[int]
-    microbatches: int                # micro-batches this replica runs per iteration
+    tp_per_replica: list[int]        # per replica index; 0 for a dropped replica
+    shares: list[int]                # shares of the global batch this replica reads, ascending
+    microbatches_per_share: int      # micro-batches this replica runs per share
     samples_per_iteration: int       # over all replicas
+    rank: int = 0                    # this process's rank in its generation
+    generation: int = 0
     topology: Optional[object] = None
     groups: Optional[object] = None  # ntp_megatron.groups.NTPGroups when NTP is on
-    grad_sync: Optional[object] = None  # ntp_megatron.grad_sync.GradSync, once the model exists (NTP on)
+    grad_sync: Optional[object] = field(default=None, repr=False)  # ntp_megatron.grad_sync.GradSync (NTP)
+
+    @property
+    def microbatches(self) -> int:
+        return self.microbatches_per_share * len(self.shares)
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a value every rank of a replica holds alike, each replica once (the loss for the log)."""
@@ -40,13 +52,22 @@ class ParallelSetup:
         return value
 
 
-def microbatches_per_replica(cfg: JobConfig, widths: dict[int, int]) -> dict[int, int]:
-    """``full``: the configured count everywhere. ``proportional``: about width/tp_base of it (at least one)."""
+def microbatches_per_share(cfg: JobConfig, width: int) -> int:
+    """``full``: the configured count. ``proportional``: about width/tp_base of it (at least one)."""
     full = cfg.num_microbatches
     if cfg.ntp.degraded_batch == "full":
-        return {r: full for r in widths}
-    tp_base = cfg.parallel.tensor_model_parallel_size
-    return {r: max(1, round(full * w / tp_base)) for r, w in widths.items()}
+        return full
+    return max(1, round(full * width / cfg.parallel.tensor_model_parallel_size))
+
+
+def assign_shares(live: list[int], num_replicas: int) -> dict[int, list[int]]:
+    """Each live replica reads its own share; the share of a dropped replica goes to a live one (the i-th
+    dropped share to the (i mod live)-th live replica), so every share is read exactly once."""
+    out = {r: [r] for r in live}
+    dropped = [r for r in range(num_replicas) if r not in out]
+    for i, share in enumerate(dropped):
+        out[live[i % len(live)]].append(share)
+    return {r: sorted(s) for r, s in out.items()}
 
 
 def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
@@ -54,37 +75,41 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
                                              distributed_timeout_minutes=p.timeout_s / 60,
                                              create_gloo_process_groups=False)
-    m = cfg.num_microbatches
+    replica = parallel_state.get_data_parallel_rank()
     return ParallelSetup(
         pg=ProcessGroupCollection.use_mpu_process_groups(),
-        replica=parallel_state.get_data_parallel_rank(),
+        replica=replica,
         num_replicas=p.data_parallel_size,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         tp_per_replica=[p.tensor_model_parallel_size] * p.data_parallel_size,
-        microbatches=m,
+        shares=[replica],
+        microbatches_per_share=cfg.num_microbatches,
         samples_per_iteration=cfg.training.global_batch_size,
+        rank=dist.get_rank(),
     )
 
 
-def ntp_parallel(cfg: JobConfig, store: dist.Store, rank: int, generation: int = 0) -> ParallelSetup:
-    """Groups for the topology the launcher published in the store for ``generation``."""
+def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
+    """Groups (collective over this generation's default group) and samples for ``rank`` in ``topology``."""
     from ntp_megatron.groups import build_groups
-    from ntp_megatron.layout import Topology
-    from ntp_megatron.training.runtime import TOPOLOGY_KEY
 
-    topology = Topology.from_json(json.loads(store.get(TOPOLOGY_KEY.format(generation=generation))))
     groups = build_groups(topology, rank, cfg.parallel.timeout_s)
-    widths = {rep.index: rep.width for rep in topology.replicas}
-    counts = microbatches_per_replica(cfg, widths)
+    live = [rep.index for rep in topology.replicas]
+    shares = assign_shares(live, cfg.parallel.data_parallel_size)
+    counts = {rep.index: microbatches_per_share(cfg, rep.width) * len(shares[rep.index])
+              for rep in topology.replicas}
     replica = topology.replica_of(rank)
     return ParallelSetup(
         pg=groups.pg_collection,
         replica=replica.index,
         num_replicas=cfg.parallel.data_parallel_size,
         tp_rank=topology.local_rank(rank),
-        tp_per_replica=[rep.width for rep in topology.replicas],
-        microbatches=counts[replica.index],
+        tp_per_replica=[topology.replica(r).width if r in live else 0 for r in range(cfg.parallel.data_parallel_size)],
+        shares=shares[replica.index],
+        microbatches_per_share=microbatches_per_share(cfg, replica.width),
         samples_per_iteration=sum(counts.values()) * cfg.training.micro_batch_size,
+        rank=rank,
+        generation=topology.generation,
         topology=topology,
         groups=groups,
     )

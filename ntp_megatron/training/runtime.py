@@ -8,8 +8,10 @@ groups on the same store.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +29,8 @@ ENV_STORE_HOST = "NTP_STORE_HOST"
 ENV_STORE_PORT = "NTP_STORE_PORT"
 ENV_RUN_DIR = "NTP_RUN_DIR"
 ENV_CONFIG = "NTP_RESOLVED_CONFIG"
+ENV_RESTART = "NTP_RESTART"
+"""How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
 
 TOPOLOGY_KEY = "topology/gen{generation}"
 """Store key under which the launcher publishes each generation's topology (JSON)."""
@@ -41,6 +45,7 @@ class RankEnv:
     store_port: int
     run_dir: Path
     config_path: Path
+    restart: int = 0
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
@@ -59,6 +64,7 @@ class RankEnv:
             store_port=int(os.environ[ENV_STORE_PORT]),
             run_dir=Path(os.environ[ENV_RUN_DIR]),
             config_path=Path(os.environ[ENV_CONFIG]),
+            restart=int(os.environ.get(ENV_RESTART, "0")),
         )
 
 
@@ -106,3 +112,17 @@ def init_process_group(
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def _prctl(option: int, arg) -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
+    except OSError:  # not Linux: no parent-death signal, no process name
+        pass
+
+
+def become_rank_process(rank: int) -> None:
+    """In a rank process: die with the launcher however it dies (``PR_SET_PDEATHSIG``), and show as
+    ``ntp-rankN`` in ``ps``/``top``."""
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _prctl(15, ctypes.create_string_buffer(f"ntp-rank{rank}".encode()[:15]))  # PR_SET_NAME

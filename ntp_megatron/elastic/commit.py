@@ -1,0 +1,92 @@
+"""Exactly-once optimizer steps: one first-writer-wins decision per iteration in the launcher's store.
+
+Every cross-rank reduction of an iteration (gradient sync, token count, loss for the log, grad norm) happens
+before the commit point; the optimizer step after it is local. At the commit point each rank adds its vote to
+the iteration's counter; the rank whose vote completes the count writes ``commit`` with ``compare_set``, and
+the controller, when a rank of the generation dies, writes ``abort`` the same way. Whoever is first decides,
+for every rank alike: a rank steps only on ``commit``. After a failure, a survivor that had not yet stepped a
+committed iteration rolls forward; an aborted iteration is redone by everyone from unchanged state. (A gloo
+barrier is not enough: its outcome can differ between its members.)
+
+The same two-writer rule decides whether a re-formation completed (:meth:`CommitProtocol.form`): the last
+rank to finish writes ``complete``, the controller writes ``incomplete`` if a rank dies first.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+
+COMMIT, ABORT = "commit", "abort"
+COMPLETE, INCOMPLETE = "complete", "incomplete"
+
+
+class IterationAborted(RuntimeError):
+    """The controller aborted the iteration in flight: a rank of this generation failed."""
+
+
+class CommitProtocol:
+    """Votes of one rank in one generation. ``store`` is a client that survives the generation (not the
+    generation's own client, whose sockets the watchdog shuts down)."""
+
+    def __init__(self, store: dist.Store, generation: int, world_size: int) -> None:
+        self.store, self.generation, self.world_size = store, generation, world_size
+
+    def vote(self, iteration: int) -> str:
+        """Vote to commit 1-based ``iteration`` and wait for the decision: ``commit`` or ``abort``."""
+        n = self.store.add(keys.votes(self.generation, iteration), 1)
+        key = keys.decision(self.generation, iteration)
+        if n == self.world_size:
+            if _first_write(self.store, key, COMMIT) == COMMIT:
+                self.store.set(keys.COMMITTED, str(iteration))
+        return self._await(key, ABORT)
+
+    def decision(self, iteration: int) -> str | None:
+        """The decision on ``iteration`` in this generation, if one was made."""
+        key = keys.decision(self.generation, iteration)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def form(self) -> str:
+        """Report that this rank finished re-forming into this generation; wait for ``complete`` or
+        ``incomplete``."""
+        n = self.store.add(keys.ready(self.generation), 1)
+        key = keys.formed(self.generation)
+        if n == self.world_size:
+            if _first_write(self.store, key, COMPLETE) == COMPLETE:
+                self.store.set(keys.COMPLETED, str(self.generation))
+        return self._await(key, INCOMPLETE)
+
+    def _await(self, key: str, otherwise: str) -> str:
+        """The value of a decision key. The controller writes its decision before it marks the generation
+        over, so a generation marked over without a decision on ``key`` means nobody will write one: that
+        counts as ``otherwise`` (the controller's verdict). Bounded by the store's timeout."""
+        try:
+            self.store.wait([key])
+        except dist.DistStoreError:
+            if self.store.check([keys.abort(self.generation)]) and not self.store.check([key]):
+                return otherwise
+            raise TimeoutError(f"no decision on {key} within the store timeout") from None
+        return self.store.get(key).decode()
+
+
+def _first_write(store: dist.Store, key: str, value: str) -> str:
+    """Write ``value`` unless someone wrote first; returns what the key holds now."""
+    return store.compare_set(key, "", value).decode()
+
+
+def settle(store: dist.Store, generation: int) -> tuple[int, str]:
+    """Controller side: decide the iteration in flight in ``generation`` — abort it, unless its commit won the
+    race. Returns ``(iteration, decision)`` for the first iteration the controller could abort; every earlier
+    one is committed. No rank can be past that iteration: a commit needs every rank's vote, and the dead cannot
+    vote again."""
+    committed = int(store.get(keys.COMMITTED).decode()) if store.check([keys.COMMITTED]) else 0
+    iteration = committed + 1
+    while _first_write(store, keys.decision(generation, iteration), ABORT) == COMMIT:
+        iteration += 1
+    return iteration, ABORT
+
+
+def abandon_formation(store: dist.Store, generation: int) -> bool:
+    """Controller side: mark a re-formation incomplete unless it already completed; True if it was stopped."""
+    return _first_write(store, keys.formed(generation), INCOMPLETE) == INCOMPLETE

@@ -1,0 +1,157 @@
+"""The controller: turns rank deaths into the next generation (launcher side, node 0).
+
+It lives in the launcher, which owns the store and outlives every rank (launch rank 0 included). For each
+batch of deaths it
+
+1. decides what the survivors hold: the newest generation whose re-formation completed (if a newer one was
+   still forming, it is marked incomplete and its survivors fall back to the layout they had);
+2. settles the iteration in flight exactly once (:func:`ntp_megatron.elastic.commit.settle`);
+3. computes the next topology — a pure function of that layout and the dead slots
+   (:func:`ntp_megatron.layout.next_topology`) — or, when NTP cannot absorb the failure under
+   ``ntp.on_unrecoverable: stop``, stops the job with a clear message;
+4. publishes generation ``g+1`` (its topology and why it exists), then marks ``g`` over, which sends every
+   survivor's watchdog to close ``g``'s sockets.
+
+A second failure during a re-formation is just the next batch of deaths: generation ``g+2`` builds on the
+last completed layout with every death since then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import abandon_formation, settle
+from ntp_megatron.layout import Topology, TopologyError, next_topology
+
+AWARE_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Death:
+    launch_rank: int
+    time: float
+    """When the process died or stopped responding (wall clock): the injected failure's own record when there
+    is one, else when the launcher killed it, else when it was reaped."""
+    cause: str
+    """How it ended, e.g. "was killed by signal SIGKILL", "hung: fenced after 3.0 s without a heartbeat"."""
+
+
+class Controller:
+    def __init__(self, store: dist.Store, topology: Topology, min_tp: int, policy: str,
+                 say: Callable[[str], None], emit: Callable[[dict], None]) -> None:
+        self.store = store
+        self.latest = topology
+        self.completed = topology
+        self.min_tp, self.policy = min_tp, policy
+        self.say, self.emit = say, emit
+        self.identity = {rank: topology.slot_of(rank) for rank in range(topology.world_size)}
+        """Launch rank -> (replica, slot), fixed for the run (generation 0's ranks are the launch ranks)."""
+        self.dead_since_completed: dict[int, tuple[int, int]] = {}
+        self.dead: set[int] = set()
+        self.failures = 0
+        store.set(keys.topology(0), json.dumps(topology.to_json()))
+        store.set(keys.LATEST, "0")
+        store.set(keys.COMPLETED, "0")
+        if not store.check([keys.COMMITTED]):
+            store.set(keys.COMMITTED, "0")
+
+    def live_launch_ranks(self) -> list[int]:
+        """Launch ranks with a slot in the newest generation."""
+        return [lr for lr, slot in self.identity.items() if self.latest.rank_of(*slot) is not None]
+
+    def handle(self, deaths: list[Death]) -> Optional[str]:
+        """Absorb ``deaths`` into a new generation; returns None, or why the job must stop."""
+        deaths = [d for d in deaths if d.launch_rank not in self.dead]
+        if not deaths:
+            return None
+        self.dead.update(d.launch_rank for d in deaths)
+        self.failures += len(deaths)
+        old = self.latest
+        if int(self.store.get(keys.COMPLETED).decode()) == old.generation or not abandon_formation(
+                self.store, old.generation):
+            # The newest generation was formed (or finished forming just now): survivors hold its layout.
+            if self.completed.generation != old.generation:
+                self.completed, self.dead_since_completed = old, {}
+        training = self.completed.generation == old.generation
+        settled = None
+        if training:
+            iteration, decision = settle(self.store, old.generation)
+            settled = {"generation": old.generation, "iteration": iteration, "decision": decision}
+        for d in deaths:
+            self.dead_since_completed[d.launch_rank] = self.identity[d.launch_rank]
+        base = self.completed
+        dead_ranks = [base.rank_of(*slot) for slot in self.dead_since_completed.values()
+                      if base.rank_of(*slot) is not None]
+        self._report_deaths(deaths, old, settled)
+        try:
+            new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
+        except TopologyError as exc:
+            reason = f"NTP cannot absorb the failure: {exc}"
+            self.store.set(keys.STOP, reason)
+            self.store.set(keys.abort(old.generation), "stop")
+            return reason
+        new = dataclasses.replace(new, generation=old.generation + 1)
+        failed_at = min((_injected(self.store, d.launch_rank) or {}).get("time", d.time) for d in deaths)
+        info = {"base": base.generation, "dead": [list(s) for s in self.dead_since_completed.values()],
+                "settled": settled, "failure_time": failed_at,
+                "deaths": [dataclasses.asdict(d) for d in deaths]}
+        g = new.generation
+        self.store.set(keys.info(g), json.dumps(info))
+        self.store.set(keys.topology(g), json.dumps(new.to_json()))
+        self.store.set(keys.LATEST, str(g))
+        self.store.set(keys.abort(old.generation), "1")
+        self.latest = new
+        return None
+
+    def _report_deaths(self, deaths: list[Death], old: Topology, settled: Optional[dict]) -> None:
+        """One ``rank_failed`` event and log line per death, once the survivors of ``old`` noticed (so the
+        detection latency is known); from a thread, so the controller moves on at once."""
+        survivors = [lr for lr, slot in self.identity.items()
+                     if old.rank_of(*slot) is not None and lr not in self.dead]
+        threading.Thread(target=self._report, args=(deaths, old, settled, survivors), daemon=True).start()
+
+    def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int]) -> None:
+        aware_keys = [keys.aware(old.generation, lr) for lr in survivors]
+        deadline = time.monotonic() + AWARE_WAIT_S
+        aware: list[float] = []
+        while time.monotonic() < deadline:
+            try:
+                if all(self.store.check([k]) for k in aware_keys):
+                    aware = [float(self.store.get(k).decode()) for k in aware_keys]
+                    break
+            except Exception:  # noqa: BLE001 - the store is shutting down with the job
+                return
+            time.sleep(0.01)
+        for d in deaths:
+            replica, slot = self.identity[d.launch_rank]
+            record = _injected(self.store, d.launch_rank)
+            failed_at = record["time"] if record else d.time
+            detect_s = (max(aware) - failed_at) if aware else None
+            iteration = record["iteration"] if record else (settled or {}).get("iteration")
+            phase = record["phase"] if record else "unknown"
+            event = {"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank, "replica": replica,
+                     "slot": slot, "generation": old.generation, "iteration": iteration, "phase": phase,
+                     "cause": d.cause, "detect_s": detect_s, "time": failed_at}
+            self.emit(event)
+            stamp = datetime.fromtimestamp(failed_at).strftime("%Y-%m-%d %H:%M:%S")
+            aware_text = f"{len(aware)} survivors aware in {detect_s:.3f} s" if aware else "survivors not all aware"
+            self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} (replica {replica}, slot {slot}) | "
+                     f"iteration {iteration}, phase {phase} | {d.cause} | {aware_text}")
+
+
+def _injected(store: dist.Store, launch_rank: int) -> Optional[dict]:
+    try:
+        if store.check([keys.failure(launch_rank)]):
+            return json.loads(store.get(keys.failure(launch_rank)).decode())
+    except Exception:  # noqa: BLE001
+        pass
+    return None

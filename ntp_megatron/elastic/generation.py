@@ -1,0 +1,133 @@
+"""A rank's membership in the job's generations (rank side of :mod:`ntp_megatron.elastic`).
+
+A process keeps one identity for the whole run, its *launch rank*, and with it a fixed (replica, slot).
+Generation ``g`` gives it a process-group rank (``topology.rank_of(replica, slot)``), a default process group on
+the store prefix ``gen<g>/``, the NTP groups, a store client of its own and a watchdog. When the controller ends
+a generation, the watchdog closes exactly that generation's sockets; :meth:`ElasticRank.leave` then drops every
+reference to it (torch.distributed's groups, Megatron's globals, the client), so threads, file descriptors and
+memory return to where they were before it was joined.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import CommitProtocol
+from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketScope, StoreFactory
+from ntp_megatron.layout import Topology
+
+logger = logging.getLogger(__name__)
+
+WATCH_TIMEOUT_S = 3600.0
+
+
+@dataclass
+class Generation:
+    topology: Topology
+    rank: int
+    """This process's rank in the generation (its default group)."""
+    commit: CommitProtocol
+    watchdog: GenerationWatchdog
+    store: Optional[dist.Store]
+    """The generation's own store client (the default group's rendezvous); dies with the generation."""
+
+    @property
+    def number(self) -> int:
+        return self.topology.generation
+
+
+class ElasticRank:
+    """This process in an elastic NTP job: its identity, its control-plane store client, its heartbeat."""
+
+    def __init__(self, launch_rank: int, open_store: StoreFactory, backend: str, timeout_s: float,
+                 heartbeat_s: float) -> None:
+        self.launch_rank = launch_rank
+        self.open_store = open_store
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.ctl = open_store(timeout_s)
+        """Control-plane client: votes, decisions, generations. Never closed by a watchdog."""
+        self.heartbeat = Heartbeat(open_store, launch_rank, heartbeat_s)
+        start = self.topology(0)
+        self.identity = start.slot_of(launch_rank)
+        """(replica index, slot): what this process is, in every generation."""
+
+    def topology(self, generation: int) -> Topology:
+        return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
+
+    def rank_in(self, topology: Topology) -> Optional[int]:
+        return topology.rank_of(*self.identity)
+
+    def join(self, topology: Topology) -> Generation:
+        """Join ``topology``'s generation: default process group, then (by the caller) the NTP groups, which
+        must be built inside :meth:`scope` so the watchdog knows their sockets."""
+        rank = self.rank_in(topology)
+        if rank is None:
+            raise RuntimeError(f"launch rank {self.launch_rank} {self.identity} has no slot in generation "
+                               f"{topology.generation}")
+        with SocketScope() as scope:
+            store = self.open_store(self.timeout_s)
+            dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{topology.generation}/", store),
+                                    rank=rank, world_size=topology.world_size,
+                                    timeout=timedelta(seconds=self.timeout_s))
+        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.fds, WATCH_TIMEOUT_S)
+        commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
+        return Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
+
+    def scope(self, generation: Generation) -> "_Extend":
+        """``with elastic.scope(gen): build groups`` — the sockets opened inside belong to ``gen`` too."""
+        return _Extend(generation)
+
+    def leave(self, generation: Generation) -> None:
+        """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
+        watchdog (the controller has marked the generation over, or the job is ending)."""
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # noqa: BLE001 - sockets already shut down: nothing left to tell peers
+                logger.debug("destroy_process_group after the generation ended: %s", exc)
+        generation.store = None
+        generation.watchdog.join(timeout=5.0)
+
+    def note_aware(self, generation: int) -> None:
+        """Record when this rank learnt that ``generation`` is over (for the controller's detection latency)."""
+        self.ctl.set(keys.aware(generation, self.launch_rank), repr(time.time()))
+
+    def await_newer(self, generation: int) -> tuple[Topology, dict]:
+        """Wait (bounded) until a generation newer than ``generation`` is published or the job is stopped;
+        returns the newest topology and why it exists."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.ctl.check([keys.STOP]):
+                raise SystemExit(f"job stopped by the launcher: {self.ctl.get(keys.STOP).decode()}")
+            latest = int(self.ctl.get(keys.LATEST).decode()) if self.ctl.check([keys.LATEST]) else 0
+            if latest > generation:
+                return self.topology(latest), json.loads(self.ctl.get(keys.info(latest)))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no generation after {generation} within {self.timeout_s:.0f} s")
+            time.sleep(0.01)
+
+
+class _Extend:
+    """Adds the sockets opened inside the block to a generation's watchdog."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+
+    def __enter__(self) -> None:
+        self._scope = SocketScope().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._scope.__exit__(*exc)
+        self.generation.watchdog.fds |= self._scope.fds

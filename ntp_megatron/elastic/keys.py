@@ -1,0 +1,68 @@
+"""Names of the store keys the controller and the ranks share (all in the launcher's TCPStore).
+
+A *generation* is one process-group epoch: its topology, its own store prefix for torch.distributed
+(``gen<g>/``), and its own keys below. Generations only grow; the job starts at generation 0.
+"""
+
+from __future__ import annotations
+
+PREFIX = "elastic/"
+LATEST = PREFIX + "latest"
+"""The newest published generation (an integer)."""
+COMPLETED = PREFIX + "completed"
+"""The newest generation whose re-formation completed (every rank holds its layout)."""
+COMMITTED = PREFIX + "committed"
+"""The newest committed iteration (1-based), written by the rank whose vote completed it."""
+STOP = PREFIX + "stop"
+"""Set by the controller when the job must end (a failure NTP cannot absorb); the value says why."""
+
+
+def topology(generation: int) -> str:
+    return f"topology/gen{generation}"
+
+
+def info(generation: int) -> str:
+    """JSON: why generation ``g`` exists (the dead launch ranks since the last completed generation, ...)."""
+    return f"{PREFIX}gen{generation}/info"
+
+
+def abort(generation: int) -> str:
+    """Set when generation ``g`` is over: every rank's watchdog then closes that generation's sockets."""
+    return f"{PREFIX}gen{generation}/abort"
+
+
+def votes(generation: int, iteration: int) -> str:
+    return f"{PREFIX}gen{generation}/iter{iteration}/votes"
+
+
+def decision(generation: int, iteration: int) -> str:
+    """``commit`` (written by the last voter) or ``abort`` (by the controller): the first writer wins."""
+    return f"{PREFIX}gen{generation}/iter{iteration}/decision"
+
+
+def ready(generation: int) -> str:
+    """Counter of ranks that finished re-forming into generation ``g``."""
+    return f"{PREFIX}gen{generation}/ready"
+
+
+def formed(generation: int) -> str:
+    """``complete`` (written by the last ready rank) or ``incomplete`` (by the controller): first writer wins."""
+    return f"{PREFIX}gen{generation}/formed"
+
+
+def aware(generation: int, launch_rank: int) -> str:
+    """When a survivor noticed that generation ``g`` was over (wall-clock seconds)."""
+    return f"{PREFIX}gen{generation}/aware/{launch_rank}"
+
+
+def heartbeat(launch_rank: int) -> str:
+    return f"{PREFIX}hb/{launch_rank}"
+
+
+def failure(launch_rank: int) -> str:
+    """JSON written by a rank just before an injected failure: spec, phase, iteration, time."""
+    return f"{PREFIX}failure/{launch_rank}"
+
+
+def fired(spec: str) -> str:
+    return f"{PREFIX}fired/{spec}"

@@ -1,0 +1,179 @@
+"""Moving units between layouts: parameters and optimizer state, from the ranks that hold them, by value.
+
+When a replica's layout changes (a rank died and its units were dealt to the survivors, or a repaired rank
+takes its block back), the new owner of a unit fetches it from a process that holds it — a survivor of the
+same replica when there is one, else the rank holding the same canonical block in another replica
+(:func:`ntp_megatron.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
+packed message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the
+parameter and of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order
+both ends derive from the topology and the parameter names alone.
+
+Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
+the wire are exactly the units that moved.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ntp_megatron.layers import UnitShard
+from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
+
+Unit = tuple[str, int]  # (family, unit id)
+
+
+def state_keys(optimizer_name: str) -> tuple[str, ...]:
+    """Per-element optimizer state tensors, in message order."""
+    return {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}[optimizer_name]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Units that new-generation rank ``src`` sends to new-generation rank ``dst``."""
+
+    src: int
+    dst: int
+    units: tuple[Unit, ...]
+
+
+def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
+    """The moves of :func:`transition_plan`, grouped into one message per (source, destination) pair, with
+    both ends numbered in the new generation."""
+    dead = list(dead_old_ranks)
+    survivors = survivor_ranks(old, new, dead)
+    grouped: dict[tuple[int, int], list[Unit]] = defaultdict(list)
+    for move in transition_plan(old, new, dead):
+        source = move.src if move.src is not None else move.peer
+        grouped[(survivors[source], move.dst)].append((move.family, move.unit))
+    return [Transfer(src, dst, tuple(sorted(units))) for (src, dst), units in sorted(grouped.items())]
+
+
+class UnitTensors:
+    """One rank's TP-split parameters and their optimizer state, addressable by unit."""
+
+    def __init__(self, model: torch.nn.Module, optimizer, keys: tuple[str, ...], with_state: bool) -> None:
+        self.params: list[tuple[str, torch.nn.Parameter, UnitShard]] = [
+            (name, p, p.ntp_shard) for name, p in model.named_parameters() if hasattr(p, "ntp_shard")]
+        self.keys = keys if with_state else ()
+        self.state = optimizer.optimizer.state if optimizer is not None else {}
+
+    def tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """The parameter, then its state tensors in ``keys`` order."""
+        return [param.data, *(self.state[param][key] for key in self.keys)]
+
+    def unit_numel(self, family: str) -> int:
+        """Elements one unit of ``family`` occupies in a message."""
+        per_param = sum(s.outer * s.inner for _, _, s in self.params if s.family == family)
+        return per_param * (1 + len(self.keys))
+
+    def pack(self, units: tuple[Unit, ...]) -> torch.Tensor:
+        parts = []
+        for _, param, shard in self.params:
+            local = [shard.units.index(u) for f, u in units if f == shard.family]
+            if not local:
+                continue
+            index = torch.tensor(local, device=param.device)
+            for tensor in self.tensors(param):
+                parts.append(tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1))
+        return torch.cat(parts).float() if parts else torch.empty(0)
+
+    def numel(self, units: tuple[Unit, ...]) -> int:
+        return sum(self.unit_numel(family) for family, _ in units)
+
+    def unpack(self, units: tuple[Unit, ...], buffer: torch.Tensor) -> None:
+        offset = 0
+        for _, param, shard in self.params:
+            local = [shard.units.index(u) for f, u in units if f == shard.family]
+            if not local:
+                continue
+            index = torch.tensor(local, device=param.device)
+            for tensor in self.tensors(param):
+                size = shard.outer * len(local) * shard.inner
+                chunk = buffer[offset:offset + size].view(shard.outer, len(local), shard.inner).to(tensor.dtype)
+                tensor.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, index, chunk)
+                offset += size
+        assert offset == buffer.numel(), f"message of {buffer.numel()} elements, {offset} used"
+
+
+def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, new_model: torch.nn.Module) -> None:
+    """Into a rebuilt model and optimizer: every unit this rank already held, every replicated parameter and its
+    state, and the step counters (which every parameter shares)."""
+    old_by_name = dict(old_model.named_parameters())
+    step = _any_step(old.state)
+    for name, param in new_model.named_parameters():
+        before = old_by_name[name]
+        if step is not None:
+            new.state[param]["step"] = step.clone()
+        shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
+        if shard is None:
+            param.data.copy_(before.data)
+            for key in new.keys:
+                new.state[param][key].copy_(old.state[before][key])
+            continue
+        previous: UnitShard = before.ntp_shard
+        kept = [(i, previous.units.index(u)) for i, u in enumerate(shard.units) if u in previous.units]
+        if not kept:
+            continue
+        dst, src = (torch.tensor(x, device=param.device) for x in zip(*kept))
+        for target, source in zip(new.tensors(param), old.tensors(before)):
+            view = source.view(previous.outer, len(previous.units), previous.inner)
+            target.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, dst, view.index_select(1, src))
+
+
+def _any_step(state) -> Optional[torch.Tensor]:
+    for entry in state.values():
+        if "step" in entry:
+            step = entry["step"]
+            return step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+    return None
+
+
+def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
+    """Create zeroed per-element state for every parameter of a freshly built optimizer (filled afterwards)."""
+    for param in model.parameters():
+        tensors.state[param] = {key: torch.zeros_like(param.data) for key in tensors.keys}
+
+
+def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], new: Optional[UnitTensors],
+             group: Optional[dist.ProcessGroup] = None) -> int:
+    """Run this rank's side of every transfer (sends from ``old``, receives into ``new``); returns the bytes
+    received."""
+    works, received = [], []
+    for t in transfers:
+        if t.dst == rank:
+            buffer = torch.empty(new.numel(t.units), dtype=torch.float32, device=_device(new))
+            works.append(dist.irecv(buffer, src=t.src, group=group))
+            received.append((t, buffer))
+    sends = []
+    for t in transfers:
+        if t.src == rank:
+            payload = old.pack(t.units)
+            sends.append(payload)
+            works.append(dist.isend(payload, dst=t.dst, group=group))
+    for work in works:
+        work.wait()
+    for t, buffer in received:
+        new.unpack(t.units, buffer)
+    return sum(buffer.numel() * buffer.element_size() for _, buffer in received)
+
+
+def _device(tensors: UnitTensors) -> torch.device:
+    return tensors.params[0][1].device
+
+
+def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int], unit_numel: dict[str, int],
+                      element_size: int = 4) -> int:
+    """Bytes that any re-formation must move: every unit the dead ranks held, in replicas that live on."""
+    live = {rep.index for rep in new.replicas}
+    total = 0
+    for rank in dead_old_ranks:
+        if old.replica_of(rank).index not in live:
+            continue
+        for family, per_unit in unit_numel.items():
+            total += len(old.units_of(rank, family)) * per_unit * element_size
+    return total

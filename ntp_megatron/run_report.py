@@ -1,0 +1,98 @@
+"""What a run amounted to, from its metrics records: the end-of-run summary and ``<run_dir>/run.png``.
+
+Goodput here is useful iteration time over wall time: the time of every iteration that counted (each
+iteration once, however often it was computed) divided by the launcher's wall-clock time from start to end.
+Start-up, recovery, redone and rolled-back iterations, and checkpoint saves are what is lost.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+
+def _iterations(records: list[dict[str, Any]]) -> tuple[dict[int, dict], int]:
+    first: dict[int, dict] = {}
+    repeated = 0
+    for r in records:
+        if r.get("kind") != "iteration":
+            continue
+        if r["iteration"] in first:
+            repeated += 1
+        else:
+            first[r["iteration"]] = r
+    return first, repeated
+
+
+def _events(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind") == "event" and r.get("event") == name]
+
+
+def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    iterations, repeated = _iterations(records)
+    useful_s = sum(r["elapsed_ms"] for r in iterations.values()) / 1e3
+    reformed = _events(records, "reformed")
+    redone = sum(e.get("iterations_redone", 0) for e in reformed)
+    losses = [r["lm_loss"] for _, r in sorted(iterations.items())]
+    return {
+        "iterations": len(iterations),
+        "final_lm_loss": losses[-1] if losses else None,
+        "best_lm_loss": min(losses) if losses else None,
+        "wall_s": wall_s,
+        "useful_s": useful_s,
+        "goodput": useful_s / wall_s if wall_s > 0 else None,
+        "iterations_lost": redone + repeated,
+        "failures": len(_events(records, "rank_failed")),
+        "reformations": len(reformed),
+        "restarts": len(_events(records, "restarted")),
+    }
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    if not summary["iterations"]:
+        return ["summary: no iteration completed"]
+    lines = [f"summary: {summary['iterations']} iterations, final lm loss {summary['final_lm_loss']:.6f} "
+             f"(best {summary['best_lm_loss']:.6f}), wall time {summary['wall_s']:.1f} s"]
+    if summary["goodput"] is not None:
+        lines.append(f"goodput: {100 * summary['goodput']:.1f} % (useful iteration time {summary['useful_s']:.1f} s "
+                     f"of {summary['wall_s']:.1f} s wall) | iterations lost: {summary['iterations_lost']} | "
+                     f"failures: {summary['failures']} | re-formations: {summary['reformations']} | "
+                     f"restarts: {summary['restarts']}")
+    return lines
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
+    """Loss per iteration, TP per replica over iterations, failures marked."""
+    iterations, _ = _iterations(records)
+    if not iterations:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = sorted(iterations)
+    fig, (loss_ax, tp_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True,
+                                         gridspec_kw={"height_ratios": [2, 1]})
+    loss_ax.plot(steps, [iterations[i]["lm_loss"] for i in steps], color="tab:blue", label="lm loss")
+    loss_ax.set_ylabel("lm loss")
+    widths = [iterations[i]["tp_per_replica"] for i in steps]
+    for replica in range(max(len(w) for w in widths)):
+        tp_ax.step(steps, [w[replica] if replica < len(w) else 0 for w in widths], where="post",
+                   label=f"replica {replica}")
+    tp_ax.set_ylabel("TP degree")
+    tp_ax.set_xlabel("iteration")
+    tp_ax.set_ylim(bottom=0)
+    tp_ax.legend(loc="lower left", fontsize="small")
+    for event in _events(records, "rank_failed"):
+        if event.get("iteration") is not None:
+            for ax in (loss_ax, tp_ax):
+                ax.axvline(event["iteration"], color="tab:red", linestyle="--", linewidth=1)
+            loss_ax.annotate(f"rank {event.get('launch_rank')} failed", (event["iteration"], loss_ax.get_ylim()[1]),
+                             color="tab:red", fontsize="small", ha="left", va="top")
+    loss_ax.set_title("ntp-megatron run")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

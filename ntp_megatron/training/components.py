@@ -1,0 +1,90 @@
+"""The Megatron-Core objects one rank trains with, built for one layout: model (GPTModel in DDP), optimizer,
+scheduler, and under NTP the grad sync. Built once at start, and again for a replica whose layout a
+re-formation changed (healthy replicas keep theirs; only their process groups are swapped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from ntp_megatron.config import JobConfig
+from ntp_megatron.grad_sync import GradSync
+from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
+from ntp_megatron.training import model as model_lib
+from ntp_megatron.training.parallel import ParallelSetup
+
+
+@dataclass
+class Components:
+    setup: ParallelSetup
+    tf_config: Any
+    model: Any       # megatron.core.distributed.DistributedDataParallel
+    optimizer: Any   # megatron.core.optimizer.MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+
+def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
+    t, p = cfg.training, cfg.parallel
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer=t.optimizer, lr=t.lr, sgd_momentum=t.sgd_momentum, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=t.precision == "bf16", fp16=t.precision == "fp16",
+            params_dtype=tf_config.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer,
+        ),
+        [model],
+        use_gloo_process_groups=False,
+        pg_collection=setup.pg,
+    )
+    if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
+        # The norm override returns the global norm; a chain of several would combine it several times.
+        raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
+    return optimizer
+
+
+def build_scheduler(cfg: JobConfig, optimizer) -> OptimizerParamScheduler:
+    t = cfg.training
+    samples_per_iter = t.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters * samples_per_iter,
+        lr_decay_steps=(t.lr_decay_iters or t.train_iters) * samples_per_iter,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters * samples_per_iter,
+        wd_incr_style="constant",
+    )
+
+
+def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
+                     initialize: bool = True) -> Components:
+    """Everything for ``setup``'s layout. ``initialize=False``: weights are left for the caller to fill (a
+    re-formation copies them from the old layout and from peers)."""
+    tf_config = model_lib.transformer_config(cfg)
+    healthy = setup.groups is None or setup.groups.healthy
+    model = model_lib.build_model(cfg, tf_config, setup.pg, device, setup.topology, setup.rank,
+                                  own_buckets_sync=healthy, initialize=initialize)
+    optimizer = build_optimizer(cfg, tf_config, model, setup)
+    parts = Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,
+                       scheduler=build_scheduler(cfg, optimizer))
+    if setup.topology is not None:
+        attach_grad_sync(cfg, parts)
+    return parts
+
+
+def attach_grad_sync(cfg: JobConfig, parts: Components) -> None:
+    """The NTP grad sync for the current topology and groups (replacing any earlier one)."""
+    setup = parts.setup
+    setup.grad_sync = GradSync(setup.topology, setup.rank, setup.groups, parts.model, parts.tf_config,
+                               model_lib.ddp_config(cfg))
+    parts.tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads
+    set_grad_norm_override(setup.grad_sync.grad_norm)

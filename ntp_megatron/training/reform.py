@@ -1,0 +1,166 @@
+"""Re-formation on a surviving rank: from a failed generation to the newest one, without stopping.
+
+1. *Settle.* The controller decided the iteration in flight before publishing the new generation: a rank that
+   voted for a committed iteration and had not stepped yet steps now (its gradients are final); an aborted one
+   is dropped and redone by everyone.
+2. *Leave* the old generation: its process groups, Megatron's globals, its store client, its watchdog.
+3. *Join* the new one (default group on ``gen<g>/``, NTP groups).
+4. *Reshape.* A rank whose units do not change keeps its model, DDP buffers and optimizer; every reference to
+   an old process group in them is pointed at the new one. A rank whose units change (its replica lost a
+   rank) builds new ones, copies what it kept, and receives the dead rank's units — parameters and optimizer
+   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`).
+5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
+   middle of it leaves every rank on its old layout, and the controller bases the next generation on that).
+
+A failure at any step sends the rank back to 1 for the newest generation. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import sys
+import time
+from datetime import datetime
+from typing import Callable
+
+from ntp_megatron import metrics
+from ntp_megatron.config import JobConfig
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import COMMIT, COMPLETE
+from ntp_megatron.elastic.generation import ElasticRank
+from ntp_megatron.groups import rebind_process_groups
+from ntp_megatron.layout import FAMILIES, Topology
+from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, lower_bound_bytes, plan_transfers, \
+    state_keys
+from ntp_megatron.training.components import Components, attach_grad_sync
+from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
+
+logger = logging.getLogger(__name__)
+
+
+class Retired(SystemExit):
+    """This process has no slot in the new generation (its replica was dropped): it ends cleanly."""
+
+
+class Reformer:
+    def __init__(self, cfg: JobConfig, elastic: ElasticRank, completed: Topology,
+                 build: Callable[[ParallelSetup], Components]) -> None:
+        self.cfg = cfg
+        self.elastic = elastic
+        self.completed = completed
+        """The layout this process holds: the newest generation whose re-formation completed."""
+        self.build = build
+
+    def recover(self, trainer) -> None:
+        failed = trainer.generation
+        self._try(lambda: self.elastic.note_aware(failed.number))
+        self._settle(trainer, failed)
+        while True:
+            try:
+                topology, info = self.elastic.await_newer(trainer.generation.number)
+                self.elastic.leave(trainer.generation)
+                if self.elastic.rank_in(topology) is None:
+                    raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
+                                  f"was dropped in generation {topology.generation}; this process ends")
+                self._reform(trainer, topology, info)
+                return
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again
+                logger.info("re-formation into a new generation interrupted (%s: %s); waiting for the next",
+                            type(exc).__name__, str(exc)[:200])
+                del exc
+                gc.collect()
+
+    @staticmethod
+    def _try(action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception:  # noqa: BLE001 - reporting only
+            pass
+
+    def _settle(self, trainer, failed) -> None:
+        """Step a committed iteration this rank voted for; drop an aborted one."""
+        if trainer.pending is None:
+            return
+        iteration = trainer.pending["iteration"]
+        self.elastic.await_newer(failed.number)  # the controller decides before it publishes
+        if failed.commit.decision(iteration) == COMMIT:
+            record = trainer._step()
+            trainer.report(record)
+            logger.info("iteration %d was committed before the failure: stepped it", iteration)
+        else:
+            trainer.pending = None
+
+    def _reform(self, trainer, topology: Topology, info: dict) -> None:
+        started = time.time()
+        cfg, elastic = self.cfg, self.elastic
+        base = self.completed
+        if info["base"] != base.generation:
+            raise RuntimeError(f"generation {topology.generation} builds on generation {info['base']}, but this "
+                               f"process holds generation {base.generation}")
+        dead = [base.rank_of(r, s) for r, s in info["dead"] if base.rank_of(r, s) is not None]
+        generation = elastic.join(topology)
+        trainer.generation = generation
+        with elastic.scope(generation):
+            setup = ntp_parallel(cfg, topology, generation.rank)
+        old: Components = trainer.parts
+        old_rank = base.rank_of(*elastic.identity)
+        changed = any(base.units_of(old_rank, f) != topology.units_of(generation.rank, f)
+                      for f in FAMILIES if f in topology.units)
+        with_state = trainer.iteration > 0
+        state = state_keys(cfg.training.optimizer)
+        old_tensors = UnitTensors(old.model.module, old.optimizer, state, with_state)
+        new_parts, new_tensors = None, None
+        if changed:
+            new_parts = self.build(setup)
+            new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, with_state)
+            if with_state:
+                init_state(new_parts.model.module, new_tensors)
+            copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
+        transfers = plan_transfers(base, topology, dead)
+        received = exchange(transfers, generation.rank, old_tensors, new_tensors)
+        elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", received)
+        if generation.commit.form() != COMPLETE:
+            raise RuntimeError(f"re-formation into generation {topology.generation} did not complete")
+        # Adopt the new generation.
+        if changed:
+            new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
+            trainer.parts = new_parts
+        else:
+            rebind_process_groups([old.model, old.optimizer], old.setup.groups, setup.groups)
+            old.setup = setup
+            attach_grad_sync(cfg, old)
+        del old
+        self.completed = topology
+        gc.collect()
+        if trainer.is_reporting_rank:
+            self._report(trainer, topology, info, base, dead, old_tensors.unit_numel, started)
+
+    def _report(self, trainer, topology: Topology, info: dict, base: Topology, dead: list[int],
+                unit_numel: Callable[[str], int], started: float) -> None:
+        elastic = self.elastic
+        moved = int(elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", 0))
+        bound = lower_bound_bytes(base, topology, dead, {f: unit_numel(f) for f in topology.units})
+        redone = 1 if info.get("settled", {}).get("decision") == "abort" else 0
+        recovery_s = time.time() - info["failure_time"]
+        widths = trainer.setup.tp_per_replica
+        event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
+                 "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
+                 "iterations_redone": redone, "resume_iteration": trainer.iteration + 1, "time": time.time(),
+                 "reform_s": time.time() - started}
+        metrics.emit(event, sys.stdout)
+        stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        redo = f"iteration {trainer.iteration + 1} redone" if redone else f"resuming at iteration {trainer.iteration + 1}"
+        print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | "
+              f"recovered in {recovery_s:.2f} s | moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |",
+              flush=True)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
