@@ -14,7 +14,9 @@ renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based 
 - ``backward``: inside the backward pass of N, when the middle micro-batch's backward begins;
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
-- ``checkpoint``: during a checkpoint save (only where checkpoints are saved).
+- ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
+- ``reform``: while re-forming after another rank's failure during iteration N (NTP only: after joining the
+  new generation, before units move) — a second failure in the middle of a re-formation.
 
 Controller-side (the launcher does it from outside)::
 
@@ -39,7 +41,7 @@ from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit")
-PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint")
+PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "reform")
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
@@ -120,7 +122,7 @@ def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
 
 
 def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters: Optional[int] = None,
-                       checkpoints: bool = False) -> FailureSpec:
+                       checkpoints: bool = False, ntp: bool = True) -> FailureSpec:
     """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed.
 
     ``world_size``: launch ranks are 0..world_size-1. ``train_iters``: an iteration past the run never fires,
@@ -159,6 +161,8 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     phase = f.get("phase", "start")
     if phase not in PHASES:
         raise ConfigError(f"--inject-failure {text!r}: phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if phase == "reform" and not ntp:
+        raise ConfigError(f"--inject-failure {text!r}: phase reform needs ntp.enabled (only NTP re-forms)")
     if phase == "checkpoint" and not checkpoints:
         raise ConfigError(f"--inject-failure {text!r}: phase checkpoint needs checkpoints to be saved "
                           "(set checkpoint.save and checkpoint.save_interval)")

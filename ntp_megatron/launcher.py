@@ -139,6 +139,7 @@ class Launcher:
         self.print_lock = threading.Lock()
         self.controller = None
         self.restarts = 0
+        self.pid_history: dict[str, list[int]] = {}
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
@@ -229,9 +230,24 @@ class Launcher:
             r.threads.append(t)
         threading.Thread(target=lambda: self.exits.put((r, r.reap())), daemon=True).start()
 
+    def _dump_stacks(self, launch_ranks: list[int]) -> None:
+        """Ask ranks for a traceback of every thread (``faulthandler`` on SIGUSR1), for a report."""
+        for rank in launch_ranks:
+            proc = self.ranks.get(rank)
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+
     def _record_pids(self) -> None:
-        (self.run_dir / f"ranks.node{self.args.node_rank}.json").write_text(
-            json.dumps({str(r.rank): r.pid for r in self.ranks.values()}) + "\n")
+        """``ranks.node<n>.json``: every pid each launch rank has had (a restart adds one), for tools and tests
+        that must find every process of the job."""
+        for r in self.ranks.values():
+            self.pid_history.setdefault(str(r.rank), [])
+            if r.pid not in self.pid_history[str(r.rank)]:
+                self.pid_history[str(r.rank)].append(r.pid)
+        (self.run_dir / f"ranks.node{self.args.node_rank}.json").write_text(json.dumps(self.pid_history) + "\n")
 
     def _stop_all(self) -> None:
         """SIGTERM every live rank's process group, then SIGKILL what is left after a grace period."""
@@ -269,7 +285,7 @@ class Launcher:
 
                 ntp = self.cfg.ntp
                 self.controller = Controller(store, self.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable,
-                                             self._say, self._emit)
+                                             self._say, self._emit, dump_stacks=self._dump_stacks)
         self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
                   f"(store {self.args.store_host}:{self.store_port}, run dir {self.run_dir})")
         for r in self.ranks.values():
@@ -524,8 +540,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config_path.write_text(cfg.model_dump_json(indent=2))
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
-        failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints)
-                    for f in specs]
+        failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
+                                              cfg.ntp.enabled) for f in specs]
         launcher = Launcher(cfg, config_path, args, failures)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ def job_processes(run_dir) -> list[int]:
     pids = json.loads((run_dir / "ranks.node0.json").read_text())
     assert len(pids) == 4
     alive = []
-    for rank, pid in pids.items():
+    for rank, pid in ((rank, pid) for rank, history in pids.items() for pid in history):
         try:
             if psutil.Process(pid).name() == f"ntp-rank{rank}" and psutil.Process(pid).status() != "zombie":
                 alive.append(pid)

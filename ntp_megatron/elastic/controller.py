@@ -47,12 +47,14 @@ class Death:
 
 class Controller:
     def __init__(self, store: dist.Store, topology: Topology, min_tp: int, policy: str,
-                 say: Callable[[str], None], emit: Callable[[dict], None]) -> None:
+                 say: Callable[[str], None], emit: Callable[[dict], None],
+                 dump_stacks: Callable[[list[int]], None] = lambda ranks: None) -> None:
         self.store = store
         self.latest = topology
         self.completed = topology
         self.min_tp, self.policy = min_tp, policy
         self.say, self.emit = say, emit
+        self.dump_stacks = dump_stacks
         self.identity = {rank: topology.slot_of(rank) for rank in range(topology.world_size)}
         """Launch rank -> (replica, slot), fixed for the run (generation 0's ranks are the launch ranks)."""
         self.dead_since_completed: dict[int, tuple[int, int]] = {}
@@ -123,14 +125,20 @@ class Controller:
         aware_keys = [keys.aware(old.generation, lr) for lr in survivors]
         deadline = time.monotonic() + AWARE_WAIT_S
         aware: list[float] = []
+        missing = survivors
         while time.monotonic() < deadline:
             try:
-                if all(self.store.check([k]) for k in aware_keys):
+                missing = [lr for lr, k in zip(survivors, aware_keys) if not self.store.check([k])]
+                if not missing:
                     aware = [float(self.store.get(k).decode()) for k in aware_keys]
                     break
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return
             time.sleep(0.01)
+        if missing:
+            self.say(f"launch ranks {missing} did not notice the failure within {AWARE_WAIT_S:.0f} s; "
+                     "their stacks follow")
+            self.dump_stacks(missing)
         for d in deaths:
             replica, slot = self.identity[d.launch_rank]
             record = _injected(self.store, d.launch_rank)

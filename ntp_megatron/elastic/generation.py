@@ -79,7 +79,7 @@ class ElasticRank:
             dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{topology.generation}/", store),
                                     rank=rank, world_size=topology.world_size,
                                     timeout=timedelta(seconds=self.timeout_s))
-        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.fds, WATCH_TIMEOUT_S)
+        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
         return Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
 
@@ -130,4 +130,4 @@ class _Extend:
 
     def __exit__(self, *exc) -> None:
         self._scope.__exit__(*exc)
-        self.generation.watchdog.fds |= self._scope.fds
+        self.generation.watchdog.sockets.update(self._scope.sockets)

@@ -32,24 +32,28 @@ StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
 
 
-def socket_fds() -> set[int]:
-    """This process's open file descriptors that are sockets."""
-    out = set()
+def socket_fds() -> dict[int, str]:
+    """This process's open file descriptors that are sockets, with the socket's identity (its inode): a number
+    the kernel may give to a new socket once the old one is closed, the inode tells them apart."""
+    out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                out.add(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed while we looked
-            pass
+            continue
+        if target.startswith("socket:"):
+            out[int(name)] = target
     return out
 
 
-def shutdown_sockets(fds: set[int]) -> int:
-    """Shut down (both directions) every connected socket among ``fds``; returns how many. The descriptors
-    stay open — their owners close them — so no fd number can be reused under an owner's feet."""
+def shutdown_sockets(sockets: dict[int, str]) -> int:
+    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket;
+    returns how many. The descriptors stay open — their owners close them."""
     done = 0
-    for fd in fds:
+    for fd, identity in sockets.items():
         try:
+            if os.readlink(f"/proc/self/fd/{fd}") != identity:
+                continue  # closed, and the number now belongs to another socket
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
@@ -65,15 +69,16 @@ def shutdown_sockets(fds: set[int]) -> int:
 
 
 class SocketScope:
-    """``with SocketScope() as scope:`` — afterwards ``scope.fds`` are the sockets opened inside the block."""
+    """``with SocketScope() as scope:`` — afterwards ``scope.sockets`` are the sockets opened inside the block
+    and still open at its end (fd -> identity)."""
 
     def __enter__(self) -> "SocketScope":
-        self._before = socket_fds()
-        self.fds: set[int] = set()
+        self._before = set(socket_fds().values())
+        self.sockets: dict[int, str] = {}
         return self
 
     def __exit__(self, *exc) -> None:
-        self.fds = socket_fds() - self._before
+        self.sockets = {fd: ident for fd, ident in socket_fds().items() if ident not in self._before}
 
 
 class GenerationWatchdog:
@@ -83,9 +88,9 @@ class GenerationWatchdog:
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
     """
 
-    def __init__(self, open_store: StoreFactory, generation: int, fds: set[int], timeout_s: float) -> None:
+    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float) -> None:
         self.generation = generation
-        self.fds = set(fds)
+        self.sockets = dict(sockets)
         self.fired_at: Optional[float] = None
         self._store = open_store(timeout_s)
         self._thread = threading.Thread(target=self._watch, name=f"ntp-watchdog-gen{generation}", daemon=True)
@@ -97,15 +102,18 @@ class GenerationWatchdog:
             try:
                 self._store.wait([key])
                 break
-            except Exception:  # noqa: BLE001 - a store timeout: keep watching; a dead store: give up
+            except Exception as exc:  # noqa: BLE001 - a store timeout: keep watching; a dead store: give up
                 try:
                     if self._store.check([key]):
                         break
                 except Exception:  # noqa: BLE001
+                    logger.warning("watchdog of generation %d lost the store (%s); it stops watching",
+                                   self.generation, exc)
                     return
         self.fired_at = time.time()
-        closed = shutdown_sockets(self.fds)
-        logger.debug("generation %d over: shut down %d sockets", self.generation, closed)
+        closed = shutdown_sockets(self.sockets)
+        logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
+                     len(self.sockets))
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)
@@ -119,7 +127,8 @@ class Heartbeat:
     collective timeout."""
 
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:
-        self._store = open_store(max(30.0, 10 * interval_s))
+        self._open_store, self._timeout = open_store, max(30.0, 10 * interval_s)
+        self._store = open_store(self._timeout)
         self._key = keys.heartbeat(launch_rank)
         self._interval = interval_s
         self._stop = threading.Event()
@@ -130,8 +139,12 @@ class Heartbeat:
         while not self._stop.is_set():
             try:
                 self._store.set(self._key, repr(time.time()))
-            except Exception:  # noqa: BLE001 - the launcher is gone: nothing to report to
-                return
+            except Exception:  # noqa: BLE001 - a broken connection: open a new one (the launcher may be gone)
+                try:
+                    self._store = self._open_store(self._timeout)
+                except Exception:  # noqa: BLE001
+                    return
+                continue
             self._stop.wait(self._interval)
 
     def stop(self) -> None:

@@ -20,6 +20,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from ntp_megatron import faults
+
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -71,6 +73,7 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     state["rng_state"] = _rng_object(coords, rng)
+    faults.point("checkpoint")
     dist_checkpointing.save(state, str(path))
     dist.barrier()
     if dist.get_rank() == 0:

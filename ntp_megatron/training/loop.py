@@ -13,6 +13,7 @@ training goes on at the settled iteration.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,16 @@ class _ForwardStep:
         return output, lambda out: loss_func(batch["loss_mask"], out)
 
 
+def _resources() -> dict[str, Any]:
+    """This process's threads (native and Python), open file descriptors and resident memory."""
+    status = Path("/proc/self/status").read_text()
+    field_of = {line.split(":")[0]: line.split(":")[1].strip() for line in status.splitlines() if ":" in line}
+    import threading
+
+    return {"threads": int(field_of.get("Threads", "0")), "python_threads": threading.active_count(),
+            "fds": len(os.listdir("/proc/self/fd")), "rss_mb": int(field_of.get("VmRSS", "0 kB").split()[0]) / 1024}
+
+
 def _backward_point(grad: torch.Tensor) -> torch.Tensor:
     faults.point("backward")
     return grad
@@ -83,6 +94,7 @@ class Trainer:
     """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""
     pending: Optional[dict] = field(default=None, repr=False)
     """The record of the iteration voted on and not yet stepped."""
+    _resources_reported: Optional[int] = field(default=None, repr=False)
 
     @property
     def setup(self):
@@ -157,6 +169,12 @@ class Trainer:
 
     # -- reporting --------------------------------------------------------------------------------------------
     def report(self, record: dict[str, Any]) -> None:
+        if record["generation"] != self._resources_reported:
+            # The first iteration of each generation, on every rank: threads, descriptors and memory must not
+            # grow from one generation to the next.
+            self._resources_reported = record["generation"]
+            metrics.emit({"kind": "resources", "launch_rank": self.launch_rank, "iteration": record["iteration"],
+                          "generation": record["generation"], **_resources()}, sys.stdout)
         if self.comm_stats is not None:
             metrics.emit({"kind": "comm_stats", "iteration": record["iteration"], "replica": self.setup.replica,
                           "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)

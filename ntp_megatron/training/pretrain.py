@@ -9,9 +9,11 @@ it once and forks every rank from there, so ranks start without paying it again.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,6 +46,7 @@ def _setup_logging(rank: int) -> None:
 def main() -> int:
     env = runtime.RankEnv.from_environ()
     _setup_logging(env.rank)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks of a stuck rank
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
     device = runtime.select_device(cfg.training.device)

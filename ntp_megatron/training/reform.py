@@ -24,7 +24,7 @@ import time
 from datetime import datetime
 from typing import Callable
 
-from ntp_megatron import metrics
+from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMIT, COMPLETE
@@ -105,6 +105,7 @@ class Reformer:
         trainer.generation = generation
         with elastic.scope(generation):
             setup = ntp_parallel(cfg, topology, generation.rank)
+        faults.point("reform")
         old: Components = trainer.parts
         old_rank = base.rank_of(*elastic.identity)
         changed = any(base.units_of(old_rank, f) != topology.units_of(generation.rank, f)
