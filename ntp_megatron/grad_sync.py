@@ -54,6 +54,14 @@ _PARAM_ATTRS = ("allreduce", "shared_embedding", "tensor_model_parallel", "parti
                 "sequence_parallel")
 
 
+def release_ddp(ddp: DistributedDataParallel) -> None:
+    """Break the reference cycle a Megatron DDP keeps through autograd: it holds each parameter's gradient
+    accumulator, whose hook holds the DDP. The accumulator is a C++ object the garbage collector cannot see
+    through, so without this a discarded DDP — its buffers and process groups with it — lives forever."""
+    ddp.grad_accs.clear()
+    ddp.param_to_bucket_group.clear()
+
+
 def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> torch.Size:
     """The shape ``param`` has on a rank that holds ``num_units`` units of its family (any layout)."""
     dim = param.partition_dim
@@ -137,6 +145,11 @@ class _Shadow:
 
     def region(self, piece: _Piece) -> torch.Tensor:
         return _unit_view(self.grads[piece.name], piece.shard, self.block_units[piece.shard.family])
+
+    def close(self) -> None:
+        release_ddp(self.ddp)
+        self.ddp = self.module = None
+        self.grads = {}
 
 
 @dataclass(frozen=True)
@@ -278,6 +291,12 @@ class GradSync:
             for name, param in self.replicated:
                 param.main_grad.copy_(first.grads[name])
         self._exchange(self.outgoing, self.incoming, to_member=False)
+
+    def close(self) -> None:
+        """Release the shadows (and, with them, this generation's sync groups)."""
+        for shadow in self.shadows.values():
+            shadow.close()
+        self.shadows = {}
 
     # -- every rank ------------------------------------------------------------------------------------------
     def finalize_model_grads(self, model, num_tokens: Optional[torch.Tensor] = None, pg_collection=None,

@@ -112,17 +112,22 @@ def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, refer
     for r in result.records:
         if r.get("kind") == "resources":
             by_rank[r["launch_rank"]][r["generation"]] = r
-    survivors = [0, 1, 2, 3, 4]
-    for rank in survivors:
+    for rank in [0, 1, 2, 3, 4]:
         generations = by_rank[rank]
         assert sorted(generations) == [0, 1, 2, 3], (rank, sorted(generations))
-        for g in (2, 3):  # generation 1 is the first after a re-formation: the baseline of steady state
+        for g in (1, 2, 3):
             before, after = generations[g - 1], generations[g]
-            assert after["fds"] == before["fds"], (rank, g, before["fds"], after["fds"])
-            assert after["threads"] == before["threads"], (rank, g, before["threads"], after["threads"])
+            assert after["stale_sockets"] == 0, (rank, g, after)  # nothing of a left generation stays open
             assert after["python_threads"] == before["python_threads"]
-            assert after["rss_mb"] <= before["rss_mb"] + 25, (rank, g, before["rss_mb"], after["rss_mb"])
-        assert generations[1]["fds"] == generations[0]["fds"] and generations[1]["threads"] == generations[0]["threads"]
+            assert after["rss_mb"] <= before["rss_mb"] + 20, (rank, g, before["rss_mb"], after["rss_mb"])
+            if rank < 4:
+                # Replica 0 keeps its role, so its groups are alike in every generation: descriptors beyond the
+                # generation's own sockets (which shrink with the world) and native threads are flat. (Launch
+                # rank 4 serves more sync groups as it becomes the proxy of more dead blocks, and each gloo
+                # group has threads and descriptors of its own.)
+                assert after["fds"] - after["generation_sockets"] == before["fds"] - before["generation_sockets"], \
+                    (rank, g, before, after)
+                assert after["threads"] == before["threads"], (rank, g, before["threads"], after["threads"])
 
 
 def test_kills_in_two_replicas_in_the_same_iteration(tmp_path, reference_tp4):

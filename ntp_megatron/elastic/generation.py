@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import CommitProtocol
-from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketScope, StoreFactory
+from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketScope, StoreFactory, socket_fds
 from ntp_megatron.layout import Topology
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class ElasticRank:
         start = self.topology(0)
         self.identity = start.slot_of(launch_rank)
         """(replica index, slot): what this process is, in every generation."""
+        self.left_sockets: set[str] = set()
+        """Identities of the sockets of every generation this process left (none may stay open)."""
 
     def topology(self, generation: int) -> Topology:
         return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
@@ -99,6 +101,11 @@ class ElasticRank:
                 logger.debug("destroy_process_group after the generation ended: %s", exc)
         generation.store = None
         generation.watchdog.join(timeout=5.0)
+        self.left_sockets.update(generation.watchdog.sockets.values())
+
+    def stale_sockets(self) -> int:
+        """Sockets of generations this process left that are still open (a leak if not 0)."""
+        return sum(1 for ident in socket_fds().values() if ident in self.left_sockets)
 
     def note_aware(self, generation: int) -> None:
         """Record when this rank learnt that ``generation`` is over (for the controller's detection latency)."""

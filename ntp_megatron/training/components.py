@@ -12,7 +12,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron.config import JobConfig
-from ntp_megatron.grad_sync import GradSync
+from ntp_megatron.grad_sync import GradSync, release_ddp
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
 from ntp_megatron.training import model as model_lib
 from ntp_megatron.training.parallel import ParallelSetup
@@ -25,6 +25,12 @@ class Components:
     model: Any       # megatron.core.distributed.DistributedDataParallel
     optimizer: Any   # megatron.core.optimizer.MegatronOptimizer
     scheduler: OptimizerParamScheduler
+
+    def release(self) -> None:
+        """Drop what these objects hold beyond themselves (called on objects a re-formation replaced)."""
+        if self.setup.grad_sync is not None:
+            self.setup.grad_sync.close()
+        release_ddp(self.model)
 
 
 def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
@@ -84,6 +90,8 @@ def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
 def attach_grad_sync(cfg: JobConfig, parts: Components) -> None:
     """The NTP grad sync for the current topology and groups (replacing any earlier one)."""
     setup = parts.setup
+    if setup.grad_sync is not None:
+        setup.grad_sync.close()
     setup.grad_sync = GradSync(setup.topology, setup.rank, setup.groups, parts.model, parts.tf_config,
                                model_lib.ddp_config(cfg))
     parts.tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads

@@ -173,8 +173,12 @@ class Trainer:
             # The first iteration of each generation, on every rank: threads, descriptors and memory must not
             # grow from one generation to the next.
             self._resources_reported = record["generation"]
+            sockets = {}
+            if self.generation is not None:
+                sockets = {"generation_sockets": len(self.generation.watchdog.sockets),
+                           "stale_sockets": self.elastic.stale_sockets()}
             metrics.emit({"kind": "resources", "launch_rank": self.launch_rank, "iteration": record["iteration"],
-                          "generation": record["generation"], **_resources()}, sys.stdout)
+                          "generation": record["generation"], **sockets, **_resources()}, sys.stdout)
         if self.comm_stats is not None:
             metrics.emit({"kind": "comm_stats", "iteration": record["iteration"], "replica": self.setup.replica,
                           "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)
@@ -244,15 +248,9 @@ class Trainer:
         self._guarded(self.dump_initial_state)
         while True:
             while self.iteration < t.train_iters:
-                try:
-                    record = self.train_step()
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except Exception:  # noqa: BLE001 - under NTP: a failed generation (see recover)
-                    if self.generation is None:
-                        raise
-                    self.recover()
-                    continue
+                record = self._guarded(self.train_step)
+                if record is None:
+                    continue  # a failed generation: recovered, the iteration is redone (or was rolled forward)
                 self.report(record)
                 self._guarded(lambda: self.verify_state(record))
                 if self._guarded(self.maybe_save):
@@ -268,7 +266,9 @@ class Trainer:
         return True
 
     def _guarded(self, action: Callable[[], Any]) -> Any:
-        """Run a collective action; under NTP a failed generation sends the rank to recovery instead."""
+        """Run a collective action; under NTP a failed generation sends the rank to recovery instead (and the
+        action's result is None). Recovery runs after the ``except`` block: the exception's traceback pins the
+        failed step's frames — the old model, its autograd graph, its process groups — until it is dropped."""
         try:
             return action()
         except (KeyboardInterrupt, SystemExit):
@@ -276,8 +276,8 @@ class Trainer:
         except Exception:  # noqa: BLE001
             if self.generation is None:
                 raise
-            self.recover()
-            return None
+        self.recover()
+        return None
 
     def recover(self) -> None:
         """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`)."""

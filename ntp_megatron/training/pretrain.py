@@ -49,21 +49,39 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks of a stuck rank
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
+    if env.world_size != cfg.world_size:
+        raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
+    trainer = build_trainer(env, cfg)
+    if trainer.elastic is None:
+        trainer.run()
+        dist.destroy_process_group()
+        return 0
+    from ntp_megatron.training.reform import Retired
+
+    try:
+        trainer.run()
+    except Retired as retired:
+        print(retired.code, flush=True)
+        return 0
+    trainer.elastic.leave(trainer.generation)
+    trainer.elastic.heartbeat.stop()
+    return 0
+
+
+def build_trainer(env: runtime.RankEnv, cfg: JobConfig) -> Trainer:
+    """Everything one rank trains with. A function of its own so that nothing of generation 0 (groups, the
+    first model) stays referenced from ``main`` once a re-formation replaced it."""
     device = runtime.select_device(cfg.training.device)
     apply_patches(cpu=device.type == "cpu")
     backend = runtime.select_backend(cfg.parallel.backend, device)
     p, t = cfg.parallel, cfg.training
-    if env.world_size != cfg.world_size:
-        raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
-
-    elastic = generation = None
+    elastic = generation = topology = None
     if cfg.ntp.enabled:
+        from ntp_megatron.elastic.generation import ElasticRank
+        from ntp_megatron.elastic.watchdog import store_factory
         from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups
 
         set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
-        from ntp_megatron.elastic.generation import ElasticRank
-        from ntp_megatron.elastic.watchdog import store_factory
-
         elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port), backend, p.timeout_s,
                               cfg.ntp.heartbeat_interval_s)
         topology = elastic.topology(0)
@@ -102,21 +120,11 @@ def main() -> int:
     elif cfg.checkpoint.load:
         raise SystemExit(f"checkpoint.load: no checkpoint in {cfg.checkpoint.load}")
     if elastic is not None:
-        from ntp_megatron.training.reform import Reformer, Retired
+        from ntp_megatron.training.reform import Reformer
 
         trainer.reformer = Reformer(cfg, elastic, topology,
                                     build=lambda new_setup: build_components(cfg, new_setup, device, initialize=False))
-        try:
-            trainer.run()
-        except Retired as retired:
-            print(retired.code, flush=True)
-            return 0
-        elastic.leave(trainer.generation)
-        elastic.heartbeat.stop()
-        return 0
-    trainer.run()
-    dist.destroy_process_group()
-    return 0
+    return trainer
 
 
 def _record_failure(store, launch_rank: int):

@@ -120,17 +120,24 @@ class Reformer:
             if with_state:
                 init_state(new_parts.model.module, new_tensors)
             copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
-        transfers = plan_transfers(base, topology, dead)
-        received = exchange(transfers, generation.rank, old_tensors, new_tensors)
-        elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", received)
-        if generation.commit.form() != COMPLETE:
-            raise RuntimeError(f"re-formation into generation {topology.generation} did not complete")
+        try:
+            transfers = plan_transfers(base, topology, dead)
+            received = exchange(transfers, generation.rank, old_tensors, new_tensors)
+            elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", received)
+            if generation.commit.form() != COMPLETE:
+                raise RuntimeError(f"re-formation into generation {topology.generation} did not complete")
+        except BaseException:
+            if new_parts is not None:
+                new_parts.release()
+            raise
         # Adopt the new generation.
         if changed:
             new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
             trainer.parts = new_parts
+            old.release()
         else:
             rebind_process_groups([old.model, old.optimizer], old.setup.groups, setup.groups)
+            old.setup.grad_sync.close()
             old.setup = setup
             attach_grad_sync(cfg, old)
         del old
