@@ -30,26 +30,47 @@ def greedy_order(deficit: np.ndarray, cost: np.ndarray) -> np.ndarray:
 
 
 def greedy_need_groups(n: np.ndarray, deficit: np.ndarray, cost: np.ndarray, pp: int) -> np.ndarray:
-    """Fewest spare TP groups restoring full capacity: min over k of k*pp + (greedy swaps leaving <= k deficit).
+    """Fewest spare TP groups restoring full capacity: min over k of k*pp + (greedy swaps leaving <= k deficit)."""
+    return greedy_need(n, deficit, cost, pp)[0]
 
-    ``n`` is (rows, bins) in greedy order. For k in a range where the swaps stop inside bin b, the cost is
-    ``k*pp + A_b + c_b * ceil((total - k - P_b) / d_b)``, monotone in k when c_b = 1 (pp and 1/d_b's rounding
-    steps are integers), so the ends of each bin's range suffice: exact when every degraded replica has one bad
-    group, an upper bound on the best choice otherwise.
+
+def greedy_need(n: np.ndarray, deficit: np.ndarray, cost: np.ndarray, pp: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fewest spare TP groups restoring full capacity, share of each bin's replicas swapped in that choice).
+
+    The choice is ``k`` extra replicas of ``pp`` groups plus swaps in greedy order that leave at most ``k``
+    replicas' worth of deficit. ``n`` is (rows, bins) in greedy order. For k in a range where the swaps stop
+    inside bin b, the cost is ``k*pp + A_b + c_b * ceil((total - k - P_b) / d_b)``, monotone in k when c_b = 1
+    (pp and 1/d_b's rounding steps are integers), so the ends of each bin's range suffice: exact when every
+    degraded replica has one bad group, an upper bound on the best choice otherwise. Ties go to extra replicas
+    only, then to the first candidate in (range start, range end) x bin order.
     """
+    rows, bins = n.shape
     rest, spend = n * deficit, n * cost
     before_rest = np.cumsum(rest, axis=1) - rest  # P_b
     before_cost = np.cumsum(spend, axis=1) - spend  # A_b
     total = rest.sum(axis=1, keepdims=True)
-    best = np.ceil(total[:, 0] - EPS) * pp  # extra replicas only
+    extra_only = np.ceil(total[:, 0] - EPS) * pp
+    if bins == 0:
+        return extra_only.astype(np.int64), np.zeros((rows, 0))
     lo = np.maximum(np.ceil(total - before_rest - rest - EPS), 0)
     hi = np.ceil(total - before_rest - EPS) - 1
     valid = (n > 0) & (lo <= hi)
+    cands, swaps = [], []
     for k in (lo, hi):
         j = np.clip(np.ceil((total - k - before_rest) / deficit - EPS), 0, n)
-        cand = np.where(valid, k * pp + before_cost + j * cost, np.inf)
-        best = np.minimum(best, cand.min(axis=1, initial=np.inf))
-    return best.astype(np.int64)
+        cands.append(np.where(valid, k * pp + before_cost + j * cost, np.inf))
+        swaps.append(j)
+    cand = np.concatenate(cands, axis=1)  # (rows, 2 * bins): k = lo for every bin, then k = hi
+    pick = cand.argmin(axis=1)
+    r = np.arange(rows)
+    best = cand[r, pick]
+    extra = extra_only <= best
+    b = pick % bins
+    j = np.concatenate(swaps, axis=1)[r, pick]
+    share = (np.arange(bins)[None, :] < b[:, None]).astype(float)
+    share[r, b] = j / np.maximum(n[r, b], 1)
+    share[extra] = 0.0
+    return np.where(extra, extra_only, best).astype(np.int64), share
 
 
 def greedy_restore(n: np.ndarray, deficit: np.ndarray, cost: np.ndarray, budget: np.ndarray):

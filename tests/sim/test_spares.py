@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_megatron.sim.spares import (
+    greedy_need,
     greedy_need_groups,
     greedy_order,
     greedy_restore,
@@ -62,6 +63,24 @@ def test_need_is_optimal_with_one_bad_group_per_replica_and_an_upper_bound_other
     assert greedy_need_groups(*_bins(ones), pp=pp)[0] == brute_need(ones, pp)
     mixed = [(d, c) for d, c in zip(deficits, costs)]
     assert greedy_need_groups(*_bins(mixed), pp=pp)[0] >= brute_need(mixed, pp)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    replicas=st.lists(st.tuples(st.sampled_from([1.0, 0.5, 0.25, 1 / 16, 0.3]), st.integers(1, 3)), min_size=1, max_size=8),
+    pp=st.sampled_from([1, 2, 4, 8]),
+)
+def test_the_swaps_chosen_add_up_to_the_need(replicas, pp):
+    # the share of each bin swapped is a choice: whole replicas, and with the extra replicas for the deficit
+    # left it costs exactly the need; with one bad group per replica it is one of the best choices
+    n, d, c = _bins(replicas)
+    need, share = greedy_need(n, d, c, pp)
+    swapped = share * n
+    assert np.allclose(swapped, np.round(swapped)) and np.all((share >= 0) & (share <= 1))
+    left = float(((1 - share) * n * d).sum())
+    assert need[0] == round(float((swapped * c).sum())) + pp * max(0, math.ceil(left - 1e-9))
+    if all(cc == 1 for _, cc in replicas):
+        assert need[0] == brute_need(replicas, pp)
 
 
 def test_need_rows_are_independent():
