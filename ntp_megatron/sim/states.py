@@ -136,7 +136,8 @@ class MapState:
         self.level, self.speeds = levels(rate)
         seg_t = np.zeros(1)
         if restart_every_h is not None:
-            seg_t = np.arange(int(np.ceil(view.horizon / restart_every_h))) * restart_every_h
+            # the job starts at t = 0 and restarts every restart_every_h before the horizon (a snapshot: only starts)
+            seg_t = np.arange(max(1, int(np.ceil(view.horizon / restart_every_h)))) * restart_every_h
         seg_of_step = np.searchsorted(seg_t, view.step_t, side="right") - 1
         self.seg_row = np.searchsorted(view.step_t, seg_t, side="left") + np.arange(seg_t.size)
         self.step_row = np.arange(view.n_steps) + 1 + seg_of_step

@@ -143,3 +143,16 @@ def test_config_error_class_is_shared():
 def test_shipped_configs_load(path):
     base, points = load(path)
     assert base.title and len(points) >= 1
+
+
+def test_planned_restarts_in_a_snapshot_change_nothing(tmp_path, capsys):
+    # a snapshot has no time, so the job has only started: restart_every_h must not matter (it used to crash)
+    config = Path(__file__).parents[2] / "configs" / "sim" / "study_c_llama3_spares.yaml"
+    common = ["--set", "failures.mode=snapshot", "--set", "run.trials=3", "--set", "sweep=null", "--no-plots", "--no-progress"]
+    assert main([str(config), *common, "--set", "strategies.restart_every_h=24", "--out", str(tmp_path / "a")]) == 0
+    with_restarts = capsys.readouterr().out
+    assert main([str(config), *common, "--out", str(tmp_path / "b")]) == 0
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith(("wrote", "simulated in"))]  # noqa: E731
+    assert strip(with_restarts) == strip(capsys.readouterr().out)
+    assert main([str(config), "--set", "failures.mode=snapshot", "--set", "run.trials=2", "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "c")]) == 0  # the shipped sweep, whose second point restarts daily
