@@ -77,7 +77,8 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
 
     Spares: *needed* is the peak of what a fixed minibatch needs (spares assumed healthy), as the mean over
     trials and the worst trial; *never pause* is the fewest spares with no pause in any trial when spares fail
-    too (the answer to "how many spares so that we never pause").
+    too (the answer to "how many spares so that we never pause"). Re-packing restarts are the restarts that
+    move domains without a failure forcing them: planned ones, and (placement ``packed``) re-packing at repairs.
     """
     sweep = len(points) > 1 or points[0].label
     lead = ["point"] if sweep else []
@@ -100,7 +101,8 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
     pct = f"{100 - base.run.spares_percentile:g}"
     header = lead + [
         "strategy", "placement", "goodput %", "lost: capacity %", "lost: pauses %", "lost: rollback %",
-        "max loss %", "interruptions/day", "spares needed, peak (mean / max)", "spares to never pause",
+        "max loss %", "interruptions/day", "re-packing restarts/day", "spares needed, peak (mean / max)",
+        "spares to never pause",
         f"spares to pause <= {pct} %",
     ]  # fmt: skip
     for p in points:
@@ -109,6 +111,7 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
                 LABELS[name], _placement(p, name), _pct(m["goodput"]["mean"]), _pct(m["lost_capacity"]["mean"]),
                 _pct(m["lost_pause"]["mean"]), _pct(m["lost_rollback"]["mean"]),
                 _pct(m["max_throughput_loss"]["max"]), f"{m['interruptions_per_day']['mean']:.1f}",
+                f"{m['repacks_per_day']['mean']:.1f}",
                 f"{m['spares_needed_max']['mean']:.1f} / {m['spares_needed_max']['max']:.0f}",
                 f"{m['spares_no_pause']['max']:.0f}", f"{m['spares_at_percentile']['max']:.0f}",
             ])  # fmt: skip

@@ -2,8 +2,9 @@
 
 Two models, one interface (``evaluate``):
 
-* ``PackedState`` (placement ``packed``): the job is re-packed at every change, so only the histogram of TP
-  groups per speed level matters (placement.py);
+* ``PackedState`` (placement ``packed``): the job is re-packed whenever a step changes its packed optimum
+  (capacity, or spares needed under a fixed minibatch), so only the histogram of TP groups per speed level
+  matters (placement.py); such a step moves domains, which takes a restart (``Evaluation.repack``);
 * ``MapState`` (``fixed``, and ``packed_on_restart`` between restarts): every replica keeps its TP groups; its
   speed is that of its slowest group, and degraded replicas are counted in (level, bad groups) bins (spares.py).
   ``packed_on_restart`` re-packs the map at t = 0 and at each planned restart (a new *segment*).
