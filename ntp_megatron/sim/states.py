@@ -103,6 +103,7 @@ class PackedState:
         # the packed optimum (capacity, or spares needed under a fixed minibatch) moves only at job steps
         opt = need.astype(float) if policy == "fixed" else cap
         repack = self.hist_step & (np.abs(np.diff(opt)) > EPS)
+        repack &= ~(paused[:-1] & paused[1:])  # a job standing still for want of spares has nothing to restart
         return Evaluation(view.rows_t, cap, need, used, p, np.zeros(0), repack)
 
 
