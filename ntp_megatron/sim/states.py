@@ -245,7 +245,7 @@ class MapState:
         runs = self.speeds[cls_b] > EPS
         if share is not None:  # a swapped replica runs on its healthy groups and spares, the others on their own
             colb = self._col_of(cls_b * (pp + 1) + cost_b)
-            rho = np.where(colb >= 0, share[r, np.maximum(colb, 0)], 0.0)
+            rho = np.where(colb >= 0, share[r, np.maximum(colb, 0)], 0.0) if share.shape[1] else np.zeros(r.size)
             pj = np.where(paused[r], 0.0, rho * (lev_j == 0) + (1 - rho) * runs)
         else:
             pj = runs.astype(float)

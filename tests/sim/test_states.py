@@ -267,3 +267,15 @@ def test_fixed_minibatch_interruptions_with_replicas_tied_to_their_groups(table)
     assert {"paused", "healthy replica", "swapped, healthy group", "swapped, bad group"} <= seen
     if table is HALVING:
         assert "kept, bad group" in seen
+
+
+@pytest.mark.parametrize("policy", ["fixed", "shrink"])
+def test_tied_replicas_that_never_degrade(policy):
+    # a group keeps full speed until all its GPUs fail (never here): no replica is ever degraded, every failure on
+    # a job group hits a running replica, and a fixed minibatch needs no spares (this used to raise IndexError)
+    lay, trace, view = _setup(mtbf=3000.0)
+    table = RateTable(np.array([1.0] * 8 + [0.0]), np.arange(8, -1, -1), np.ones(9))
+    ev = MapState(view, table.rate, pack=True, restart_every_h=None).evaluate(_strategy(table, covers=True), policy)
+    job_fail = trace.is_failure & np.array([trace.groups[trace.ptr[i]] < lay.job_groups for i in range(trace.steps)])
+    assert job_fail.any() and np.all(ev.interrupt_p[job_fail] == 1.0)
+    assert np.all(ev.need == 0) and np.all(ev.capacity == 1.0)
