@@ -13,9 +13,11 @@ Rows are breakpoints of the time line: t = 0, every trace step, and (MapState) e
 array is computed for all rows at once; the only loop is over segments.
 
 An interrupting failure is one that newly fails a GPU the job is running on. It is judged on the state before
-the step. Which replica a group serves is known exactly with a map; under packing groups of one level are
-interchangeable and spares in use are any of the healthy ones, so there the chance is exact and the trace's
-uniform draw for the step decides.
+the step, and never while the job stands still for want of spares. Which replica a group serves is known
+exactly with a map; under packing groups of one level are interchangeable and spares in use are any of the
+healthy ones, and when spares restore only part of a bin of tied replicas (greedy swaps, or the swaps the
+spares-needed choice makes under a fixed minibatch) any of its replicas may be the swapped ones. There the
+chance is computed and the trace's uniform draw for the step decides.
 """
 
 from __future__ import annotations
