@@ -24,10 +24,12 @@ log = logging.getLogger(__name__)
 
 
 class CalibrationFile(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # JSON's NaN and Infinity are rejected
 
     degraded_step_time_ratio: dict[int, dict[int, float]] | None = Field(None, min_length=1)
-    recovery_s: float | None = Field(None, ge=0, description="measured job-wide pause per failure (live re-formation)")
+    recovery_s: float | None = Field(
+        None, ge=0, description="measured job-wide pause per failure (live re-formation), one number in seconds"
+    )
 
     @field_validator("degraded_step_time_ratio")
     @classmethod
@@ -36,8 +38,10 @@ class CalibrationFile(BaseModel):
             for tp, ratio in row.items():
                 if not 0 < tp < base:
                     raise ValueError(f"reduced TP {tp} must be in 1..{base - 1} for healthy TP {base}")
-                if ratio <= 0:
-                    raise ValueError(f"ratio for TP {base}->{tp} must be > 0, got {ratio}")
+                if not ratio >= 1:
+                    raise ValueError(
+                        f"degraded_step_time_ratio.{base}.{tp} must be >= 1 (degraded / healthy step time), got {ratio}"
+                    )
         return table
 
 

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ntp_megatron.config_io import ConfigError, apply_override, load_config, validate
 
@@ -28,7 +29,7 @@ LLAMA3_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPU
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # every number of the simulator is finite
 
 
 class Cluster(Section):
@@ -86,6 +87,14 @@ class PerfTable(Section):
 class Boost(Section):
     max_power: float = Field(1.3, ge=1, le=3, description="power cap of a degraded domain, x nominal")
     curve: Annotated[PowerLaw | PerfTable, Field(discriminator="kind")] = Field(default_factory=PowerLaw)
+
+    @field_validator("curve", mode="before")
+    @classmethod
+    def _default_kind(cls, value: Any) -> Any:
+        """``--set strategies.boost.curve.alpha=0.5`` alone means a power law; ``points`` alone, a table."""
+        if isinstance(value, dict) and "kind" not in value:
+            return {"kind": "table" if "points" in value else "power_law", **value}
+        return value
 
 
 class Ntp(Section):
@@ -197,6 +206,11 @@ def check_consistency(cfg: SimConfig) -> None:
         raise ConfigError(f"strategies.ntp.min_tp={n.min_tp} exceeds cluster.tp={c.tp}")
     if n.allowed_tp is not None and any(not 0 < a <= c.tp for a in n.allowed_tp):
         raise ConfigError(f"strategies.ntp.allowed_tp: every entry must be in 1..cluster.tp={c.tp}")
+    if n.allowed_tp is not None and c.tp not in n.allowed_tp:
+        raise ConfigError(
+            f"strategies.ntp.allowed_tp={n.allowed_tp} must include the healthy cluster.tp={c.tp} "
+            "(healthy groups run at it)"
+        )
     curve = cfg.strategies.boost.curve
     if isinstance(curve, PerfTable):
         pw = [p for p, _ in curve.points]
@@ -204,6 +218,11 @@ def check_consistency(cfg: SimConfig) -> None:
         if pw != sorted(pw) or len(set(pw)) != len(pw) or perf != sorted(perf) or pw[0] > 1:
             raise ConfigError(
                 "strategies.boost.curve.points must be increasing in power and performance, starting at power <= 1"
+            )
+        at_nominal = float(np.interp(1.0, pw, perf))
+        if abs(at_nominal - 1.0) > 1e-9:
+            raise ConfigError(
+                f"strategies.boost.curve.points must give performance 1 at power 1 (nominal), got {at_nominal:g}"
             )
     s = cfg.sweep
     if s is not None and (s.points is None) == (s.key is None or s.values is None):

@@ -3,7 +3,8 @@
 Between breakpoints the job's capacity is constant, so work is integrated exactly. An interrupting failure
 pauses the whole job for the strategy's pause; a further interruption during a pause starts it again, so the
 paused time is the union of the intervals ``[t, t + pause]`` (a running maximum over sorted events). Planned
-re-packing restarts pause the job the same way but save a checkpoint first. For checkpoint-restart a pause
+re-packing restarts, and (placement ``packed``) the restarts that re-pack the job at a repair or another step
+that does not interrupt it, pause the job the same way but save a checkpoint first. For checkpoint-restart a pause
 that begins while the job runs also throws away the work since the last checkpoint; checkpoints are taken
 every ``interval`` of running time counted from the end of the last pause, and cost nothing. Work done since
 the last checkpoint when the run ends counts as useful.
@@ -57,9 +58,14 @@ def integrate(
     interval_h: float, bins: int,
 ) -> TrialResult:  # fmt: skip
     f = StepIntegral(ev.rows_t, ev.capacity)
-    times = np.concatenate((step_t[interrupts], ev.restarts))
-    pauses = np.concatenate((np.full(interrupts.sum(), strategy.failure_pause_h), np.full(ev.restarts.size, strategy.repack_pause_h)))
-    rolls = np.concatenate((np.full(interrupts.sum(), strategy.rollback), np.zeros(ev.restarts.size, dtype=bool)))
+    repack = np.zeros(step_t.size, dtype=bool) if ev.repack is None else ev.repack & ~interrupts
+    events = interrupts | repack
+    times = np.concatenate((step_t[events], ev.restarts))
+    pauses = np.concatenate((
+        np.where(interrupts[events], strategy.failure_pause_h, strategy.repack_pause_h),
+        np.full(ev.restarts.size, strategy.repack_pause_h),
+    ))  # fmt: skip
+    rolls = np.concatenate((interrupts[events] & strategy.rollback, np.zeros(ev.restarts.size, dtype=bool)))
     order = np.argsort(times, kind="stable")
     a, b, first = pause_clusters(times[order], pauses[order])
     b = np.minimum(b, horizon)
@@ -94,6 +100,7 @@ def integrate(
         "lost_rollback": rolled.sum() / horizon,
         "max_throughput_loss": 1.0 - float(ev.capacity[rows_t <= horizon].min()),
         "interruptions_per_day": interrupts.sum() / horizon * 24.0,
+        "repacks_per_day": (repack.sum() + ev.restarts.size) / horizon * 24.0,
         "spares_needed_max": float(need.max()),
         "spares_needed_mean": float(StepIntegral(rows_t, need)(horizon)) / horizon,
     }

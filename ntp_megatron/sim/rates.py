@@ -131,7 +131,8 @@ def ntp_table(tp: int, tp_eff: np.ndarray, ratios: StepTimeRatios, speed_model: 
 def boost_table(
     tp: int, tp_eff: np.ndarray, ratios: StepTimeRatios, boost: Boost, speed_model: DegradedSpeed
 ) -> RateTable:
-    """Full batch at the least power that keeps up; past ``max_power`` the largest batch it finishes there."""
+    """Full batch at the least power that keeps up; past ``max_power`` the largest batch it finishes there,
+    drawing the least power that finishes that batch (an integer batch often needs less than ``max_power``)."""
     rate, power = np.zeros(tp + 1), np.ones(tp + 1)
     top = perf_at(boost, boost.max_power)
     for k, e in enumerate(tp_eff.tolist()):
@@ -141,6 +142,8 @@ def boost_table(
         needed = power_for(boost, ratio)
         if needed is not None:
             rate[k], power[k] = 1.0, needed
-        else:
-            rate[k], power[k] = keep_up(top / ratio, speed_model), boost.max_power
+            continue
+        rate[k] = keep_up(top / ratio, speed_model)
+        least = power_for(boost, ratio * rate[k]) if rate[k] > 0 else 1.0
+        power[k] = boost.max_power if least is None else least
     return RateTable(rate, tp_eff, power)

@@ -77,7 +77,8 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
 
     Spares: *needed* is the peak of what a fixed minibatch needs (spares assumed healthy), as the mean over
     trials and the worst trial; *never pause* is the fewest spares with no pause in any trial when spares fail
-    too (the answer to "how many spares so that we never pause").
+    too (the answer to "how many spares so that we never pause"). Re-packing restarts are the restarts that
+    move domains without a failure forcing them: planned ones, and (placement ``packed``) re-packing at repairs.
     """
     sweep = len(points) > 1 or points[0].label
     lead = ["point"] if sweep else []
@@ -100,7 +101,8 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
     pct = f"{100 - base.run.spares_percentile:g}"
     header = lead + [
         "strategy", "placement", "goodput %", "lost: capacity %", "lost: pauses %", "lost: rollback %",
-        "max loss %", "interruptions/day", "spares needed, peak (mean / max)", "spares to never pause",
+        "max loss %", "interruptions/day", "re-packing restarts/day", "spares needed, peak (mean / max)",
+        "spares to never pause",
         f"spares to pause <= {pct} %",
     ]  # fmt: skip
     for p in points:
@@ -109,6 +111,7 @@ def summary_table(base: SimConfig, points: list[PointResult]) -> str:
                 LABELS[name], _placement(p, name), _pct(m["goodput"]["mean"]), _pct(m["lost_capacity"]["mean"]),
                 _pct(m["lost_pause"]["mean"]), _pct(m["lost_rollback"]["mean"]),
                 _pct(m["max_throughput_loss"]["max"]), f"{m['interruptions_per_day']['mean']:.1f}",
+                f"{m['repacks_per_day']['mean']:.1f}",
                 f"{m['spares_needed_max']['mean']:.1f} / {m['spares_needed_max']['max']:.0f}",
                 f"{m['spares_no_pause']['max']:.0f}", f"{m['spares_at_percentile']['max']:.0f}",
             ])  # fmt: skip
@@ -136,7 +139,7 @@ def _pyplot():
 
 def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: str) -> None:
     """Snapshot: throughput loss (mean solid, max dashed) and spares needed against the sweep variable.
-    Poisson: goodput and the most spare domains needed against it."""
+    Poisson: goodput, and the spare domains that never pause (with the peak need for healthy spares) against it."""
     plt = _pyplot()
     xs, xlabel, ticks = _sweep_axis(base, points)
     snapshot = base.failures.mode == "snapshot"
@@ -151,17 +154,16 @@ def plot_sweep(base: SimConfig, points: list[PointResult], path: Path, title: st
             ax2.plot(xs, [p.summaries[name]["spares_needed"]["mean"] for p in points], **style)
             ax2.plot(xs, [p.summaries[name]["spares_needed"]["max"] for p in points], **worst_style)
         else:
-            ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["mean"] for p in points], **style)
+            ax1.plot(xs, [p.summaries[name]["spares_no_pause"]["max"] for p in points], **style)
             ax1.plot(xs, [p.summaries[name]["spares_needed_max"]["max"] for p in points], **{**worst_style, "marker": "x", "ms": 6})
-            ax1.plot(xs, [p.summaries[name]["spares_no_pause"]["max"] for p in points], **worst_style)
             ax2.plot(xs, [100 * p.summaries[name]["goodput"]["mean"] for p in points], **style)
     if snapshot:
         ax1.set_title("throughput loss, % of healthy (dash: worst trial)", fontsize=9)
         ax2.set_title("spare domains for a fixed minibatch (dash: worst trial)", fontsize=9)
     else:
         ax1.set_title(
-            "spare domains for a fixed minibatch: peak need (line: mean over trials, x: worst trial)\n"
-            "and fewest that never pause in any trial, spares failing too (dash)", fontsize=9,
+            "spare domains, fixed minibatch: fewest with no pause in any\n"
+            "trial, spares failing (dots); peak need if spares never fail (x)", fontsize=9,
         )  # fmt: skip
         ax2.set_title(f"goodput, % of ideal, with {base.cluster.spare_domains} spare domains", fontsize=9)
     for ax in (ax1, ax2):

@@ -2,8 +2,9 @@
 
 Two models, one interface (``evaluate``):
 
-* ``PackedState`` (placement ``packed``): the job is re-packed at every change, so only the histogram of TP
-  groups per speed level matters (placement.py);
+* ``PackedState`` (placement ``packed``): the job is re-packed whenever a step changes its packed optimum
+  (capacity, or spares needed under a fixed minibatch), so only the histogram of TP groups per speed level
+  matters (placement.py); such a step moves domains, which takes a restart (``Evaluation.repack``);
 * ``MapState`` (``fixed``, and ``packed_on_restart`` between restarts): every replica keeps its TP groups; its
   speed is that of its slowest group, and degraded replicas are counted in (level, bad groups) bins (spares.py).
   ``packed_on_restart`` re-packs the map at t = 0 and at each planned restart (a new *segment*).
@@ -12,9 +13,11 @@ Rows are breakpoints of the time line: t = 0, every trace step, and (MapState) e
 array is computed for all rows at once; the only loop is over segments.
 
 An interrupting failure is one that newly fails a GPU the job is running on. It is judged on the state before
-the step. Which replica a group serves is known exactly with a map; under packing groups of one level are
-interchangeable and spares in use are any of the healthy ones, so there the chance is exact and the trace's
-uniform draw for the step decides.
+the step, and never while the job stands still for want of spares. Which replica a group serves is known
+exactly with a map; under packing groups of one level are interchangeable and spares in use are any of the
+healthy ones, and when spares restore only part of a bin of tied replicas (greedy swaps, or the swaps the
+spares-needed choice makes under a fixed minibatch) any of its replicas may be the swapped ones. There the
+chance is computed and the trace's uniform draw for the step decides.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ntp_megatron.sim.placement import levels, pack_order, packed_capacity, packed_need, running_fraction
-from ntp_megatron.sim.spares import greedy_need_groups, greedy_order, greedy_restore
+from ntp_megatron.sim.spares import greedy_need, greedy_order, greedy_restore
 from ntp_megatron.sim.strategies import Strategy
 from ntp_megatron.sim.trace_view import TraceView
 
@@ -39,6 +42,7 @@ class Evaluation:
     used: np.ndarray  # per row: spare domains in use
     interrupt_p: np.ndarray  # per step: chance the step interrupts the job (0 for repairs)
     restarts: np.ndarray  # planned restart times
+    repack: np.ndarray | None = None  # per step: the job re-packs (moves domains) there; None = never
 
 
 def _max_per_step(view: TraceView, subs: np.ndarray, p: np.ndarray, out: np.ndarray) -> None:
@@ -68,6 +72,8 @@ class PackedState:
         np.add.at(delta, (view.sub_step[moved] + 1, lb[moved]), -1)
         np.add.at(delta, (view.sub_step[moved] + 1, la[moved]), 1)
         self.hist = np.cumsum(delta, axis=0)
+        self.hist_step = np.zeros(view.n_steps, dtype=bool)  # steps that change the job's level histogram
+        self.hist_step[view.sub_step[moved]] = True
 
     def evaluate(self, strategy: Strategy, policy: str) -> Evaluation:
         view, lay = self.view, self.view.layout
@@ -96,7 +102,11 @@ class PackedState:
         frac = running_fraction(self.hist[r], self.speeds, pp, lvl, used[r] * g, replicas[r])
         _max_per_step(view, jobs, np.where(paused[r], 0.0, frac), p)
         _spare_interrupts(view, lambda subs: view.sub_step[subs], used, h, p)
-        return Evaluation(view.rows_t, cap, need, used, p, np.zeros(0))
+        # the packed optimum (capacity, or spares needed under a fixed minibatch) moves only at job steps
+        opt = need.astype(float) if policy == "fixed" else cap
+        repack = self.hist_step & (np.abs(np.diff(opt)) > EPS)
+        repack &= ~(paused[:-1] & paused[1:])  # a job standing still for want of spares has nothing to restart
+        return Evaluation(view.rows_t, cap, need, used, p, np.zeros(0), repack)
 
 
 def _replica_changes(
@@ -130,7 +140,8 @@ class MapState:
         self.level, self.speeds = levels(rate)
         seg_t = np.zeros(1)
         if restart_every_h is not None:
-            seg_t = np.arange(int(np.ceil(view.horizon / restart_every_h))) * restart_every_h
+            # the job starts at t = 0 and restarts every restart_every_h before the horizon (a snapshot: only starts)
+            seg_t = np.arange(max(1, int(np.ceil(view.horizon / restart_every_h)))) * restart_every_h
         seg_of_step = np.searchsorted(seg_t, view.step_t, side="right") - 1
         self.seg_row = np.searchsorted(view.step_t, seg_t, side="left") + np.arange(seg_t.size)
         self.step_row = np.arange(view.n_steps) + 1 + seg_of_step
@@ -212,13 +223,15 @@ class MapState:
         view, lay = self.view, self.view.layout
         pp, g, dp = lay.pp, lay.groups_per_domain, lay.dp
         h = view.healthy_spares_at(self.rows_t)
-        need = -(-greedy_need_groups(self.hist, self.deficit, self.cost, pp) // g)
+        need_groups, swapped = greedy_need(self.hist, self.deficit, self.cost, pp)
+        need = -(-need_groups // g)
         paused = np.zeros(h.size, dtype=bool)
         share = None
         if policy == "fixed":
             paused = need > h
             cap = np.where(paused, 0.0, 1.0)
             used = np.where(paused, 0, need)
+            share = swapped
         elif strategy.covers_with_spares:
             recovered, used_groups, share = greedy_restore(self.hist, self.deficit, self.cost, h * g)
             cap = self.capacity_plain + recovered / dp
@@ -232,12 +245,10 @@ class MapState:
         subs, cls_b, cost_b, lev_j = (a[fails] for a in (self.j_subs, self.j_cls, self.j_cost, self.j_lev))
         r = self.step_row[view.sub_step[subs]] - 1
         runs = self.speeds[cls_b] > EPS
-        if policy == "fixed":  # replicas that cannot run have their bad groups swapped for spares
-            pj = np.where(paused[r], False, np.where(runs, True, lev_j == 0)).astype(float)
-        elif share is not None:
+        if share is not None:  # a swapped replica runs on its healthy groups and spares, the others on their own
             colb = self._col_of(cls_b * (pp + 1) + cost_b)
-            rho = np.where(colb >= 0, share[r, np.maximum(colb, 0)], 0.0)
-            pj = rho * (lev_j == 0) + (1 - rho) * runs
+            rho = np.where(colb >= 0, share[r, np.maximum(colb, 0)], 0.0) if share.shape[1] else np.zeros(r.size)
+            pj = np.where(paused[r], 0.0, rho * (lev_j == 0) + (1 - rho) * runs)
         else:
             pj = runs.astype(float)
         _max_per_step(view, subs, pj, p)

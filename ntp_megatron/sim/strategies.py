@@ -9,10 +9,12 @@
 | ntp_boost          | full batch at the least power, else integer batch at max power | unused | live re-formation |
 
 Placement (placement.py): ``fixed`` ties each replica to its TP groups; ``packed`` re-places every TP group
-at every re-formation, worst groups together; ``packed_on_restart`` re-packs only when the job restarts (at
-t = 0 and every ``strategies.restart_every_h``). A live re-formation cannot move a replica's domains, a restart
-can: so a ``packed`` strategy pays ``repack_pause`` (a restart unless configured otherwise) per interrupting
-failure, and each planned restart of a ``packed_on_restart`` strategy pauses the job for ``repack_pause`` too.
+whenever that changes the packed optimum, worst groups together; ``packed_on_restart`` re-packs only when the
+job restarts (at t = 0 and every ``strategies.restart_every_h``). A live re-formation cannot move a replica's
+domains, a restart can: so a ``packed`` strategy pays ``max(pause, repack_pause)`` (``repack_pause`` is a
+restart unless configured otherwise) per interrupting failure and ``repack_pause`` at every other step that
+changes its optimum (a repair that lets it run faster or need fewer spares); each planned restart of a
+``packed_on_restart`` strategy pauses the job for ``repack_pause`` too. Repairs rejoin in place otherwise.
 """
 
 from __future__ import annotations

@@ -42,6 +42,13 @@ SMALL = ["--set", "cluster.gpus=1024", "--set", "run.trials=2", "--set", "run.du
         (["strategies.degraded_speed.local_batch=0"], "strategies.degraded_speed.local_batch"),
         (["strategies.restart_every_h=-1"], "strategies.restart_every_h"),
         (["run.spares_percentile=101"], "run.spares_percentile"),
+        (["failures.rate_multiplier=.inf"], "bad value for 'failures.rate_multiplier': Input should be a finite number"),
+        (["failures.fraction=.nan"], "bad value for 'failures.fraction'"),
+        (["checkpoint.restart_min=.inf"], "bad value for 'checkpoint.restart_min'"),
+        (["strategies.ntp.allowed_tp=[30, 28]"], "allowed_tp=[30, 28] must include the healthy cluster.tp=32"),
+        (["strategies.boost.curve.kind=magic"], "expected tags: 'power_law', 'table'"),
+        (["strategies.boost.curve.points=[[1, 0.9], [1.3, 1.2]]"], "must give performance 1 at power 1"),
+        (["strategies.boost.curve.points=[[0.8, 0.9], [1.3, 1.2]]"], "must give performance 1 at power 1"),
     ],
 )
 def test_config_errors_are_one_line_and_exit_2(overrides, fragment, capsys, tmp_path):
@@ -50,6 +57,13 @@ def test_config_errors_are_one_line_and_exit_2(overrides, fragment, capsys, tmp_
     err = capsys.readouterr().err.strip()
     assert err.startswith("ntp-sim: ") and "\n" not in err and "Traceback" not in err
     assert fragment in err
+
+
+def test_a_curve_key_alone_picks_its_kind():
+    base, _ = load(None, ["strategies.boost.curve.alpha=0.5"])
+    assert base.strategies.boost.curve.kind == "power_law" and base.strategies.boost.curve.alpha == 0.5
+    base, _ = load(None, ["strategies.boost.curve.points=[[1, 1], [1.2, 1.1]]"])
+    assert base.strategies.boost.curve.kind == "table"
 
 
 def test_missing_config_file_is_a_config_error(capsys):
@@ -143,3 +157,16 @@ def test_config_error_class_is_shared():
 def test_shipped_configs_load(path):
     base, points = load(path)
     assert base.title and len(points) >= 1
+
+
+def test_planned_restarts_in_a_snapshot_change_nothing(tmp_path, capsys):
+    # a snapshot has no time, so the job has only started: restart_every_h must not matter (it used to crash)
+    config = Path(__file__).parents[2] / "configs" / "sim" / "study_c_llama3_spares.yaml"
+    common = ["--set", "failures.mode=snapshot", "--set", "run.trials=3", "--set", "sweep=null", "--no-plots", "--no-progress"]
+    assert main([str(config), *common, "--set", "strategies.restart_every_h=24", "--out", str(tmp_path / "a")]) == 0
+    with_restarts = capsys.readouterr().out
+    assert main([str(config), *common, "--out", str(tmp_path / "b")]) == 0
+    strip = lambda text: [ln for ln in text.splitlines() if not ln.startswith(("wrote", "simulated in"))]  # noqa: E731
+    assert strip(with_restarts) == strip(capsys.readouterr().out)
+    assert main([str(config), "--set", "failures.mode=snapshot", "--set", "run.trials=2", "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "c")]) == 0  # the shipped sweep, whose second point restarts daily

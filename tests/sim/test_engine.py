@@ -49,8 +49,9 @@ class Reference:
     repack=st.floats(0.0, 3.0),
     rollback=st.booleans(),
     interval=st.floats(0.3, 5.0),
+    packed=st.booleans(),
 )
-def test_integration_matches_the_event_by_event_reference(data, pause, repack, rollback, interval):
+def test_integration_matches_the_event_by_event_reference(data, pause, repack, rollback, interval, packed):
     horizon = 50.0
     n = data.draw(st.integers(0, 25))
     step_t = np.sort(np.array(data.draw(st.lists(st.floats(0.01, 49.99), min_size=n, max_size=n))))
@@ -59,9 +60,16 @@ def test_integration_matches_the_event_by_event_reference(data, pause, repack, r
     cap = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=rows_t.size, max_size=rows_t.size)))
     interrupts = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
     need = np.array(data.draw(st.lists(st.integers(0, 9), min_size=rows_t.size, max_size=rows_t.size)))
-    ev = Evaluation(rows_t, cap, need, need * 0, np.zeros(n), restarts)
-    placement = "packed_on_restart" if restarts.size else "fixed"
+    # placement packed: some steps that do not interrupt re-pack the job (a restart that saves first)
+    repacks = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool) & packed
+    if packed:
+        restarts = restarts[:0]
+        rows_t = np.concatenate(([0.0], step_t))
+        cap, need = cap[: rows_t.size], need[: rows_t.size]
+    ev = Evaluation(rows_t, cap, need, need * 0, np.zeros(n), restarts, repacks)
+    placement = "packed" if packed else "packed_on_restart" if restarts.size else "fixed"
     strat = Strategy("x", drop_table(2), False, pause, rollback, placement, repack, 1.0)
+    failure_pause = max(pause, repack) if packed else pause  # a packed job restarts to re-form
     got = integrate(ev, strat, step_t, interrupts, horizon, interval, bins=7)
 
     ref = Reference(cap[0], interval)
@@ -83,7 +91,9 @@ def test_integration_matches_the_event_by_event_reference(data, pause, repack, r
         ref.advance(t)
         row += 1
         if kind == 0 and interrupts[i]:
-            ref.pause(pause, rollback)
+            ref.pause(failure_pause, rollback)
+        elif kind == 0 and repacks[i]:
+            ref.pause(repack, False)
         elif kind == 1:
             ref.pause(repack, False)
         ref.cap = cap[row]
@@ -98,6 +108,7 @@ def test_integration_matches_the_event_by_event_reference(data, pause, repack, r
     assert np.allclose(got.throughput, np.diff(done_at) / np.diff(edges), atol=1e-9)
     assert np.allclose(got.goodput, useful[1:] / edges[1:], atol=1e-9)
     assert s["spares_needed_max"] == need.max()
+    assert s["repacks_per_day"] == pytest.approx(((repacks & ~interrupts).sum() + restarts.size) / horizon * 24)
 
 
 def test_pause_clusters_merge_overlapping_pauses():

@@ -11,9 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_megatron.sim.layout import build_layout
 from ntp_megatron.sim.placement import levels, pack_order, packed_capacity, packed_need, running_fraction
+from ntp_megatron.sim.rates import RateTable
+from ntp_megatron.sim.run import _empty_trace
+from ntp_megatron.sim.states import MapState, PackedState
+from ntp_megatron.sim.strategies import Strategy
+from ntp_megatron.sim.trace_view import TraceView
 
-from .sim_helpers import run_point, within
+from .sim_helpers import config, run_point, within
 
 
 def best_replicas(speeds: tuple[float, ...], pp: int, max_replicas: int | None = None) -> float:
@@ -97,28 +103,35 @@ def test_levels_are_distinct_speeds_fastest_first():
 
 # 16 GPUs in 8 two-GPU domains, TP2 x PP2: 4 replicas. Three GPUs fail; all C(16, 3) = 560 placements enumerated.
 TINY = ("cluster.gpus=16", "cluster.domain_size=2", "cluster.tp=2", "cluster.pp=2")
+TINY_RATES = (("dp_drop", [1.0, 0.0, 0.0]), ("ntp", [1.0, 0.5, 0.0]))
 
 
-def _exact_packed_capacity(rate: list[float]) -> float:
+@pytest.mark.parametrize("name, rate", TINY_RATES, ids=[n for n, _ in TINY_RATES])
+def test_packed_capacity_of_every_placement_of_three_failed_gpus(name, rate):
+    # every one of the 560 placements, through the simulator's packed and packed-at-start models, against the
+    # best partition of the 8 groups into 4 replicas found by brute force
+    lay = build_layout(config(*TINY).cluster)
+    table = np.array(rate)
+    strat = Strategy(name, RateTable(table, np.array([2, 1, 0]), np.ones(3)), False, 0.0, False, "packed", 0.0, None)
+    placements = list(itertools.combinations(range(16), 3))
+    assert len(placements) == comb(16, 3) == 560
     total = 0.0
-    for failed in itertools.combinations(range(16), 3):
-        k = np.bincount(np.array(failed) // 2, minlength=8)
-        total += best_replicas(tuple(rate[x] for x in k), 2) / 4
-    return total / comb(16, 3)
-
-
-def test_packed_snapshot_capacity_matches_exhaustive_enumeration():
-    trials = 2000
+    for failed in placements:
+        counts = np.bincount(np.array(failed) // 2, minlength=8)
+        view = TraceView(_empty_trace(counts), lay, 0.0)
+        best = best_replicas(tuple(rate[k] for k in counts), 2) / 4
+        assert PackedState(view, table).evaluate(strat, "shrink").capacity[0] == pytest.approx(best), failed
+        assert MapState(view, table, True, None).evaluate(strat, "shrink").capacity[0] == pytest.approx(best), failed
+        total += best
+    # and the snapshot runs draw placements uniformly: their mean is the exact average over all 560
+    trials = 1000
     p = run_point(
         *TINY, "failures.mode=snapshot", "failures.fraction=0.1875", f"run.trials={trials}",
-        "strategies.enabled=[dp_drop, ntp]", "strategies.degraded_speed.model=continuous",
-        "strategies.placement.dp_drop=packed", "strategies.placement.ntp=packed",
+        f"strategies.enabled=[{name}]", "strategies.degraded_speed.model=continuous", f"strategies.placement.{name}=packed",
     )  # fmt: skip
     assert p.extra["failed_gpus"] == 3
-    for name, rate in (("dp_drop", [1.0, 0.0, 0.0]), ("ntp", [1.0, 0.5, 0.0])):
-        cap = p.summaries[name]["capacity"]
-        expected = _exact_packed_capacity(rate)
-        assert within(cap["mean"], expected, cap["std"] / np.sqrt(trials)), (name, cap["mean"], expected)
+    cap = p.summaries[name]["capacity"]
+    assert within(cap["mean"], total / 560, cap["std"] / np.sqrt(trials)), (cap["mean"], total / 560)
 
 
 def test_packed_on_restart_is_packed_in_a_snapshot_and_fixed_is_not():

@@ -28,6 +28,11 @@ def largest_batch(tp: int, tp_eff: int, local_batch: int) -> int:
     return max(b for b in range(local_batch + 1) if Fraction(b * tp, tp_eff) <= local_batch)
 
 
+def largest_batch_at(tp: int, tp_eff: int, local_batch: int, perf: float) -> int:
+    """The most samples b with b * (tp / tp_eff) / perf <= local_batch: what a group sped up by ``perf`` finishes."""
+    return max(b for b in range(local_batch + 1) if b * tp <= local_batch * tp_eff * perf * (1 + 1e-12))
+
+
 def test_dp_drop_table_is_all_or_nothing():
     assert drop_table(4).rate.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
@@ -67,12 +72,28 @@ def test_boost_full_batch_at_least_power_else_integer_batch_at_max_power():
     sqrt_law = Boost(max_power=1.3, curve={"kind": "power_law", "alpha": 0.5})  # 1.3 ** 0.5 = 1.1402
     t = boost_table(32, eff, StepTimeRatios(), sqrt_law, batch(8))
     assert t.rate[1] == 1.0 and t.power[1] == pytest.approx((32 / 30) ** 2)  # TP30 needs 1.0667x -> 1.138x power
-    # TP28 needs 32/28 = 1.1429x > 1.1402x: at full power it finishes 7 of 8 samples (99.8 % of a batch)
-    assert t.rate[3] == pytest.approx(7 / 8) and t.power[3] == 1.3
+    # TP28 needs 32/28 = 1.1429x > 1.1402x: it finishes 7 of 8 samples, which it does at nominal power already
+    assert t.rate[3] == pytest.approx(7 / 8) and t.power[3] == 1.0
     assert boost_table(32, eff, StepTimeRatios(), sqrt_law, CONTINUOUS).rate[3] == pytest.approx(math.sqrt(1.3) * 28 / 32)
     default = boost_table(32, eff, StepTimeRatios(), Boost(), batch(8))  # alpha 0.58: TP28 keeps its full batch
     assert default.rate[3] == 1.0 and default.power[3] == pytest.approx((32 / 28) ** (1 / 0.58))
     assert t.rate[5] == 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(alpha=st.floats(0.2, 1.0), max_power=st.floats(1.0, 1.5), local_batch=st.integers(1, 16), tp=st.integers(4, 32))
+def test_boost_power_is_the_least_that_finishes_the_batch_it_takes(alpha, max_power, local_batch, tp):
+    boost = Boost(max_power=max_power, curve={"kind": "power_law", "alpha": alpha})
+    t = boost_table(tp, reduced_tp(tp), StepTimeRatios(), boost, batch(local_batch))
+    grid = np.linspace(1.0, max_power, 2001)
+    for k in range(1, tp):
+        # brute force: the most samples any power up to the cap finishes in a healthy step, and the least power
+        # that finishes them (exact fractions for the step time at TP tp - k)
+        done = [largest_batch_at(tp, tp - k, local_batch, float(x) ** alpha) for x in grid]
+        assert t.rate[k] == pytest.approx(max(done) / local_batch), k
+        if max(done) > 0:
+            least = grid[done.index(max(done))]
+            assert least - (grid[1] - grid[0]) - 1e-9 <= t.power[k] <= least + 1e-9, k
 
 
 def test_default_curve_rests_on_b200_published_points():
@@ -156,7 +177,12 @@ def test_calibrated_recovery_replaces_the_reconfigure_pause(tmp_path):
         ('{"other": 1}', "needs 'degraded_step_time_ratio' or 'recovery_s'"),
         ("[1, 2]", "the top level must be an object"),
         ('{"degraded_step_time_ratio": {"8": {"9": 1.2}}}', "reduced TP 9"),
-        ('{"degraded_step_time_ratio": {"8": {"4": -1}}}', "must be > 0"),
+        ('{"degraded_step_time_ratio": {"8": {"4": -1}}}', "degraded_step_time_ratio.8.4 must be >= 1"),
+        ('{"degraded_step_time_ratio": {"8": {"4": 0.9}}}', "degraded_step_time_ratio.8.4 must be >= 1"),
+        ('{"degraded_step_time_ratio": {"8": {"4": NaN}}}', "'degraded_step_time_ratio.8.4': Input should be a finite"),
+        ('{"degraded_step_time_ratio": {"8": {"4": Infinity}}}', "'degraded_step_time_ratio.8.4': Input should be a fin"),
+        ('{"recovery_s": Infinity}', "'recovery_s': Input should be a finite number"),
+        ('{"recovery_s": NaN}', "'recovery_s': Input should be a finite number"),
         ('{"degraded_step_time_ratio": {"8": {"four": 1.5}}}', "degraded_step_time_ratio"),
         ('{"recovery_s": -3}', "recovery_s"),
     ],
