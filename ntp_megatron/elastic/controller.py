@@ -60,6 +60,7 @@ class Controller:
         self.dead_since_completed: dict[int, tuple[int, int]] = {}
         self.dead: set[int] = set()
         self.failures = 0
+        self.settled: Optional[dict] = None
         store.set(keys.topology(0), json.dumps(topology.to_json()))
         store.set(keys.LATEST, "0")
         store.set(keys.COMPLETED, "0")
@@ -83,11 +84,10 @@ class Controller:
             # The newest generation was formed (or finished forming just now): survivors hold its layout.
             if self.completed.generation != old.generation:
                 self.completed, self.dead_since_completed = old, {}
-        training = self.completed.generation == old.generation
-        settled = None
-        if training:
+        if self.completed.generation == old.generation:  # training was running in `old`: settle its iteration
             iteration, decision = settle(self.store, old.generation)
-            settled = {"generation": old.generation, "iteration": iteration, "decision": decision}
+            self.settled = {"generation": old.generation, "iteration": iteration, "decision": decision}
+        settled = self.settled  # a failure during a re-formation: the iteration settled before still stands
         for d in deaths:
             self.dead_since_completed[d.launch_rank] = self.identity[d.launch_rank]
         base = self.completed

@@ -21,8 +21,9 @@ import gc
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable
+from typing import Callable, Optional
 
 from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
@@ -53,25 +54,27 @@ class Reformer:
         self.build = build
 
     def recover(self, trainer) -> None:
-        failed = trainer.generation
-        self._try(lambda: self.elastic.note_aware(failed.number))
-        self._settle(trainer, failed)
+        self._try(lambda: self.elastic.note_aware(trainer.generation.number))
+        self._settle(trainer, trainer.generation)
         while True:
+            topology, info = self.elastic.await_newer(trainer.generation.number)  # bounded: a timeout ends us
+            self.elastic.leave(trainer.generation)
+            if self.elastic.rank_in(topology) is None:
+                raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
+                              f"was dropped in generation {topology.generation}; this process ends")
             try:
-                topology, info = self.elastic.await_newer(trainer.generation.number)
-                self.elastic.leave(trainer.generation)
-                if self.elastic.rank_in(topology) is None:
-                    raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
-                                  f"was dropped in generation {topology.generation}; this process ends")
-                self._reform(trainer, topology, info)
-                return
+                staged = self._reform(trainer, topology, info)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again
-                logger.info("re-formation into a new generation interrupted (%s: %s); waiting for the next",
-                            type(exc).__name__, str(exc)[:200])
-                del exc
-                gc.collect()
+                logger.info("re-formation into generation %d interrupted (%s: %s); waiting for the next",
+                            topology.generation, type(exc).__name__, str(exc)[:200])
+                staged = None
+            if staged is not None:
+                break
+            gc.collect()
+            self._try(lambda: self.elastic.note_aware(trainer.generation.number))
+        self._adopt(trainer, staged)
 
     @staticmethod
     def _try(action: Callable[[], None]) -> None:
@@ -93,7 +96,9 @@ class Reformer:
         else:
             trainer.pending = None
 
-    def _reform(self, trainer, topology: Topology, info: dict) -> None:
+    def _reform(self, trainer, topology: Topology, info: dict) -> "_Staged":
+        """Join ``topology``'s generation and build (or keep) this rank's objects for it; returns them once every
+        rank finished, without adopting them yet. Raises if the re-formation did not complete."""
         started = time.time()
         cfg, elastic = self.cfg, self.elastic
         base = self.completed
@@ -114,13 +119,13 @@ class Reformer:
         state = state_keys(cfg.training.optimizer)
         old_tensors = UnitTensors(old.model.module, old.optimizer, state, with_state)
         new_parts, new_tensors = None, None
-        if changed:
-            new_parts = self.build(setup)
-            new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, with_state)
-            if with_state:
-                init_state(new_parts.model.module, new_tensors)
-            copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
         try:
+            if changed:
+                new_parts = self.build(setup)
+                new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, with_state)
+                if with_state:
+                    init_state(new_parts.model.module, new_tensors)
+                copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
             transfers = plan_transfers(base, topology, dead)
             received = exchange(transfers, generation.rank, old_tensors, new_tensors)
             elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", received)
@@ -130,40 +135,59 @@ class Reformer:
             if new_parts is not None:
                 new_parts.release()
             raise
-        # Adopt the new generation.
-        if changed:
-            new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
-            trainer.parts = new_parts
+        unit_numel = {f: old_tensors.unit_numel(f) for f in topology.units}
+        return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started)
+
+    def _adopt(self, trainer, staged: "_Staged") -> None:
+        """Switch to the new generation's objects (local only: nothing here can be interrupted by a peer)."""
+        old: Components = trainer.parts
+        if staged.new_parts is not None:
+            staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
+            trainer.parts = staged.new_parts
             old.release()
         else:
-            rebind_process_groups([old.model, old.optimizer], old.setup.groups, setup.groups)
+            rebind_process_groups([old.model, old.optimizer], old.setup.groups, staged.setup.groups)
             old.setup.grad_sync.close()
-            old.setup = setup
-            attach_grad_sync(cfg, old)
+            old.setup = staged.setup
+            attach_grad_sync(self.cfg, old)
         del old
-        self.completed = topology
+        self.completed = staged.topology
         gc.collect()
         if trainer.is_reporting_rank:
-            self._report(trainer, topology, info, base, dead, old_tensors.unit_numel, started)
+            self._report(trainer, staged)
 
-    def _report(self, trainer, topology: Topology, info: dict, base: Topology, dead: list[int],
-                unit_numel: Callable[[str], int], started: float) -> None:
-        elastic = self.elastic
-        moved = int(elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", 0))
-        bound = lower_bound_bytes(base, topology, dead, {f: unit_numel(f) for f in topology.units})
-        redone = 1 if info.get("settled", {}).get("decision") == "abort" else 0
+    def _report(self, trainer, staged: "_Staged") -> None:
+        topology, info = staged.topology, staged.info
+        moved = int(self.elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", 0))
+        bound = lower_bound_bytes(staged.base, topology, staged.dead, staged.unit_numel)
+        redone = 1 if (info.get("settled") or {}).get("decision") == "abort" else 0
         recovery_s = time.time() - info["failure_time"]
         widths = trainer.setup.tp_per_replica
         event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
                  "iterations_redone": redone, "resume_iteration": trainer.iteration + 1, "time": time.time(),
-                 "reform_s": time.time() - started}
+                 "reform_s": time.time() - staged.started}
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         redo = f"iteration {trainer.iteration + 1} redone" if redone else f"resuming at iteration {trainer.iteration + 1}"
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | "
               f"recovered in {recovery_s:.2f} s | moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |",
               flush=True)
+
+
+@dataclass
+class _Staged:
+    """A completed re-formation, not yet adopted."""
+
+    topology: Topology
+    info: dict
+    setup: ParallelSetup
+    new_parts: Optional[Components]
+    """Rebuilt objects for a rank whose units changed; None for a rank that keeps its own."""
+    base: Topology
+    dead: list[int]
+    unit_numel: dict[str, int]
+    started: float
 
 
 def _size(n: int) -> str:
