@@ -102,6 +102,60 @@ def measure_comm(launcher: Sequence[str], workdir: Path) -> dict:
     return {"jobs": {name: " ".join(args) for name, args in COMM_JOBS.items()}, "ranks": ranks}
 
 
+# A failure in the same job, absorbed by NTP and by the restart-from-checkpoint baseline (NTP off).
+FAIL_ITERS, FAIL_AT, CKPT_INTERVAL = 16, 9, 4
+FAILURE = ["--inject-failure", f"kill:rank=3,iter={FAIL_AT},phase=backward"]
+FAILURE_JOBS = {
+    "ntp": [*_layout(2, 2, True), *FAILURE],
+    "restart from checkpoint": [*_layout(2, 2, False), "--set", f"checkpoint.save_interval={CKPT_INTERVAL}", *FAILURE],
+}
+
+
+def _failure_figures(records: list[dict]) -> dict:
+    """From one failed run: kill to the next completed iteration, and to completing the iteration that was in
+    flight (the first one that is progress again); iterations lost; detection; bytes moved."""
+    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    killed_at = failed["time"]
+    after = [r for r in records if r.get("kind") == "iteration" and r["time"] > killed_at]
+    summary = next(r for r in records if r.get("event") == "job_summary")
+    reformed = [r for r in records if r.get("event") == "reformed"]
+    return {
+        "kill_to_next_iteration_s": after[0]["time"] - killed_at,
+        "kill_to_progress_s": next(r for r in after if r["iteration"] >= FAIL_AT)["time"] - killed_at,
+        "iterations_lost": summary["iterations_lost"],
+        "detect_s": failed.get("detect_s"),
+        "moved_bytes": reformed[0]["moved_bytes"] if reformed else None,
+        "lower_bound_bytes": reformed[0]["lower_bound_bytes"] if reformed else None,
+        "recovery_s": reformed[0]["recovery_s"] if reformed else None,
+    }
+
+
+def measure_failures(rounds: int, launcher: Sequence[str], workdir: Path) -> dict:
+    """NTP against the restart baseline, interleaved over ``rounds``; medians per figure."""
+    samples: dict[str, list[dict]] = {name: [] for name in FAILURE_JOBS}
+    for round_index in range(rounds):
+        for name, args in FAILURE_JOBS.items():
+            extra = []
+            if name != "ntp":
+                extra = ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
+            records = run_job_records([*args, *extra], FAIL_ITERS, workdir, launcher, name)
+            samples[name].append(_failure_figures(records))
+            print(f"failure round {round_index + 1}/{rounds} {name:<24} done", file=sys.stderr)
+    medians = {}
+    for name, runs in samples.items():
+        medians[name] = {key: (statistics.median(v[key] for v in runs) if runs[0][key] is not None else None)
+                         for key in runs[0]}
+    ntp, restart = medians["ntp"], medians["restart from checkpoint"]
+    return {
+        "job": f"TP2 x DP2, {FAIL_ITERS} iterations, SIGKILL of launch rank 3 in the backward pass of iteration "
+               f"{FAIL_AT}; the baseline checkpoints every {CKPT_INTERVAL} iterations",
+        "runs": samples, "median": medians,
+        "ratio_kill_to_next_iteration": ntp["kill_to_next_iteration_s"] / restart["kill_to_next_iteration_s"],
+        "ratio_kill_to_progress": ntp["kill_to_progress_s"] / restart["kill_to_progress_s"],
+        "moved_over_lower_bound": ntp["moved_bytes"] / ntp["lower_bound_bytes"],
+    }
+
+
 def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
     rows = run_job_records(case.args, iters, workdir, launcher, case.name.replace("(", "").replace(")", ""))
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
@@ -144,6 +198,19 @@ def table(result: dict) -> str:
             total = lambda s: sum(s.get("bytes", {}).values())
             lines.append(f"| replica 0, TP rank {r['tp_rank']} | {calls(a)} | {calls(b)} | {total(a)} | {total(b)} | "
                          f"{'yes' if r['equal'] else 'NO'} |")
+    failures = result.get("failure_recovery")
+    if failures:
+        ntp, restart = failures["median"]["ntp"], failures["median"]["restart from checkpoint"]
+        lines += ["", f"A failure, same job ({failures['job']}), medians:", "",
+                  "| | NTP | restart from checkpoint | ratio |", "|---|---|---|---|",
+                  f"| kill to the next completed iteration (s) | {ntp['kill_to_next_iteration_s']:.2f} | "
+                  f"{restart['kill_to_next_iteration_s']:.2f} | {failures['ratio_kill_to_next_iteration']:.3f} |",
+                  f"| kill to completing the interrupted iteration (s) | {ntp['kill_to_progress_s']:.2f} | "
+                  f"{restart['kill_to_progress_s']:.2f} | {failures['ratio_kill_to_progress']:.3f} |",
+                  f"| iterations lost | {ntp['iterations_lost']:g} | {restart['iterations_lost']:g} | |",
+                  f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
+                  f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
+                  f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
     return "\n".join(lines)
 
 
@@ -162,6 +229,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         launcher = [sys.executable, "-m", "ntp_megatron.launcher"]
         result = measure(args.iters, args.rounds, args.warmup, launcher, Path(workdir))
         result["communication"] = measure_comm(launcher, Path(workdir))
+        result["failure_recovery"] = measure_failures(args.rounds, launcher, Path(workdir))
+        # Calibration for the goodput simulator: measured seconds from a failure to training again.
+        result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"\nwrote {args.out}")

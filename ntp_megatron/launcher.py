@@ -14,6 +14,7 @@ abort key in the store so the other launchers stop their ranks too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import queue
@@ -29,11 +30,15 @@ from pathlib import Path
 from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
+from ntp_megatron.elastic import keys as elastic_keys
 from ntp_megatron import faults, metrics
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
 ABORT_KEY = "launcher/abort"
+STOP_KEY = elastic_keys.STOP
+DEATHS_KEY = elastic_keys.DEATHS
+death_key = elastic_keys.death
 STOP_GRACE_S = 5.0
 POLL_S = 0.02
 DEBOUNCE_S = 0.05
@@ -308,6 +313,8 @@ class Launcher:
             for r in self.ranks.values():
                 for t in r.threads:
                     t.join(timeout=2.0)
+            if self.controller is not None:
+                self.controller.close()
             if self.sink is not None:
                 self.sink.event("job_ended", exit_code=exit_code)
                 self._summarize(exit_code)
@@ -325,10 +332,18 @@ class Launcher:
                           startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures, say=self._say,
                           live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
         finished: set[int] = set()
+        self._remote_deaths_seen = 0
         while True:
             if agent is not None:
                 agent.poll()
             deaths = self._collect_exits(finished, agent)
+            if self.args.nnodes > 1 and self.cfg.ntp.enabled:
+                if self.controller is not None:
+                    deaths += self._remote_deaths(store)
+                elif _try_check(store, STOP_KEY):
+                    self._say(f"the job was stopped: {store.get(STOP_KEY).decode()}")
+                    self._stop_all()
+                    return 1
             if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
                 self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
                 self._stop_all()
@@ -380,11 +395,19 @@ class Launcher:
             self._say(reason)
             self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
         elif self.cfg.ntp.enabled:
-            return None  # another node's launcher runs the controller; it tells us to stop through the store
-        else:
+            # Node 0's launcher runs the controller: report the deaths to it through the store.
             for d in deaths:
+                n = store.add(DEATHS_KEY, 1)
+                store.set(death_key(n), json.dumps(dataclasses.asdict(d)))
+            return None
+        else:
+            from ntp_megatron.elastic.controller import injected_failure
+
+            for d in deaths:
+                record = injected_failure(store, d.launch_rank) or {}
                 self._emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,
-                            "cause": d.cause, "time": d.time})
+                            "cause": d.cause, "time": record.get("time", d.time),
+                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
             if self._can_restart():
                 return self._restart(store)
         _try_set(store, ABORT_KEY, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths))
@@ -393,6 +416,19 @@ class Launcher:
         self._stop_all()
         self._say("all ranks stopped")
         return 1
+
+    def _remote_deaths(self, store) -> list:
+        """Deaths other nodes' launchers reported since the last poll (node 0)."""
+        from ntp_megatron.elastic.controller import Death
+
+        out = []
+        reported = int(store.add(DEATHS_KEY, 0))
+        while self._remote_deaths_seen < reported:
+            self._remote_deaths_seen += 1
+            record = json.loads(store.get(death_key(self._remote_deaths_seen)))
+            self._say(f"node report: launch rank {record['launch_rank']} {record['cause']}")
+            out.append(Death(**record))
+        return out
 
     def _can_restart(self) -> bool:
         ck = self.cfg.checkpoint

@@ -64,7 +64,7 @@ class Case:
             "training.train_iters": ITERS, "training.micro_batch_size": 2,
             "training.global_batch_size": 2 * self.dp * self.micro_batches,
             "training.lr_warmup_iters": 1, "training.clip_grad": self.clip_grad,
-            "logging.log_interval": 1, "logging.tensorboard_dir": "",
+            "logging.log_interval": 1, "logging.tensorboard_dir": "", "ntp.enabled": "false",
         }
         return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 

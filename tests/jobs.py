@@ -14,6 +14,7 @@ JOB_TIMEOUT_S = 300
 
 # The tiny model of the equivalence tests: fp32, dropout off, short sequences.
 TINY = [
+    "--set", "ntp.enabled=false",  # the default config runs NTP; tests switch it on where they test it
     "--set", "model.hidden_dropout=0.0", "--set", "model.attention_dropout=0.0",
     "--set", "training.micro_batch_size=2", "--set", "training.global_batch_size=12",
     "--set", "training.lr_warmup_iters=1",

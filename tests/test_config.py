@@ -18,16 +18,16 @@ def test_default_config_is_the_tiny_cpu_demo():
     assert DEFAULT_CONFIG.is_file()
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.data_parallel_size) == (2, 2)
     assert cfg.parallel.world_size == 4
-    assert cfg.data.mock and not cfg.ntp.enabled
+    assert cfg.data.mock and cfg.ntp.enabled and cfg.faults.inject == []
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (2, 64, 8)
     # The file lists every key of the schema, so it doubles as the reference.
     assert cfg == JobConfig.model_validate(parse_yaml(DEFAULT_CONFIG.read_text()))
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_job_config(overrides=["training.train_iters=7", "model.hidden_dropout=0", "ntp.enabled=true",
+    cfg = load_job_config(overrides=["training.train_iters=7", "model.hidden_dropout=0", "ntp.enabled=false",
                                      "data.data_path=[a, b]"])
-    assert cfg.training.train_iters == 7 and cfg.model.hidden_dropout == 0.0 and cfg.ntp.enabled
+    assert cfg.training.train_iters == 7 and cfg.model.hidden_dropout == 0.0 and not cfg.ntp.enabled
     assert cfg.data.data_path == ["a", "b"]
 
 
@@ -49,11 +49,14 @@ def test_slot_lists_stay_strings():
         ("training.train_iters=5", "training.lr_warmup_iters (5) must be below training.lr_decay_iters"),
         ("ntp.dead_slots=[1:1]", "ntp.dead_slots needs ntp.enabled: true"),
         ("ntp.degraded_batch=half", "bad value for 'ntp.degraded_batch': Input should be 'full' or 'proportional'"),
+        ("ntp.on_unrecoverable=retry", "bad value for 'ntp.on_unrecoverable': Input should be 'drop_replica' or "
+                                       "'stop' (got 'retry')"),
+        ("ntp.heartbeat_timeout_s=0.1", "ntp.heartbeat_timeout_s (0.1) must exceed ntp.heartbeat_interval_s (0.2)"),
     ],
 )
 def test_errors_name_the_key_and_what_is_allowed(override, expected):
     with pytest.raises(ConfigError) as err:
-        load_job_config(overrides=[override])
+        load_job_config(overrides=["ntp.enabled=false", override])
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(expected), message

@@ -49,13 +49,15 @@ def assert_same_run(result: JobResult, reference: JobResult, iters: int = ITERS)
     assert leftover_processes(result) == []
 
 
-def assert_replicas_agree(result: JobResult, iters: int = ITERS) -> None:
-    """Every TP rank of every replica, every iteration, every generation: the same checksums."""
+def assert_replicas_agree(result: JobResult, iters: int = ITERS, unchecked: tuple[int, ...] = ()) -> None:
+    """Every TP rank of every replica, every iteration, every generation: the same checksums. ``unchecked``:
+    iterations committed just as a rank died, whose checksum gather (itself collective) could not run; the
+    next iteration's checksums cover their state."""
     by_iteration: dict[int, list[dict]] = defaultdict(list)
     for r in result.records:
         if r.get("kind") == "state_checksums":
             by_iteration[r["iteration"]].append(r)
-    assert sorted(by_iteration) == list(range(1, iters + 1))
+    assert sorted(by_iteration) == [i for i in range(1, iters + 1) if i not in unchecked]
     for iteration, reports in by_iteration.items():
         first = reports[0]
         for other in reports[1:]:
@@ -82,7 +84,7 @@ def reference_tp4(jobs):
 def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
     result = run_job(tmp_path / "run", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
     assert_same_run(result, reference_tp2)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, unchecked=(5,) if phase == "optimizer" else ())
     [failed] = result.events("rank_failed")
     assert (failed["launch_rank"], failed["replica"], failed["slot"], failed["phase"]) == (3, 1, 1, phase)
     assert failed["detect_s"] is not None and failed["detect_s"] < 1.0

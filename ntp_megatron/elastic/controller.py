@@ -61,6 +61,7 @@ class Controller:
         self.dead: set[int] = set()
         self.failures = 0
         self.settled: Optional[dict] = None
+        self._threads: list[threading.Thread] = []
         store.set(keys.topology(0), json.dumps(topology.to_json()))
         store.set(keys.LATEST, "0")
         store.set(keys.COMPLETED, "0")
@@ -93,16 +94,17 @@ class Controller:
         base = self.completed
         dead_ranks = [base.rank_of(*slot) for slot in self.dead_since_completed.values()
                       if base.rank_of(*slot) is not None]
-        self._report_deaths(deaths, old, settled)
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
             self.store.set(keys.abort(old.generation), "stop")
+            self._report(deaths, old, settled, [], wait_s=0.0)  # nobody re-forms: report now
             return reason
+        self._report_deaths(deaths, old, settled)
         new = dataclasses.replace(new, generation=old.generation + 1)
-        failed_at = min((_injected(self.store, d.launch_rank) or {}).get("time", d.time) for d in deaths)
+        failed_at = min((injected_failure(self.store, d.launch_rank) or {}).get("time", d.time) for d in deaths)
         info = {"base": base.generation, "dead": [list(s) for s in self.dead_since_completed.values()],
                 "settled": settled, "failure_time": failed_at,
                 "deaths": [dataclasses.asdict(d) for d in deaths]}
@@ -119,11 +121,19 @@ class Controller:
         detection latency is known); from a thread, so the controller moves on at once."""
         survivors = [lr for lr, slot in self.identity.items()
                      if old.rank_of(*slot) is not None and lr not in self.dead]
-        threading.Thread(target=self._report, args=(deaths, old, settled, survivors), daemon=True).start()
+        thread = threading.Thread(target=self._report, args=(deaths, old, settled, survivors), daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
-    def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int]) -> None:
+    def close(self) -> None:
+        """Wait (bounded) for the failure reports still waiting on survivors, before the store goes away."""
+        for thread in self._threads:
+            thread.join(timeout=AWARE_WAIT_S)
+
+    def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int],
+                wait_s: float = AWARE_WAIT_S) -> None:
         aware_keys = [keys.aware(old.generation, lr) for lr in survivors]
-        deadline = time.monotonic() + AWARE_WAIT_S
+        deadline = time.monotonic() + wait_s
         aware: list[float] = []
         missing = survivors
         while time.monotonic() < deadline:
@@ -135,13 +145,13 @@ class Controller:
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return
             time.sleep(0.01)
-        if missing:
+        if missing and wait_s > 0:
             self.say(f"launch ranks {missing} did not notice the failure within {AWARE_WAIT_S:.0f} s; "
                      "their stacks follow")
             self.dump_stacks(missing)
         for d in deaths:
             replica, slot = self.identity[d.launch_rank]
-            record = _injected(self.store, d.launch_rank)
+            record = injected_failure(self.store, d.launch_rank)
             failed_at = record["time"] if record else d.time
             detect_s = (max(aware) - failed_at) if aware else None
             iteration = record["iteration"] if record else (settled or {}).get("iteration")
@@ -151,12 +161,14 @@ class Controller:
                      "cause": d.cause, "detect_s": detect_s, "time": failed_at}
             self.emit(event)
             stamp = datetime.fromtimestamp(failed_at).strftime("%Y-%m-%d %H:%M:%S")
-            aware_text = f"{len(aware)} survivors aware in {detect_s:.3f} s" if aware else "survivors not all aware"
+            aware_text = (f"{len(aware)} survivors aware in {detect_s:.3f} s" if aware
+                          else "survivors not all aware" if survivors else "the job stops")
             self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} (replica {replica}, slot {slot}) | "
                      f"iteration {iteration}, phase {phase} | {d.cause} | {aware_text}")
 
 
-def _injected(store: dist.Store, launch_rank: int) -> Optional[dict]:
+def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:
+    """What an injected failure recorded just before it happened (spec, phase, iteration, time), if any."""
     try:
         if store.check([keys.failure(launch_rank)]):
             return json.loads(store.get(keys.failure(launch_rank)).decode())

@@ -66,3 +66,11 @@ def failure(launch_rank: int) -> str:
 
 def fired(spec: str) -> str:
     return f"{PREFIX}fired/{spec}"
+
+DEATHS = PREFIX + "deaths"
+"""How many rank deaths other nodes' launchers have reported (node 0's controller reads them in order)."""
+
+
+def death(n: int) -> str:
+    """JSON of the ``n``-th death reported by a launcher that does not run the controller (1-based)."""
+    return f"{PREFIX}death/{n}"
