@@ -103,7 +103,7 @@ def measure_comm(launcher: Sequence[str], workdir: Path) -> dict:
 
 
 # A failure in the same job, absorbed by NTP and by the restart-from-checkpoint baseline (NTP off).
-FAIL_ITERS, FAIL_AT, CKPT_INTERVAL = 16, 9, 4
+FAIL_ITERS, FAIL_AT, CKPT_INTERVAL = 16, 11, 4
 FAILURE = ["--inject-failure", f"kill:rank=3,iter={FAIL_AT},phase=backward"]
 FAILURE_JOBS = {
     "ntp": [*_layout(2, 2, True), *FAILURE],
@@ -114,7 +114,7 @@ FAILURE_JOBS = {
 def _failure_figures(records: list[dict]) -> dict:
     """From one failed run: kill to the next completed iteration, and to completing the iteration that was in
     flight (the first one that is progress again); iterations lost; detection; bytes moved."""
-    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    failed = next(r for r in records if r.get("event") == "rank_failed")
     killed_at = failed["time"]
     after = [r for r in records if r.get("kind") == "iteration" and r["time"] > killed_at]
     summary = next(r for r in records if r.get("event") == "job_summary")

@@ -403,7 +403,9 @@ class Launcher:
         else:
             from ntp_megatron.elastic.controller import injected_failure
 
-            for d in deaths:
+            # Without NTP the dead rank's peers crash right after it: report the failure, not its echoes.
+            first = min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, d.time))
+            for d in [first]:
                 record = injected_failure(store, d.launch_rank) or {}
                 self._emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,
                             "cause": d.cause, "time": record.get("time", d.time),

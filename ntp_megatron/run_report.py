@@ -2,7 +2,9 @@
 
 Goodput here is useful iteration time over wall time: the time of every iteration that counted (each
 iteration once, however often it was computed) divided by the launcher's wall-clock time from start to end.
-Start-up, recovery, redone and rolled-back iterations, and checkpoint saves are what is lost.
+Start-up, recovery, redone and rolled-back iterations, and checkpoint saves are what is lost. Iterations lost:
+every iteration computed but not kept — the one in flight at each failure (redone under NTP, lost with the
+processes on a restart) and, on a restart, every iteration since the last checkpoint.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "wall_s": wall_s,
         "useful_s": useful_s,
         "goodput": useful_s / wall_s if wall_s > 0 else None,
-        "iterations_lost": redone + repeated,
+        "iterations_lost": redone + repeated + len(_events(records, "restarted")),
         "failures": len(_events(records, "rank_failed")),
         "reformations": len(reformed),
         "restarts": len(_events(records, "restarted")),
@@ -83,6 +85,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
     tp_ax.set_ylabel("TP degree")
     tp_ax.set_xlabel("iteration")
     tp_ax.set_ylim(bottom=0)
+    tp_ax.yaxis.get_major_locator().set_params(integer=True)
     tp_ax.legend(loc="lower left", fontsize="small")
     for event in _events(records, "rank_failed"):
         if event.get("iteration") is not None:
