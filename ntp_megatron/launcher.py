@@ -377,8 +377,7 @@ class Launcher:
             when, cause = time.time(), describe_exit(returncode)
             if agent is not None and proc.rank in agent.notes:
                 when, cause = agent.notes[proc.rank]
-            self._say(f"rank {proc.rank} (pid {proc.pid}) {cause}")
-            deaths.append(Death(proc.rank, when, cause))
+            deaths.append(Death(proc.rank, when, cause, proc.pid))
             timeout = DEBOUNCE_S
 
     def _live_launch_ranks(self) -> list[int]:
@@ -389,6 +388,8 @@ class Launcher:
     def _handle_deaths(self, deaths: list, store) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
         if self.controller is not None:
+            for d in deaths:
+                self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
             reason = self.controller.handle(deaths)
             if reason is None:
                 return None
@@ -397,6 +398,7 @@ class Launcher:
         elif self.cfg.ntp.enabled:
             # Node 0's launcher runs the controller: report the deaths to it through the store.
             for d in deaths:
+                self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
                 n = store.add(DEATHS_KEY, 1)
                 store.set(death_key(n), json.dumps(dataclasses.asdict(d)))
             return None
@@ -405,6 +407,7 @@ class Launcher:
 
             # Without NTP the dead rank's peers crash right after it: report the failure, not its echoes.
             first = min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, d.time))
+            self._say(f"rank {first.launch_rank} (pid {first.pid}) {first.cause}")
             for d in [first]:
                 record = injected_failure(store, d.launch_rank) or {}
                 self._emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,

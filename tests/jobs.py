@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 300
@@ -37,17 +40,47 @@ class JobResult:
         return [r for r in self.records if r.get("kind") == "event" and r.get("event") == name]
 
 
+class _Zygote:
+    """Client of ``tests/zygote.py``: one long-lived process that imported torch and Megatron-Core once and
+    forks a launcher per job (``NTP_TEST_ZYGOTE=0`` runs ``python -m ntp_megatron.launcher`` instead)."""
+
+    _proc: Optional[subprocess.Popen] = None
+
+    @classmethod
+    def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float) -> int:
+        if cls._proc is None or cls._proc.poll() is not None:
+            cls._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True, bufsize=1)
+        proc = cls._proc
+        proc.stdin.write(json.dumps({"args": args, "cwd": str(REPO), "stdout": str(stdout),
+                                     "stderr": str(stderr)}) + "\n")
+        proc.stdin.flush()
+        pid = json.loads(proc.stdout.readline())["pid"]
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            os.killpg(pid, signal.SIGKILL)
+            json.loads(proc.stdout.readline())
+            raise subprocess.TimeoutExpired(args, timeout)
+        return json.loads(proc.stdout.readline())["returncode"]
+
+
 def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOUT_S) -> JobResult:
     """``ntp-launch`` with ``args`` in a fresh run dir; the metrics file is read back as records."""
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = run_dir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(run_dir),
-           "--metrics-file", str(metrics_file), *args]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    launcher_args = ["--run-dir", str(run_dir), "--metrics-file", str(metrics_file), *args]
+    if os.environ.get("NTP_TEST_ZYGOTE", "1") == "1":
+        stdout, stderr = run_dir / "launcher.stdout", run_dir / "launcher.stderr"
+        returncode = _Zygote.run(launcher_args, stdout, stderr, timeout)
+        out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+    else:
+        proc = subprocess.run([sys.executable, "-m", "ntp_megatron.launcher", *launcher_args], cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+        returncode, out, err = proc.returncode, proc.stdout, proc.stderr
     records = []
     if metrics_file.exists():
         records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
-    return JobResult(proc.returncode, proc.stdout, proc.stderr, records, run_dir)
+    return JobResult(returncode, out, err, records, run_dir)
 
 
 def layout_args(tp: int, dp: int, iters: int) -> list[str]:

@@ -38,7 +38,7 @@ def test_failed_rank_is_reported_and_nothing_is_left(tmp_path, spec, cause):
     failed = result.events("rank_failed")
     assert len(failed) == 1
     rank = int(spec.split("rank=")[1].split(",")[0])
-    assert failed[0]["rank"] == rank
+    assert failed[0]["launch_rank"] == rank
     lines = [l for l in result.stderr.splitlines() if l.startswith("ntp-launch: rank ")]
     assert len(lines) == 1, result.stderr[-2000:]
     assert re.fullmatch("ntp-launch: " + cause, lines[0]), lines[0]

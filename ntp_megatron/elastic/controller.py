@@ -43,6 +43,7 @@ class Death:
     is one, else when the launcher killed it, else when it was reaped."""
     cause: str
     """How it ended, e.g. "was killed by signal SIGKILL", "hung: fenced after 3.0 s without a heartbeat"."""
+    pid: int = 0
 
 
 class Controller:

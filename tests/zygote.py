@@ -1,0 +1,66 @@
+"""A process that has imported torch and Megatron-Core once and forks one launcher per test job.
+
+Starting ``python -m ntp_megatron.launcher`` costs seconds of imports per job; the suite runs dozens of jobs.
+The zygote reads one JSON request per line (``args``, ``cwd``, ``stdout``, ``stderr``), forks a child that
+becomes the launcher (``ntp_megatron.launcher.main(args)``, output to the given files, its own process group),
+answers ``{"pid": ...}``, waits for it and answers ``{"returncode": ...}``. The zygote starts no thread, so
+forking it is as safe as the launcher forking its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from ntp_megatron.training import runtime
+
+runtime.quiet_optional_dependency_warnings()
+import ntp_megatron.training.pretrain  # noqa: E402,F401 - the imports every job then skips
+from ntp_megatron import launcher  # noqa: E402
+
+
+def _child(request: dict) -> None:
+    code = 1
+    try:
+        os.setsid()
+        os.chdir(request["cwd"])
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        sys.argv = ["ntp-launch", *request["args"]]
+        code = launcher.main(request["args"])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def main() -> None:
+    reply = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    main()
