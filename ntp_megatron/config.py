@@ -223,8 +223,6 @@ class JobConfig(_Section):
         unsupported = {
             "parallel.use_distributed_optimizer": self.parallel.use_distributed_optimizer,
             "parallel.sequence_parallel": self.parallel.sequence_parallel,
-            "checkpoint.save": self.checkpoint.save is not None,
-            "checkpoint.load": self.checkpoint.load is not None,
         }
         for key, on in unsupported.items():
             if on:

@@ -25,6 +25,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 
+from ntp_megatron.sharding import ntp_module_sharded_state_dict
+
 @dataclass(frozen=True)
 class UnitShard:
     """Which units of a TP-split tensor this rank holds, and how the tensor folds into ``[outer, units, inner]``."""
@@ -97,6 +99,11 @@ class NTPColumnParallelLinear(ColumnParallelLinear):
         tag_parameter(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows),
              dim=0, stride=stride)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Upstream's keys, with this rank's units as fragments of the global tensors (a gated fc1 keeps
+        Megatron's [gate; up] layout: its units sit in two blocks). Replica ids come from the model."""
+        return ntp_module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
 
 class NTPRowParallelLinear(RowParallelLinear):
     """RowParallelLinear over explicit units of ``unit_cols`` input columns each; the bias is replicated."""
@@ -113,6 +120,10 @@ class NTPRowParallelLinear(RowParallelLinear):
         tag_parameter(self.weight, InitRecipe("master", init_method, (output_size, self.input_size)),
              UnitShard(family, num_units, tuple(units), output_size, unit_cols), dim=1)
         tag_parameter(self.bias, InitRecipe("zeros"))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Upstream's keys; the weight's input columns as fragments per run of units, the bias replicated."""
+        return ntp_module_sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 class NTPVocabParallelEmbedding(VocabParallelEmbedding):
@@ -136,6 +147,10 @@ class NTPVocabParallelEmbedding(VocabParallelEmbedding):
         output = F.embedding(local.masked_fill(missing, 0), self.weight)
         output = output.masked_fill(missing.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Upstream's key and ``allow_shape_mismatch`` (vocabulary padding); vocabulary rows as fragments."""
+        return ntp_module_sharded_state_dict(self, prefix, sharded_offsets, metadata, allow_shape_mismatch=True)
 
 
 def global_to_local_index(units: Sequence[int], num_units: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ntp_megatron.layers import (
@@ -27,6 +28,7 @@ from ntp_megatron.layers import (
     tag_parameter,
     vocab_parallel_cross_entropy,
 )
+from ntp_megatron.sharding import ROLE_KEY, assign_replica_ids
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,23 @@ def ntp_layer_spec(tf_config, units: RankUnits, normalization: str) -> ModuleSpe
     return spec
 
 
+class NTPMLP(MLP):
+    """Megatron's MLP; only its checkpoint description differs (the computation is upstream's).
+
+    Not named in the layer spec: upstream's TransformerLayer hands the MLP its TP group only when the spec's
+    module *is* ``MLP`` (an equality test), so :class:`NTPGPTModel` builds upstream MLPs and then gives them
+    this class, which adds no state."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """The submodules' own descriptions, unwrapped: upstream wraps a gated fc1 in a swiglu factory that
+        assumes one contiguous block per rank, while the NTP fc1 already describes its gate and up rows as
+        two blocks of units."""
+        out = {}
+        for name, module in self._modules.items():
+            out.update(module.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
+
+
 class NTPGPTModel(GPTModel):
     """GPTModel over one rank's NTP units. Construct with :func:`build_ntp_gpt`."""
 
@@ -97,9 +116,23 @@ class NTPGPTModel(GPTModel):
                           InitRecipe("master", config.init_method, (vocab_size, config.hidden_size)),
                           UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size), dim=0)
             self.output_layer.output_size = vocab_size
+        for module in self.modules():
+            if type(module) is MLP:
+                module.__class__ = NTPMLP
         for name, param in self.named_parameters():
             if not hasattr(param, "ntp_init") and "norm" in name:
                 param.ntp_init = InitRecipe("constant")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Upstream's sharded state dict — the keys and global shapes of plain Megatron-Core's GPTModel — with
+        TP-split tensors as fragments of this rank's units, and replica ids from ``metadata["ntp_role"]`` (a
+        :class:`ntp_megatron.sharding.CheckpointRole`; see :mod:`ntp_megatron.training.checkpoint`), which
+        decide the one replica that writes each piece."""
+        role = (metadata or {}).get(ROLE_KEY)
+        if role is None:
+            raise ValueError(f"NTPGPTModel.sharded_state_dict needs metadata[{ROLE_KEY!r}] (which replica writes); "
+                             "see ntp_megatron.training.checkpoint")
+        return assign_replica_ids(super().sharded_state_dict(prefix, sharded_offsets, metadata), role)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from local logits ``[s, b, local vocab]``."""

@@ -51,6 +51,8 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         cpu = not torch.cuda.is_available()
     from ntp_megatron.patches import (
         datasets_gpt_dataset,
+        dist_checkpointing_checkpointable,
+        dist_checkpointing_validation,
         distributed_data_parallel,
         distributed_param_and_grad_buffer,
         optimizer_grad_norm,
@@ -63,8 +65,12 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     optimizer_grad_norm.apply()
     # An upstream bug fix: loss masks must not depend on which sample a process read first.
     datasets_gpt_dataset.apply()
+    # Checkpoints of uneven (NTP) shardings: chunks with a layer axis that DCP can store, and the exactly-once
+    # coverage check upstream skips for them. Identity for regular grids.
+    dist_checkpointing_checkpointable.apply()
+    dist_checkpointing_validation.apply()
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
-                     "datasets_gpt_dataset"])
+                     "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation"])
     if cpu:
         from ntp_megatron.patches import cpu_shim, optimizer_clip_grads, tensor_parallel_random
 

@@ -1,14 +1,43 @@
-"""Checkpoints with ``megatron.core.dist_checkpointing``: model, optimizer, scheduler, RNG, progress.
+"""Checkpoints with ``megatron.core.dist_checkpointing``: model, optimizer, scheduler, RNG, progress — for
+plain Megatron (NTP off) and for NTP runs under any topology, degraded ones included.
 
-Layout on disk: ``<save>/iter_0000010/`` per checkpoint (torch_dist format) and
-``<save>/latest_checkpointed_iteration.txt`` written last, so a crash mid-save never points at a partial
-checkpoint. Progress is the number of completed iterations; data order is a function of it (see
-:mod:`ntp_megatron.training.data`), so resuming neither skips nor repeats a sample.
+On disk (one format for both)::
+
+    <save>/iter_0000010/                     one checkpoint, Megatron's torch_dist format (PyTorch DCP):
+        metadata.json                        written last by dist_checkpointing: the directory is complete
+        .metadata, __<rank>_<n>.distcp       tensors: global shapes and chunks (DCP metadata), data
+        common.pt                            what every rank holds alike (below)
+    <save>/latest_checkpointed_iteration.txt the newest complete checkpoint's iteration
+
+Tensors, under the keys of plain Megatron-Core's ``GPTModel`` and optimizer (global shapes and element order
+those of a TP1 model, as uniform TP writes them):
+
+- ``model``: ``embedding.word_embeddings.weight``, ``decoder.layers.<param>`` with the layer as a leading
+  axis, ``decoder.final_layernorm.*``, ``output_layer.weight`` when untied;
+- ``optimizer``: ``optimizer.state.exp_avg.<model key>`` and ``optimizer.state.exp_avg_sq.<model key>``
+  (fp32, the model tensor's shape), Adam's step as ``common_step`` and the parameter groups in ``common.pt``;
+- ``scheduler`` (OptimizerParamScheduler state), ``iteration`` (completed iterations; the data order is a
+  function of it) and ``parallel`` (``tp``, ``dp``; under NTP also the TP width of every replica and a digest
+  of the unit layout) in ``common.pt``;
+- ``rng_state``: one object per rank, restored only when the layout is the same as at save time.
+
+Under NTP each rank describes its units as fragments of the global tensors and exactly one replica writes
+each piece (:mod:`ntp_megatron.sharding`), so what is on disk does not depend on the topology that wrote it:
+any topology — another ``tp_base``, other dead slots, NTP off at any uniform TP, plain Megatron-Core code —
+reads it, and NTP reads what plain Megatron-Core writes.
+
+Crash safety: a checkpoint is written into its ``iter_*`` directory; only when every rank has finished does
+rank 0 replace ``latest_checkpointed_iteration.txt`` atomically (temporary file, ``os.replace``). A kill
+during a save leaves the previous latest checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -16,15 +45,19 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron import faults
+from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFactory, checkpoint_roles
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
+"""Where the scheduler state may be: ours, or Megatron-LM's name for it."""
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -33,7 +66,9 @@ def iteration_dir(root: Path, iteration: int) -> Path:
 
 @dataclass(frozen=True)
 class ParallelCoords:
-    """Where this rank sits, for per-rank state (the RNG streams) in the checkpoint."""
+    """Where this rank sits, for per-rank state (the RNG streams) in the checkpoint. Under NTP ``tp_size``
+    is tp_base and ``dp_rank`` the replica index (stable across re-formations); the TP rank and width that
+    count are read from the model's TP group at save time."""
 
     tp_rank: int
     tp_size: int
@@ -41,16 +76,105 @@ class ParallelCoords:
     dp_size: int
 
 
-def _rng_object(coords: ParallelCoords, state: Any) -> ShardedObject:
+@dataclass(frozen=True)
+class _Layout:
+    """What a save or load needs to know about the job's current layout."""
+
+    parallel: dict            # the common ``parallel`` entry: equal iff the layouts are equal
+    role: Optional[CheckpointRole] = None  # NTP only
+    rank: int = 0
+    world_size: int = 1
+
+
+def _is_ntp(model) -> bool:
+    from ntp_megatron.ntp_gpt import NTPGPTModel
+
+    return isinstance(model.module, NTPGPTModel)
+
+
+def _layout(model, coords: ParallelCoords) -> _Layout:
+    """Plain: the grid. NTP: every rank's replica, width, TP rank and units, gathered (one collective over
+    the job's default group), from which each rank's :class:`CheckpointRole` follows."""
+    if not _is_ntp(model):
+        return _Layout(parallel={"tp": coords.tp_size, "dp": coords.dp_size})
+    gpt = model.module
+    tp = gpt.pg_collection.tp
+    units = gpt.ntp_units
+    mine = (coords.dp_rank, tp.size(), tp.rank(), (units.heads, units.ffn, units.vocab))
+    members: list = [None] * dist.get_world_size()
+    dist.all_gather_object(members, mine)
+    roles = checkpoint_roles([m[:3] for m in members], tp_base=coords.tp_size)
+    widths = {replica: width for replica, width, _, _ in members}
+    digest = hashlib.sha256(json.dumps(sorted(members)).encode()).hexdigest()[:16]
+    parallel = {"tp": coords.tp_size, "dp": coords.dp_size, "ntp": True,
+                "tp_per_replica": [widths.get(r, 0) for r in range(coords.dp_size)], "ntp_layout": digest}
+    rank = dist.get_rank()
+    return _Layout(parallel=parallel, role=roles[rank], rank=rank, world_size=len(members))
+
+
+def _rng_object(coords: ParallelCoords, layout: _Layout, state: Any) -> ShardedObject:
+    if layout.role is not None:  # NTP: replicas differ in width, so one object per rank of this layout
+        return ShardedObject("rng_state", state, (layout.world_size,), (layout.rank,), replica_id=0)
     return ShardedObject(
         "rng_state", state, (coords.dp_size, coords.tp_size), (coords.dp_rank, coords.tp_rank), replica_id=0
     )
 
 
-def _sharded_state(model, optimizer: MegatronOptimizer, is_loading: bool) -> dict[str, Any]:
+def _sharded_state(model, optimizer: MegatronOptimizer, layout: _Layout, is_loading: bool) -> dict[str, Any]:
     """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints."""
-    model_sd = model.module.sharded_state_dict()
+    metadata = {ROLE_KEY: layout.role} if layout.role is not None else None
+    model_sd = model.module.sharded_state_dict(metadata=metadata)
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def _write_latest(root: Path, iteration: Optional[int]) -> None:
+    """Point ``latest`` at ``iteration`` (None: remove it) atomically: readers see the old or the new file."""
+    latest = root / LATEST_FILE
+    if iteration is None:
+        latest.unlink(missing_ok=True)
+        return
+    tmp = root / f".{LATEST_FILE}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, latest)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def _latest_iteration(root: Path) -> Optional[int]:
+    try:
+        return int((root / LATEST_FILE).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _complete_iterations(root: Path) -> list[int]:
+    out = []
+    for path in root.glob("iter_*"):
+        if (path / "metadata.json").is_file() and path.name[5:].isdigit():
+            out.append(int(path.name[5:]))
+    return sorted(out)
+
+
+def _prepare_dir(root: Path, iteration: int) -> Path:
+    """An empty ``iter_*`` directory (rank 0). A leftover of the same iteration (a save killed midway, or a
+    run that went further before this one resumed from an older checkpoint) is removed first; if ``latest``
+    names it, ``latest`` first moves to the newest other complete checkpoint, so it never points at a
+    directory being rewritten."""
+    path = iteration_dir(root, iteration)
+    root.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        if _latest_iteration(root) == iteration:
+            others = [i for i in _complete_iterations(root) if i != iteration]
+            _write_latest(root, others[-1] if others else None)
+        shutil.rmtree(path)
+    path.mkdir()
+    return path
 
 
 def save_checkpoint(
@@ -61,23 +185,25 @@ def save_checkpoint(
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
 ) -> Path:
+    """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job."""
     path = iteration_dir(root, iteration)
+    layout = _layout(model, coords)
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        _prepare_dir(root, iteration)
     dist.barrier()
-    state = _sharded_state(model, optimizer, is_loading=False)
+    state = _sharded_state(model, optimizer, layout, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
-    state["parallel"] = {"tp": coords.tp_size, "dp": coords.dp_size}
+    state["parallel"] = layout.parallel
     rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
-    state["rng_state"] = _rng_object(coords, rng)
+    state["rng_state"] = _rng_object(coords, layout, rng)
     faults.point("checkpoint")
-    dist_checkpointing.save(state, str(path))
+    dist_checkpointing.save(state, str(path))  # ends with metadata.json and a barrier
     dist.barrier()
     if dist.get_rank() == 0:
-        (root / LATEST_FILE).write_text(f"{iteration}\n")
+        _write_latest(root, iteration)
     dist.barrier()
     logger.info("saved checkpoint at iteration %d to %s", iteration, path)
     return path
@@ -87,10 +213,34 @@ def resolve_load_dir(load: Path) -> Optional[Path]:
     """``load`` itself if it is an ``iter_*`` checkpoint, else its latest one; None if it holds none."""
     if (load / "metadata.json").is_file():
         return load
-    latest = load / LATEST_FILE
-    if latest.is_file():
-        return iteration_dir(load, int(latest.read_text().strip()))
+    latest = _latest_iteration(load)
+    if latest is not None:
+        return iteration_dir(load, latest)
     return None
+
+
+def _requested_shapes(request: dict) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor a load request reads, by checkpoint key."""
+    out: dict[str, tuple[int, ...]] = {}
+    for value in nested_values(request):
+        if isinstance(value, UnitShardedTensorFactory):
+            out[value.key] = tuple(value.global_shape)
+        elif isinstance(value, ShardedTensor):
+            out[value.key] = tuple(value.global_shape)
+    return out
+
+
+def check_shapes(request: dict, path: Path) -> None:
+    """One clear line (SystemExit) if the checkpoint lacks a tensor this model reads or holds it with another
+    global shape (a checkpoint of a different model)."""
+    stored = dist_checkpointing.load_tensors_metadata(str(path))
+    for key, shape in sorted(_requested_shapes(request).items()):
+        if key not in stored:
+            raise SystemExit(f"checkpoint.load: {path} has no tensor {key!r}, which this model reads "
+                             "(a checkpoint of another model, or without optimizer state?)")
+        if tuple(stored[key].global_shape) != shape:
+            raise SystemExit(f"checkpoint.load: tensor {key!r} has global shape {tuple(stored[key].global_shape)}"
+                             f" in {path} but {shape} in this model (a checkpoint of a different model shape)")
 
 
 def load_checkpoint(
@@ -100,19 +250,27 @@ def load_checkpoint(
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
 ) -> int:
-    """Restore everything saved by :func:`save_checkpoint`; returns the completed iteration count."""
+    """Restore everything saved by :func:`save_checkpoint` (or by plain Megatron-Core: model, optimizer,
+    scheduler, iteration), whatever layout wrote it; returns the completed iteration count."""
     path = resolve_load_dir(load)
     if path is None:
         raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
+    if not (path / "metadata.json").is_file():
+        raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
     common = dist_checkpointing.load_common_state_dict(str(path))
-    same_layout = common.get("parallel") == {"tp": coords.tp_size, "dp": coords.dp_size}
-    request = _sharded_state(model, optimizer, is_loading=True)
+    scheduler_key = next((k for k in SCHEDULER_KEYS if k in common), None)
+    if scheduler_key is None or "iteration" not in common:
+        raise SystemExit(f"checkpoint.load: {path} has no {'iteration' if scheduler_key else 'scheduler'} state")
+    layout = _layout(model, coords)
+    same_layout = common.get("parallel") == layout.parallel
+    request = _sharded_state(model, optimizer, layout, is_loading=True)
+    check_shapes(request, path)
     if same_layout:
-        request["rng_state"] = _rng_object(coords, None)
+        request["rng_state"] = _rng_object(coords, layout, None)
     state = dist_checkpointing.load(request, str(path))
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    scheduler.load_state_dict(state[scheduler_key])
     if same_layout:
         rng = state["rng_state"]
         torch.set_rng_state(rng["cpu"])
@@ -120,8 +278,8 @@ def load_checkpoint(
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     else:
-        logger.warning("checkpoint saved with %s, resuming with a different layout: RNG streams reseeded",
-                       common.get("parallel"))
+        logger.warning("checkpoint saved with %s, resuming with %s: RNG streams reseeded",
+                       common.get("parallel"), layout.parallel)
     iteration = int(state["iteration"])
     logger.info("loaded checkpoint %s (iteration %d)", path, iteration)
     return iteration
