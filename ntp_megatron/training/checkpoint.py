@@ -210,8 +210,9 @@ def save_checkpoint(
 
 
 def resolve_load_dir(load: Path) -> Optional[Path]:
-    """``load`` itself if it is an ``iter_*`` checkpoint, else its latest one; None if it holds none."""
-    if (load / "metadata.json").is_file():
+    """``load`` itself if it is an ``iter_*`` checkpoint (complete or not: loading says which), else its
+    latest one; None if it holds none."""
+    if (load / "metadata.json").is_file() or (load.name.startswith("iter_") and load.name[5:].isdigit()):
         return load
     latest = _latest_iteration(load)
     if latest is not None:
@@ -277,8 +278,8 @@ def load_checkpoint(
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    else:
-        logger.warning("checkpoint saved with %s, resuming with %s: RNG streams reseeded",
+    elif dist.get_rank() == 0:
+        logger.warning("checkpoint saved with %s, resuming with %s: RNG streams not restored",
                        common.get("parallel"), layout.parallel)
     iteration = int(state["iteration"])
     logger.info("loaded checkpoint %s (iteration %d)", path, iteration)

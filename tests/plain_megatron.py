@@ -1,0 +1,287 @@
+"""Plain Megatron-Core, without ntp-megatron: GPTModel (local spec), DistributedDataParallel,
+get_megatron_optimizer, OptimizerParamScheduler, MockGPTDataset and ``dist_checkpointing``, on CPU/gloo with
+one forked process per TP rank (TP × DP1). The other side of the NTP checkpoint tests:
+
+    python -m tests.plain_megatron train  --tp 2 --iters 6 --save-at 3 --ckpt DIR --out losses.json
+    python -m tests.plain_megatron logits --tp 1 --tp 2 --ckpt DIR [--ckpt DIR2] --out logits.pt
+
+``train`` trains from Megatron's own initialisation, saves ``{model, optimizer, scheduler, iteration}`` at
+``--save-at`` into ``DIR/iter_<n>`` and writes every iteration's lm loss. ``logits`` loads a checkpoint
+(model and optimizer) at each TP degree and writes the full-vocabulary logits of :func:`fixed_batch`, as
+``{(ckpt, tp): logits}``.
+
+The model, optimizer, schedule and data mirror the test jobs' config (``tests.jobs.TINY``, tiny_cpu.yaml),
+written out here with Megatron's own names. No ntp-megatron code runs except four upstream workarounds
+from ``ntp_megatron/patches``, each needed on CPU or for the data, none on the checkpoint path:
+
+- ``cpu_shim``: Megatron-Core allocates DDP buffers, optimizer and schedule tensors with
+  ``device=torch.cuda.current_device()`` and calls ``torch.cuda.synchronize()``; without CUDA that raises.
+- ``tensor_parallel_random``: ``model_parallel_cuda_manual_seed`` and the attention's RNG fork use CUDA
+  generator states; on a CPU build the model-parallel stream is never seeded and the fork fails.
+- ``optimizer_clip_grads``: ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor``.
+- ``datasets_gpt_dataset``: an upstream bug makes a sample's loss mask depend on the first sample the process
+  read; without the fix a one-replica run and a two-replica run train on different masks.
+
+The two ``dist_checkpointing`` patches (layer-axis chunks of uneven shardings, exactly-once coverage of
+uneven shardings) are *not* applied: this process only ever writes and reads regular grids, as plain
+Megatron-Core does, and NTP checkpoints must load here without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SEED = 1234
+VOCAB = 256
+SEQ = 64
+MICRO = 2
+GLOBAL_BATCH = 12
+LR, MIN_LR, WARMUP = 3e-3, 3e-4, 1
+
+
+def apply_cpu_workarounds() -> None:
+    """The four upstream workarounds listed in the module docstring, and nothing else."""
+    from ntp_megatron.patches import cpu_shim, datasets_gpt_dataset, optimizer_clip_grads, tensor_parallel_random
+
+    cpu_shim.apply()
+    tensor_parallel_random.apply()
+    optimizer_clip_grads.apply()
+    datasets_gpt_dataset.apply()
+
+
+def transformer_config(tp: int):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="LayerNorm", activation_func=F.gelu, init_method_std=0.02, layernorm_epsilon=1e-5,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=True,
+        params_dtype=torch.float32, pipeline_dtype=torch.float32, calculate_per_token_loss=True,
+        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        finalize_model_grads_func=finalize_model_grads, cuda_graph_scope=[],
+    )
+
+
+def build(tp: int, train_iters: int):
+    """GPTModel in DDP, optimizer, scheduler, as Megatron-Core builds them."""
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    torch.manual_seed(SEED)
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    config = transformer_config(tp)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
+                   vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True,
+                   share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False, check_for_nan_in_grad=False)
+    model = DistributedDataParallel(config, ddp_config, gpt)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
+                        adam_eps=1e-8, clip_grad=1.0, bf16=False, fp16=False, params_dtype=torch.float32,
+                        use_distributed_optimizer=False),
+        [model], use_gloo_process_groups=False)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * GLOBAL_BATCH,
+        lr_decay_steps=train_iters * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=train_iters * GLOBAL_BATCH, wd_incr_style="constant")
+    return model, optimizer, scheduler
+
+
+def dataset(train_iters: int, cache: Path):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, vocab_size=VOCAB)
+    config = GPTDatasetConfig(random_seed=SEED, sequence_length=SEQ, blend=None, split="100,0,0",
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, path_to_cache=str(cache))
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, [train_iters * GLOBAL_BATCH, 0, 0], lambda: True,
+                                         config).build()[0]
+
+
+def train_step(model, optimizer, scheduler, data, iteration: int) -> float:
+    """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    samples = range(iteration * GLOBAL_BATCH, (iteration + 1) * GLOBAL_BATCH)
+
+    def batches():
+        for first in range(0, len(samples), MICRO):
+            items = [data[i] for i in samples[first:first + MICRO]]
+            yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+    def forward_step(iterator, model):
+        batch = next(iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+
+        def loss_func(output_tensor):
+            losses = output_tensor.float().view(-1)
+            mask = batch["loss_mask"].float().view(-1)
+            loss_sum = torch.sum(losses * mask)
+            return loss_sum, mask.sum().to(torch.int), {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+        return output, loss_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    reported = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=batches(), model=[model],
+        num_microbatches=GLOBAL_BATCH // MICRO, seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+    total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+    optimizer.step()
+    scheduler.step(increment=GLOBAL_BATCH)
+    return float(total[0] / total[1])
+
+
+def sharded_state(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model.module.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def fixed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, position ids ([2, SEQ]) and the causal mask (True: masked, as MockGPTDataset builds it) every
+    logits comparison runs on."""
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    positions = torch.arange(SEQ).unsqueeze(0).expand(2, SEQ).contiguous()
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).expand(2, 1, SEQ, SEQ).contiguous()
+    return tokens, positions, mask
+
+
+def run_train(rank: int, tp: int, args) -> None:
+    from megatron.core import dist_checkpointing
+
+    model, optimizer, scheduler = build(tp, args.iters)
+    data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
+    losses = {}
+    for iteration in range(args.iters):
+        losses[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration)
+        if iteration + 1 == args.save_at:
+            state = sharded_state(model, optimizer, is_loading=False)
+            state.update(scheduler=scheduler.state_dict(), iteration=iteration + 1)
+            path = Path(args.ckpt) / f"iter_{iteration + 1:07d}"
+            if rank == 0:
+                path.mkdir(parents=True, exist_ok=True)
+            dist.barrier()
+            dist_checkpointing.save(state, str(path))
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(losses))
+
+
+def run_logits(rank: int, tp: int, args) -> torch.Tensor:
+    from megatron.core import dist_checkpointing, parallel_state
+
+    model, optimizer, scheduler = build(tp, args.iters)
+    state = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), args.load_dir)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():
+        logits = model.module(*fixed_batch())  # [b, s, vocab / tp]
+    # Megatron's gather_from_tensor_model_parallel_region allocates on CUDA; the same gather with gloo:
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(logits) for _ in range(group.size())]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _worker(rank: int, world: int, port: int, args, results) -> None:
+    try:
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+        if args.mode == "train":
+            run_train(rank, world, args)
+        else:
+            logits = run_logits(rank, world, args)
+            if rank == 0:
+                results.put(logits.numpy())
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, args):
+    """Fork ``world`` ranks of a TP-``world`` job (this process imported torch and Megatron once)."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = None
+    if args.mode == "logits":
+        while out is None:
+            try:
+                out = results.get(timeout=1)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or not any(p.is_alive() for p in procs):
+                    break
+    for p in procs:
+        p.join(timeout=300)
+    failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        raise SystemExit(f"plain_megatron {args.mode} at TP{world}: ranks {failed} failed")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["train", "logits"])
+    parser.add_argument("--tp", type=int, action="append", required=True)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--save-at", type=int, default=3)
+    parser.add_argument("--ckpt", action="append", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    apply_cpu_workarounds()
+    if args.mode == "train":
+        args.ckpt = args.ckpt[0]
+        for tp in args.tp:
+            launch(tp, args)
+        return 0
+    out = {}
+    for ckpt in args.ckpt:
+        args.load_dir = ckpt
+        for tp in args.tp:
+            out[ckpt, tp] = torch.from_numpy(launch(tp, args))
+    torch.save(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
