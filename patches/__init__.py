@@ -72,12 +72,19 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
                      "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation"])
     if cpu:
-        from ntp_megatron.patches import cpu_shim, optimizer_clip_grads, tensor_parallel_random
+        from ntp_megatron.patches import (
+            cpu_shim,
+            dist_checkpointing_filesystem_async,
+            optimizer_clip_grads,
+            tensor_parallel_random,
+        )
 
         cpu_shim.apply()
         tensor_parallel_random.apply()
         optimizer_clip_grads.apply()
-        _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads"])
+        dist_checkpointing_filesystem_async.apply()  # a forked, not spawned, results queue for checkpoint writes
+        _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads",
+                         "dist_checkpointing_filesystem_async"])
     from ntp_megatron.patches import optimizer_param_groups
 
     # After the CPU shim, whose view of torch it wraps. Inactive until NTP switches it on.
