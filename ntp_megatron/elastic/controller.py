@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
-from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology
+from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
 
 AWARE_WAIT_S = 10.0
 
@@ -53,6 +53,7 @@ class Controller:
         self.store = store
         self.latest = topology
         self.completed = topology
+        self.published: dict[int, Topology] = {0: topology}
         self.min_tp, self.policy = min_tp, policy
         self.say, self.emit = say, emit
         self.dump_stacks = dump_stacks
@@ -83,10 +84,9 @@ class Controller:
         self.dead.update(d.launch_rank for d in deaths)
         self.failures += len(deaths)
         old = self.latest
-        if self._completed_generation() == old.generation or not abandon_formation(self.store, old.generation):
-            # The newest generation was formed (or finished forming just now): survivors hold its layout.
-            if self.completed.generation != old.generation:
-                self.completed, self.dead_since_completed, self.settled = old, {}, None
+        if self._completed_generation() != old.generation:
+            abandon_formation(self.store, old.generation)  # unless it completed just now
+        self._refresh_completed()
         # Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
         # left it at an admission boundary; the same one again if a re-formation after a failure was interrupted).
         in_flight = settle(self.store, self.completed.generation)
@@ -101,6 +101,7 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
+            transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
@@ -118,11 +119,19 @@ class Controller:
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
         self.store.set(keys.abort(old.generation), "1")
-        self.latest = new
+        self.latest = self.published[g] = new
         return None
+
+    def _refresh_completed(self) -> None:
+        """Catch up with the newest completed generation: survivors hold its layout, and deaths before it are
+        part of it."""
+        g = self._completed_generation()
+        if g > self.completed.generation:
+            self.completed, self.dead_since_completed, self.settled = self.published[g], {}, None
 
     def forming(self) -> bool:
         """A published generation has not completed its re-formation yet."""
+        self._refresh_completed()
         return self._completed_generation() != self.latest.generation
 
     def _completed_generation(self) -> int:
@@ -152,7 +161,7 @@ class Controller:
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
         self.store.set(keys.reform_requested(old.generation), str(g))
-        self.latest = new
+        self.latest = self.published[g] = new
         self.dead.difference_update(launch_ranks)
         joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]})"
                            for lr in launch_ranks)

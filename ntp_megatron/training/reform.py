@@ -149,12 +149,14 @@ class Reformer:
         trainer.generation = generation
         with elastic.scope(generation):
             setup = ntp_parallel(cfg, topology, generation.rank)
-        faults.point("reform")
         old: Optional[Components] = trainer.parts
         if old is None:  # a fresh process resumes after the newest committed iteration
             trainer.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
             trainer.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
+            if trainer.failures is not None:
+                trainer.failures.iteration = trainer.iteration + 1
         fresh = trainer.iteration == 0
+        faults.point("reform")
         old_rank = base.rank_of(*elastic.identity)
         changed = old is None or old_rank is None or any(
             base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units)
