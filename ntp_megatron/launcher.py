@@ -348,7 +348,7 @@ class Launcher:
         self._remote_deaths_seen = 0
         while True:
             if agent is not None:
-                agent.poll()
+                agent.poll(inject=not self.training_done)
             deaths = self._collect_exits(finished, agent)
             if self.args.nnodes > 1 and self.cfg.ntp.enabled:
                 if self.controller is not None:

@@ -65,11 +65,13 @@ class Agent:
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
         self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
 
-    def poll(self) -> None:
+    def poll(self, inject: bool = True) -> None:
+        """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
         now = time.time()
         self._fence(now)
-        self._fire_timed(now)
-        self._fire_random(now)
+        if inject:
+            self._fire_timed(now)
+            self._fire_random(now)
 
     def forget(self, rank: int) -> None:
         """A new process takes over ``rank`` (a replacement): nothing of the old one counts against it."""

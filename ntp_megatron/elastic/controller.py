@@ -101,7 +101,8 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
-            transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
+            if int(self.store.get(keys.COMMITTED).decode()):  # before the first commit every rank can draw any unit
+                transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
