@@ -133,8 +133,15 @@ class NTPSection(_Section):
     global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1."""
     heartbeat_interval_s: float = Field(0.2, gt=0.0)
     """How often every rank tells the launcher it is alive."""
-    heartbeat_timeout_s: float = Field(3.0, gt=0.0)
-    """A rank silent this long (SIGSTOP, a hung device) is fenced: SIGKILLed, then handled as dead."""
+    heartbeat_timeout_s: float = Field(10.0, gt=0.0)
+    """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
+    then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless. The heartbeat is
+    a Python thread that long GIL-holding work can delay by seconds: keep this well above that."""
+    rejoin_after_s: Optional[float] = Field(None, ge=0.0)
+    """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
+    slot; it is admitted at an iteration boundary and takes its canonical block back. None: never."""
+    max_rejoin_attempts: int = Field(3, ge=1)
+    """Replacements that die while starting or being admitted are retried this many times per slot."""
 
 
 class CheckpointSection(_Section):

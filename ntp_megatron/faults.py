@@ -15,8 +15,9 @@ renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based 
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
-- ``reform``: while re-forming after another rank's failure during iteration N (NTP only: after joining the
-  new generation, before units move) — a second failure in the middle of a re-formation.
+- ``reform``: in the first re-formation this process takes part in at iteration N or later (NTP only: after
+  joining the new generation, before units move) — a second failure in the middle of a re-formation after
+  another rank's failure, or a replacement process dying while it is being admitted.
 
 Controller-side (the launcher does it from outside)::
 
@@ -215,7 +216,8 @@ class FailureTrigger:
     def point(self, phase: str, iteration: Optional[int] = None) -> None:
         iteration = self.iteration if iteration is None else iteration
         for spec in self._mine:
-            if spec.phase == phase and spec.iteration == iteration:
+            due = spec.iteration <= iteration if phase == "reform" else spec.iteration == iteration
+            if spec.phase == phase and due:
                 self._mine.remove(spec)
                 if self._fired is not None and self._fired(spec):
                     return

@@ -144,6 +144,11 @@ class Launcher:
         self.print_lock = threading.Lock()
         self.controller = None
         self.restarts = 0
+        self.agent = None
+        self.replacements: dict[int, float] = {}
+        """Launch rank -> when to start a replacement process for it (NTP with ntp.rejoin_after_s)."""
+        self.rejoin_attempts: dict[int, int] = {}
+        self.training_done = False
         self.pid_history: dict[str, list[int]] = {}
 
     # -- output ------------------------------------------------------------------------------------
@@ -220,11 +225,15 @@ class Launcher:
             ranks[rank] = RankProcess.from_fds(rank, pid, out_r, err_r)
         return ranks
 
-    def _spawn_rank(self, rank: int, store_port: int) -> RankProcess:
+    def _spawn_rank(self, rank: int, store_port: int, joining: bool = False) -> RankProcess:
         """Start a rank as a fresh interpreter: the launcher has threads now, and a forked child of a threaded
-        process may inherit locks held by threads that do not exist in it."""
+        process may inherit locks held by threads that do not exist in it. ``joining``: a replacement for a
+        failed rank of a running NTP job (it waits to be admitted)."""
+        env = self._rank_env(rank, store_port)
+        if joining:
+            env[runtime.ENV_JOINING] = "1"
         proc = subprocess.Popen([sys.executable, "-m", "ntp_megatron.training.pretrain"],
-                                env=self._rank_env(rank, store_port), stdout=subprocess.PIPE,
+                                env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
         return RankProcess(rank, proc.pid, proc.stdout, proc.stderr)
 
@@ -272,8 +281,12 @@ class Launcher:
         self.run_dir = Path(self.cfg.logging.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.store_port = self.args.store_port or _free_port(self.args.store_host)
-        import ntp_megatron.training.pretrain  # noqa: F401 - the import every forked rank then skips
+        from ntp_megatron.training import pretrain  # the import every forked rank then skips
 
+        if self.args.node_rank == 0:
+            # Megatron's dataset index caches are written here, once, before any rank or process group exists;
+            # forked ranks inherit the dataset, other nodes' ranks read the caches after node 0's store is up.
+            pretrain.prebuild_dataset(self.run_dir, self.cfg)
         self.ranks = self._fork_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
@@ -324,18 +337,18 @@ class Launcher:
     def _monitor(self, store) -> int:
         """Wait for the ranks. A death is absorbed by NTP (a new generation), or restarts the job from the last
         checkpoint (NTP off, checkpoints on), or ends the job."""
-        agent = None
+        agent = self.agent = None
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
             from ntp_megatron.elastic.agent import Agent
 
-            agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
-                          startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures, say=self._say,
-                          live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
+            agent = self.agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
+                                       startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
+                                       say=self._say, live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
         finished: set[int] = set()
         self._remote_deaths_seen = 0
         while True:
             if agent is not None:
-                agent.poll()
+                agent.poll(inject=not self.training_done)
             deaths = self._collect_exits(finished, agent)
             if self.args.nnodes > 1 and self.cfg.ntp.enabled:
                 if self.controller is not None:
@@ -352,6 +365,8 @@ class Launcher:
                 outcome = self._handle_deaths(deaths, store)
                 if outcome is not None:
                     return outcome
+            if self.cfg.ntp.enabled:
+                self._rejoin(store, finished)
             running = [r for r in self.ranks.values() if r.poll() is None]
             if not running:
                 self._say(f"all {len(finished)} ranks finished")
@@ -373,6 +388,9 @@ class Launcher:
                 continue  # a process of an earlier restart
             if returncode == 0:
                 finished.add(proc.rank)
+                if (self.controller is None
+                        or self.controller.latest.rank_of(*self.controller.identity[proc.rank]) is not None):
+                    self.training_done = True  # a rank of the running generation completed the run
                 continue
             when, cause = time.time(), describe_exit(returncode)
             if agent is not None and proc.rank in agent.notes:
@@ -388,10 +406,23 @@ class Launcher:
     def _handle_deaths(self, deaths: list, store) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
         if self.controller is not None:
+            booting = [d for d in deaths if d.launch_rank in self.rejoin_attempts
+                       and self.controller.latest.rank_of(*self.controller.identity[d.launch_rank]) is None]
+            for d in booting:  # a replacement that died before it was admitted: the job never relied on it
+                if self.training_done:
+                    continue  # stopped by us: the run completed before it was admitted
+                self._say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
+                          f"admitted; the job goes on without it")
+                self._schedule_rejoin(d.launch_rank)
+            deaths = [d for d in deaths if d not in booting]
+            if not deaths:
+                return None
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
             reason = self.controller.handle(deaths)
             if reason is None:
+                for d in deaths:
+                    self._schedule_rejoin(d.launch_rank)
                 return None
             self._say(reason)
             self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
@@ -421,6 +452,51 @@ class Launcher:
         self._stop_all()
         self._say("all ranks stopped")
         return 1
+
+    def _schedule_rejoin(self, launch_rank: int) -> None:
+        """Plan a replacement for a failed rank after the repair delay, a bounded number of times."""
+        after = self.cfg.ntp.rejoin_after_s
+        if after is None or launch_rank not in self.local_ranks:
+            return
+        attempts = self.rejoin_attempts.get(launch_rank, 0)
+        if attempts >= self.cfg.ntp.max_rejoin_attempts:
+            self._say(f"launch rank {launch_rank}: {attempts} replacements failed; its replica stays degraded")
+            return
+        self.replacements[launch_rank] = time.time() + after
+
+    def _rejoin(self, store, finished: set[int]) -> None:
+        """Start replacements that are due; admit the ones that announced themselves (node 0). Once the run is
+        complete, replacements still waiting to be admitted are stopped: there is nothing left to join."""
+        if self.training_done:
+            self.replacements.clear()
+            for rank in self.rejoin_attempts:
+                proc = self.ranks.get(rank)
+                live = self.controller is not None and self.controller.latest.rank_of(*self.controller.identity[rank])
+                if proc is not None and proc.poll() is None and live is None:
+                    _signal_group(proc.pid, signal.SIGTERM)
+            return
+        now = time.time()
+        for rank, due in list(self.replacements.items()):
+            if now >= due:
+                del self.replacements[rank]
+                self.rejoin_attempts[rank] = self.rejoin_attempts.get(rank, 0) + 1
+                if self.agent is not None:
+                    self.agent.forget(rank)
+                proc = self._spawn_rank(rank, self.store_port, joining=True)
+                self.ranks[rank] = proc
+                self._record_pids()
+                self._watch(proc)
+                self._emit({"kind": "event", "event": "replacement_started", "launch_rank": rank, "pid": proc.pid,
+                            "attempt": self.rejoin_attempts[rank], "time": now})
+                self._say(f"starting a replacement for launch rank {rank} (pid {proc.pid}, attempt "
+                          f"{self.rejoin_attempts[rank]} of {self.cfg.ntp.max_rejoin_attempts})")
+        if self.controller is None:
+            return
+        ready = [lr for lr in self.rejoin_attempts if _try_check(store, elastic_keys.joining(lr))
+                 and self.controller.latest.rank_of(*self.controller.identity[lr]) is None]
+        if ready and self.controller.admit(ready):
+            for lr in ready:
+                store.delete_key(elastic_keys.joining(lr))
 
     def _remote_deaths(self, store) -> list:
         """Deaths other nodes' launchers reported since the last poll (node 0)."""

@@ -61,6 +61,7 @@ class MetricsSink:
 
     def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
         self.records: list[dict[str, Any]] = []
+        self._iterations: set[tuple] = set()
         """Everything written, in order (the launcher's end-of-run summary and plot read it)."""
         self._file: Optional[TextIO] = None
         if metrics_file is not None:
@@ -73,6 +74,11 @@ class MetricsSink:
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
+        if record.get("kind") == "iteration":
+            key = (record["iteration"], record.get("generation"))
+            if key in self._iterations:
+                return  # every rank reports each iteration; one record is kept
+            self._iterations.add(key)
         if record.get("kind") in ("iteration", "event"):
             self.records.append(record)
         if self._file is not None:

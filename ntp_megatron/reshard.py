@@ -34,11 +34,13 @@ def state_keys(optimizer_name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Units that new-generation rank ``src`` sends to new-generation rank ``dst``."""
+    """Units that new-generation rank ``src`` sends to new-generation rank ``dst``; with ``replicated``, also
+    every replicated parameter and its state (for a process that holds nothing yet)."""
 
     src: int
     dst: int
     units: tuple[Unit, ...]
+    replicated: bool = False
 
 
 def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
@@ -50,7 +52,14 @@ def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) 
     for move in transition_plan(old, new, dead):
         source = move.src if move.src is not None else move.peer
         grouped[(survivors[source], move.dst)].append((move.family, move.unit))
-    return [Transfer(src, dst, tuple(sorted(units))) for (src, dst), units in sorted(grouped.items())]
+    # A process new to the job (a replacement) also needs the replicated parameters: from the survivor that
+    # sends it units, else the first survivor.
+    fresh = sorted(set(range(new.world_size)) - set(survivors.values()))
+    for dst in fresh:
+        src = next((s for (s, d) in sorted(grouped) if d == dst), min(survivors.values()))
+        grouped.setdefault((src, dst), [])
+    return [Transfer(src, dst, tuple(sorted(units)), replicated=dst in fresh)
+            for (src, dst), units in sorted(grouped.items())]
 
 
 class UnitTensors:
@@ -59,6 +68,7 @@ class UnitTensors:
     def __init__(self, model: torch.nn.Module, optimizer, keys: tuple[str, ...], with_state: bool) -> None:
         self.params: list[tuple[str, torch.nn.Parameter, UnitShard]] = [
             (name, p, p.ntp_shard) for name, p in model.named_parameters() if hasattr(p, "ntp_shard")]
+        self.replicated: list[torch.nn.Parameter] = [p for p in model.parameters() if not hasattr(p, "ntp_shard")]
         self.keys = keys if with_state else ()
         self.state = optimizer.optimizer.state if optimizer is not None else {}
 
@@ -71,8 +81,11 @@ class UnitTensors:
         per_param = sum(s.outer * s.inner for _, _, s in self.params if s.family == family)
         return per_param * (1 + len(self.keys))
 
-    def pack(self, units: tuple[Unit, ...]) -> torch.Tensor:
-        parts = []
+    def replicated_numel(self) -> int:
+        return sum(p.numel() for p in self.replicated) * (1 + len(self.keys))
+
+    def pack(self, units: tuple[Unit, ...], replicated: bool = False) -> torch.Tensor:
+        parts = [t.reshape(-1) for p in self.replicated for t in self.tensors(p)] if replicated else []
         for _, param, shard in self.params:
             local = [shard.units.index(u) for f, u in units if f == shard.family]
             if not local:
@@ -82,11 +95,16 @@ class UnitTensors:
                 parts.append(tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1))
         return torch.cat(parts).float() if parts else torch.empty(0)
 
-    def numel(self, units: tuple[Unit, ...]) -> int:
-        return sum(self.unit_numel(family) for family, _ in units)
+    def numel(self, units: tuple[Unit, ...], replicated: bool = False) -> int:
+        return sum(self.unit_numel(family) for family, _ in units) + (self.replicated_numel() if replicated else 0)
 
-    def unpack(self, units: tuple[Unit, ...], buffer: torch.Tensor) -> None:
+    def unpack(self, units: tuple[Unit, ...], buffer: torch.Tensor, replicated: bool = False) -> None:
         offset = 0
+        if replicated:
+            for param in self.replicated:
+                for tensor in self.tensors(param):
+                    tensor.view(-1).copy_(buffer[offset:offset + tensor.numel()])
+                    offset += tensor.numel()
         for _, param, shard in self.params:
             local = [shard.units.index(u) for f, u in units if f == shard.family]
             if not local:
@@ -133,6 +151,12 @@ def _any_step(state) -> Optional[torch.Tensor]:
     return None
 
 
+def set_step(tensors: UnitTensors, steps: int) -> None:
+    """Adam's step counter on every parameter of a freshly built optimizer (a process that holds no old one)."""
+    for entry in tensors.state.values():
+        entry["step"] = torch.tensor(float(steps))
+
+
 def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
     """Create zeroed per-element state for every parameter of a freshly built optimizer (filled afterwards)."""
     for param in model.parameters():
@@ -146,19 +170,19 @@ def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], n
     works, received = [], []
     for t in transfers:
         if t.dst == rank:
-            buffer = torch.empty(new.numel(t.units), dtype=torch.float32, device=_device(new))
+            buffer = torch.empty(new.numel(t.units, t.replicated), dtype=torch.float32, device=_device(new))
             works.append(dist.irecv(buffer, src=t.src, group=group))
             received.append((t, buffer))
     sends = []
     for t in transfers:
         if t.src == rank:
-            payload = old.pack(t.units)
+            payload = old.pack(t.units, t.replicated)
             sends.append(payload)
             works.append(dist.isend(payload, dst=t.dst, group=group))
     for work in works:
         work.wait()
     for t, buffer in received:
-        new.unpack(t.units, buffer)
+        new.unpack(t.units, buffer, t.replicated)
     return sum(buffer.numel() * buffer.element_size() for _, buffer in received)
 
 
@@ -177,3 +201,10 @@ def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int
         for family, per_unit in unit_numel.items():
             total += len(old.units_of(rank, family)) * per_unit * element_size
     return total
+
+
+def join_lower_bound_bytes(new: Topology, joined: list[tuple[int, int]], unit_numel: dict[str, int],
+                           element_size: int = 4) -> int:
+    """Bytes that admitting ``joined`` (replica, slot) pairs must move at least: their canonical blocks."""
+    return sum(len(new.block(family, slot)) * per_unit * element_size
+               for _, slot in joined for family, per_unit in unit_numel.items())

@@ -64,7 +64,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
-    """Loss per iteration, TP per replica over iterations, failures marked."""
+    """Loss per iteration, TP per replica over iterations, failures (red) and rejoins (green) marked."""
     iterations, _ = _iterations(records)
     if not iterations:
         return None
@@ -93,6 +93,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
                 ax.axvline(event["iteration"], color="tab:red", linestyle="--", linewidth=1)
             loss_ax.annotate(f"rank {event.get('launch_rank')} failed", (event["iteration"], loss_ax.get_ylim()[1]),
                              color="tab:red", fontsize="small", ha="left", va="top")
+    for event in _events(records, "reformed"):
+        if event.get("joined"):
+            at = event["resume_iteration"]
+            for ax in (loss_ax, tp_ax):
+                ax.axvline(at, color="tab:green", linestyle="--", linewidth=1)
+            slots = ", ".join(f"replica {r} slot {s}" for r, s in event["joined"])
+            loss_ax.annotate(f"{slots} rejoined", (at, loss_ax.get_ylim()[1]), color="tab:green",
+                             fontsize="small", ha="right", va="top")
     loss_ax.set_title("ntp-megatron run")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

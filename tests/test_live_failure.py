@@ -57,13 +57,14 @@ def assert_replicas_agree(result: JobResult, iters: int = ITERS, unchecked: tupl
     for r in result.records:
         if r.get("kind") == "state_checksums":
             by_iteration[r["iteration"]].append(r)
-    assert sorted(by_iteration) == [i for i in range(1, iters + 1) if i not in unchecked]
+    assert set(by_iteration) >= {i for i in range(1, iters + 1) if i not in unchecked}
     for iteration, reports in by_iteration.items():
         first = reports[0]
         for other in reports[1:]:
             differing = [k for k in first["checksums"] if first["checksums"][k] != other["checksums"].get(k)]
             assert not differing, (f"iteration {iteration}: replica {other['replica']} TP rank {other['tp_rank']} "
                                    f"differs in {differing[:3]}")
+            assert other["grad_norm"] == first["grad_norm"], f"iteration {iteration}: grad-norm bits differ"
 
 
 def widths_by_iteration(result: JobResult) -> dict[int, list[int]]:
@@ -91,9 +92,11 @@ def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
     [reformed] = result.events("reformed")
     assert reformed["tp_per_replica"] == [2, 1] and reformed["generation"] == 1
     assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0
-    # The iteration in flight is redone, except after the dead rank voted (it committed and survivors stepped).
-    assert reformed["iterations_redone"] == 1
+    # The iteration in flight is redone. After the dead rank voted it committed and survivors stepped it; the
+    # next one is aborted, and counts as redone only if a rank had begun it.
     assert reformed["resume_iteration"] == (6 if phase == "optimizer" else 5)
+    if phase != "optimizer":
+        assert reformed["iterations_redone"] == 1
     widths = widths_by_iteration(result)
     assert widths[4] == [2, 2] and widths[ITERS] == [2, 1]
     assert all(r["generation"] == (0 if r["iteration"] < reformed["resume_iteration"] else 1)
@@ -164,15 +167,14 @@ def test_launch_rank_0_killed(tmp_path, reference_tp4):
 
 
 def test_hung_rank_is_fenced(tmp_path, reference_tp2):
-    args = ntp_args(2, 2, extra=("--set", "ntp.heartbeat_timeout_s=1.5")) + ["--inject-failure",
-                                                                             "hang:rank=2,iter=4,phase=backward"]
+    args = ntp_args(2, 2) + ["--inject-failure", "hang:rank=2,iter=4,phase=backward"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)
     assert_replicas_agree(result)
     [failed] = result.events("rank_failed")
-    assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: fenced")
+    assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
     assert "stopped responding" in result.stderr
-    assert 1.0 < failed["detect_s"] < 5.0  # the heartbeat timeout, then the abort
+    assert 0.4 < failed["detect_s"] < 3.0  # seen stopped, fenced after half a second, then the abort
 
 
 def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):

@@ -1,9 +1,11 @@
 """The launcher's hands on its own ranks: fencing ranks that stopped responding, and controller-side failures.
 
-*Fencing.* Every rank writes a heartbeat to the store (:class:`ntp_megatron.elastic.watchdog.Heartbeat`). A
-rank silent for ``ntp.heartbeat_timeout_s`` — SIGSTOPped, or stuck so hard that even its heartbeat thread
-cannot run — is SIGKILLed before anything else happens, so it can never come back and write; the reaper then
-reports it dead like any other. *Injected failures from outside*: ``kill:rank=R,after=S`` and
+*Fencing.* A rank that stopped (``T`` in ``/proc/<pid>/stat``: SIGSTOP) for ``STOPPED_GRACE_S``, or whose
+heartbeat (:class:`ntp_megatron.elastic.watchdog.Heartbeat`) is older than ``ntp.heartbeat_timeout_s`` —
+stuck so hard that even its heartbeat thread cannot run — is SIGKILLed before anything else happens, so it can
+never come back and write; the reaper then reports it dead like any other. The heartbeat is a Python thread,
+which long GIL-holding work (unpickling, building a dataset index) can delay by seconds: its timeout must stay
+well above that. *Injected failures from outside*: ``kill:rank=R,after=S`` and
 ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started.
 """
 
@@ -27,6 +29,18 @@ class _Process(Protocol):
     def poll(self) -> Optional[int]: ...
 
 
+STOPPED_GRACE_S = 0.5
+
+
+def process_state(pid: int) -> str:
+    """The scheduler state letter of ``pid`` (``R``, ``S``, ``D``, ``T`` stopped, ``Z``...), "" if gone."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2:].split(" ", 1)[0]
+
+
 class Agent:
     def __init__(self, store: dist.Store, processes: Callable[[], dict[int, _Process]], heartbeat_timeout_s: float,
                  startup_grace_s: float, specs: list, say: Callable[[str], None],
@@ -40,17 +54,35 @@ class Agent:
         self.fence = fence
         """Fence by heartbeat (only ranks of an NTP job beat)."""
         self.started = time.time()
+        self.born: dict[int, float] = {}
+        """Launch rank -> when its current process started (a replacement later than the job)."""
+        self.stopped_since: dict[int, float] = {}
+        self.hung: set[int] = set()
+        """Ranks this agent hung itself (``random:...,action=hang``): never picked again."""
         self.notes: dict[int, tuple[float, str]] = {}
         """Launch rank -> (when, what) for ranks this agent killed: their death time and cause."""
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
         self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
 
-    def poll(self) -> None:
+    def poll(self, inject: bool = True) -> None:
+        """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
         now = time.time()
         self._fence(now)
-        self._fire_timed(now)
-        self._fire_random(now)
+        if inject:
+            self._fire_timed(now)
+            self._fire_random(now)
+
+    def forget(self, rank: int) -> None:
+        """A new process takes over ``rank`` (a replacement): nothing of the old one counts against it."""
+        self.notes.pop(rank, None)
+        self.stopped_since.pop(rank, None)
+        self.hung.discard(rank)
+        self.born[rank] = time.time()
+        try:
+            self.store.delete_key(keys.heartbeat(rank))
+        except Exception:  # noqa: BLE001
+            pass
 
     def _fence(self, now: float) -> None:
         if not self.fence:
@@ -58,19 +90,29 @@ class Agent:
         for rank, proc in self.processes().items():
             if proc.poll() is not None or rank in self.notes:
                 continue
+            if process_state(proc.pid) in ("T", "t"):
+                since = self.stopped_since.setdefault(rank, now)
+                if now - since >= STOPPED_GRACE_S:
+                    self._kill(rank, proc, since, f"hung: stopped (SIGSTOP), fenced after {now - since:.1f} s")
+                continue
+            self.stopped_since.pop(rank, None)
             key = keys.heartbeat(rank)
             try:
                 last = float(self.store.get(key).decode()) if self.store.check([key]) else None
             except Exception:  # noqa: BLE001 - the store is going away with the job
                 return
-            silent = now - (last if last is not None else self.started)
-            limit = self.heartbeat_timeout_s if last is not None else self.startup_grace_s
+            born = self.born.get(rank, self.started)
+            silent = now - (last if last is not None and last >= born else born)
+            limit = self.heartbeat_timeout_s if last is not None and last >= born else self.startup_grace_s
             if silent > limit:
                 # The rank stopped at about its last heartbeat: that is when it failed.
-                self.notes[rank] = (last if last is not None else now,
-                                    f"hung: fenced after {silent:.1f} s without a heartbeat")
-                self.say(f"launch rank {rank} (pid {proc.pid}) stopped responding for {silent:.1f} s: fencing it")
-                _signal(proc.pid, signal.SIGKILL)
+                self._kill(rank, proc, last if last is not None else now,
+                           f"hung: fenced after {silent:.1f} s without a heartbeat")
+
+    def _kill(self, rank: int, proc, failed_at: float, cause: str) -> None:
+        self.notes[rank] = (failed_at, cause)
+        self.say(f"launch rank {rank} (pid {proc.pid}) stopped responding ({cause}): fencing it")
+        _signal(proc.pid, signal.SIGKILL)
 
     def _fire_timed(self, now: float) -> None:
         while self._timed and now - self.started >= self._timed[0][0]:
@@ -83,7 +125,7 @@ class Agent:
             while due is not None and now - self.started >= due[0]:
                 local = self.processes()
                 candidates = sorted(r for r in self.live() if r in local and local[r].poll() is None
-                                    and r not in self.notes)
+                                    and r not in self.notes and r not in self.hung)
                 if candidates:
                     victim = due[1].choice(candidates)
                     self._inject(victim, spec.action, str(spec))
@@ -100,7 +142,8 @@ class Agent:
         if action == "kill":
             self.notes[rank] = (now, "was killed by signal SIGKILL (injected by the launcher)")
             _signal(proc.pid, signal.SIGKILL)
-        else:  # hang: the heartbeat stops; the fence does the rest
+        else:  # hang: the process stops; the fence does the rest
+            self.hung.add(rank)
             _signal(proc.pid, signal.SIGSTOP)
 
 

@@ -14,11 +14,16 @@ rank to finish writes ``complete``, the controller writes ``incomplete`` if a ra
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 
 COMMIT, ABORT = "commit", "abort"
+COMMIT_REFORM = "commit+reform"
+"""Commit, then move everyone to the next (already published) generation at this iteration boundary."""
+COMMITTED_DECISIONS = (COMMIT, COMMIT_REFORM)
 COMPLETE, INCOMPLETE = "complete", "incomplete"
 
 
@@ -38,7 +43,10 @@ class CommitProtocol:
         n = self.store.add(keys.votes(self.generation, iteration), 1)
         key = keys.decision(self.generation, iteration)
         if n == self.world_size:
-            if _first_write(self.store, key, COMMIT) == COMMIT:
+            # The last voter also decides whether this is the boundary where repaired ranks are admitted: one
+            # value, read by everyone, so every rank moves at the same iteration.
+            value = COMMIT_REFORM if self.store.check([keys.reform_requested(self.generation)]) else COMMIT
+            if _first_write(self.store, key, value) == value:
                 self.store.set(keys.COMMITTED, str(iteration))
         return self._await(key, ABORT)
 
@@ -75,16 +83,20 @@ def _first_write(store: dist.Store, key: str, value: str) -> str:
     return store.compare_set(key, "", value).decode()
 
 
-def settle(store: dist.Store, generation: int) -> tuple[int, str]:
+def settle(store: dist.Store, generation: int) -> Optional[tuple[int, str, int]]:
     """Controller side: decide the iteration in flight in ``generation`` — abort it, unless its commit won the
-    race. Returns ``(iteration, decision)`` for the first iteration the controller could abort; every earlier
-    one is committed. No rank can be past that iteration: a commit needs every rank's vote, and the dead cannot
-    vote again."""
+    race. Returns ``(iteration, "abort", ranks that had begun it)`` for the first iteration the controller could
+    abort (every earlier one is committed), or None if the generation had already ended at an admission boundary
+    (no iteration in flight). No rank can be past that iteration: a commit needs every rank's vote, and the dead
+    cannot vote again."""
     committed = int(store.get(keys.COMMITTED).decode()) if store.check([keys.COMMITTED]) else 0
+    last = keys.decision(generation, committed)
+    if committed and store.check([last]) and store.get(last).decode() == COMMIT_REFORM:
+        return None
     iteration = committed + 1
-    while _first_write(store, keys.decision(generation, iteration), ABORT) == COMMIT:
+    while _first_write(store, keys.decision(generation, iteration), ABORT) in COMMITTED_DECISIONS:
         iteration += 1
-    return iteration, ABORT
+    return iteration, ABORT, int(store.add(keys.started(generation, iteration), 0))
 
 
 def abandon_formation(store: dist.Store, generation: int) -> bool:

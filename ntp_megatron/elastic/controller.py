@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
-from ntp_megatron.layout import Topology, TopologyError, next_topology
+from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
 
 AWARE_WAIT_S = 10.0
 
@@ -53,6 +53,7 @@ class Controller:
         self.store = store
         self.latest = topology
         self.completed = topology
+        self.published: dict[int, Topology] = {0: topology}
         self.min_tp, self.policy = min_tp, policy
         self.say, self.emit = say, emit
         self.dump_stacks = dump_stacks
@@ -64,10 +65,12 @@ class Controller:
         self.settled: Optional[dict] = None
         self._threads: list[threading.Thread] = []
         store.set(keys.topology(0), json.dumps(topology.to_json()))
-        store.set(keys.LATEST, "0")
-        store.set(keys.COMPLETED, "0")
+        store.set(keys.info(0), json.dumps({"base": 0, "dead": [], "settled": None, "failure_time": time.time(),
+                                            "deaths": []}))
+        store.set(keys.LATEST, "0")  # generation 0 is formed by its ranks like any other (COMPLETED once it is)
         if not store.check([keys.COMMITTED]):
             store.set(keys.COMMITTED, "0")
+            store.set(keys.CONSUMED, "0")
 
     def live_launch_ranks(self) -> list[int]:
         """Launch ranks with a slot in the newest generation."""
@@ -81,15 +84,16 @@ class Controller:
         self.dead.update(d.launch_rank for d in deaths)
         self.failures += len(deaths)
         old = self.latest
-        if int(self.store.get(keys.COMPLETED).decode()) == old.generation or not abandon_formation(
-                self.store, old.generation):
-            # The newest generation was formed (or finished forming just now): survivors hold its layout.
-            if self.completed.generation != old.generation:
-                self.completed, self.dead_since_completed = old, {}
-        if self.completed.generation == old.generation:  # training was running in `old`: settle its iteration
-            iteration, decision = settle(self.store, old.generation)
-            self.settled = {"generation": old.generation, "iteration": iteration, "decision": decision}
-        settled = self.settled  # a failure during a re-formation: the iteration settled before still stands
+        if self._completed_generation() != old.generation:
+            abandon_formation(self.store, old.generation)  # unless it completed just now
+        self._refresh_completed()
+        # Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
+        # left it at an admission boundary; the same one again if a re-formation after a failure was interrupted).
+        in_flight = settle(self.store, self.completed.generation)
+        if in_flight is not None:
+            self.settled = {"generation": self.completed.generation, "iteration": in_flight[0],
+                            "decision": in_flight[1], "started": in_flight[2]}
+        settled = self.settled
         for d in deaths:
             self.dead_since_completed[d.launch_rank] = self.identity[d.launch_rank]
         base = self.completed
@@ -97,6 +101,8 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
+            if int(self.store.get(keys.COMMITTED).decode()):  # before the first commit every rank can draw any unit
+                transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
@@ -114,8 +120,55 @@ class Controller:
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
         self.store.set(keys.abort(old.generation), "1")
-        self.latest = new
+        self.latest = self.published[g] = new
         return None
+
+    def _refresh_completed(self) -> None:
+        """Catch up with the newest completed generation: survivors hold its layout, and deaths before it are
+        part of it."""
+        g = self._completed_generation()
+        if g > self.completed.generation:
+            self.completed, self.dead_since_completed, self.settled = self.published[g], {}, None
+
+    def forming(self) -> bool:
+        """A published generation has not completed its re-formation yet."""
+        self._refresh_completed()
+        return self._completed_generation() != self.latest.generation
+
+    def _completed_generation(self) -> int:
+        """The newest generation whose formation completed; -1 while generation 0 is still forming."""
+        return int(self.store.get(keys.COMPLETED).decode()) if self.store.check([keys.COMPLETED]) else -1
+
+    def admit(self, launch_ranks: list[int]) -> bool:
+        """Admit replacement processes at the next iteration boundary: publish the next generation with their
+        slots back (:func:`ntp_megatron.layout.join_topology`) and ask the running generation to move to it after
+        its next committed iteration. False if a re-formation is in progress (try again later)."""
+        if self.forming():
+            return False
+        old = self.latest
+        slots = [self.identity[lr] for lr in launch_ranks if old.rank_of(*self.identity[lr]) is None]
+        if not slots:
+            return False
+        try:
+            new = join_topology(old, slots, min_tp=self.min_tp)
+        except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet
+            self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
+            return False
+        new = dataclasses.replace(new, generation=old.generation + 1)
+        info = {"base": old.generation, "dead": [], "joined": [list(s) for s in slots], "settled": None,
+                "failure_time": time.time(), "deaths": []}
+        g = new.generation
+        self.store.set(keys.info(g), json.dumps(info))
+        self.store.set(keys.topology(g), json.dumps(new.to_json()))
+        self.store.set(keys.LATEST, str(g))
+        self.store.set(keys.reform_requested(old.generation), str(g))
+        self.latest = self.published[g] = new
+        self.dead.difference_update(launch_ranks)
+        joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]})"
+                           for lr in launch_ranks)
+        self.say(f"admitting {joined} at the next iteration boundary: generation {g}, tp per replica "
+                 f"{[rep.width for rep in new.replicas]}")
+        return True
 
     def _report_deaths(self, deaths: list[Death], old: Topology, settled: Optional[dict]) -> None:
         """One ``rank_failed`` event and log line per death, once the survivors of ``old`` noticed (so the

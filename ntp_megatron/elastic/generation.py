@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -66,6 +67,12 @@ class ElasticRank:
     def topology(self, generation: int) -> Topology:
         return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
 
+    def latest(self) -> int:
+        return int(self.ctl.get(keys.LATEST).decode())
+
+    def info(self, generation: int) -> dict:
+        return json.loads(self.ctl.get(keys.info(generation)))
+
     def rank_in(self, topology: Topology) -> Optional[int]:
         return topology.rank_of(*self.identity)
 
@@ -76,22 +83,31 @@ class ElasticRank:
         if rank is None:
             raise RuntimeError(f"launch rank {self.launch_rank} {self.identity} has no slot in generation "
                                f"{topology.generation}")
+        # The watchdog first, on the generation's own store client: the rendezvous below waits for every member,
+        # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-            dist.init_process_group(backend=self.backend, store=dist.PrefixStore(f"gen{topology.generation}/", store),
-                                    rank=rank, world_size=topology.world_size,
-                                    timeout=timedelta(seconds=self.timeout_s))
         watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
-        return Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
+        generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
+        try:
+            with self.scope(generation):
+                dist.init_process_group(backend=self.backend, rank=rank, world_size=topology.world_size,
+                                        store=dist.PrefixStore(f"gen{topology.generation}/", store),
+                                        timeout=timedelta(seconds=self.timeout_s))
+        except BaseException:
+            self.leave(generation)
+            raise
+        return generation
 
     def scope(self, generation: Generation) -> "_Extend":
         """``with elastic.scope(gen): build groups`` — the sockets opened inside belong to ``gen`` too."""
         return _Extend(generation)
 
-    def leave(self, generation: Generation) -> None:
+    def leave(self, generation: Generation, ended: bool = True) -> None:
         """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
-        watchdog (the controller has marked the generation over, or the job is ending)."""
+        watchdog. ``ended``: the generation was marked over (the watchdog thread finishes now); at the normal end of
+        the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         if dist.is_initialized():
@@ -100,12 +116,21 @@ class ElasticRank:
             except Exception as exc:  # noqa: BLE001 - sockets already shut down: nothing left to tell peers
                 logger.debug("destroy_process_group after the generation ended: %s", exc)
         generation.store = None
-        generation.watchdog.join(timeout=5.0)
+        if ended:
+            generation.watchdog.join(timeout=5.0)
         self.left_sockets.update(generation.watchdog.sockets.values())
 
     def stale_sockets(self) -> int:
         """Sockets of generations this process left that are still open (a leak if not 0)."""
         return sum(1 for ident in socket_fds().values() if ident in self.left_sockets)
+
+    def end_generation(self, generation: int) -> None:
+        """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end."""
+        self.ctl.set(keys.abort(generation), "moved")
+
+    def announce(self) -> None:
+        """A replacement process is up and ready to be admitted."""
+        self.ctl.set(keys.joining(self.launch_rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
 
     def note_aware(self, generation: int) -> None:
         """Record when this rank learnt that ``generation`` is over (for the controller's detection latency)."""
@@ -120,7 +145,7 @@ class ElasticRank:
                 raise SystemExit(f"job stopped by the launcher: {self.ctl.get(keys.STOP).decode()}")
             latest = int(self.ctl.get(keys.LATEST).decode()) if self.ctl.check([keys.LATEST]) else 0
             if latest > generation:
-                return self.topology(latest), json.loads(self.ctl.get(keys.info(latest)))
+                return self.topology(latest), self.info(latest)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generation after {generation} within {self.timeout_s:.0f} s")
             time.sleep(0.01)

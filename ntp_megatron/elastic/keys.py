@@ -13,6 +13,8 @@ COMPLETED = PREFIX + "completed"
 """The newest generation whose re-formation completed (every rank holds its layout)."""
 COMMITTED = PREFIX + "committed"
 """The newest committed iteration (1-based), written by the rank whose vote completed it."""
+CONSUMED = PREFIX + "consumed"
+"""Samples consumed by the newest committed iteration (written by generation rank 0 after each step)."""
 STOP = PREFIX + "stop"
 """Set by the controller when the job must end (a failure NTP cannot absorb); the value says why."""
 
@@ -74,3 +76,24 @@ DEATHS = PREFIX + "deaths"
 def death(n: int) -> str:
     """JSON of the ``n``-th death reported by a launcher that does not run the controller (1-based)."""
     return f"{PREFIX}death/{n}"
+
+
+def reform_requested(generation: int) -> str:
+    """Set by the controller to admit repaired ranks: the rank whose vote completes the next iteration of
+    generation ``g`` decides ``commit+reform``, and everyone moves to the published next generation after it."""
+    return f"{PREFIX}gen{generation}/reform_requested"
+
+
+def joining(launch_rank: int) -> str:
+    """Set by a replacement process once it has started and is ready to be admitted (JSON: time, pid)."""
+    return f"{PREFIX}joining/{launch_rank}"
+
+
+def moved(generation: int) -> str:
+    """Bytes received while forming generation ``g`` (summed over its ranks)."""
+    return f"{PREFIX}gen{generation}/moved"
+
+
+def started(generation: int, iteration: int) -> str:
+    """Ranks that began iteration ``k`` in generation ``g`` (whether an aborted iteration cost any work)."""
+    return f"{PREFIX}gen{generation}/iter{iteration}/started"

@@ -24,6 +24,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ntp_megatron import faults, metrics
+from ntp_megatron.elastic import keys
 from ntp_megatron.config import JobConfig
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components
@@ -92,9 +93,12 @@ class Trainer:
     reformer: Any = None    # ntp_megatron.training.reform.Reformer under NTP
     iteration: int = 0
     """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""
+    consumed_samples: int = 0
     pending: Optional[dict] = field(default=None, repr=False)
     """The record of the iteration voted on and not yet stepped."""
     _resources_reported: Optional[int] = field(default=None, repr=False)
+    move_after_step: bool = False
+    """The last commit was ``commit+reform``: move to the next generation before the next iteration."""
 
     @property
     def setup(self):
@@ -112,6 +116,8 @@ class Trainer:
         if self.failures is not None:
             self.failures.iteration = k
         faults.point("start")
+        if self.generation is not None:  # the controller's measure of whether an aborted iteration cost work
+            self.elastic.ctl.add(keys.started(self.generation.number, k), 1)
         if self.comm_stats is not None:
             self.comm_stats.take()  # count this iteration's step only
         start = time.perf_counter()
@@ -138,17 +144,18 @@ class Trainer:
             grad_norm = s.grad_sync.compute_grad_norm()  # the last reduction before the commit point
         self.pending = {
             "kind": "iteration", "iteration": k, "train_iters": t.train_iters,
-            "consumed_samples": k * s.samples_per_iteration, "global_batch_size": s.samples_per_iteration,
+            "global_batch_size": s.samples_per_iteration,
             "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
             "grad_norm": grad_norm, "lr": lr, "tp_per_replica": s.tp_per_replica, "generation": s.generation,
             "_start": start,
         }
         if self.generation is not None:
-            decision = self.generation.commit.vote(k)
-            if decision != "commit":
-                from ntp_megatron.elastic.commit import IterationAborted
+            from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
 
+            decision = self.generation.commit.vote(k)
+            if decision not in COMMITTED_DECISIONS:
                 raise IterationAborted(f"iteration {k} aborted by the controller")
+            self.move_after_step = decision == COMMIT_REFORM
         faults.point("optimizer")
         return self._step()
 
@@ -160,6 +167,8 @@ class Trainer:
         update_ok, grad_norm, _ = parts.optimizer.step()
         parts.scheduler.step(increment=self.cfg.training.global_batch_size)
         self.iteration = record["iteration"]
+        self.consumed_samples += record["global_batch_size"]
+        record["consumed_samples"] = self.consumed_samples
         elapsed = time.perf_counter() - record.pop("_start")
         if record["grad_norm"] is None and grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
@@ -182,9 +191,13 @@ class Trainer:
         if self.comm_stats is not None:
             metrics.emit({"kind": "comm_stats", "iteration": record["iteration"], "replica": self.setup.replica,
                           "tp_rank": self.setup.tp_rank, **self.comm_stats.take()}, sys.stdout)
+        # Every rank sends the record (the launcher keeps one per iteration and generation): the record of a
+        # committed iteration survives the death of any rank right after its step.
+        metrics.emit(record, sys.stdout)
         if not self.is_reporting_rank:
             return
-        metrics.emit(record, sys.stdout)
+        if self.generation is not None:
+            self.elastic.ctl.set(keys.CONSUMED, str(self.consumed_samples))  # what a replacement starts from
         if record["iteration"] % self.cfg.logging.log_interval == 0 or record["iteration"] == record["train_iters"]:
             print(metrics.iteration_line(record), flush=True)
 
@@ -255,8 +268,16 @@ class Trainer:
                 self._guarded(lambda: self.verify_state(record))
                 if self._guarded(self.maybe_save):
                     last_saved = self.iteration
+                if self.move_after_step:
+                    self.move_after_step = False
+                    self._guarded(self._move)
             if self._guarded(lambda: self._finish(last_saved)):
                 return
+
+    def _move(self) -> None:
+        """Admit repaired ranks: everyone finished this generation's work, then re-forms in the next."""
+        torch.distributed.barrier()
+        self.reformer.move(self)
 
     def _finish(self, last_saved: Optional[int]) -> bool:
         if last_saved != self.iteration:

@@ -51,80 +51,115 @@ def main() -> int:
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
     if env.world_size != cfg.world_size:
         raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
-    trainer = build_trainer(env, cfg)
-    if trainer.elastic is None:
+    device = runtime.select_device(cfg.training.device)
+    apply_patches(cpu=device.type == "cpu")
+    if not cfg.ntp.enabled:
+        trainer = build_plain_trainer(env, cfg, device)
         trainer.run()
         dist.destroy_process_group()
         return 0
     from ntp_megatron.training.reform import Retired
 
+    trainer = build_elastic_trainer(env, cfg, device)
     try:
+        # A rank (re)starting joins the newest generation that has its slot; a failure before training began is
+        # handled like any other (the next generation), since the initial weights depend on the seed alone.
+        trainer.reformer.start(trainer, joining=env.joining)
         trainer.run()
     except Retired as retired:
         print(retired.code, flush=True)
         return 0
-    trainer.elastic.leave(trainer.generation)
+    trainer.elastic.leave(trainer.generation, ended=False)
     trainer.elastic.heartbeat.stop()
     return 0
 
 
-def build_trainer(env: runtime.RankEnv, cfg: JobConfig) -> Trainer:
-    """Everything one rank trains with. A function of its own so that nothing of generation 0 (groups, the
-    first model) stays referenced from ``main`` once a re-formation replaced it."""
-    device = runtime.select_device(cfg.training.device)
-    apply_patches(cpu=device.type == "cpu")
-    backend = runtime.select_backend(cfg.parallel.backend, device)
+def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> Trainer:
+    """NTP off: Megatron's own dense grid, built once. A function of its own so that nothing of the setup stays
+    referenced from ``main``."""
     p, t = cfg.parallel, cfg.training
-    elastic = generation = topology = None
-    if cfg.ntp.enabled:
-        from ntp_megatron.elastic.generation import ElasticRank
-        from ntp_megatron.elastic.watchdog import store_factory
-        from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups
-
-        set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
-        elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port), backend, p.timeout_s,
-                              cfg.ntp.heartbeat_interval_s)
-        topology = elastic.topology(0)
-        generation = elastic.join(topology)
-        with elastic.scope(generation):
-            setup = parallel.ntp_parallel(cfg, topology, generation.rank)
-        control = elastic.ctl
-    else:
-        control = runtime.connect_store(env, p.timeout_s)
-        runtime.init_process_group(env, control, backend, p.timeout_s, generation=env.restart)
-        setup = parallel.uniform_parallel(cfg)
+    backend = runtime.select_backend(p.backend, device)
+    control = runtime.connect_store(env, p.timeout_s)  # node 0's launcher built the dataset before its store
+    dataset = _dataset(env, cfg)
+    runtime.init_process_group(env, control, backend, p.timeout_s, generation=env.restart)
+    setup = parallel.uniform_parallel(cfg)
+    setup.generation = env.restart  # each restart is a generation of its own in the records
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-
-    tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
-    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else env.run_dir / "data_cache"
-    dataset = data.build_train_dataset(cfg, tokenizer, cache_dir)
-
-    trigger = faults.FailureTrigger(env.rank, faults.from_env(), on_fire=_record_failure(control, env.rank),
-                                    fired=lambda spec: control.check([keys.fired(str(spec))]))
-    faults.install(trigger)
     coords = checkpoint.ParallelCoords(
         tp_rank=setup.tp_rank, tp_size=p.tensor_model_parallel_size,
         dp_rank=setup.replica, dp_size=p.data_parallel_size,
     )
     trainer = Trainer(
         cfg=cfg, parts=parts, dataset=dataset, device=device, coords=coords, launch_rank=env.rank,
-        failures=trigger, comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
-        elastic=elastic, generation=generation,
+        failures=_trigger(env, control), comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
     )
     load = cfg.checkpoint.load or (cfg.checkpoint.save if env.restart else None)
     if load and checkpoint.resolve_load_dir(Path(load)) is not None:
         trainer.iteration = checkpoint.load_checkpoint(Path(load), parts.model, parts.optimizer, parts.scheduler,
                                                        coords)
+        trainer.consumed_samples = trainer.iteration * t.global_batch_size
     elif cfg.checkpoint.load:
         raise SystemExit(f"checkpoint.load: no checkpoint in {cfg.checkpoint.load}")
-    if elastic is not None:
-        from ntp_megatron.training.reform import Reformer
-
-        trainer.reformer = Reformer(cfg, elastic, topology,
-                                    build=lambda new_setup: build_components(cfg, new_setup, device, initialize=False))
     return trainer
+
+
+def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> Trainer:
+    """NTP on: everything but the layout-dependent objects, which the first (re-)formation builds."""
+    from ntp_megatron.elastic.generation import ElasticRank
+    from ntp_megatron.elastic.watchdog import store_factory
+    from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups
+    from ntp_megatron.training.reform import Reformer
+
+    set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
+    p = cfg.parallel
+    elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port),
+                          runtime.select_backend(p.backend, device), p.timeout_s, cfg.ntp.heartbeat_interval_s)
+    # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
+    # before any process group, so no barrier exists that a failure could hang.
+    dataset = _dataset(env, cfg)
+
+    def build(setup, initialize: bool):
+        torch.manual_seed(cfg.training.seed)  # initial weights are a function of the seed alone
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
+        return build_components(cfg, setup, device, initialize=initialize)
+
+    trainer = Trainer(cfg=cfg, parts=None, dataset=dataset, device=device, coords=None, launch_rank=env.rank,
+                      failures=_trigger(env, elastic.ctl),
+                      comm_stats=CommStats().install() if cfg.logging.comm_stats else None, elastic=elastic)
+    trainer.reformer = Reformer(cfg, elastic, elastic.topology(0), build=build)
+    return trainer
+
+
+_PREBUILT_DATASET = None
+"""The training dataset, when the launcher built it before forking this rank (index caches written once)."""
+
+
+def prebuild_dataset(run_dir: Path, cfg: JobConfig) -> None:
+    """In the launcher, before forking ranks: build the dataset (writing Megatron's index caches once, with no
+    process group) for the forked ranks to inherit."""
+    global _PREBUILT_DATASET
+    _PREBUILT_DATASET = _build_dataset(run_dir, cfg)
+
+
+def _dataset(env: runtime.RankEnv, cfg: JobConfig):
+    if _PREBUILT_DATASET is not None:
+        return _PREBUILT_DATASET
+    return _build_dataset(env.run_dir, cfg)
+
+
+def _build_dataset(run_dir: Path, cfg: JobConfig):
+    tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
+    cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
+    return data.build_train_dataset(cfg, tokenizer, cache_dir)
+
+
+def _trigger(env: runtime.RankEnv, store) -> faults.FailureTrigger:
+    trigger = faults.FailureTrigger(env.rank, faults.from_env(), on_fire=_record_failure(store, env.rank),
+                                    fired=lambda spec: store.check([keys.fired(str(spec))]))
+    faults.install(trigger)
+    return trigger
 
 
 def _record_failure(store, launch_rank: int):

@@ -28,12 +28,12 @@ from typing import Callable, Optional
 from ntp_megatron import faults, metrics
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import COMMIT, COMPLETE
+from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE
 from ntp_megatron.elastic.generation import ElasticRank
 from ntp_megatron.groups import rebind_process_groups
-from ntp_megatron.layout import FAMILIES, Topology
-from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, lower_bound_bytes, plan_transfers, \
-    state_keys
+from ntp_megatron.layout import Topology
+from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
+    lower_bound_bytes, plan_transfers, set_step, state_keys
 from ntp_megatron.training.components import Components, attach_grad_sync
 from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
 
@@ -46,34 +46,69 @@ class Retired(SystemExit):
 
 class Reformer:
     def __init__(self, cfg: JobConfig, elastic: ElasticRank, completed: Topology,
-                 build: Callable[[ParallelSetup], Components]) -> None:
+                 build: Callable[[ParallelSetup, bool], Components]) -> None:
+        """``build(setup, initialize)``: this rank's objects for a layout; ``initialize`` draws the initial
+        weights (a function of the seed alone), else the caller fills them."""
         self.cfg = cfg
         self.elastic = elastic
         self.completed = completed
         """The layout this process holds: the newest generation whose re-formation completed."""
         self.build = build
 
+    # -- the four ways into a generation -------------------------------------------------------------------------
+    def start(self, trainer, joining: bool) -> None:
+        """This process's first generation: at launch, the newest published one (generation 0 unless ranks
+        failed before this one got here); for a replacement process, the one that admits it."""
+        if joining:
+            self.elastic.announce()
+            self._advance(trainer)
+            return
+        latest = self.elastic.latest()
+        self._advance(trainer, first=(self.elastic.topology(latest), self.elastic.info(latest)))
+
     def recover(self, trainer) -> None:
+        """After a failure: settle the iteration in flight, then re-form in the newest generation."""
         self._try(lambda: self.elastic.note_aware(trainer.generation.number))
         self._settle(trainer, trainer.generation)
+        self._advance(trainer)
+
+    def move(self, trainer) -> None:
+        """At an admission boundary (decision ``commit+reform``): every rank finished the generation's work
+        (the caller passed a barrier), so end it and re-form in the one the controller published."""
+        self.elastic.end_generation(trainer.generation.number)
+        self._advance(trainer)
+
+    def _advance(self, trainer, first: Optional[tuple[Topology, dict]] = None) -> None:
+        seen = trainer.generation.number if trainer.generation is not None else -1
         while True:
-            topology, info = self.elastic.await_newer(trainer.generation.number)  # bounded: a timeout ends us
-            self.elastic.leave(trainer.generation)
+            if first is not None:
+                (topology, info), first = first, None
+            else:
+                topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
+            seen = topology.generation
+            if trainer.generation is not None:
+                self.elastic.leave(trainer.generation)
+                trainer.generation = None
             if self.elastic.rank_in(topology) is None:
+                if trainer.parts is None:
+                    continue  # a replacement not admitted in this generation: wait for the next
                 raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
                               f"was dropped in generation {topology.generation}; this process ends")
+            if trainer.parts is None:
+                self.completed = self.elastic.topology(info["base"])
             try:
                 staged = self._reform(trainer, topology, info)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again
-                logger.info("re-formation into generation %d interrupted (%s: %s); waiting for the next",
+                logger.info("forming generation %d interrupted (%s: %s); waiting for the next",
                             topology.generation, type(exc).__name__, str(exc)[:200])
                 staged = None
             if staged is not None:
                 break
             gc.collect()
-            self._try(lambda: self.elastic.note_aware(trainer.generation.number))
+            if trainer.generation is not None:
+                self._try(lambda: self.elastic.note_aware(trainer.generation.number))
         self._adopt(trainer, staged)
 
     @staticmethod
@@ -89,16 +124,20 @@ class Reformer:
             return
         iteration = trainer.pending["iteration"]
         self.elastic.await_newer(failed.number)  # the controller decides before it publishes
-        if failed.commit.decision(iteration) == COMMIT:
+        if failed.commit.decision(iteration) in COMMITTED_DECISIONS:
             record = trainer._step()
             trainer.report(record)
             logger.info("iteration %d was committed before the failure: stepped it", iteration)
         else:
             trainer.pending = None
 
+    # -- forming one generation ------------------------------------------------------------------------------
     def _reform(self, trainer, topology: Topology, info: dict) -> "_Staged":
         """Join ``topology``'s generation and build (or keep) this rank's objects for it; returns them once every
-        rank finished, without adopting them yet. Raises if the re-formation did not complete."""
+        rank finished, without adopting them yet. Raises if the formation did not complete.
+
+        Before the first committed iteration every rank builds the initial weights itself (a function of the
+        seed alone) and nothing moves; after it, a rank keeps what it holds and receives the rest from peers."""
         started = time.time()
         cfg, elastic = self.cfg, self.elastic
         base = self.completed
@@ -110,41 +149,56 @@ class Reformer:
         trainer.generation = generation
         with elastic.scope(generation):
             setup = ntp_parallel(cfg, topology, generation.rank)
+        old: Optional[Components] = trainer.parts
+        if old is None:  # a fresh process resumes after the newest committed iteration
+            trainer.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
+            trainer.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
+            if trainer.failures is not None:
+                trainer.failures.iteration = trainer.iteration + 1
+        fresh = trainer.iteration == 0
         faults.point("reform")
-        old: Components = trainer.parts
         old_rank = base.rank_of(*elastic.identity)
-        changed = any(base.units_of(old_rank, f) != topology.units_of(generation.rank, f)
-                      for f in FAMILIES if f in topology.units)
-        with_state = trainer.iteration > 0
+        changed = old is None or old_rank is None or any(
+            base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units)
         state = state_keys(cfg.training.optimizer)
-        old_tensors = UnitTensors(old.model.module, old.optimizer, state, with_state)
+        old_tensors = UnitTensors(old.model.module, old.optimizer, state, not fresh) if old is not None else None
         new_parts, new_tensors = None, None
+        received = 0
         try:
             if changed:
-                new_parts = self.build(setup)
-                new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, with_state)
-                if with_state:
+                new_parts = self.build(setup, fresh)
+                new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, not fresh)
+                if not fresh:
                     init_state(new_parts.model.module, new_tensors)
-                copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
-            transfers = plan_transfers(base, topology, dead)
-            received = exchange(transfers, generation.rank, old_tensors, new_tensors)
-            elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", received)
+                    if old is not None:
+                        copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
+                    elif cfg.training.optimizer == "adam":
+                        set_step(new_tensors, trainer.iteration)  # every committed iteration was one Adam step
+            if not fresh:
+                transfers = plan_transfers(base, topology, dead)
+                received = exchange(transfers, generation.rank, old_tensors, new_tensors)
+            elastic.ctl.add(keys.moved(topology.generation), received)
             if generation.commit.form() != COMPLETE:
-                raise RuntimeError(f"re-formation into generation {topology.generation} did not complete")
+                raise RuntimeError(f"forming generation {topology.generation} did not complete")
         except BaseException:
             if new_parts is not None:
                 new_parts.release()
             raise
-        unit_numel = {f: old_tensors.unit_numel(f) for f in topology.units}
-        return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started)
+        tensors = old_tensors or new_tensors
+        unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
+        return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started, fresh,
+                       replicated_bytes=tensors.replicated_numel() * 4)
 
     def _adopt(self, trainer, staged: "_Staged") -> None:
         """Switch to the new generation's objects (local only: nothing here can be interrupted by a peer)."""
-        old: Components = trainer.parts
+        old: Optional[Components] = trainer.parts
         if staged.new_parts is not None:
-            staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
+            if old is not None:
+                staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
+                old.release()
+            elif trainer.iteration:
+                staged.new_parts.scheduler.step(increment=trainer.iteration * self.cfg.training.global_batch_size)
             trainer.parts = staged.new_parts
-            old.release()
         else:
             rebind_process_groups([old.model, old.optimizer], old.setup.groups, staged.setup.groups)
             old.setup.grad_sync.close()
@@ -153,26 +207,35 @@ class Reformer:
         del old
         self.completed = staged.topology
         gc.collect()
-        if trainer.is_reporting_rank:
+        if trainer.is_reporting_rank and (staged.info.get("deaths") or staged.info.get("joined")):
             self._report(trainer, staged)
 
     def _report(self, trainer, staged: "_Staged") -> None:
         topology, info = staged.topology, staged.info
-        moved = int(self.elastic.ctl.add(keys.PREFIX + f"gen{topology.generation}/moved", 0))
-        bound = lower_bound_bytes(staged.base, topology, staged.dead, staged.unit_numel)
-        redone = 1 if (info.get("settled") or {}).get("decision") == "abort" else 0
+        moved = int(self.elastic.ctl.add(keys.moved(topology.generation), 0))
+        joined = [tuple(slot) for slot in info.get("joined", [])]
+        if staged.fresh:
+            bound = 0  # before the first step every rank draws its initial weights: nothing has to move
+        elif joined:  # the new processes' canonical blocks, and the replicated parameters they have none of
+            bound = (join_lower_bound_bytes(topology, joined, staged.unit_numel)
+                     + len(joined) * staged.replicated_bytes)
+        else:
+            bound = lower_bound_bytes(staged.base, topology, staged.dead, staged.unit_numel)
+        settled = info.get("settled") or {}
+        redone = 1 if settled.get("decision") == "abort" and settled.get("started") else 0
         recovery_s = time.time() - info["failure_time"]
         widths = trainer.setup.tp_per_replica
         event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
                  "iterations_redone": redone, "resume_iteration": trainer.iteration + 1, "time": time.time(),
-                 "reform_s": time.time() - staged.started}
+                 "reform_s": time.time() - staged.started, "joined": [list(j) for j in joined]}
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        what = ("rejoined: " + ", ".join(f"replica {r} slot {s}" for r, s in joined)) if joined else (
+            f"recovered in {recovery_s:.2f} s")
         redo = f"iteration {trainer.iteration + 1} redone" if redone else f"resuming at iteration {trainer.iteration + 1}"
-        print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | "
-              f"recovered in {recovery_s:.2f} s | moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |",
-              flush=True)
+        print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
+              f"moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |", flush=True)
 
 
 @dataclass
@@ -188,6 +251,9 @@ class _Staged:
     dead: list[int]
     unit_numel: dict[str, int]
     started: float
+    fresh: bool
+    """No iteration committed yet: every rank built the initial weights itself."""
+    replicated_bytes: int = 0
 
 
 def _size(n: int) -> str:

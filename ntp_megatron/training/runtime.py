@@ -29,6 +29,8 @@ ENV_STORE_HOST = "NTP_STORE_HOST"
 ENV_STORE_PORT = "NTP_STORE_PORT"
 ENV_RUN_DIR = "NTP_RUN_DIR"
 ENV_CONFIG = "NTP_RESOLVED_CONFIG"
+ENV_JOINING = "NTP_JOINING"
+"""Set for a replacement process that the launcher started for a failed rank of a running NTP job."""
 ENV_RESTART = "NTP_RESTART"
 """How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
 
@@ -46,6 +48,7 @@ class RankEnv:
     run_dir: Path
     config_path: Path
     restart: int = 0
+    joining: bool = False
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
@@ -65,6 +68,7 @@ class RankEnv:
             run_dir=Path(os.environ[ENV_RUN_DIR]),
             config_path=Path(os.environ[ENV_CONFIG]),
             restart=int(os.environ.get(ENV_RESTART, "0")),
+            joining=os.environ.get(ENV_JOINING) == "1",
         )
 
 
