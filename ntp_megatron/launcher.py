@@ -126,8 +126,10 @@ def _run_rank_in_child(env: dict[str, str], stdout_w: int, stderr_w: int, close_
 
 class Launcher:
     def __init__(self, cfg: JobConfig, config_path: Path, args: argparse.Namespace,
-                 failures: list[faults.FailureSpec]) -> None:
+                 failures: list[faults.FailureSpec], start=None) -> None:
+        """``start``: the checkpoint the run resumes from (:class:`ntp_megatron.training.checkpoint.Progress`)."""
         self.cfg = cfg
+        self.start = start
         self.failures = failures
         self.config_path = config_path
         self.args = args
@@ -302,8 +304,13 @@ class Launcher:
                 from ntp_megatron.elastic.controller import Controller
 
                 ntp = self.cfg.ntp
+                resume = {} if self.start is None else {
+                    "start_iteration": self.start.iteration,
+                    "start_consumed": self.start.samples(self.cfg.training.global_batch_size)}
                 self.controller = Controller(store, self.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable,
-                                             self._say, self._emit, dump_stacks=self._dump_stacks)
+                                             self._say, self._emit, dump_stacks=self._dump_stacks, **resume)
+        if self.start is not None:
+            self._say(f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
         self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
                   f"(store {self.args.store_host}:{self.store_port}, run dir {self.run_dir})")
         for r in self.ranks.values():
@@ -544,6 +551,23 @@ class Launcher:
             self._say(f"could not draw the run plot: {exc}")
 
 
+def pin_checkpoint_load(cfg: JobConfig):
+    """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
+    ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
+    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint."""
+    if not cfg.checkpoint.load:
+        return None
+    runtime.quiet_optional_dependency_warnings()
+    from ntp_megatron.training import checkpoint
+
+    try:
+        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))
+    except SystemExit as exc:
+        raise ConfigError(str(exc)) from None
+    cfg.checkpoint.load = str(progress.path.resolve())
+    return progress
+
+
 def tp_per_replica(cfg: JobConfig) -> list[int]:
     if cfg.ntp.enabled:
         return [replica.width for replica in cfg.topology().replicas]
@@ -651,6 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.nnodes > 1 and args.store_port == 0:
             raise ConfigError("--store-port must be a fixed port when --nnodes > 1")
         cfg = resolve_config(args, extra)
+        start = pin_checkpoint_load(cfg)
         run_dir = Path(cfg.logging.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
@@ -659,7 +684,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
                                               cfg.ntp.enabled) for f in specs]
-        launcher = Launcher(cfg, config_path, args, failures)
+        launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

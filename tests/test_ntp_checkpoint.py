@@ -5,10 +5,13 @@
 - In one process, every rank of a topology at a time: the NTP model's sharded state dict has plain
   Megatron-Core's keys and global shapes, and its main fragments reassemble plain TP1's tensors element for
   element (gated MLP, GQA, untied output layer included; a healthy and a degraded writer).
-- Real multi-process gloo jobs: save under TP4 + TP3, continue under TP2 + TP2 + TP2 and under TP1; a plain
-  Megatron-Core script's checkpoint continues under NTP TP2 + TP1; NTP checkpoints load into plain
-  Megatron-Core at TP1 and TP2 with the NTP model's logits.
-- Errors and crash safety: a checkpoint of another model shape; a save that dies midway.
+- Real multi-process gloo jobs: save under TP4 + TP3, continue under TP2 + TP2 + TP2 (through a live failure
+  after the resume) and under uniform TP1 with NTP off; a plain Megatron-Core script's checkpoint continues
+  under NTP TP2 + TP1; NTP checkpoints load into plain Megatron-Core at TP1 and TP2 with the NTP model's
+  logits; a rank killed during a save is absorbed live and the checkpoint written again; a job that ends in
+  the middle of a save leaves the last good checkpoint, from which a new job resumes (its first generation
+  degraded by a failure before it formed).
+- Errors and crash safety: a checkpoint of another model shape; ``latest`` moves only after a complete save.
 
 ``python -m tests.test_ntp_checkpoint ntp-logits ...`` is the NTP side of the logits comparison (run by the
 tests in a subprocess that forks its ranks).
@@ -35,6 +38,7 @@ from hypothesis import strategies as st
 
 from ntp_megatron.layout import make_topology, next_topology
 from tests.jobs import REPO, TINY, assert_ok, relative_difference, run_job
+from tests.test_live_failure import assert_replicas_agree, leftover_processes
 
 ITERS, SAVE_AT = 6, 3
 TOLERANCE = 1e-5
@@ -366,43 +370,72 @@ def test_latest_file_moves_only_after_a_complete_save(tmp_path, monkeypatch):
 
 def ntp_args(tp_base: int, dp: int, dead: str = "", extra=()) -> list[str]:
     args = [*TINY, "--set", "ntp.enabled=true", "--set", f"parallel.tensor_model_parallel_size={tp_base}",
-            "--set", f"parallel.data_parallel_size={dp}", "--set", f"training.train_iters={ITERS}", *extra]
+            "--set", f"parallel.data_parallel_size={dp}", "--set", f"training.train_iters={ITERS}",
+            "--set", "parallel.timeout_s=60", *extra]
     if dead:
         args += ["--set", f"ntp.dead_slots=[{dead}]"]
     return args
 
 
-def assert_continues(resumed: dict[int, float], reference: dict[int, float], what: str) -> float:
-    assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1)), f"{what}: must run iterations after the save"
+def assert_continues(resumed: dict[int, float], reference: dict[int, float], what: str,
+                     first: int = SAVE_AT + 1) -> float:
+    """Iterations ``first``..ITERS ran, and each one's lm loss is the uninterrupted run's."""
+    assert sorted(resumed) == list(range(first, ITERS + 1)), f"{what}: ran iterations {sorted(resumed)}"
     worst = max(relative_difference(resumed[i], reference[i]) for i in resumed)
     assert worst <= TOLERANCE, f"{what}: worst relative loss difference {worst:.2e}"
     assert len({round(v, 5) for v in resumed.values()}) == len(resumed), "the loss must keep moving"
     return worst
 
 
+def saves(result) -> list[tuple[int, int, list[int]]]:
+    """(iteration, generation, TP per replica) of every checkpoint the run saved."""
+    return [(e["iteration"], e["generation"], e["tp_per_replica"]) for e in result.events("checkpoint_saved")]
+
+
 @pytest.fixture(scope="module")
 def degraded_run(tmp_path_factory):
-    """Must-show 1's uninterrupted run: TP4 + TP3 (a rank holding query groups {0, 1, 6}), saving at
-    iteration 3 and at the end."""
+    """The uninterrupted run, and the checkpoints the other jobs load: TP4 + TP3 (a rank holding query groups
+    {0, 1, 6}), saving at iteration 3 and at the end. Every topology computes the same losses, so it is the
+    reference of every job below."""
     base = tmp_path_factory.mktemp("ntp-ckpt")
     ckpt = base / "ckpt"
     result = run_job(base / "full", ntp_args(4, 2, "1:3", ("--set", f"checkpoint.save={ckpt}",
                                                           "--set", f"checkpoint.save_interval={SAVE_AT}")))
     assert_ok(result)
-    assert result.records and [r["tp_per_replica"] for r in result.records if r.get("kind") == "iteration"][0] == [4, 3]
+    assert saves(result) == [(SAVE_AT, 0, [4, 3]), (ITERS, 0, [4, 3])]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
     return SimpleNamespace(base=base, ckpt=ckpt, losses=result.losses())
 
 
-@pytest.mark.parametrize("name,tp_base,dp", [("tp2+tp2+tp2", 2, 3), ("tp1", 1, 1)])
-def test_degraded_checkpoint_continues_under_another_topology(degraded_run, tmp_path, name, tp_base, dp):
-    """Must-show 1: saved under TP4 + TP3 at iteration 3, loaded under another tp_base and DP, iterations
-    4..6 match the uninterrupted run."""
-    assert (degraded_run.ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+def test_degraded_checkpoint_continues_under_tp2_tp2_tp2_and_absorbs_a_failure(degraded_run, tmp_path):
+    """Must-show 1: saved under TP4 + TP3 at iteration 3, loaded under TP2 + TP2 + TP2 (another tp_base and DP),
+    which runs iteration 4; launch rank 5 is killed in iteration 5, the job re-forms live at TP2 + TP2 + TP1 from
+    peers (the store's committed iteration starts at the checkpoint's) and iteration 5 is redone. Iterations
+    4..6 are the uninterrupted run's."""
     load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
-    result = run_job(tmp_path / name, ntp_args(tp_base, dp, extra=("--set", f"checkpoint.load={load}")))
+    result = run_job(tmp_path / "run", ntp_args(2, 3, extra=("--set", f"checkpoint.load={load}", "--inject-failure",
+                                                             "kill:rank=5,iter=5,phase=backward")))
     assert_ok(result)
-    worst = assert_continues(result.losses(), degraded_run.losses, name)
-    print(f"{name}: iterations {sorted(result.losses())}, worst relative difference {worst:.2e}")
+    worst = assert_continues(result.losses(), degraded_run.losses, "TP2 + TP2 + TP2")
+    widths = {r["iteration"]: r["tp_per_replica"] for r in result.records if r.get("kind") == "iteration"}
+    assert widths == {4: [2, 2, 2], 5: [2, 2, 1], 6: [2, 2, 1]}
+    [reformed] = result.events("reformed")
+    assert (reformed["resume_iteration"], reformed["iterations_redone"]) == (5, 1)
+    assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0  # from peers, not from disk
+    assert leftover_processes(result) == []
+    print(f"TP4+TP3 -> TP2+TP2+TP2 -> TP2+TP2+TP1: worst relative difference {worst:.2e}")
+
+
+def test_degraded_checkpoint_continues_under_uniform_tp1(degraded_run, tmp_path):
+    """Must-show 1: the TP4 + TP3 checkpoint continues under plain uniform TP1 (NTP off)."""
+    load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
+    result = run_job(tmp_path / "run", [*TINY, "--set", "parallel.tensor_model_parallel_size=1",
+                                        "--set", "parallel.data_parallel_size=1",
+                                        "--set", f"training.train_iters={ITERS}",
+                                        "--set", f"checkpoint.load={load}"])
+    assert_ok(result)
+    worst = assert_continues(result.losses(), degraded_run.losses, "TP1, NTP off")
+    print(f"TP4+TP3 -> TP1 (NTP off): worst relative difference {worst:.2e}")
 
 
 def _python(*args: str, timeout: float = 300) -> None:
@@ -450,6 +483,60 @@ def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
     print("logits agree: plain TP1/TP2 x {final, re-saved by TP3} vs NTP", sorted(ntp))
 
 
+SAVE_EVERY = 2
+SAVE_KILL = ["--inject-failure", "kill:rank=3,iter=4,phase=checkpoint"]
+
+
+def test_kill_during_a_save_is_absorbed_live(degraded_run, tmp_path):
+    """Must-show 4: TP2 + TP2 saving every 2 iterations; launch rank 3 is killed in the middle of iteration 4's
+    save. The job re-forms at TP2 + TP1 and saves iteration 4 again in its new layout; every iteration is the
+    uninterrupted run's, replicas agree, nothing is left behind."""
+    ckpt = tmp_path / "ckpt"
+    result = run_job(tmp_path / "run", ntp_args(2, 2, extra=(
+        "--set", f"checkpoint.save={ckpt}", "--set", f"checkpoint.save_interval={SAVE_EVERY}",
+        "--set", "logging.state_checksums=true", *SAVE_KILL)))
+    assert_ok(result)
+    assert_continues(result.losses(), degraded_run.losses, "killed during a save", first=1)
+    assert_replicas_agree(result, iters=ITERS)
+    [failed] = result.events("rank_failed")
+    assert (failed["launch_rank"], failed["phase"], failed["iteration"]) == (3, "checkpoint", 4)
+    [reformed] = result.events("reformed")
+    assert (reformed["tp_per_replica"], reformed["resume_iteration"], reformed["iterations_redone"]) == (
+        [2, 1], 5, 0)
+    assert saves(result) == [(2, 0, [2, 2]), (4, 1, [2, 1]), (6, 1, [2, 1])]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
+    assert leftover_processes(result) == []
+
+
+def test_a_save_cut_short_leaves_the_last_good_checkpoint_to_resume_from(degraded_run, tmp_path):
+    """Must-show 4, the other half: the same kill, where NTP may not absorb it (``ntp.min_tp`` 2, policy
+    ``stop``): the job ends in the middle of iteration 4's save. ``latest`` still names iteration 2, the
+    partial iteration-4 directory is not loadable; a new job resuming from the directory starts at iteration 2
+    — in a degraded layout, as a rank dies before its first generation has formed — and iterations 3..6 are the
+    uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    stopped = run_job(tmp_path / "stopped", ntp_args(2, 2, extra=(
+        "--set", f"checkpoint.save={ckpt}", "--set", f"checkpoint.save_interval={SAVE_EVERY}",
+        "--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=stop", *SAVE_KILL)))
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert "NTP cannot absorb the failure" in stopped.stderr
+    assert sorted(stopped.losses()) == [1, 2, 3, 4] and saves(stopped) == [(2, 0, [2, 2])]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (ckpt / "iter_0000004" / "metadata.json").exists()
+    assert leftover_processes(stopped) == []
+
+    resumed = run_job(tmp_path / "resumed", ntp_args(2, 2, extra=(
+        "--set", f"checkpoint.load={ckpt}", "--inject-failure", "kill:rank=1,iter=3,phase=reform")))
+    assert_ok(resumed)
+    assert "resuming from checkpoint" in resumed.stderr and "iter_0000002 (iteration 2)" in resumed.stderr
+    worst = assert_continues(resumed.losses(), degraded_run.losses, "resumed after a cut-short save", first=3)
+    [reformed] = resumed.events("reformed")
+    assert (reformed["tp_per_replica"], reformed["generation"], reformed["moved_bytes"]) == ([1, 2], 1, 0)
+    assert all(r["tp_per_replica"] == [1, 2] for r in resumed.records if r.get("kind") == "iteration")
+    assert leftover_processes(resumed) == []
+    print(f"resumed at iteration 3 in TP1 + TP2: worst relative difference {worst:.2e}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # NTP side of the logits comparison (python -m tests.test_ntp_checkpoint ntp-logits)
 
@@ -477,9 +564,9 @@ def _ntp_logits_rank(rank: int, world: int, port: int, cfg_json: str, ckpt: str,
         torch.manual_seed(cfg.training.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         parts = build_components(cfg, setup, torch.device("cpu"))
-        coords = checkpoint.ParallelCoords(setup.tp_rank, cfg.parallel.tensor_model_parallel_size, setup.replica,
-                                           cfg.parallel.data_parallel_size)
-        iteration = checkpoint.load_checkpoint(Path(ckpt), parts.model, parts.optimizer, parts.scheduler, coords)
+        coords = checkpoint.ParallelCoords.of(setup, cfg.parallel)
+        iteration = checkpoint.load_checkpoint(Path(ckpt), parts.model, parts.optimizer, parts.scheduler,
+                                               coords).iteration
         with torch.no_grad():
             logits = parts.model.module(*fixed_batch())  # [b, s, this rank's vocabulary rows]
         pieces: list = [None] * setup.pg.tp.size()

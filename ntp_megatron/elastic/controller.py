@@ -49,7 +49,10 @@ class Death:
 class Controller:
     def __init__(self, store: dist.Store, topology: Topology, min_tp: int, policy: str,
                  say: Callable[[str], None], emit: Callable[[dict], None],
-                 dump_stacks: Callable[[list[int]], None] = lambda ranks: None) -> None:
+                 dump_stacks: Callable[[list[int]], None] = lambda ranks: None,
+                 start_iteration: int = 0, start_consumed: int = 0) -> None:
+        """``start_iteration`` / ``start_consumed``: where a run resumed from a checkpoint begins (the store's
+        committed iteration starts there, so settling and re-forming after a resume work as in a fresh run)."""
         self.store = store
         self.latest = topology
         self.completed = topology
@@ -69,8 +72,10 @@ class Controller:
                                             "deaths": []}))
         store.set(keys.LATEST, "0")  # generation 0 is formed by its ranks like any other (COMPLETED once it is)
         if not store.check([keys.COMMITTED]):
-            store.set(keys.COMMITTED, "0")
-            store.set(keys.CONSUMED, "0")
+            store.set(keys.START, str(start_iteration))
+            store.set(keys.COMMITTED, str(start_iteration))
+            store.set(keys.CONSUMED, str(start_consumed))
+        self.start_iteration = int(store.get(keys.START).decode())
 
     def live_launch_ranks(self) -> list[int]:
         """Launch ranks with a slot in the newest generation."""
@@ -101,7 +106,8 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
-            if int(self.store.get(keys.COMMITTED).decode()):  # before the first commit every rank can draw any unit
+            # Before the run's first commit every rank builds any unit from the seed or the loaded checkpoint.
+            if int(self.store.get(keys.COMMITTED).decode()) > self.start_iteration:
                 transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"

@@ -15,6 +15,10 @@ COMMITTED = PREFIX + "committed"
 """The newest committed iteration (1-based), written by the rank whose vote completed it."""
 CONSUMED = PREFIX + "consumed"
 """Samples consumed by the newest committed iteration (written by generation rank 0 after each step)."""
+START = PREFIX + "start"
+"""The iteration the run starts from: 0, or the iteration of the checkpoint it loads (``checkpoint.load``).
+Until an iteration after it commits, no process holds anything it could not rebuild itself: every rank of a
+forming generation builds its state from the seed or from that checkpoint, and nothing moves between ranks."""
 STOP = PREFIX + "stop"
 """Set by the controller when the job must end (a failure NTP cannot absorb); the value says why."""
 

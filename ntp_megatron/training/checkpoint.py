@@ -17,8 +17,8 @@ those of a TP1 model, as uniform TP writes them):
 - ``optimizer``: ``optimizer.state.exp_avg.<model key>`` and ``optimizer.state.exp_avg_sq.<model key>``
   (fp32, the model tensor's shape), Adam's step as ``common_step`` and the parameter groups in ``common.pt``;
 - ``scheduler`` (OptimizerParamScheduler state), ``iteration`` (completed iterations; the data order is a
-  function of it) and ``parallel`` (``tp``, ``dp``; under NTP also the TP width of every replica and a digest
-  of the unit layout) in ``common.pt``;
+  function of it), ``consumed_samples`` and ``parallel`` (``tp``, ``dp``; under NTP also the TP width of every
+  replica and a digest of the unit layout) in ``common.pt``;
 - ``rng_state``: one object per rank, restored only when the layout is the same as at save time.
 
 Under NTP each rank describes its units as fragments of the global tensors and exactly one replica writes
@@ -65,6 +65,20 @@ def iteration_dir(root: Path, iteration: int) -> Path:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Where a checkpoint's run stood: completed iterations and samples consumed by them."""
+
+    path: Path
+    iteration: int
+    consumed_samples: Optional[int]
+    """None in a checkpoint that does not record it (plain Megatron-Core's)."""
+
+    def samples(self, global_batch_size: int) -> int:
+        """Samples consumed; without a record, a full global batch per iteration."""
+        return self.consumed_samples if self.consumed_samples is not None else self.iteration * global_batch_size
+
+
+@dataclass(frozen=True)
 class ParallelCoords:
     """Where this rank sits, for per-rank state (the RNG streams) in the checkpoint. Under NTP ``tp_size``
     is tp_base and ``dp_rank`` the replica index (stable across re-formations); the TP rank and width that
@@ -74,6 +88,11 @@ class ParallelCoords:
     tp_size: int
     dp_rank: int
     dp_size: int
+
+    @classmethod
+    def of(cls, setup, parallel) -> "ParallelCoords":
+        """From a :class:`ntp_megatron.training.parallel.ParallelSetup` and the config's ``parallel`` section."""
+        return cls(setup.tp_rank, parallel.tensor_model_parallel_size, setup.replica, parallel.data_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -184,8 +203,10 @@ def save_checkpoint(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
+    consumed_samples: Optional[int] = None,
 ) -> Path:
-    """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job."""
+    """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job (under NTP, the
+    current generation). A rank that dies midway leaves ``latest`` where it was."""
     path = iteration_dir(root, iteration)
     layout = _layout(model, coords)
     if dist.get_rank() == 0:
@@ -194,6 +215,8 @@ def save_checkpoint(
     state = _sharded_state(model, optimizer, layout, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
+    if consumed_samples is not None:
+        state["consumed_samples"] = consumed_samples
     state["parallel"] = layout.parallel
     rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -218,6 +241,28 @@ def resolve_load_dir(load: Path) -> Optional[Path]:
     if latest is not None:
         return iteration_dir(load, latest)
     return None
+
+
+def read_progress(load: Path) -> Progress:
+    """The complete checkpoint ``load`` names (a root: its latest; or one ``iter_*`` directory) and its progress;
+    SystemExit with one line if there is none. Read by the launcher before any rank starts, so every rank loads
+    the same directory whatever a later save does to ``latest``."""
+    path, common = _open(load)
+    consumed = common.get("consumed_samples")
+    return Progress(path, int(common["iteration"]), int(consumed) if consumed is not None else None)
+
+
+def _open(load: Path) -> tuple[Path, dict]:
+    """The complete checkpoint ``load`` names and its common state dict, or SystemExit with one line."""
+    path = resolve_load_dir(load)
+    if path is None:
+        raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
+    if not (path / "metadata.json").is_file():
+        raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    if "iteration" not in common:
+        raise SystemExit(f"checkpoint.load: {path} has no iteration state")
+    return path, common
 
 
 def _requested_shapes(request: dict) -> dict[str, tuple[int, ...]]:
@@ -250,18 +295,13 @@ def load_checkpoint(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
-) -> int:
+) -> Progress:
     """Restore everything saved by :func:`save_checkpoint` (or by plain Megatron-Core: model, optimizer,
-    scheduler, iteration), whatever layout wrote it; returns the completed iteration count."""
-    path = resolve_load_dir(load)
-    if path is None:
-        raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
-    if not (path / "metadata.json").is_file():
-        raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    scheduler, iteration), whatever layout wrote it; collective over the job. Returns where the run stood."""
+    path, common = _open(load)
     scheduler_key = next((k for k in SCHEDULER_KEYS if k in common), None)
-    if scheduler_key is None or "iteration" not in common:
-        raise SystemExit(f"checkpoint.load: {path} has no {'iteration' if scheduler_key else 'scheduler'} state")
+    if scheduler_key is None:
+        raise SystemExit(f"checkpoint.load: {path} has no scheduler state")
     layout = _layout(model, coords)
     same_layout = common.get("parallel") == layout.parallel
     request = _sharded_state(model, optimizer, layout, is_loading=True)
@@ -283,4 +323,5 @@ def load_checkpoint(
                        common.get("parallel"), layout.parallel)
     iteration = int(state["iteration"])
     logger.info("loaded checkpoint %s (iteration %d)", path, iteration)
-    return iteration
+    consumed = common.get("consumed_samples")
+    return Progress(path, iteration, int(consumed) if consumed is not None else None)

@@ -84,7 +84,6 @@ class Trainer:
     parts: Components
     dataset: Any
     device: torch.device
-    coords: checkpoint.ParallelCoords
     launch_rank: int
     failures: Optional[faults.FailureTrigger] = None
     comm_stats: Any = None  # training.comm_stats.CommStats with logging.comm_stats
@@ -103,6 +102,11 @@ class Trainer:
     @property
     def setup(self):
         return self.parts.setup
+
+    @property
+    def coords(self) -> checkpoint.ParallelCoords:
+        """This rank's place for per-rank checkpoint state, in the current layout."""
+        return checkpoint.ParallelCoords.of(self.setup, self.cfg.parallel)
 
     @property
     def is_reporting_rank(self) -> bool:
@@ -239,20 +243,27 @@ class Trainer:
             Path(self.cfg.logging.dump_state).mkdir(parents=True, exist_ok=True)
             torch.save(state, Path(self.cfg.logging.dump_state) / f"replica{self.setup.replica}.init.pt")
 
-    def maybe_save(self, final: bool = False) -> Optional[Path]:
+    def save_due(self) -> bool:
         ck = self.cfg.checkpoint
-        if ck.save is None:
-            return None
-        due = ck.save_interval is not None and self.iteration % ck.save_interval == 0
-        if not (due or final):
-            return None
+        return ck.save is not None and ck.save_interval is not None and self.iteration % ck.save_interval == 0
+
+    def save(self) -> Path:
+        """Checkpoint the state after ``self.iteration`` (collective over the job, or its current generation)."""
         p = self.parts
-        path = checkpoint.save_checkpoint(Path(ck.save), self.iteration, p.model, p.optimizer, p.scheduler,
-                                          self.coords)
+        path = checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), self.iteration, p.model, p.optimizer,
+                                          p.scheduler, self.coords, self.consumed_samples)
         if self.is_reporting_rank:
             metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": self.iteration,
-                          "path": str(path)}, sys.stdout)
+                          "path": str(path), "generation": self.setup.generation,
+                          "tp_per_replica": self.setup.tp_per_replica, "time": time.time()}, sys.stdout)
         return path
+
+    def _save_until_written(self) -> int:
+        """Save; under NTP a failure midway is absorbed like any other (``latest`` still names the previous
+        checkpoint) and the re-formed job writes this iteration's checkpoint again, in its new layout."""
+        while self._guarded(self.save) is None:
+            pass
+        return self.iteration
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -266,8 +277,8 @@ class Trainer:
                     continue  # a failed generation: recovered, the iteration is redone (or was rolled forward)
                 self.report(record)
                 self._guarded(lambda: self.verify_state(record))
-                if self._guarded(self.maybe_save):
-                    last_saved = self.iteration
+                if self.save_due():
+                    last_saved = self._save_until_written()
                 if self.move_after_step:
                     self.move_after_step = False
                     self._guarded(self._move)
@@ -280,8 +291,8 @@ class Trainer:
         self.reformer.move(self)
 
     def _finish(self, last_saved: Optional[int]) -> bool:
-        if last_saved != self.iteration:
-            self.maybe_save(final=True)
+        if self.cfg.checkpoint.save is not None and last_saved != self.iteration:
+            self.save()  # the final checkpoint (run by _guarded: a failure here is absorbed and it is saved again)
         self.verify_state(final=True)
         torch.distributed.barrier()
         return True
@@ -301,5 +312,8 @@ class Trainer:
         return None
 
     def recover(self) -> None:
-        """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`)."""
+        """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`).
+        A move to an admission generation still due (a failure after its ``commit+reform`` step, e.g. during a
+        checkpoint save) is void: the controller based the new generation on the one this rank holds."""
+        self.move_after_step = False
         self.reformer.recover(self)

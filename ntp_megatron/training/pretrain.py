@@ -87,21 +87,19 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-    coords = checkpoint.ParallelCoords(
-        tp_rank=setup.tp_rank, tp_size=p.tensor_model_parallel_size,
-        dp_rank=setup.replica, dp_size=p.data_parallel_size,
-    )
     trainer = Trainer(
-        cfg=cfg, parts=parts, dataset=dataset, device=device, coords=coords, launch_rank=env.rank,
+        cfg=cfg, parts=parts, dataset=dataset, device=device, launch_rank=env.rank,
         failures=_trigger(env, control), comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
     )
-    load = cfg.checkpoint.load or (cfg.checkpoint.save if env.restart else None)
-    if load and checkpoint.resolve_load_dir(Path(load)) is not None:
-        trainer.iteration = checkpoint.load_checkpoint(Path(load), parts.model, parts.optimizer, parts.scheduler,
-                                                       coords)
-        trainer.consumed_samples = trainer.iteration * t.global_batch_size
-    elif cfg.checkpoint.load:
-        raise SystemExit(f"checkpoint.load: no checkpoint in {cfg.checkpoint.load}")
+    # A restart resumes from the newest checkpoint of this run, if any; else from checkpoint.load (which the launcher
+    # pinned to one complete checkpoint).
+    ck = cfg.checkpoint
+    restarted_from = ck.save if env.restart and ck.save and checkpoint.resolve_load_dir(Path(ck.save)) else None
+    load = restarted_from or ck.load
+    if load:
+        progress = checkpoint.load_checkpoint(Path(load), parts.model, parts.optimizer, parts.scheduler,
+                                              trainer.coords)
+        trainer.iteration, trainer.consumed_samples = progress.iteration, progress.samples(t.global_batch_size)
     return trainer
 
 
@@ -125,7 +123,7 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         return build_components(cfg, setup, device, initialize=initialize)
 
-    trainer = Trainer(cfg=cfg, parts=None, dataset=dataset, device=device, coords=None, launch_rank=env.rank,
+    trainer = Trainer(cfg=cfg, parts=None, dataset=dataset, device=device, launch_rank=env.rank,
                       failures=_trigger(env, elastic.ctl),
                       comm_stats=CommStats().install() if cfg.logging.comm_stats else None, elastic=elastic)
     trainer.reformer = Reformer(cfg, elastic, elastic.topology(0), build=build)

@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Callable, Optional
 
 from ntp_megatron import faults, metrics
@@ -34,6 +35,7 @@ from ntp_megatron.groups import rebind_process_groups
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
     lower_bound_bytes, plan_transfers, set_step, state_keys
+from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components, attach_grad_sync
 from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
 
@@ -54,6 +56,7 @@ class Reformer:
         self.completed = completed
         """The layout this process holds: the newest generation whose re-formation completed."""
         self.build = build
+        self._start_iteration: Optional[int] = None
 
     # -- the four ways into a generation -------------------------------------------------------------------------
     def start(self, trainer, joining: bool) -> None:
@@ -136,8 +139,10 @@ class Reformer:
         """Join ``topology``'s generation and build (or keep) this rank's objects for it; returns them once every
         rank finished, without adopting them yet. Raises if the formation did not complete.
 
-        Before the first committed iteration every rank builds the initial weights itself (a function of the
-        seed alone) and nothing moves; after it, a rank keeps what it holds and receives the rest from peers."""
+        Before the run's first committed iteration every rank builds its initial state itself and nothing moves:
+        from the seed alone, or, in a run that resumes from ``checkpoint.load``, from that checkpoint, read into
+        this generation's layout whatever it is (the load is collective, so every rank rebuilds and reads).
+        After it, a rank keeps what it holds and receives the rest from peers."""
         started = time.time()
         cfg, elastic = self.cfg, self.elastic
         base = self.completed
@@ -155,10 +160,11 @@ class Reformer:
             trainer.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
             if trainer.failures is not None:
                 trainer.failures.iteration = trainer.iteration + 1
-        fresh = trainer.iteration == 0
+        fresh = trainer.iteration == self.start_iteration
+        from_checkpoint = fresh and cfg.checkpoint.load is not None
         faults.point("reform")
         old_rank = base.rank_of(*elastic.identity)
-        changed = old is None or old_rank is None or any(
+        changed = from_checkpoint or old is None or old_rank is None or any(
             base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units)
         state = state_keys(cfg.training.optimizer)
         old_tensors = UnitTensors(old.model.module, old.optimizer, state, not fresh) if old is not None else None
@@ -166,7 +172,9 @@ class Reformer:
         received = 0
         try:
             if changed:
-                new_parts = self.build(setup, fresh)
+                new_parts = self.build(setup, fresh and not from_checkpoint)
+                if from_checkpoint:
+                    self._load_start(trainer, new_parts)
                 new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, not fresh)
                 if not fresh:
                     init_state(new_parts.model.module, new_tensors)
@@ -187,16 +195,33 @@ class Reformer:
         tensors = old_tensors or new_tensors
         unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
         return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started, fresh,
-                       replicated_bytes=tensors.replicated_numel() * 4)
+                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint)
+
+    @property
+    def start_iteration(self) -> int:
+        """The iteration this run started from (0, or the loaded checkpoint's), as the controller published it."""
+        if self._start_iteration is None:
+            self._start_iteration = int(self.elastic.ctl.get(keys.START).decode())
+        return self._start_iteration
+
+    def _load_start(self, trainer, parts: Components) -> None:
+        """Read the checkpoint the run resumes from into ``parts`` (this generation's layout)."""
+        coords = checkpoint.ParallelCoords.of(parts.setup, self.cfg.parallel)
+        iteration = checkpoint.load_checkpoint(Path(self.cfg.checkpoint.load), parts.model, parts.optimizer,
+                                               parts.scheduler, coords).iteration
+        if iteration != trainer.iteration:
+            raise SystemExit(f"checkpoint.load: {self.cfg.checkpoint.load} holds iteration {iteration}, but the "
+                             f"launcher started the run at iteration {trainer.iteration}")
 
     def _adopt(self, trainer, staged: "_Staged") -> None:
         """Switch to the new generation's objects (local only: nothing here can be interrupted by a peer)."""
         old: Optional[Components] = trainer.parts
         if staged.new_parts is not None:
             if old is not None:
-                staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
+                if not staged.loaded:
+                    staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
                 old.release()
-            elif trainer.iteration:
+            elif trainer.iteration and not staged.loaded:
                 staged.new_parts.scheduler.step(increment=trainer.iteration * self.cfg.training.global_batch_size)
             trainer.parts = staged.new_parts
         else:
@@ -254,6 +279,8 @@ class _Staged:
     fresh: bool
     """No iteration committed yet: every rank built the initial weights itself."""
     replicated_bytes: int = 0
+    loaded: bool = False
+    """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
 
 
 def _size(n: int) -> str:
