@@ -409,19 +409,25 @@ def degraded_run(tmp_path_factory):
 
 def test_degraded_checkpoint_continues_under_tp2_tp2_tp2_and_absorbs_a_failure(degraded_run, tmp_path):
     """Must-show 1: saved under TP4 + TP3 at iteration 3, loaded under TP2 + TP2 + TP2 (another tp_base and DP),
-    which runs iteration 4; launch rank 5 is killed in iteration 5, the job re-forms live at TP2 + TP2 + TP1 from
-    peers (the store's committed iteration starts at the checkpoint's) and iteration 5 is redone. Iterations
-    4..6 are the uninterrupted run's."""
+    which runs iteration 4. Launch rank 5 is killed in iteration 5 after its vote: the controller (whose
+    committed iteration started at the checkpoint's) settles 5 as committed, the survivors roll it forward,
+    re-form at TP2 + TP2 + TP1 from peers and save iteration 5's checkpoint in the new layout. Iterations 4..6
+    are the uninterrupted run's."""
     load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
-    result = run_job(tmp_path / "run", ntp_args(2, 3, extra=("--set", f"checkpoint.load={load}", "--inject-failure",
-                                                             "kill:rank=5,iter=5,phase=backward")))
+    ckpt = tmp_path / "ckpt"
+    result = run_job(tmp_path / "run", ntp_args(2, 3, extra=(
+        "--set", f"checkpoint.load={load}", "--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=5",
+        "--inject-failure", "kill:rank=5,iter=5,phase=optimizer")))
     assert_ok(result)
     worst = assert_continues(result.losses(), degraded_run.losses, "TP2 + TP2 + TP2")
     widths = {r["iteration"]: r["tp_per_replica"] for r in result.records if r.get("kind") == "iteration"}
-    assert widths == {4: [2, 2, 2], 5: [2, 2, 1], 6: [2, 2, 1]}
+    assert widths == {4: [2, 2, 2], 5: [2, 2, 2], 6: [2, 2, 1]}
+    [failed] = result.events("rank_failed")
+    assert (failed["iteration"], failed["phase"]) == (5, "optimizer")
     [reformed] = result.events("reformed")
-    assert (reformed["resume_iteration"], reformed["iterations_redone"]) == (5, 1)
+    assert (reformed["resume_iteration"], reformed["iterations_redone"]) == (6, 0)
     assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0  # from peers, not from disk
+    assert saves(result) == [(5, 1, [2, 2, 1]), (6, 1, [2, 2, 1])]  # 5: rolled forward, then saved
     assert leftover_processes(result) == []
     print(f"TP4+TP3 -> TP2+TP2+TP2 -> TP2+TP2+TP1: worst relative difference {worst:.2e}")
 

@@ -268,16 +268,16 @@ class Trainer:
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
         t = self.cfg.training
-        last_saved = None
+        last_saved = self.iteration  # where this run started: the seed's state, or a checkpoint already on disk
         self._guarded(self.dump_initial_state)
         while True:
             while self.iteration < t.train_iters:
+                # None: a failed generation; recovered, the iteration is redone (or was rolled forward)
                 record = self._guarded(self.train_step)
-                if record is None:
-                    continue  # a failed generation: recovered, the iteration is redone (or was rolled forward)
-                self.report(record)
-                self._guarded(lambda: self.verify_state(record))
-                if self.save_due():
+                if record is not None:
+                    self.report(record)
+                    self._guarded(lambda: self.verify_state(record))
+                if self.save_due() and last_saved != self.iteration:  # a rolled-forward iteration's too
                     last_saved = self._save_until_written()
                 if self.move_after_step:
                     self.move_after_step = False
