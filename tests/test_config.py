@@ -103,8 +103,9 @@ def test_megatron_style_flags_become_overrides():
         (["--set", "model.hidden_sise=64"], "ntp-launch: unknown config key 'model.hidden_sise'"),
         (["--set", "parallel.backend=mpi"], "ntp-launch: bad value for 'parallel.backend'"),
         (["--inject-failure", "explode:rank=1,iter=2"], "ntp-launch: --inject-failure 'explode:rank=1,iter=2': expected"),
+        (["--set", "checkpoint.load=no/such/dir"], "ntp-launch: checkpoint.load: no checkpoint in no/such/dir"),
     ],
-    ids=["bad-key", "bad-value", "bad-failure-spec"],
+    ids=["bad-key", "bad-value", "bad-failure-spec", "no-checkpoint"],
 )
 def test_cli_config_error_is_one_line_and_exit_2(tmp_path, args, expected):
     proc = subprocess.run([sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(tmp_path), *args],
