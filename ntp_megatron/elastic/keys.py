@@ -101,3 +101,8 @@ def moved(generation: int) -> str:
 def started(generation: int, iteration: int) -> str:
     """Ranks that began iteration ``k`` in generation ``g`` (whether an aborted iteration cost any work)."""
     return f"{PREFIX}gen{generation}/iter{iteration}/started"
+
+
+def saved(iteration: int) -> str:
+    """Set by every rank that returned from saving iteration ``k``'s checkpoint (so it is complete)."""
+    return f"{PREFIX}saved/{iteration}"

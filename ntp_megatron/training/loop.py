@@ -98,6 +98,8 @@ class Trainer:
     _resources_reported: Optional[int] = field(default=None, repr=False)
     move_after_step: bool = False
     """The last commit was ``commit+reform``: move to the next generation before the next iteration."""
+    last_saved: int = 0
+    """The iteration whose state is on disk: the last checkpoint saved, or the one this run started from."""
 
     @property
     def setup(self):
@@ -252,23 +254,29 @@ class Trainer:
         p = self.parts
         path = checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), self.iteration, p.model, p.optimizer,
                                           p.scheduler, self.coords, self.consumed_samples)
+        if self.generation is not None:  # for peers that did not see the save complete (see _save_until_written)
+            self.elastic.ctl.set(keys.saved(self.iteration), "1")
         if self.is_reporting_rank:
             metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": self.iteration,
                           "path": str(path), "generation": self.setup.generation,
                           "tp_per_replica": self.setup.tp_per_replica, "time": time.time()}, sys.stdout)
         return path
 
-    def _save_until_written(self) -> int:
+    def _save_until_written(self) -> None:
         """Save; under NTP a failure midway is absorbed like any other (``latest`` still names the previous
-        checkpoint) and the re-formed job writes this iteration's checkpoint again, in its new layout."""
-        while self._guarded(self.save) is None:
-            pass
-        return self.iteration
+        checkpoint) and the re-formed job writes this iteration's checkpoint again, in its new layout.
+
+        Whether the failed save had completed is read from the store once the re-formation is done: a rank that
+        returned from a save marks it before it can take part in any later generation, so every rank of the new
+        one decides alike (a death in the save's last barrier can let some ranks return and fail others)."""
+        while self.last_saved != self.iteration:
+            if self._guarded(self.save) is not None or self.elastic.ctl.check([keys.saved(self.iteration)]):
+                self.last_saved = self.iteration
 
     # -- the run ------------------------------------------------------------------------------------------------
     def run(self) -> None:
         t = self.cfg.training
-        last_saved = self.iteration  # where this run started: the seed's state, or a checkpoint already on disk
+        self.last_saved = self.iteration  # where this run started: the seed's state, or a checkpoint on disk
         self._guarded(self.dump_initial_state)
         while True:
             while self.iteration < t.train_iters:
@@ -277,12 +285,12 @@ class Trainer:
                 if record is not None:
                     self.report(record)
                     self._guarded(lambda: self.verify_state(record))
-                if self.save_due() and last_saved != self.iteration:  # a rolled-forward iteration's too
-                    last_saved = self._save_until_written()
+                if self.save_due():  # a rolled-forward iteration's too
+                    self._save_until_written()
                 if self.move_after_step:
                     self.move_after_step = False
                     self._guarded(self._move)
-            if self._guarded(lambda: self._finish(last_saved)):
+            if self._guarded(self._finish):
                 return
 
     def _move(self) -> None:
@@ -290,9 +298,9 @@ class Trainer:
         torch.distributed.barrier()
         self.reformer.move(self)
 
-    def _finish(self, last_saved: Optional[int]) -> bool:
-        if self.cfg.checkpoint.save is not None and last_saved != self.iteration:
-            self.save()  # the final checkpoint (run by _guarded: a failure here is absorbed and it is saved again)
+    def _finish(self) -> bool:
+        if self.cfg.checkpoint.save is not None:
+            self._save_until_written()  # the final checkpoint, unless this iteration's is on disk already
         self.verify_state(final=True)
         torch.distributed.barrier()
         return True
@@ -305,15 +313,20 @@ class Trainer:
             return action()
         except (KeyboardInterrupt, SystemExit):
             raise
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             if self.generation is None:
                 raise
-        self.recover()
+            cause = f"{type(exc).__name__}: {str(exc)[:300]}"  # text only: the exception would pin the frames
+        self.recover(cause)
         return None
 
-    def recover(self) -> None:
+    def recover(self, cause: str = "") -> None:
         """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`).
         A move to an admission generation still due (a failure after its ``commit+reform`` step, e.g. during a
-        checkpoint save) is void: the controller based the new generation on the one this rank holds."""
+        checkpoint save) is void: the controller based the new generation on the one this rank holds.
+        ``cause``: what failed here, reported if no new generation comes (then it was no peer's failure)."""
         self.move_after_step = False
-        self.reformer.recover(self)
+        try:
+            self.reformer.recover(self)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; this rank had left its generation after {cause}") from None
