@@ -269,6 +269,15 @@ def main(argv=None) -> int:
 
     warnings.filterwarnings("ignore")
     apply_cpu_workarounds()
+    # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tokenizers  # noqa: F401
+
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
         for tp in args.tp:

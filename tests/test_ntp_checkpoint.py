@@ -116,7 +116,7 @@ def cases(draw):
     return topology, m
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(cases())
 def test_fragments_cover_every_tensor_exactly_once(case):
     """Must-show 4: main replicas tile each tensor once (whichever replicas are degraded or dropped), and
@@ -605,6 +605,14 @@ def _ntp_logits_main(argv: list[str]) -> int:
     from ntp_megatron.training import runtime
 
     runtime.quiet_optional_dependency_warnings()
+    # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
+    import megatron.core.tensor_parallel  # noqa: F401
+
+    import ntp_megatron.training.checkpoint  # noqa: F401
+    import ntp_megatron.training.components  # noqa: F401
+    import ntp_megatron.training.parallel  # noqa: F401
+    import tests.plain_megatron  # noqa: F401
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--resave", default="", help="the single-replica TP3 topology saves here")
