@@ -123,6 +123,7 @@ def _failure_figures(records: list[dict]) -> dict:
         "kill_to_next_iteration_s": after[0]["time"] - killed_at,
         "kill_to_progress_s": next(r for r in after if r["iteration"] >= FAIL_AT)["time"] - killed_at,
         "iterations_lost": summary["iterations_lost"],
+        "iterations_rolled_back": summary["iterations_rolled_back"],
         "detect_s": failed.get("detect_s"),
         "moved_bytes": reformed[0]["moved_bytes"] if reformed else None,
         "lower_bound_bytes": reformed[0]["lower_bound_bytes"] if reformed else None,
@@ -207,7 +208,9 @@ def table(result: dict) -> str:
                   f"{restart['kill_to_next_iteration_s']:.2f} | {failures['ratio_kill_to_next_iteration']:.3f} |",
                   f"| kill to completing the interrupted iteration (s) | {ntp['kill_to_progress_s']:.2f} | "
                   f"{restart['kill_to_progress_s']:.2f} | {failures['ratio_kill_to_progress']:.3f} |",
-                  f"| iterations lost | {ntp['iterations_lost']:g} | {restart['iterations_lost']:g} | |",
+                  f"| iterations lost: computed again (of them, completed ones rolled back) | "
+                  f"{ntp['iterations_lost']:g} ({ntp['iterations_rolled_back']:g}) | "
+                  f"{restart['iterations_lost']:g} ({restart['iterations_rolled_back']:g}) | |",
                   f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]

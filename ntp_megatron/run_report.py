@@ -4,7 +4,8 @@ Goodput here is useful iteration time over wall time: the time of every iteratio
 iteration once, however often it was computed) divided by the launcher's wall-clock time from start to end.
 Start-up, recovery, redone and rolled-back iterations, and checkpoint saves are what is lost. Iterations lost:
 every iteration computed but not kept — the one in flight at each failure (redone under NTP, lost with the
-processes on a restart) and, on a restart, every iteration since the last checkpoint.
+processes on a restart) and, on a restart, every iteration since the last checkpoint. Of those, *rolled back*
+are the completed ones that were computed again (none under NTP: only a restart rolls back).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "useful_s": useful_s,
         "goodput": useful_s / wall_s if wall_s > 0 else None,
         "iterations_lost": redone + repeated + len(_events(records, "restarted")),
+        "iterations_rolled_back": repeated,
         "failures": len(_events(records, "rank_failed")),
         "reformations": len(reformed),
         "restarts": len(_events(records, "restarted")),
@@ -57,7 +59,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
              f"(best {summary['best_lm_loss']:.6f}), wall time {summary['wall_s']:.1f} s"]
     if summary["goodput"] is not None:
         lines.append(f"goodput: {100 * summary['goodput']:.1f} % (useful iteration time {summary['useful_s']:.1f} s "
-                     f"of {summary['wall_s']:.1f} s wall) | iterations lost: {summary['iterations_lost']} | "
+                     f"of {summary['wall_s']:.1f} s wall) | iterations lost: {summary['iterations_lost']} "
+                     f"({summary['iterations_rolled_back']} completed ones rolled back) | "
                      f"failures: {summary['failures']} | re-formations: {summary['reformations']} | "
                      f"restarts: {summary['restarts']}")
     return lines

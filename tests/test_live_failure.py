@@ -67,6 +67,12 @@ def assert_replicas_agree(result: JobResult, iters: int = ITERS, unchecked: tupl
             assert other["grad_norm"] == first["grad_norm"], f"iteration {iteration}: grad-norm bits differ"
 
 
+def launcher_lines(result: JobResult) -> str:
+    """The launcher's own lines (failures, re-formations, stacks of ranks that missed a failure): for messages."""
+    return "\n".join(line for line in (result.stdout + result.stderr).splitlines()
+                     if "ntp-launch" in line or "re-formed" in line or "File " in line)[-6000:]
+
+
 def widths_by_iteration(result: JobResult) -> dict[int, list[int]]:
     return {r["iteration"]: r["tp_per_replica"] for r in result.records if r.get("kind") == "iteration"}
 
@@ -88,7 +94,7 @@ def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
     assert_replicas_agree(result, unchecked=(5,) if phase == "optimizer" else ())
     [failed] = result.events("rank_failed")
     assert (failed["launch_rank"], failed["replica"], failed["slot"], failed["phase"]) == (3, 1, 1, phase)
-    assert failed["detect_s"] is not None and failed["detect_s"] < 1.0
+    assert failed["detect_s"] is not None and failed["detect_s"] < 1.0, launcher_lines(result)
     [reformed] = result.events("reformed")
     assert reformed["tp_per_replica"] == [2, 1] and reformed["generation"] == 1
     assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0
@@ -214,3 +220,23 @@ def test_ntp_off_restarts_from_the_last_checkpoint(tmp_path, jobs):
     assert iterations == [1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10]  # iteration 4 ran again from the checkpoint at 3
     summary = result.events("job_summary")[0]
     assert summary["iterations_lost"] == 2 and summary["restarts"] == 1  # iteration 4 again, and 5 in flight
+
+
+def test_kills_from_outside(tmp_path, jobs):
+    """``kill:rank=R,after=S`` and ``random:...``: the launcher kills at a wall-clock time, wherever the rank is
+    (start-up, any phase, a re-formation) — the run must come out the same whenever that is."""
+    iters = 20
+    reference = jobs.run("live-ref-tp2x2-20", ntp_args(2, 2, iters=iters))
+    # The timed kill takes launch rank 0 while the ranks start (0.8 s); the random one (1.8 s) takes launch rank 3
+    # (replica 1, slot 1) once they train, or still forming on a slower machine. Both canonical blocks keep a
+    # holder whenever the two land.
+    args = ntp_args(2, 2, iters=iters) + ["--inject-failure", "kill:rank=0,after=0.8",
+                                          "--inject-failure", "random:mtbf=3,seed=11,max=1"]
+    result = run_job(tmp_path / "run", args)
+    assert_same_run(result, reference, iters)
+    assert_replicas_agree(result, iters)
+    failed = result.events("rank_failed")
+    assert sorted(e["launch_rank"] for e in failed) == [0, 3]
+    assert all("injected by the launcher" in e["cause"] for e in failed)
+    # Every survivor noticed each failure, even one that came while it was still joining a generation.
+    assert all(e["detect_s"] is not None for e in failed), launcher_lines(result)

@@ -192,15 +192,15 @@ class Controller:
 
     def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int],
                 wait_s: float = AWARE_WAIT_S) -> None:
-        aware_keys = [keys.aware(old.generation, lr) for lr in survivors]
         deadline = time.monotonic() + wait_s
         aware: list[float] = []
         missing = survivors
         while time.monotonic() < deadline:
+            survivors = [lr for lr in survivors if lr not in self.dead]  # one that died meanwhile cannot notice
             try:
-                missing = [lr for lr, k in zip(survivors, aware_keys) if not self.store.check([k])]
+                missing = [lr for lr in survivors if not self.store.check([keys.aware(old.generation, lr)])]
                 if not missing:
-                    aware = [float(self.store.get(k).decode()) for k in aware_keys]
+                    aware = [float(self.store.get(keys.aware(old.generation, lr)).decode()) for lr in survivors]
                     break
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
 from ntp_megatron.elastic import keys
@@ -63,6 +64,8 @@ class ElasticRank:
         """(replica index, slot): what this process is, in every generation."""
         self.left_sockets: set[str] = set()
         """Identities of the sockets of every generation this process left (none may stay open)."""
+        self.aware_upto = -1
+        """Every generation up to this one is noted over (:meth:`note_aware`)."""
 
     def topology(self, generation: int) -> Topology:
         return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
@@ -91,6 +94,7 @@ class ElasticRank:
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
         generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
         try:
+            _reset_group_names()
             with self.scope(generation):
                 dist.init_process_group(backend=self.backend, rank=rank, world_size=topology.world_size,
                                         store=dist.PrefixStore(f"gen{topology.generation}/", store),
@@ -133,8 +137,13 @@ class ElasticRank:
         self.ctl.set(keys.joining(self.launch_rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
 
     def note_aware(self, generation: int) -> None:
-        """Record when this rank learnt that ``generation`` is over (for the controller's detection latency)."""
-        self.ctl.set(keys.aware(generation, self.launch_rank), repr(time.time()))
+        """Record when this rank learnt that ``generation`` is over (for the controller's detection latency),
+        and every earlier one not noted yet: a generation whose formation this rank never finished or never
+        reached (it started late, a failure interrupted the rendezvous) ends for it when it learns of a newer one."""
+        now = repr(time.time())
+        for g in range(self.aware_upto + 1, generation + 1):
+            self.ctl.set(keys.aware(g, self.launch_rank), now)
+        self.aware_upto = max(self.aware_upto, generation)
 
     def await_newer(self, generation: int) -> tuple[Topology, dict]:
         """Wait (bounded) until a generation newer than ``generation`` is published or the job is stopped;
@@ -149,6 +158,15 @@ class ElasticRank:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generation after {generation} within {self.timeout_s:.0f} s")
             time.sleep(0.01)
+
+
+def _reset_group_names() -> None:
+    """torch names an unnamed group after a counter (the default group's store prefix is ``<count>/``), bumps it
+    even when ``init_process_group`` fails half-way, and resets it only in ``destroy_process_group``. A rank whose
+    last rendezvous was interrupted by a failure would name its next default group ``1`` while its peers name
+    theirs ``0``, and the two rendezvous would never meet. With no default group, the count starts over."""
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 class _Extend:

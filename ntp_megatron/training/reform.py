@@ -63,6 +63,7 @@ class Reformer:
         """This process's first generation: at launch, the newest published one (generation 0 unless ranks
         failed before this one got here); for a replacement process, the one that admits it."""
         if joining:
+            self.elastic.aware_upto = self.elastic.latest()  # generations before this process are not its own
             self.elastic.announce()
             self._advance(trainer)
             return
@@ -99,6 +100,7 @@ class Reformer:
                               f"was dropped in generation {topology.generation}; this process ends")
             if trainer.parts is None:
                 self.completed = self.elastic.topology(info["base"])
+            self._try(lambda: self.elastic.note_aware(topology.generation - 1))
             try:
                 staged = self._reform(trainer, topology, info)
             except (KeyboardInterrupt, SystemExit):
@@ -110,8 +112,6 @@ class Reformer:
             if staged is not None:
                 break
             gc.collect()
-            if trainer.generation is not None:
-                self._try(lambda: self.elastic.note_aware(trainer.generation.number))
         self._adopt(trainer, staged)
 
     @staticmethod
