@@ -47,13 +47,15 @@ class _Zygote:
     _proc: Optional[subprocess.Popen] = None
 
     @classmethod
-    def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float) -> int:
+    def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float, module: Optional[str] = None) -> int:
         if cls._proc is None or cls._proc.poll() is not None:
             cls._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, bufsize=1)
         proc = cls._proc
-        proc.stdin.write(json.dumps({"args": args, "cwd": str(REPO), "stdout": str(stdout),
-                                     "stderr": str(stderr)}) + "\n")
+        request = {"args": args, "cwd": str(REPO), "stdout": str(stdout), "stderr": str(stderr)}
+        if module is not None:
+            request["module"] = module
+        proc.stdin.write(json.dumps(request) + "\n")
         proc.stdin.flush()
         pid = json.loads(proc.stdout.readline())["pid"]
         ready, _, _ = select.select([proc.stdout], [], [], timeout)
@@ -81,6 +83,18 @@ def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOU
     if metrics_file.exists():
         records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     return JobResult(returncode, out, err, records, run_dir)
+
+
+def run_module(module: str, args: Sequence[str], out_dir: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
+    """``python -m module args`` (forked from the zygote: no imports to pay); returns (exit code, stderr)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stdout, stderr = out_dir / f"{module}.stdout", out_dir / f"{module}.stderr"
+    if os.environ.get("NTP_TEST_ZYGOTE", "1") == "1":
+        returncode = _Zygote.run(list(args), stdout, stderr, timeout, module=module)
+        return returncode, stderr.read_text(errors="replace")
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stderr
 
 
 def layout_args(tp: int, dp: int, iters: int) -> list[str]:

@@ -13,8 +13,8 @@
   degraded by a failure before it formed).
 - Errors and crash safety: a checkpoint of another model shape; ``latest`` moves only after a complete save.
 
-``python -m tests.test_ntp_checkpoint ntp-logits ...`` is the NTP side of the logits comparison (run by the
-tests in a subprocess that forks its ranks).
+``python -m tests.test_ntp_checkpoint ntp-logits ...`` is the NTP side of the logits comparison (the tests fork it
+from the zygote of ``tests.jobs``, like ``tests.plain_megatron``; it forks its ranks).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import math
 import os
 import queue
 import socket
-import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +36,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_megatron.layout import make_topology, next_topology
-from tests.jobs import REPO, TINY, assert_ok, relative_difference, run_job
+from tests.jobs import TINY, assert_ok, relative_difference, run_job, run_module
 from tests.test_live_failure import assert_replicas_agree, leftover_processes
 
 ITERS, SAVE_AT = 6, 3
@@ -444,18 +443,17 @@ def test_degraded_checkpoint_continues_under_uniform_tp1(degraded_run, tmp_path)
     print(f"TP4+TP3 -> TP1 (NTP off): worst relative difference {worst:.2e}")
 
 
-def _python(*args: str, timeout: float = 300) -> None:
-    proc = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{args[0]} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+def _python(out_dir: Path, module: str, *args: str) -> None:
+    returncode, stderr = run_module(module, args, out_dir)
+    assert returncode == 0, f"{module} failed ({returncode}):\n{stderr[-4000:]}"
 
 
 def test_plain_megatron_checkpoint_continues_under_ntp(tmp_path):
     """Must-show 2: plain Megatron-Core (TP2, its own initialisation) saves at iteration 3; NTP TP2 + TP1
     loads it and iterations 4..6 match the plain script's own."""
     ckpt, out = tmp_path / "plain-ckpt", tmp_path / "plain-losses.json"
-    _python("tests.plain_megatron", "train", "--tp", "2", "--iters", str(ITERS), "--save-at", str(SAVE_AT),
-            "--ckpt", str(ckpt), "--out", str(out))
+    _python(tmp_path, "tests.plain_megatron", "train", "--tp", "2", "--iters", str(ITERS),
+            "--save-at", str(SAVE_AT), "--ckpt", str(ckpt), "--out", str(out))
     plain = {int(k): v for k, v in json.loads(out.read_text()).items()}
     load = ckpt / f"iter_{SAVE_AT:07d}"
     result = run_job(tmp_path / "ntp", ntp_args(2, 2, "1:1", ("--set", f"checkpoint.load={load}")))
@@ -473,10 +471,10 @@ def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
     final = degraded_run.ckpt / f"iter_{ITERS:07d}"
     resaved = tmp_path / "resaved"
     ntp_out, plain_out = tmp_path / "ntp-logits.pt", tmp_path / "plain-logits.pt"
-    _python("tests.test_ntp_checkpoint", "ntp-logits", "--ckpt", str(final), "--resave", str(resaved),
+    _python(tmp_path, "tests.test_ntp_checkpoint", "ntp-logits", "--ckpt", str(final), "--resave", str(resaved),
             "--out", str(ntp_out))
     resaved_dir = resaved / f"iter_{ITERS:07d}"
-    _python("tests.plain_megatron", "logits", "--tp", "1", "--tp", "2", "--ckpt", str(final),
+    _python(tmp_path, "tests.plain_megatron", "logits", "--tp", "1", "--tp", "2", "--ckpt", str(final),
             "--ckpt", str(resaved_dir), "--out", str(plain_out))
     ntp, plain = torch.load(ntp_out), torch.load(plain_out)
     assert set(ntp) == {("tp4+tp3", 0), ("tp4+tp3", 1), ("tp3", 0)}
@@ -646,7 +644,11 @@ def _ntp_logits_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["ntp-logits"]:
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["ntp-logits"]:
         raise SystemExit("usage: python -m tests.test_ntp_checkpoint ntp-logits --ckpt DIR --out FILE [--resave DIR]")
-    sys.exit(_ntp_logits_main(sys.argv[2:]))
+    return _ntp_logits_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

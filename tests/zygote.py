@@ -1,14 +1,16 @@
 """A process that has imported torch and Megatron-Core once and forks one launcher per test job.
 
 Starting ``python -m ntp_megatron.launcher`` costs seconds of imports per job; the suite runs dozens of jobs.
-The zygote reads one JSON request per line (``args``, ``cwd``, ``stdout``, ``stderr``), forks a child that
-becomes the launcher (``ntp_megatron.launcher.main(args)``, output to the given files, its own process group),
-answers ``{"pid": ...}``, waits for it and answers ``{"returncode": ...}``. The zygote starts no thread, so
+The zygote reads one JSON request per line (``args``, ``cwd``, ``stdout``, ``stderr``, optionally ``module``), forks
+a child that becomes the launcher (``ntp_megatron.launcher.main(args)``; or ``<module>.main(args)``, e.g. the
+plain Megatron-Core helper of the checkpoint tests), output to the given files, its own process group, answers
+``{"pid": ...}``, waits for it and answers ``{"returncode": ...}``. The zygote starts no thread, so
 forking it is as safe as the launcher forking its ranks.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -31,8 +33,14 @@ def _child(request: dict) -> None:
             os.close(target)
         sys.stdout = open(1, "w", buffering=1, closefd=False)
         sys.stderr = open(2, "w", buffering=1, closefd=False)
-        sys.argv = ["ntp-launch", *request["args"]]
-        code = launcher.main(request["args"])
+        module = request.get("module")
+        sys.argv = [module or "ntp-launch", *request["args"]]
+        main = launcher.main
+        if module:
+            # As under ``python -m module``: processes it spawns (multiprocessing) re-import it, not this zygote.
+            sys.modules["__main__"] = importlib.import_module(module)
+            main = sys.modules["__main__"].main
+        code = main(request["args"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001
