@@ -149,7 +149,8 @@ class CheckpointSection(_Section):
     """Directory to save dist_checkpointing checkpoints into (``iter_0000010/`` per save)."""
     save_interval: Optional[int] = Field(None, ge=1)
     load: Optional[str] = None
-    """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory."""
+    """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
+    that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
     max_restarts: int = Field(3, ge=0)
     """With NTP off and ``save`` set: how many times a failed rank restarts the whole job from the last
     checkpoint (the restart-from-checkpoint baseline) before the run ends with an error."""
