@@ -84,9 +84,13 @@ class Controller:
         self.dead.update(d.launch_rank for d in deaths)
         self.failures += len(deaths)
         old = self.latest
-        if self._completed_generation() != old.generation:
-            abandon_formation(self.store, old.generation)  # unless it completed just now
+        if self._completed_generation() != old.generation and not abandon_formation(self.store, old.generation):
+            # It completed just now: its last rank wrote the verdict and had not yet recorded the generation.
+            self.store.set(keys.COMPLETED, str(old.generation))
         self._refresh_completed()
+        # Where ranks train: ``old`` itself, or the newest completed generation before it when a re-formation or an
+        # admission was pending (with an admission pending, ranks train there until the boundary). Both end now.
+        running = self.completed.generation
         # Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
         # left it at an admission boundary; the same one again if a re-formation after a failure was interrupted).
         in_flight = settle(self.store, self.completed.generation)
@@ -101,12 +105,13 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
-            if int(self.store.get(keys.COMMITTED).decode()):  # before the first commit every rank can draw any unit
+            if in_flight is None or in_flight[0] > 1:  # before the first commit every rank draws its units itself
                 transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
-            self.store.set(keys.abort(old.generation), "stop")
+            for g in {running, old.generation}:
+                self.store.set(keys.abort(g), "stop")
             self._report(deaths, old, settled, [], wait_s=0.0)  # nobody re-forms: report now
             return reason
         self._report_deaths(deaths, old, settled)
@@ -119,7 +124,8 @@ class Controller:
         self.store.set(keys.info(g), json.dumps(info))
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
-        self.store.set(keys.abort(old.generation), "1")
+        for ended in {running, old.generation}:
+            self.store.set(keys.abort(ended), "1")
         self.latest = self.published[g] = new
         return None
 

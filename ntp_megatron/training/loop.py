@@ -301,5 +301,7 @@ class Trainer:
         return None
 
     def recover(self) -> None:
-        """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`)."""
+        """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`).
+        A move the failed generation had decided is void: the controller built the new one without it."""
+        self.move_after_step = False
         self.reformer.recover(self)
