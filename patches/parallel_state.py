@@ -19,8 +19,7 @@ from megatron.core import parallel_state as ps
 def initialize_trivial_groups(timeout: timedelta) -> None:
     """Megatron's own initializer at TP 1 / PP 1 / CP 1: valid for any world size. No gloo side groups (the
     job's backend is gloo on CPU already), and every group bounded by ``timeout``."""
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    ps.destroy_model_parallel()  # unconditionally: an initializer a failure cut short leaves some groups set
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                  distributed_timeout_minutes=timeout.total_seconds() / 60,
                                  create_gloo_process_groups=False)

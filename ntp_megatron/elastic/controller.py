@@ -89,9 +89,13 @@ class Controller:
         self.dead.update(d.launch_rank for d in deaths)
         self.failures += len(deaths)
         old = self.latest
-        if self._completed_generation() != old.generation:
-            abandon_formation(self.store, old.generation)  # unless it completed just now
+        if self._completed_generation() != old.generation and not abandon_formation(self.store, old.generation):
+            # It completed just now: its last rank wrote the verdict and had not yet recorded the generation.
+            self.store.set(keys.COMPLETED, str(old.generation))
         self._refresh_completed()
+        # Where ranks train: ``old`` itself, or the newest completed generation before it when a re-formation or an
+        # admission was pending (with an admission pending, ranks train there until the boundary). Both end now.
+        running = self.completed.generation
         # Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
         # left it at an admission boundary; the same one again if a re-formation after a failure was interrupted).
         in_flight = settle(self.store, self.completed.generation)
@@ -107,12 +111,13 @@ class Controller:
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
             # Before the run's first commit every rank builds any unit from the seed or the loaded checkpoint.
-            if int(self.store.get(keys.COMMITTED).decode()) > self.start_iteration:
+            if in_flight is None or in_flight[0] > self.start_iteration + 1:
                 transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)
-            self.store.set(keys.abort(old.generation), "stop")
+            for g in {running, old.generation}:
+                self.store.set(keys.abort(g), "stop")
             self._report(deaths, old, settled, [], wait_s=0.0)  # nobody re-forms: report now
             return reason
         self._report_deaths(deaths, old, settled)
@@ -125,7 +130,8 @@ class Controller:
         self.store.set(keys.info(g), json.dumps(info))
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
-        self.store.set(keys.abort(old.generation), "1")
+        for ended in {running, old.generation}:
+            self.store.set(keys.abort(ended), "1")
         self.latest = self.published[g] = new
         return None
 

@@ -112,13 +112,14 @@ class ElasticRank:
         """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
         watchdog. ``ended``: the generation was marked over (the watchdog thread finishes now); at the normal end of
         the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+        # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
+        # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
+        parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as exc:  # noqa: BLE001 - sockets already shut down: nothing left to tell peers
-                logger.debug("destroy_process_group after the generation ended: %s", exc)
+                logger.warning("destroy_process_group after the generation ended: %s", exc)
         generation.store = None
         if ended:
             generation.watchdog.join(timeout=5.0)
@@ -180,4 +181,4 @@ class _Extend:
 
     def __exit__(self, *exc) -> None:
         self._scope.__exit__(*exc)
-        self.generation.watchdog.sockets.update(self._scope.sockets)
+        self.generation.watchdog.add(self._scope.sockets)

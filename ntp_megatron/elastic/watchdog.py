@@ -92,6 +92,7 @@ class GenerationWatchdog:
         self.generation = generation
         self.sockets = dict(sockets)
         self.fired_at: Optional[float] = None
+        self._lock = threading.Lock()
         self._store = open_store(timeout_s)
         self._thread = threading.Thread(target=self._watch, name=f"ntp-watchdog-gen{generation}", daemon=True)
         self._thread.start()
@@ -110,10 +111,18 @@ class GenerationWatchdog:
                     logger.warning("watchdog of generation %d lost the store (%s); it stops watching",
                                    self.generation, exc)
                     return
-        self.fired_at = time.time()
-        closed = shutdown_sockets(self.sockets)
+        with self._lock:
+            self.fired_at = time.time()
+            closed = shutdown_sockets(self.sockets)
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
+
+    def add(self, sockets: dict[int, str]) -> None:
+        """More sockets of the generation (opened while it formed); shut down at once if it is already over."""
+        with self._lock:
+            self.sockets.update(sockets)
+            if self.fired_at is not None:
+                shutdown_sockets(sockets)
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)

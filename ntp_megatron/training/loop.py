@@ -322,8 +322,7 @@ class Trainer:
 
     def recover(self, cause: str = "") -> None:
         """Leave the failed generation and re-form in the newest one (see :mod:`ntp_megatron.training.reform`).
-        A move to an admission generation still due (a failure after its ``commit+reform`` step, e.g. during a
-        checkpoint save) is void: the controller based the new generation on the one this rank holds.
+        A move the failed generation had decided is void: the controller built the new one without it.
         ``cause``: what failed here, reported if no new generation comes (then it was no peer's failure)."""
         self.move_after_step = False
         try:

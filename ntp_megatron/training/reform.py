@@ -57,11 +57,14 @@ class Reformer:
         """The layout this process holds: the newest generation whose re-formation completed."""
         self.build = build
         self._start_iteration: Optional[int] = None
+        self.joining = False
+        """A replacement process, waiting to be admitted (rather than a rank of the launch)."""
 
     # -- the four ways into a generation -------------------------------------------------------------------------
     def start(self, trainer, joining: bool) -> None:
         """This process's first generation: at launch, the newest published one (generation 0 unless ranks
         failed before this one got here); for a replacement process, the one that admits it."""
+        self.joining = joining
         if joining:
             self.elastic.aware_upto = self.elastic.latest()  # generations before this process are not its own
             self.elastic.announce()
@@ -84,6 +87,7 @@ class Reformer:
 
     def _advance(self, trainer, first: Optional[tuple[Topology, dict]] = None) -> None:
         seen = trainer.generation.number if trainer.generation is not None else -1
+        offered = False
         while True:
             if first is not None:
                 (topology, info), first = first, None
@@ -93,14 +97,18 @@ class Reformer:
             if trainer.generation is not None:
                 self.elastic.leave(trainer.generation)
                 trainer.generation = None
+            self._try(lambda: self.elastic.note_aware(topology.generation - 1))
             if self.elastic.rank_in(topology) is None:
-                if trainer.parts is None:
+                if trainer.parts is None and self.joining:
+                    if offered:  # admitted, but a failure cut the admission short: ask again
+                        self.elastic.announce()
+                        offered = False
                     continue  # a replacement not admitted in this generation: wait for the next
                 raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
                               f"was dropped in generation {topology.generation}; this process ends")
+            offered = True
             if trainer.parts is None:
                 self.completed = self.elastic.topology(info["base"])
-            self._try(lambda: self.elastic.note_aware(topology.generation - 1))
             try:
                 staged = self._reform(trainer, topology, info)
             except (KeyboardInterrupt, SystemExit):
