@@ -59,6 +59,8 @@ class ElasticRank:
         self.ctl = open_store(timeout_s)
         """Control-plane client: votes, decisions, generations. Never closed by a watchdog."""
         self.heartbeat = Heartbeat(open_store, launch_rank, heartbeat_s)
+        self.kept_sockets = frozenset(socket_fds().values())
+        """Sockets no generation owns: inherited ones and the control plane (a watchdog never shuts them down)."""
         start = self.topology(0)
         self.identity = start.slot_of(launch_rank)
         """(replica index, slot): what this process is, in every generation."""
@@ -90,7 +92,8 @@ class ElasticRank:
         # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
+        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
+                                      kept=self.kept_sockets)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
         generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
         try:
@@ -112,6 +115,7 @@ class ElasticRank:
         """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
         watchdog. ``ended``: the generation was marked over (the watchdog thread finishes now); at the normal end of
         the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
+        generation.watchdog.mark_left()
         # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
         # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
         parallel_state.destroy_model_parallel()

@@ -28,6 +28,9 @@ from ntp_megatron.elastic import keys
 
 logger = logging.getLogger(__name__)
 
+LEAVE_GRACE_S = 2.0
+"""How long after its generation ended a rank may stay in it before the watchdog's fallback (see ``_fallback``)."""
+
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
 
@@ -46,9 +49,9 @@ def socket_fds() -> dict[int, str]:
     return out
 
 
-def shutdown_sockets(sockets: dict[int, str]) -> int:
-    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket;
-    returns how many. The descriptors stay open — their owners close them."""
+def shutdown_sockets(sockets: dict[int, str], tcp_only: bool = False) -> int:
+    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket (and,
+    with ``tcp_only``, an IP one); returns how many. The descriptors stay open — their owners close them."""
     done = 0
     for fd, identity in sockets.items():
         try:
@@ -58,7 +61,8 @@ def shutdown_sockets(sockets: dict[int, str]) -> int:
         except OSError:
             continue
         try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            ip = sock.family in (socket.AF_INET, socket.AF_INET6)
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (ip or not tcp_only):
                 sock.shutdown(socket.SHUT_RDWR)
                 done += 1
         except OSError:
@@ -88,10 +92,14 @@ class GenerationWatchdog:
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
     """
 
-    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float) -> None:
+    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float,
+                 kept: frozenset[str] = frozenset()) -> None:
+        """``kept``: sockets of the process that belong to no generation (the control plane, inherited ones)."""
         self.generation = generation
         self.sockets = dict(sockets)
         self.fired_at: Optional[float] = None
+        self._kept = kept
+        self._left = False
         self._lock = threading.Lock()
         self._store = open_store(timeout_s)
         self._thread = threading.Thread(target=self._watch, name=f"ntp-watchdog-gen{generation}", daemon=True)
@@ -116,6 +124,30 @@ class GenerationWatchdog:
             closed = shutdown_sockets(self.sockets)
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
+        self._fallback()
+
+    def _fallback(self) -> None:
+        """A rank still inside the generation ``LEAVE_GRACE_S`` after it ended is stuck in a collective its own
+        sockets did not release (seen rarely in a gloo all-reduce): shut down every TCP socket the process opened
+        that belongs to no generation it left and not to the control plane. Nothing of a newer generation can
+        exist yet: the rank joins one only after :meth:`mark_left`, which this lock orders against."""
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        while time.monotonic() < deadline:
+            if self._left:
+                return
+            time.sleep(0.05)
+        with self._lock:
+            if self._left:
+                return
+            rest = {fd: ident for fd, ident in socket_fds().items() if ident not in self._kept}
+            closed = shutdown_sockets(rest, tcp_only=True)
+        logger.warning("generation %d: this rank had not left %.0f s after the generation ended; shut down %d more "
+                       "sockets", self.generation, LEAVE_GRACE_S, closed)
+
+    def mark_left(self) -> None:
+        """The rank is leaving the generation (from then on it may open sockets of the next one)."""
+        with self._lock:
+            self._left = True
 
     def add(self, sockets: dict[int, str]) -> None:
         """More sockets of the generation (opened while it formed); shut down at once if it is already over."""
