@@ -129,8 +129,8 @@ class GenerationWatchdog:
     def _fallback(self) -> None:
         """A rank still inside the generation ``LEAVE_GRACE_S`` after it ended is stuck in a collective its own
         sockets did not release (seen rarely in a gloo all-reduce): shut down every TCP socket the process opened
-        that belongs to no generation it left and not to the control plane. Nothing of a newer generation can
-        exist yet: the rank joins one only after :meth:`mark_left`, which this lock orders against."""
+        since start-up except the control plane's. Nothing of a newer generation can exist yet: the rank joins one
+        only after :meth:`mark_left`, which this lock orders against."""
         deadline = time.monotonic() + LEAVE_GRACE_S
         while time.monotonic() < deadline:
             if self._left:
