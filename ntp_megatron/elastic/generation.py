@@ -25,6 +25,8 @@ from megatron.core import parallel_state
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import CommitProtocol
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketScope, StoreFactory, socket_fds
+from ntp_megatron.patches import torch_distributed_work
+from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.layout import Topology
 
 logger = logging.getLogger(__name__)
@@ -59,8 +61,6 @@ class ElasticRank:
         self.ctl = open_store(timeout_s)
         """Control-plane client: votes, decisions, generations. Never closed by a watchdog."""
         self.heartbeat = Heartbeat(open_store, launch_rank, heartbeat_s)
-        self.kept_sockets = frozenset(socket_fds().values())
-        """Sockets no generation owns: inherited ones and the control plane (a watchdog never shuts them down)."""
         start = self.topology(0)
         self.identity = start.slot_of(launch_rank)
         """(replica index, slot): what this process is, in every generation."""
@@ -68,6 +68,8 @@ class ElasticRank:
         """Identities of the sockets of every generation this process left (none may stay open)."""
         self.aware_upto = -1
         """Every generation up to this one is noted over (:meth:`note_aware`)."""
+        self.held: list[_Held] = []
+        """Process groups of ended generations, kept until no thread is busy in them (:class:`_Held`)."""
 
     def topology(self, generation: int) -> Topology:
         return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
@@ -92,8 +94,9 @@ class ElasticRank:
         # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
-                                      kept=self.kept_sockets)
+        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
+        if self.backend == "gloo":  # NCCL's communicators are aborted, never waited out
+            torch_distributed_work.set_escape(watchdog)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
         generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
         try:
@@ -115,7 +118,9 @@ class ElasticRank:
         """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
         watchdog. ``ended``: the generation was marked over (the watchdog thread finishes now); at the normal end of
         the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
-        generation.watchdog.mark_left()
+        torch_distributed_work.set_escape(None)
+        if ended:
+            self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
         # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
         # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
         parallel_state.destroy_model_parallel()
@@ -128,9 +133,17 @@ class ElasticRank:
         if ended:
             generation.watchdog.join(timeout=5.0)
         self.left_sockets.update(generation.watchdog.sockets.values())
+        self.release_held()
+
+    def release_held(self) -> int:
+        """Drop the groups of ended generations once no thread is busy in them; returns how many generations'
+        groups are still held."""
+        self.held = [held for held in self.held if not held.idle()]
+        return len(self.held)
 
     def stale_sockets(self) -> int:
-        """Sockets of generations this process left that are still open (a leak if not 0)."""
+        """Sockets of generations this process left that are still open (a leak if not 0, unless a generation's
+        groups are held, see :meth:`release_held`)."""
         return sum(1 for ident in socket_fds().values() if ident in self.left_sockets)
 
     def end_generation(self, generation: int) -> None:
@@ -172,6 +185,33 @@ def _reset_group_names() -> None:
     theirs ``0``, and the two rendezvous would never meet. With no default group, the count starts over."""
     if not dist.is_initialized():
         distributed_c10d._world.group_count = 0
+
+
+@dataclass
+class _Held:
+    """The process groups of an ended generation, kept until no thread is busy in them. A gloo group's destructor
+    joins its worker threads, holding the GIL: one still blocked in a collective that gloo never wakes (see
+    :mod:`ntp_megatron.patches.torch_distributed_work`) would freeze the whole rank, heartbeat included, until the
+    collective timeout. Whether a worker is still busy is asked of gloo itself: a barrier starts only after every
+    collective queued before it has ended (and, the sockets being down, then fails at once)."""
+
+    groups: list[dist.ProcessGroup]
+    probes: list[dist.Work]
+    waits: list[AbandonedWait]
+    """Point-to-point waits given up: their helper threads still use the group's gloo context."""
+
+    def idle(self) -> bool:
+        return all(probe.is_completed() for probe in self.probes) and all(wait.finished() for wait in self.waits)
+
+
+def _hold(groups: list[dist.ProcessGroup], waits: list[AbandonedWait]) -> _Held:
+    probes = []
+    for group in groups:
+        try:
+            probes.append(group.barrier())
+        except Exception:  # noqa: BLE001 - refused at once: nothing of the group runs
+            pass
+    return _Held(groups, probes, list(waits))
 
 
 class _Extend:

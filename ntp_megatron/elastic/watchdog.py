@@ -6,7 +6,8 @@ group timeout. What works (measured: every survivor out within ~40 ms of a kill)
 on the store until the controller marks the generation over, shuts down the sockets that generation opened —
 its store client and every gloo pair — except listening sockets (shutting down gloo's listener makes gloo
 abort the process). Any collective or store call of the generation then fails at once, and the rank moves on
-to the next generation with fresh connections.
+to the next generation with fresh connections — except a wait gloo never wakes (a message in mid-transfer),
+which the watchdog's :meth:`GenerationWatchdog.reason` lets the rank give up.
 
 Which sockets belong to a generation is measured, not guessed: the file descriptors of type socket that
 appeared while the generation's store client and process groups were created (:class:`SocketScope`).
@@ -25,11 +26,13 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
+from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
 logger = logging.getLogger(__name__)
 
-LEAVE_GRACE_S = 2.0
-"""How long after its generation ended a rank may stay in it before the watchdog's fallback (see ``_fallback``)."""
+ESCAPE_GRACE_S = 0.2
+"""How long after its generation's sockets were shut down a rank still waits on a collective of it: gloo's own
+error normally arrives within milliseconds, and by then no thread of gloo writes into the rank's tensors."""
 
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
@@ -49,9 +52,9 @@ def socket_fds() -> dict[int, str]:
     return out
 
 
-def shutdown_sockets(sockets: dict[int, str], tcp_only: bool = False) -> int:
-    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket (and,
-    with ``tcp_only``, an IP one); returns how many. The descriptors stay open — their owners close them."""
+def shutdown_sockets(sockets: dict[int, str]) -> int:
+    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket;
+    returns how many. The descriptors stay open — their owners close them."""
     done = 0
     for fd, identity in sockets.items():
         try:
@@ -61,8 +64,7 @@ def shutdown_sockets(sockets: dict[int, str], tcp_only: bool = False) -> int:
         except OSError:
             continue
         try:
-            ip = sock.family in (socket.AF_INET, socket.AF_INET6)
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and (ip or not tcp_only):
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)
                 done += 1
         except OSError:
@@ -92,14 +94,13 @@ class GenerationWatchdog:
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
     """
 
-    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float,
-                 kept: frozenset[str] = frozenset()) -> None:
-        """``kept``: sockets of the process that belong to no generation (the control plane, inherited ones)."""
+    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float) -> None:
         self.generation = generation
         self.sockets = dict(sockets)
         self.fired_at: Optional[float] = None
-        self._kept = kept
-        self._left = False
+        self._fired_monotonic: Optional[float] = None
+        self.abandoned_waits: list[AbandonedWait] = []
+        """Waits on this generation's collectives the rank gave up (see :meth:`reason`)."""
         self._lock = threading.Lock()
         self._store = open_store(timeout_s)
         self._thread = threading.Thread(target=self._watch, name=f"ntp-watchdog-gen{generation}", daemon=True)
@@ -122,32 +123,25 @@ class GenerationWatchdog:
         with self._lock:
             self.fired_at = time.time()
             closed = shutdown_sockets(self.sockets)
+            self._fired_monotonic = time.monotonic()
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
-        self._fallback()
 
-    def _fallback(self) -> None:
-        """A rank still inside the generation ``LEAVE_GRACE_S`` after it ended is stuck in a collective its own
-        sockets did not release (seen rarely in a gloo all-reduce): shut down every TCP socket the process opened
-        since start-up except the control plane's. Nothing of a newer generation can exist yet: the rank joins one
-        only after :meth:`mark_left`, which this lock orders against."""
-        deadline = time.monotonic() + LEAVE_GRACE_S
-        while time.monotonic() < deadline:
-            if self._left:
-                return
-            time.sleep(0.05)
-        with self._lock:
-            if self._left:
-                return
-            rest = {fd: ident for fd, ident in socket_fds().items() if ident not in self._kept}
-            closed = shutdown_sockets(rest, tcp_only=True)
-        logger.warning("generation %d: this rank had not left %.0f s after the generation ended; shut down %d more "
-                       "sockets", self.generation, LEAVE_GRACE_S, closed)
+    def reason(self) -> Optional[str]:
+        """Part of the wait escape (:mod:`ntp_megatron.patches.torch_distributed_work`): a collective of this
+        generation still waited on ``ESCAPE_GRACE_S`` after its sockets were shut down is one gloo will not wake
+        before the collective timeout (a message in mid-transfer); the rank gives it up."""
+        fired = self._fired_monotonic
+        if fired is None or time.monotonic() - fired < ESCAPE_GRACE_S:
+            return None
+        return (f"generation {self.generation} ended {time.monotonic() - fired:.2f} s ago and a collective of it "
+                f"was still blocked: given up")
 
-    def mark_left(self) -> None:
-        """The rank is leaving the generation (from then on it may open sockets of the next one)."""
-        with self._lock:
-            self._left = True
+    def abandoned(self, wait: AbandonedWait) -> None:
+        logger.warning("generation %d: a collective was still blocked %.2f s after the generation ended (gloo "
+                       "wakes no one waiting on a message in mid-transfer); given up", self.generation,
+                       time.monotonic() - self._fired_monotonic)
+        self.abandoned_waits.append(wait)
 
     def add(self, sockets: dict[int, str]) -> None:
         """More sockets of the generation (opened while it formed); shut down at once if it is already over."""

@@ -184,14 +184,15 @@ class Trainer:
 
     # -- reporting --------------------------------------------------------------------------------------------
     def report(self, record: dict[str, Any]) -> None:
+        held = self.elastic.release_held() if self.generation is not None else 0
         if record["generation"] != self._resources_reported:
             # The first iteration of each generation, on every rank: threads, descriptors and memory must not
-            # grow from one generation to the next.
+            # grow from one generation to the next (unless an ended generation's groups are still held).
             self._resources_reported = record["generation"]
             sockets = {}
             if self.generation is not None:
                 sockets = {"generation_sockets": len(self.generation.watchdog.sockets),
-                           "stale_sockets": self.elastic.stale_sockets()}
+                           "stale_sockets": self.elastic.stale_sockets(), "held_generations": held}
             metrics.emit({"kind": "resources", "launch_rank": self.launch_rank, "iteration": record["iteration"],
                           "generation": record["generation"], **sockets, **_resources()}, sys.stdout)
         if self.comm_stats is not None:
