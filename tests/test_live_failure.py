@@ -132,7 +132,7 @@ def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, refer
                 # A collective gloo never wakes was given up (logged): the ended generation's groups, with their
                 # threads and sockets, stay held until gloo's thread times out. Rare; the flatness holds again
                 # once they are released.
-                assert "given up" in result.stderr + result.stdout
+                assert "given up" in result.stderr + result.stdout, (rank, g, before, after)
                 continue
             assert after["stale_sockets"] == 0, (rank, g, after)  # nothing of a left generation stays open
             assert after["python_threads"] == before["python_threads"]
