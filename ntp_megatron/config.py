@@ -127,10 +127,13 @@ class NTPSection(_Section):
     degraded_batch: Literal["full", "proportional"] = "full"
     """``full``: every replica processes the same local batch. ``proportional``: a replica at width w of
     tp_base processes about w/tp_base of its micro-batches; gradients are averaged over the samples processed."""
-    on_unrecoverable: Literal["drop_replica", "stop"] = "drop_replica"
+    on_unrecoverable: Literal["drop_replica", "stop", "restart"] = "drop_replica"
     """A failure NTP cannot absorb in place — a replica loses every rank or falls below ``min_tp``:
     ``drop_replica`` trains on without it (its share of the global batch goes to the other replicas, so the
-    global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1."""
+    global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1;
+    ``restart`` stops every rank and starts the job again from the newest checkpoint of ``checkpoint.save`` on
+    the processes that survive: each replica with its live slots, replicas below ``min_tp`` left out, the global
+    batch unchanged (at most ``checkpoint.max_restarts`` times)."""
     heartbeat_interval_s: float = Field(0.2, gt=0.0)
     """How often every rank tells the launcher it is alive."""
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)
@@ -152,8 +155,8 @@ class CheckpointSection(_Section):
     """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
     that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
     max_restarts: int = Field(3, ge=0)
-    """With NTP off and ``save`` set: how many times a failed rank restarts the whole job from the last
-    checkpoint (the restart-from-checkpoint baseline) before the run ends with an error."""
+    """With NTP off and ``save`` set (or NTP on with ``ntp.on_unrecoverable: restart``): how many times a failure
+    restarts the whole job from the last checkpoint before the run ends with an error."""
 
 
 class LoggingSection(_Section):
@@ -220,6 +223,9 @@ class JobConfig(_Section):
             )
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.ntp.on_unrecoverable == "restart" and not (self.checkpoint.save and self.checkpoint.save_interval):
+            raise ValueError("ntp.on_unrecoverable 'restart' needs checkpoint.save and checkpoint.save_interval "
+                             "(the checkpoints it restarts from)")
         if self.ntp.heartbeat_timeout_s <= self.ntp.heartbeat_interval_s:
             raise ValueError(f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}) must exceed "
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")

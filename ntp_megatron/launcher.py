@@ -163,12 +163,16 @@ class Launcher:
             if self.sink is not None:
                 self.sink.write(record)
 
-    def _relay(self, rank: int, stream: IO[str], out: IO[str]) -> None:
+    def _relay(self, rank: int, stream: IO[str], out: IO[str], restart: int) -> None:
+        """``restart``: how many restarts preceded the process; its iteration records say so (the same iteration
+        and generation recur in a job restarted from a checkpoint)."""
         prefix = f"[rank {rank}] "
         for line in stream:
             record = metrics.parse(line)
             with self.print_lock:
                 if record is not None:
+                    if restart and record.get("kind") == "iteration":
+                        record["restart"] = restart
                     if self.sink is not None:
                         self.sink.write(record)
                 else:
@@ -241,7 +245,7 @@ class Launcher:
 
     def _watch(self, r: RankProcess) -> None:
         for stream, out in ((r.stdout, sys.stdout), (r.stderr, sys.stderr)):
-            t = threading.Thread(target=self._relay, args=(r.rank, stream, out), daemon=True)
+            t = threading.Thread(target=self._relay, args=(r.rank, stream, out, self.restarts), daemon=True)
             t.start()
             r.threads.append(t)
         threading.Thread(target=lambda: self.exits.put((r, r.reap())), daemon=True).start()
@@ -344,16 +348,17 @@ class Launcher:
     def _monitor(self, store) -> int:
         """Wait for the ranks. A death is absorbed by NTP (a new generation), or restarts the job from the last
         checkpoint (NTP off, checkpoints on), or ends the job."""
-        agent = self.agent = None
+        self.agent = None
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
             from ntp_megatron.elastic.agent import Agent
 
-            agent = self.agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
-                                       startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
-                                       say=self._say, live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
+            self.agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
+                               startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
+                               say=self._say, live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
         finished: set[int] = set()
         self._remote_deaths_seen = 0
         while True:
+            store, agent = self.store, self.agent  # an NTP restart replaces the store
             if agent is not None:
                 agent.poll(inject=not self.training_done)
             deaths = self._collect_exits(finished, agent)
@@ -369,11 +374,11 @@ class Launcher:
                 self._stop_all()
                 return 1
             if deaths:
-                outcome = self._handle_deaths(deaths, store)
+                outcome = self._handle_deaths(deaths, store, finished)
                 if outcome is not None:
                     return outcome
             if self.cfg.ntp.enabled:
-                self._rejoin(store, finished)
+                self._rejoin(self.store, finished)
             running = [r for r in self.ranks.values() if r.poll() is None]
             if not running:
                 self._say(f"all {len(finished)} ranks finished")
@@ -410,7 +415,7 @@ class Launcher:
             return self.controller.live_launch_ranks()
         return [r for r, p in self.ranks.items() if p.poll() is None]
 
-    def _handle_deaths(self, deaths: list, store) -> Optional[int]:
+    def _handle_deaths(self, deaths: list, store, finished: set[int]) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
         if self.controller is not None:
             booting = [d for d in deaths if d.launch_rank in self.rejoin_attempts
@@ -432,6 +437,11 @@ class Launcher:
                     self._schedule_rejoin(d.launch_rank)
                 return None
             self._say(reason)
+            if self.cfg.ntp.on_unrecoverable == "restart":
+                if self._can_restart() and self._restart_ntp(finished):
+                    return None
+                self._say(f"no restart left ({self.restarts} of at most {self.cfg.checkpoint.max_restarts} done)"
+                          if self.restarts >= self.cfg.checkpoint.max_restarts else "the job cannot restart")
             self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
         elif self.cfg.ntp.enabled:
             # Node 0's launcher runs the controller: report the deaths to it through the store.
@@ -535,6 +545,64 @@ class Launcher:
         for r in self.ranks.values():
             self._watch(r)
         return None
+
+    def _restart_ntp(self, finished: set[int]) -> bool:
+        """``ntp.on_unrecoverable: restart``: stop every rank and start the job again from the newest checkpoint,
+        on the processes that survived: each replica with its live slots, replicas below ``ntp.min_tp`` left out
+        (:func:`ntp_megatron.layout.restart_layout`), the global batch unchanged. The restarted job has its own
+        launch ranks (0..), store and controller; injected failures that fired stay fired. False if no layout or
+        configuration is possible (the caller stops the job)."""
+        from ntp_megatron.elastic.controller import Controller
+        from ntp_megatron.layout import TopologyError, restart_layout
+        from ntp_megatron.training import checkpoint
+
+        c, p = self.controller, self.cfg.parallel
+        live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]
+        try:
+            dp, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
+                                            self.cfg.ntp.min_tp)
+            data = self.cfg.model_dump()
+            data["parallel"]["data_parallel_size"] = dp
+            data["ntp"]["dead_slots"] = [f"{r}:{s}" for r, s in dead_slots]
+            if checkpoint.resolve_load_dir(Path(self.cfg.checkpoint.save)) is not None:
+                data["checkpoint"]["load"] = self.cfg.checkpoint.save
+            cfg = JobConfig.model_validate(data)
+            start = pin_checkpoint_load(cfg)
+        except (TopologyError, ValueError, ConfigError) as exc:
+            self._say(f"cannot restart on the surviving processes: {exc}")
+            return False
+        self.restarts += 1
+        at = f"checkpoint {start.path} (iteration {start.iteration})" if start else "the start (no checkpoint yet)"
+        self._say(f"restarting from {at} on {cfg.world_size} surviving processes: TP per replica "
+                  f"{tp_per_replica(cfg)} (restart {self.restarts} of at most {cfg.checkpoint.max_restarts})")
+        self._stop_all()
+        c.close()
+        fired = [spec for spec in self.failures if _try_check(self.store, elastic_keys.fired(str(spec)))]
+        self.cfg, self.start, self.world_size = cfg, start, cfg.world_size
+        self.local_ranks = range(self.world_size)
+        self.config_path = self.run_dir / f"config.node0.restart{self.restarts}.json"
+        self.config_path.write_text(cfg.model_dump_json(indent=2))
+        self.store_port = _free_port(self.args.store_host)
+        self.store = self._start_store(self.store_port)
+        for spec in fired:
+            self.store.set(elastic_keys.fired(str(spec)), "1")
+        resume = {} if start is None else {"start_iteration": start.iteration,
+                                           "start_consumed": start.samples(cfg.training.global_batch_size)}
+        self.controller = Controller(self.store, cfg.topology(), cfg.ntp.min_tp, cfg.ntp.on_unrecoverable,
+                                     self._say, self._emit, dump_stacks=self._dump_stacks, **resume)
+        self.replacements.clear()
+        self.rejoin_attempts.clear()
+        finished.clear()
+        self.training_done = False
+        self.ranks = {rank: self._spawn_rank(rank, self.store_port) for rank in self.local_ranks}
+        self._record_pids()
+        if self.agent is not None:
+            self.agent.restart(self.store)
+        for r in self.ranks.values():
+            self._watch(r)
+        self._emit({"kind": "event", "event": "restarted", "restart": self.restarts, "time": time.time(),
+                    "iteration": start.iteration if start else 0, "tp_per_replica": tp_per_replica(cfg)})
+        return True
 
     def _summarize(self, exit_code: int) -> None:
         """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""

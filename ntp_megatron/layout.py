@@ -106,6 +106,7 @@ __all__ = [
     "make_topology",
     "next_topology",
     "parse_dead_slots",
+    "restart_layout",
     "survivor_ranks",
     "transition_plan",
 ]
@@ -115,9 +116,10 @@ FAMILIES = ("heads", "ffn", "vocab")
 FFN hidden unit (a row of fc1 — gate and up rows for a gated MLP — and the matching column of fc2); vocab: one
 vocabulary row (embedding and output layer)."""
 
-Policy = Literal["drop_replica", "stop"]
-POLICIES: tuple[str, ...] = ("drop_replica", "stop")
-"""What :func:`next_topology` does with a replica left below ``min_tp`` (config ``ntp.on_unrecoverable``)."""
+Policy = Literal["drop_replica", "stop", "restart"]
+POLICIES: tuple[str, ...] = ("drop_replica", "stop", "restart")
+"""What :func:`next_topology` does with a replica left below ``min_tp`` (config ``ntp.on_unrecoverable``);
+"restart" raises like "stop" (the launcher then restarts the job, see :func:`restart_layout`)."""
 
 
 class TopologyError(ValueError):
@@ -731,15 +733,38 @@ def next_topology(current: Topology, dead_ranks: Iterable[int], min_tp: int = 1,
         dying = {s for s, r in zip(rep.slots, rep.ranks) if r in dead}
         left = rep.width - len(dying)
         if left < min_tp:  # includes "no slot left", since min_tp >= 1
-            if policy == "stop":
+            if policy != "drop_replica":
                 raise TopologyError(f"replica {rep.index} fell below ntp.min_tp ({min_tp}): {left} live slots "
-                                    f"left after losing slots {sorted(dying)} (policy 'stop')")
+                                    f"left after losing slots {sorted(dying)} (policy {policy!r})")
             continue
         drafts.append(_shrink(_draft_of(rep), dying, current.tp_base, current.units))
     if not drafts:
         raise TopologyError(f"no replica survives generation {current.generation}: every replica lost all its "
                             f"ranks or fell below ntp.min_tp ({min_tp})")
     return _build(current.generation + 1, current.tp_base, current.units, drafts)
+
+
+def restart_layout(tp_base: int, dp: int, live_slots: Iterable[tuple[int, int]], min_tp: int = 1
+                   ) -> tuple[int, list[tuple[int, int]]]:
+    """What a job restarted from a checkpoint on the surviving processes looks like, as the starting
+    configuration's ``(data_parallel_size, dead_slots)``: each of the ``dp`` replicas keeps the slots in
+    ``live_slots`` ((replica, slot) pairs whose process is alive), a replica left below ``min_tp`` is left out,
+    and the others are renumbered 0.. in order (TP groups never mix replicas: a replica is one fast domain).
+    :class:`TopologyError` if no replica is left."""
+    _check_int("tp_base", tp_base, 1)
+    _check_int("dp", dp, 1)
+    live: dict[int, set[int]] = {r: set() for r in range(dp)}
+    for item in live_slots:
+        replica, slot = _slot_pair("live slot", item, tp_base)
+        if replica >= dp:
+            raise ValueError(f"live slot {item!r}: replica {replica} out of range 0..{dp - 1}")
+        live[replica].add(slot)
+    kept = [r for r in range(dp) if len(live[r]) >= min_tp]
+    if not kept:
+        raise TopologyError(f"no replica keeps ntp.min_tp ({min_tp}) live slots: "
+                            f"{ {r: len(live[r]) for r in range(dp)} } live slots per replica")
+    dead = [(new, slot) for new, r in enumerate(kept) for slot in range(tp_base) if slot not in live[r]]
+    return len(kept), dead
 
 
 def join_topology(current: Topology, joined_slots: Iterable[tuple[int, int]], min_tp: int = 1) -> Topology:

@@ -75,7 +75,7 @@ class MetricsSink:
 
     def write(self, record: dict[str, Any]) -> None:
         if record.get("kind") == "iteration":
-            key = (record["iteration"], record.get("generation"))
+            key = (record["iteration"], record.get("restart", 0), record.get("generation"))
             if key in self._iterations:
                 return  # every rank reports each iteration; one record is kept
             self._iterations.add(key)

@@ -49,8 +49,10 @@ def test_slot_lists_stay_strings():
         ("training.train_iters=5", "training.lr_warmup_iters (5) must be below training.lr_decay_iters"),
         ("ntp.dead_slots=[1:1]", "ntp.dead_slots needs ntp.enabled: true"),
         ("ntp.degraded_batch=half", "bad value for 'ntp.degraded_batch': Input should be 'full' or 'proportional'"),
-        ("ntp.on_unrecoverable=retry", "bad value for 'ntp.on_unrecoverable': Input should be 'drop_replica' or "
-                                       "'stop' (got 'retry')"),
+        ("ntp.on_unrecoverable=retry", "bad value for 'ntp.on_unrecoverable': Input should be 'drop_replica', "
+                                       "'stop' or 'restart' (got 'retry')"),
+        ("ntp.on_unrecoverable=restart", "ntp.on_unrecoverable 'restart' needs checkpoint.save and "
+                                         "checkpoint.save_interval"),
         ("ntp.heartbeat_timeout_s=0.1", "ntp.heartbeat_timeout_s (0.1) must exceed ntp.heartbeat_interval_s (0.2)"),
     ],
 )

@@ -30,6 +30,7 @@ from ntp_megatron.layout import (
     make_topology,
     next_topology,
     parse_dead_slots,
+    restart_layout,
     survivor_ranks,
     transition_plan,
 )
@@ -602,12 +603,46 @@ def test_next_topology_examples_and_errors():
         next_topology(topo, [0, 4, 8], min_tp=4)
     with pytest.raises(ValueError, match="rank 12 is not live"):
         next_topology(topo, [12])
-    with pytest.raises(ValueError, match=r"must be one of \['drop_replica', 'stop'\], got 'fail'"):
+    with pytest.raises(ValueError, match=r"must be one of \['drop_replica', 'stop', 'restart'\], got 'fail'"):
         next_topology(topo, [1], policy="fail")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="min_tp must be an int"):
         next_topology(topo, [1], min_tp=2.0)  # type: ignore[arg-type]
-    assert POLICIES == ("drop_replica", "stop")
+    assert POLICIES == ("drop_replica", "stop", "restart")
+    with pytest.raises(TopologyError, match=r"\(policy 'restart'\)"):  # the launcher restarts the job instead
+        next_topology(topo, [1, 2], min_tp=3, policy="restart")
     assert next_topology(topo, []).replicas == topo.replicas
+
+
+@HISTORY
+@given(histories(max_steps=2), st.integers(1, 4), st.data())
+def test_restart_layout_keeps_every_replica_that_can_run(history, min_tp, data):
+    """A restart keeps each replica's live slots (whatever shape the run had reached), leaves out replicas
+    below min_tp, renumbers the rest in order, and the result is a valid starting configuration."""
+    topo = history.topologies[-1]
+    dp = max(rep.index for rep in topo.replicas) + 1
+    dead = set(data.draw(st.lists(st.sampled_from(range(topo.world_size)), unique=True)))
+    live = [topo.slot_of(r) for r in range(topo.world_size) if r not in dead]
+    per_replica = {i: sum(1 for rep, _ in live if rep == i) for i in range(dp)}
+    kept = [i for i in range(dp) if per_replica[i] >= min_tp]
+    if not kept:
+        with pytest.raises(TopologyError, match="no replica keeps"):
+            restart_layout(topo.tp_base, dp, live, min_tp)
+        return
+    new_dp, dead_slots = restart_layout(topo.tp_base, dp, live, min_tp)
+    assert new_dp == len(kept)
+    start = make_topology(topo.tp_base, new_dp, topo.units, dead_slots=dead_slots, min_tp=min_tp)
+    assert [rep.width for rep in start.replicas] == [per_replica[i] for i in kept]
+    assert start.world_size == sum(per_replica[i] for i in kept)
+
+
+def test_restart_layout_examples():
+    assert restart_layout(2, 2, [(0, 0), (0, 1), (1, 0)], min_tp=2) == (1, [])
+    assert restart_layout(4, 2, [(0, 0), (0, 2), (1, 1), (1, 2), (1, 3)], min_tp=2) == (2, [(0, 1), (0, 3), (1, 0)])
+    assert restart_layout(4, 3, [(1, 0), (1, 1), (1, 2), (2, 3)], min_tp=2) == (1, [(0, 3)])
+    with pytest.raises(TopologyError, match=r"no replica keeps ntp.min_tp \(3\) live slots"):
+        restart_layout(4, 2, [(0, 0), (0, 1), (1, 0)], min_tp=3)
+    with pytest.raises(ValueError, match=r"live slot \(2, 0\): replica 2 out of range 0..1"):
+        restart_layout(4, 2, [(2, 0)])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -210,6 +210,25 @@ def test_stop_below_min_tp(tmp_path):
     assert leftover_processes(result) == []
 
 
+def test_restart_below_min_tp(tmp_path, reference_tp2):
+    """``ntp.on_unrecoverable: restart``: replica 1 falls below min_tp, so every rank stops and the job starts
+    again from the newest checkpoint on the processes that survive — replica 0 alone (its slots, TP2), with the
+    whole global batch — and the loss curve goes on unchanged."""
+    ckpt = tmp_path / "ckpt"
+    args = ntp_args(2, 2, extra=("--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=restart",
+                                 "--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=3"))
+    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward"])
+    assert_same_run(result, reference_tp2)
+    [restarted] = result.events("restarted")
+    assert restarted["iteration"] == 3 and restarted["tp_per_replica"] == [2]
+    records = [r for r in result.records if r.get("kind") == "iteration"]
+    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10]  # 4 again, from iteration 3
+    assert [r["tp_per_replica"] for r in records] == [[2, 2]] * 4 + [[2]] * 7
+    assert "restarting from checkpoint" in result.stderr and "on 2 surviving processes" in result.stderr
+    summary = result.events("job_summary")[0]
+    assert summary["restarts"] == 1 and summary["iterations_lost"] == 2
+
+
 def test_ntp_off_restarts_from_the_last_checkpoint(tmp_path, jobs):
     """The baseline every benchmark compares against: NTP off, checkpoints on, a failure restarts every rank
     from the newest checkpoint; iterations after it are computed again, the loss curve is unchanged."""

@@ -73,6 +73,15 @@ class Agent:
             self._fire_timed(now)
             self._fire_random(now)
 
+    def restart(self, store: dist.Store) -> None:
+        """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``): nothing
+        of the old processes counts; outside failures still due keep their schedule."""
+        self.store = store
+        self.born = dict.fromkeys(self.processes(), time.time())
+        self.stopped_since.clear()
+        self.notes.clear()
+        self.hung.clear()
+
     def forget(self, rank: int) -> None:
         """A new process takes over ``rank`` (a replacement): nothing of the old one counts against it."""
         self.notes.pop(rank, None)
