@@ -124,6 +124,9 @@ class NTPSection(_Section):
     min_tp: int = Field(1, ge=1)
     dead_slots: list[str] = Field(default_factory=list)
     """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``."""
+    dropped_replicas: list[int] = Field(default_factory=list)
+    """Start without these replicas (none of their processes is started); their shares of every global batch go
+    to the others, as after ``on_unrecoverable: drop_replica``. A ``restart`` sets it."""
     degraded_batch: Literal["full", "proportional"] = "full"
     """``full``: every replica processes the same local batch. ``proportional``: a replica at width w of
     tp_base processes about w/tp_base of its micro-batches; gradients are averaged over the samples processed."""
@@ -205,8 +208,9 @@ class JobConfig(_Section):
         groups = m.num_query_groups or m.num_attention_heads
         if self.ntp.enabled:
             self._check_ntp()
-        elif self.ntp.dead_slots:
-            raise ValueError("ntp.dead_slots needs ntp.enabled: true (without NTP a replica cannot run degraded)")
+        elif self.ntp.dead_slots or self.ntp.dropped_replicas:
+            key = "ntp.dead_slots" if self.ntp.dead_slots else "ntp.dropped_replicas"
+            raise ValueError(f"{key} needs ntp.enabled: true (without NTP a replica cannot run degraded)")
         else:
             for name, value in (("model.num_attention_heads", m.num_attention_heads),
                                 ("model.num_query_groups", groups)):
@@ -265,6 +269,7 @@ class JobConfig(_Section):
         return make_topology(
             self.parallel.tensor_model_parallel_size, self.parallel.data_parallel_size, self.unit_counts(),
             dead_slots=parse_dead_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
+            dropped=self.ntp.dropped_replicas,
         )
 
     @property

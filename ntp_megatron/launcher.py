@@ -548,8 +548,9 @@ class Launcher:
 
     def _restart_ntp(self, finished: set[int]) -> bool:
         """``ntp.on_unrecoverable: restart``: stop every rank and start the job again from the newest checkpoint,
-        on the processes that survived: each replica with its live slots, replicas below ``ntp.min_tp`` left out
-        (:func:`ntp_megatron.layout.restart_layout`), the global batch unchanged. The restarted job has its own
+        on fresh processes for the slots that survived: each replica with its live slots, replicas below
+        ``ntp.min_tp`` dropped (:func:`ntp_megatron.layout.restart_layout`), the global batch and data order
+        unchanged. The restarted job has its own
         launch ranks (0..), store and controller; injected failures that fired stay fired. False if no layout or
         configuration is possible (the caller stops the job)."""
         from ntp_megatron.elastic.controller import Controller
@@ -559,10 +560,10 @@ class Launcher:
         c, p = self.controller, self.cfg.parallel
         live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]
         try:
-            dp, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
-                                            self.cfg.ntp.min_tp)
+            dropped, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
+                                                 self.cfg.ntp.min_tp)
             data = self.cfg.model_dump()
-            data["parallel"]["data_parallel_size"] = dp
+            data["ntp"]["dropped_replicas"] = dropped
             data["ntp"]["dead_slots"] = [f"{r}:{s}" for r, s in dead_slots]
             if checkpoint.resolve_load_dir(Path(self.cfg.checkpoint.save)) is not None:
                 data["checkpoint"]["load"] = self.cfg.checkpoint.save
@@ -573,8 +574,8 @@ class Launcher:
             return False
         self.restarts += 1
         at = f"checkpoint {start.path} (iteration {start.iteration})" if start else "the start (no checkpoint yet)"
-        self._say(f"restarting from {at} on {cfg.world_size} surviving processes: TP per replica "
-                  f"{tp_per_replica(cfg)} (restart {self.restarts} of at most {cfg.checkpoint.max_restarts})")
+        self._say(f"restarting from {at} with {cfg.world_size} fresh processes for the surviving slots: TP per "
+                  f"replica {tp_per_replica(cfg)} (restart {self.restarts} of at most {cfg.checkpoint.max_restarts})")
         self._stop_all()
         c.close()
         fired = [spec for spec in self.failures if _try_check(self.store, elastic_keys.fired(str(spec)))]
@@ -637,8 +638,10 @@ def pin_checkpoint_load(cfg: JobConfig):
 
 
 def tp_per_replica(cfg: JobConfig) -> list[int]:
+    """TP degree per replica index (0: a dropped replica), as the iteration records give it."""
     if cfg.ntp.enabled:
-        return [replica.width for replica in cfg.topology().replicas]
+        widths = {replica.index: replica.width for replica in cfg.topology().replicas}
+        return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
 
 
@@ -743,6 +746,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.nnodes > 1 and args.store_port == 0:
             raise ConfigError("--store-port must be a fixed port when --nnodes > 1")
         cfg = resolve_config(args, extra)
+        if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
+            raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
+                              "use drop_replica or stop")
         start = pin_checkpoint_load(cfg)
         run_dir = Path(cfg.logging.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -653,11 +653,11 @@ def _slot_pair(what: str, item: Any, tp_base: int) -> tuple[int, int]:
 
 
 def make_topology(tp_base: int, dp: int, units: Mapping[str, int], dead_slots: Iterable[tuple[int, int]] = (),
-                  generation: int = 0, min_tp: int = 1) -> Topology:
+                  generation: int = 0, min_tp: int = 1, dropped: Iterable[int] = ()) -> Topology:
     """The starting topology: ``dp`` healthy replicas shrunk by ``dead_slots`` ((replica, slot) pairs), all
     dead at once, with the usual proxy and dealing rules; ranks 0, 1, ... go to live slots in (replica, slot)
-    order. A replica that starts with no slot or below ``min_tp`` is a configuration error (ValueError): there is
-    no drop policy at launch."""
+    order. Replicas in ``dropped`` are not started (as if dropped by ``drop_replica``: the others keep their
+    indices). A started replica with no slot or below ``min_tp`` is a configuration error (ValueError)."""
     _check_int("tp_base", tp_base, 1)
     _check_int("dp", dp, 1)
     _check_int("generation", generation, 0)
@@ -665,14 +665,24 @@ def make_topology(tp_base: int, dp: int, units: Mapping[str, int], dead_slots: I
     if min_tp > tp_base:
         raise ValueError(f"ntp.min_tp ({min_tp}) must be <= tp_base ({tp_base})")
     _check_units(units, tp_base)
+    gone = set()
+    for replica in dropped:
+        _check_int("dropped replica", replica, 0)
+        if replica >= dp:
+            raise ValueError(f"dropped replica {replica} out of range 0..{dp - 1}")
+        gone.add(replica)
+    if len(gone) == dp:
+        raise ValueError(f"every replica (0..{dp - 1}) is dropped")
     dead: dict[int, set[int]] = {r: set() for r in range(dp)}
     for item in dead_slots:
         replica, slot = _slot_pair("dead slot", item, tp_base)
         if replica >= dp:
             raise ValueError(f"dead slot {item!r}: replica {replica} out of range 0..{dp - 1}")
+        if replica in gone:
+            raise ValueError(f"dead slot {item!r}: replica {replica} is dropped")
         dead[replica].add(slot)
     drafts = []
-    for r in range(dp):
+    for r in sorted(set(range(dp)) - gone):
         left = tp_base - len(dead[r])
         if not left:
             raise ValueError(f"replica {r} has no live slot: all {tp_base} slots are in dead_slots")
@@ -745,12 +755,12 @@ def next_topology(current: Topology, dead_ranks: Iterable[int], min_tp: int = 1,
 
 
 def restart_layout(tp_base: int, dp: int, live_slots: Iterable[tuple[int, int]], min_tp: int = 1
-                   ) -> tuple[int, list[tuple[int, int]]]:
-    """What a job restarted from a checkpoint on the surviving processes looks like, as the starting
-    configuration's ``(data_parallel_size, dead_slots)``: each of the ``dp`` replicas keeps the slots in
-    ``live_slots`` ((replica, slot) pairs whose process is alive), a replica left below ``min_tp`` is left out,
-    and the others are renumbered 0.. in order (TP groups never mix replicas: a replica is one fast domain).
-    :class:`TopologyError` if no replica is left."""
+                   ) -> tuple[list[int], list[tuple[int, int]]]:
+    """What a job restarted from a checkpoint on the surviving processes starts as, in the starting
+    configuration's terms ``(dropped replicas, dead slots)`` for :func:`make_topology`: each of the ``dp``
+    replicas keeps the slots in ``live_slots`` ((replica, slot) pairs whose process is alive), and a replica left
+    below ``min_tp`` is dropped (its share of the global batch goes to the others). Replicas keep their indices;
+    TP groups never mix replicas (each is one fast domain). :class:`TopologyError` if no replica is left."""
     _check_int("tp_base", tp_base, 1)
     _check_int("dp", dp, 1)
     live: dict[int, set[int]] = {r: set() for r in range(dp)}
@@ -759,12 +769,12 @@ def restart_layout(tp_base: int, dp: int, live_slots: Iterable[tuple[int, int]],
         if replica >= dp:
             raise ValueError(f"live slot {item!r}: replica {replica} out of range 0..{dp - 1}")
         live[replica].add(slot)
-    kept = [r for r in range(dp) if len(live[r]) >= min_tp]
-    if not kept:
+    dropped = [r for r in range(dp) if len(live[r]) < min_tp]
+    if len(dropped) == dp:
         raise TopologyError(f"no replica keeps ntp.min_tp ({min_tp}) live slots: "
                             f"{ {r: len(live[r]) for r in range(dp)} } live slots per replica")
-    dead = [(new, slot) for new, r in enumerate(kept) for slot in range(tp_base) if slot not in live[r]]
-    return len(kept), dead
+    dead = [(r, slot) for r in range(dp) if r not in dropped for slot in range(tp_base) if slot not in live[r]]
+    return dropped, dead
 
 
 def join_topology(current: Topology, joined_slots: Iterable[tuple[int, int]], min_tp: int = 1) -> Topology:

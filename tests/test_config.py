@@ -70,6 +70,8 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
         (["ntp.dead_slots=[2:0]"], "ntp topology: dead slot (2, 0): replica 2 out of range 0..1"),
         (["ntp.dead_slots=[x]"], "ntp.dead_slots: expected 'replica:slot' like '1:3', got 'x'"),
         (["ntp.dead_slots=[0:0,0:1]"], "ntp topology: replica 0 has no live slot"),
+        (["ntp.dropped_replicas=[0,1]"], "ntp topology: every replica (0..1) is dropped"),
+        (["ntp.dropped_replicas=[2]"], "ntp topology: dropped replica 2 out of range 0..1"),
         (["ntp.min_tp=2", "ntp.dead_slots=[1:1]"], "ntp topology: replica 1 starts with 1 live slots, below ntp.min_tp (2)"),
         (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], "ntp topology: family 'heads' has 2 units"),
         (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer is not supported with ntp"),

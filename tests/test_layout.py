@@ -616,33 +616,39 @@ def test_next_topology_examples_and_errors():
 @HISTORY
 @given(histories(max_steps=2), st.integers(1, 4), st.data())
 def test_restart_layout_keeps_every_replica_that_can_run(history, min_tp, data):
-    """A restart keeps each replica's live slots (whatever shape the run had reached), leaves out replicas
-    below min_tp, renumbers the rest in order, and the result is a valid starting configuration."""
+    """A restart keeps each replica's live slots (whatever shape the run had reached) under its own index, drops
+    replicas below min_tp, and the result is a valid starting configuration with exactly those slots live."""
     topo = history.topologies[-1]
     dp = max(rep.index for rep in topo.replicas) + 1
     dead = set(data.draw(st.lists(st.sampled_from(range(topo.world_size)), unique=True)))
     live = [topo.slot_of(r) for r in range(topo.world_size) if r not in dead]
-    per_replica = {i: sum(1 for rep, _ in live if rep == i) for i in range(dp)}
-    kept = [i for i in range(dp) if per_replica[i] >= min_tp]
+    per_replica = {i: sorted(slot for rep, slot in live if rep == i) for i in range(dp)}
+    kept = [i for i in range(dp) if len(per_replica[i]) >= min_tp]
     if not kept:
         with pytest.raises(TopologyError, match="no replica keeps"):
             restart_layout(topo.tp_base, dp, live, min_tp)
         return
-    new_dp, dead_slots = restart_layout(topo.tp_base, dp, live, min_tp)
-    assert new_dp == len(kept)
-    start = make_topology(topo.tp_base, new_dp, topo.units, dead_slots=dead_slots, min_tp=min_tp)
-    assert [rep.width for rep in start.replicas] == [per_replica[i] for i in kept]
-    assert start.world_size == sum(per_replica[i] for i in kept)
+    dropped, dead_slots = restart_layout(topo.tp_base, dp, live, min_tp)
+    assert dropped == [i for i in range(dp) if i not in kept]
+    start = make_topology(topo.tp_base, dp, topo.units, dead_slots=dead_slots, min_tp=min_tp, dropped=dropped)
+    assert [rep.index for rep in start.replicas] == kept
+    assert all(list(rep.slots) == per_replica[rep.index] for rep in start.replicas)
 
 
 def test_restart_layout_examples():
-    assert restart_layout(2, 2, [(0, 0), (0, 1), (1, 0)], min_tp=2) == (1, [])
-    assert restart_layout(4, 2, [(0, 0), (0, 2), (1, 1), (1, 2), (1, 3)], min_tp=2) == (2, [(0, 1), (0, 3), (1, 0)])
-    assert restart_layout(4, 3, [(1, 0), (1, 1), (1, 2), (2, 3)], min_tp=2) == (1, [(0, 3)])
+    assert restart_layout(2, 2, [(0, 0), (0, 1), (1, 0)], min_tp=2) == ([1], [])
+    assert restart_layout(4, 2, [(0, 0), (0, 2), (1, 1), (1, 2), (1, 3)], min_tp=2) == ([], [(0, 1), (0, 3), (1, 0)])
+    assert restart_layout(4, 3, [(1, 0), (1, 1), (1, 2), (2, 3)], min_tp=2) == ([0, 2], [(1, 3)])
     with pytest.raises(TopologyError, match=r"no replica keeps ntp.min_tp \(3\) live slots"):
         restart_layout(4, 2, [(0, 0), (0, 1), (1, 0)], min_tp=3)
     with pytest.raises(ValueError, match=r"live slot \(2, 0\): replica 2 out of range 0..1"):
         restart_layout(4, 2, [(2, 0)])
+    start = make_topology(4, 3, {"heads": 8, "ffn": 32}, dead_slots=[(1, 3)], dropped=[0, 2])
+    assert [rep.index for rep in start.replicas] == [1] and start.world_size == 3
+    with pytest.raises(ValueError, match="every replica"):
+        make_topology(2, 2, {"heads": 8, "ffn": 32}, dropped=[0, 1])
+    with pytest.raises(ValueError, match=r"dead slot \(0, 1\): replica 0 is dropped"):
+        make_topology(2, 2, {"heads": 8, "ffn": 32}, dead_slots=[(0, 1)], dropped=[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -210,21 +210,26 @@ def test_stop_below_min_tp(tmp_path):
     assert leftover_processes(result) == []
 
 
-def test_restart_below_min_tp(tmp_path, reference_tp2):
+@pytest.mark.parametrize("dp, micro_batch", [(2, 2), (3, 4)])
+def test_restart_below_min_tp(tmp_path, jobs, dp, micro_batch):
     """``ntp.on_unrecoverable: restart``: replica 1 falls below min_tp, so every rank stops and the job starts
-    again from the newest checkpoint on the processes that survive — replica 0 alone (its slots, TP2), with the
-    whole global batch — and the loss curve goes on unchanged."""
+    again from the newest checkpoint for the slots that survive — replica 1 dropped, its share of every global
+    batch read by a surviving replica (with three replicas and micro-batches of 4, the two survivors read three
+    shares: no even split of the global batch exists) — and the loss curve goes on unchanged."""
+    base = ntp_args(2, dp, extra=("--set", f"training.micro_batch_size={micro_batch}"))
+    reference = jobs.run(f"live-ref-tp2x{dp}-mb{micro_batch}", base)
     ckpt = tmp_path / "ckpt"
-    args = ntp_args(2, 2, extra=("--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=restart",
-                                 "--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=3"))
-    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward"])
-    assert_same_run(result, reference_tp2)
+    args = base + ["--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=restart", "--set", f"checkpoint.save={ckpt}",
+                   "--set", "checkpoint.save_interval=3", "--inject-failure", "kill:rank=3,iter=5,phase=backward"]
+    result = run_job(tmp_path / "run", args)
+    assert_same_run(result, reference)
+    full, after = [2] * dp, [2, 0] + [2] * (dp - 2)
     [restarted] = result.events("restarted")
-    assert restarted["iteration"] == 3 and restarted["tp_per_replica"] == [2]
+    assert restarted["iteration"] == 3 and restarted["tp_per_replica"] == after
     records = [r for r in result.records if r.get("kind") == "iteration"]
     assert [r["iteration"] for r in records] == [1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 10]  # 4 again, from iteration 3
-    assert [r["tp_per_replica"] for r in records] == [[2, 2]] * 4 + [[2]] * 7
-    assert "restarting from checkpoint" in result.stderr and "on 2 surviving processes" in result.stderr
+    assert [r["tp_per_replica"] for r in records] == [full] * 4 + [after] * 7
+    assert f"with {2 * (dp - 1)} fresh processes for the surviving slots" in result.stderr
     summary = result.events("job_summary")[0]
     assert summary["restarts"] == 1 and summary["iterations_lost"] == 2
 

@@ -227,7 +227,7 @@ class Controller:
                      "cause": d.cause, "detect_s": detect_s, "time": failed_at}
             self.emit(event)
             stamp = datetime.fromtimestamp(failed_at).strftime("%Y-%m-%d %H:%M:%S")
-            ending = "the job restarts" if self.policy == "restart" else "the job stops"
+            ending = f"beyond NTP (policy {self.policy!r})"
             aware_text = (f"{len(aware)} survivors aware in {detect_s:.3f} s" if aware
                           else "survivors not all aware" if survivors else ending)
             self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} (replica {replica}, slot {slot}) | "

@@ -95,7 +95,7 @@ class ElasticRank:
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
         watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
-        if self.backend == "gloo":  # NCCL's communicators are aborted, never waited out
+        if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
         generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
@@ -120,7 +120,9 @@ class ElasticRank:
         the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
         torch_distributed_work.set_escape(None)
         if ended:
-            self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
+            generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
+            if self.backend == "gloo":
+                self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
         # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
         # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
         parallel_state.destroy_model_parallel()
@@ -130,8 +132,6 @@ class ElasticRank:
             except Exception as exc:  # noqa: BLE001 - sockets already shut down: nothing left to tell peers
                 logger.warning("destroy_process_group after the generation ended: %s", exc)
         generation.store = None
-        if ended:
-            generation.watchdog.join(timeout=5.0)
         self.left_sockets.update(generation.watchdog.sockets.values())
         self.release_held()
 
@@ -140,6 +140,12 @@ class ElasticRank:
         groups are still held."""
         self.held = [held for held in self.held if not held.idle()]
         return len(self.held)
+
+    def park_held(self) -> None:
+        """At the end of the process: groups still held are never destroyed (their destructor would wait for gloo's
+        blocked thread, holding the GIL); the process ends with ``os._exit`` and takes them along."""
+        _PARKED.extend(self.held)
+        self.held = []
 
     def stale_sockets(self) -> int:
         """Sockets of generations this process left that are still open (a leak if not 0, unless a generation's
@@ -185,6 +191,10 @@ def _reset_group_names() -> None:
     theirs ``0``, and the two rendezvous would never meet. With no default group, the count starts over."""
     if not dist.is_initialized():
         distributed_c10d._world.group_count = 0
+
+
+_PARKED: list["_Held"] = []
+"""Held groups of a process that is ending (:meth:`ElasticRank.park_held`)."""
 
 
 @dataclass

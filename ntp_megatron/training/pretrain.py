@@ -68,8 +68,10 @@ def main() -> int:
         trainer.run()
     except Retired as retired:
         print(retired.code, flush=True)
+        trainer.elastic.park_held()
         return 0
     trainer.elastic.leave(trainer.generation, ended=False)
+    trainer.elastic.park_held()
     trainer.elastic.heartbeat.stop()
     return 0
 
@@ -172,4 +174,7 @@ def _record_failure(store, launch_rank: int):
 
 if __name__ == "__main__":  # a rank the launcher spawned (a restart), rather than forked
     runtime.become_rank_process(int(os.environ.get(runtime.ENV_RANK, "0")))
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as a forked rank ends: no destructor of a gloo group a blocked thread still uses
