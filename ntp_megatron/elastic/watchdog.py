@@ -32,7 +32,9 @@ logger = logging.getLogger(__name__)
 
 ESCAPE_GRACE_S = 0.2
 """How long after its generation's sockets were shut down a rank still waits on a collective of it: gloo's own
-error normally arrives within milliseconds, and by then no thread of gloo writes into the rank's tensors."""
+error normally arrives within milliseconds. (A timing choice, not a guarantee: gloo's event loop may still copy
+bytes it had already received into a given-up collective's buffers; none of them is used before the rank has
+re-formed, and a re-formation rebuilds or re-sends whatever the failed generation was computing.)"""
 
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
