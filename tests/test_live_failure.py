@@ -210,7 +210,7 @@ def test_stop_below_min_tp(tmp_path):
     assert leftover_processes(result) == []
 
 
-@pytest.mark.parametrize("dp, micro_batch", [(2, 2), (3, 4)])
+@pytest.mark.parametrize("dp, micro_batch", [(3, 4)])  # (2, 2) passes too; one case keeps the suite short
 def test_restart_below_min_tp(tmp_path, jobs, dp, micro_batch):
     """``ntp.on_unrecoverable: restart``: replica 1 falls below min_tp, so every rank stops and the job starts
     again from the newest checkpoint for the slots that survive — replica 1 dropped, its share of every global
