@@ -103,6 +103,8 @@ class Trainer:
     ``checkpoint.async_save``, the last one whose save was started (its writer may still be writing)."""
     async_saves: Any = None
     """With ``checkpoint.async_save``: Megatron-Core's ``AsyncCallsQueue`` of saves not yet finalized."""
+    pending_saves: list = field(default_factory=list, repr=False)
+    """Iterations of the async saves started and not yet finalized, oldest first."""
 
     @property
     def setup(self):
@@ -258,7 +260,7 @@ class Trainer:
         With ``checkpoint.async_save`` the earlier save is finalized first, and this one only started: it is
         finalized by a later :meth:`finalize_saves`."""
         p = self.parts
-        iteration, started = self.iteration, time.time()
+        iteration, started, clock = self.iteration, time.time(), time.perf_counter()
         queue = None
         if self.cfg.checkpoint.async_save:
             if self.async_saves is None:
@@ -267,6 +269,7 @@ class Trainer:
                 self.async_saves = AsyncCallsQueue(persistent=False)  # a forked writer per save
             self.finalize_saves(blocking=True)
             queue = self.async_saves
+            clock = time.perf_counter()  # the wait for the previous save is counted there
 
         def saved(path: Path) -> None:
             if self.generation is not None:  # for peers that did not see the save complete (_save_until_written)
@@ -277,16 +280,30 @@ class Trainer:
                               "tp_per_replica": self.setup.tp_per_replica, "async": queue is not None,
                               "started": started, "time": time.time()}, sys.stdout)
 
-        return checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), iteration, p.model, p.optimizer,
+        path = checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), iteration, p.model, p.optimizer,
                                           p.scheduler, self.coords, self.consumed_samples, async_queue=queue,
                                           on_finalized=saved)
+        if queue is not None:
+            self.pending_saves.append(iteration)
+        self._report_stall(iteration, "save", time.perf_counter() - clock)
+        return path
+
+    def _report_stall(self, iteration: int, phase: str, seconds: float) -> None:
+        """Measurement: how long training waited on the save of ``iteration`` (``save``: the call; ``finalize``:
+        checks and finalization of an async one), a ``checkpoint_stall`` record (``scripts/bench.sh``)."""
+        if self.is_reporting_rank:
+            metrics.emit({"kind": "checkpoint_stall", "iteration": iteration, "phase": phase, "seconds": seconds},
+                         sys.stdout)
 
     def finalize_saves(self, blocking: bool = False) -> None:
         """Complete the async saves whose writers have finished on every rank (``blocking``: wait for all of
         them): upstream's metadata, then ``latest`` (collective; only while a save is pending, so the same on
         every rank)."""
         if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
-            self.async_saves.maybe_finalize_async_calls(blocking=blocking)
+            clock, oldest = time.perf_counter(), self.pending_saves[0]
+            done = self.async_saves.maybe_finalize_async_calls(blocking=blocking)
+            del self.pending_saves[:len(done)]
+            self._report_stall(oldest, "finalize", time.perf_counter() - clock)
 
     def _save_until_written(self) -> None:
         """Save; under NTP a failure midway is absorbed like any other (``latest`` still names the previous
