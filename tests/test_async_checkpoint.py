@@ -129,3 +129,65 @@ def test_kill_with_an_async_save_pending_keeps_latest(tmp_path):
     before, after = full.losses(), killed.losses()
     worst = max(relative_difference(before[i], after[i]) for i in before)
     assert worst <= 1e-5, f"worst relative loss difference after the restart {worst:.2e}"
+
+
+def _rank_killed_during_an_async_save(path: str, port: int) -> None:
+    """A one-rank job that starts an async save of 400 MB, lists its descendants (the results-queue Manager, the
+    writer, its workers), stops them (SIGSTOP: so that none can finish on its own) and is SIGKILLed."""
+    import json
+    import signal
+    import time
+
+    import psutil
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from ntp_megatron.patches import apply_patches
+
+    apply_patches(cpu=True)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from ntp_megatron.training.checkpoint import _WriterDiesWithRank
+
+    state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(25_000_000), replica_id=0)
+             for i in range(4)}
+    request = dist_checkpointing.save(state, path, async_sharded_save=True)
+    AsyncCallsQueue().schedule_async_request(request._replace(async_fn=_WriterDiesWithRank(request.async_fn)))
+    time.sleep(0.2)
+    descendants = [p.pid for p in psutil.Process().children(recursive=True)]
+    Path(path + ".descendants").write_text(json.dumps(descendants))
+    for pid in descendants:
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_async_writers_die_with_their_rank(tmp_path):
+    """Upstream's writer and worker processes outlive a killed rank (and could go on writing into a directory a
+    restarted job rewrites); ours get SIGKILL with it."""
+    import json
+    import multiprocessing
+    import signal
+    import time
+
+    import psutil
+
+    path = str(tmp_path / "ckpt")
+    os.mkdir(path)
+    rank = multiprocessing.get_context("fork").Process(target=_rank_killed_during_an_async_save,
+                                                       args=(path, _free_port()))
+    rank.start()
+    rank.join(120)
+    assert rank.exitcode == -9
+    descendants = json.loads(Path(path + ".descendants").read_text())
+    assert len(descendants) >= 3  # the Manager, the writer, at least one worker
+    deadline = time.monotonic() + 5
+    alive = descendants
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in alive:  # upstream's (stopped) survivors: do not leave them behind
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes of the killed rank still there: {alive}"
