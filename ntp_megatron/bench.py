@@ -3,7 +3,9 @@
 Every case is a real job through ``ntp-launch``; the cases run in interleaved rounds (A B C … A B C …) so
 machine drift hits all of them alike, and each case's step time is the median ``elapsed_ms`` over its
 iterations after warm-up, pooled over rounds. Output: a table on stdout and JSON (``--out``), including a
-``degraded_step_time_ratio`` section in the format the goodput simulator reads as calibration.
+``degraded_step_time_ratio`` section in the format the goodput simulator reads as calibration. Also measured:
+communication of healthy ranks, a failure absorbed by NTP against a restart from checkpoint, and the training
+stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs that part alone).
 
 On a CPU machine with fewer cores than ranks, ranks time-share cores: ratios between jobs with different
 rank counts then measure total work rather than per-GPU speed. The comparisons below are arranged so that
@@ -157,6 +159,79 @@ def measure_failures(rounds: int, launcher: Sequence[str], workdir: Path) -> dic
     }
 
 
+# The training stall of a checkpoint save, sync against async (Megatron-Core's async path), on one job: plain
+# Megatron (NTP off; async saves need it), TP2 x DP1, a larger model so that a save writes tens of MB.
+STALL_ITERS, STALL_INTERVAL, STALL_WARMUP = 14, 3, 2
+STALL_MODEL = ["--set", "model.num_layers=4", "--set", "model.hidden_size=256", "--set", "model.vocab_size=4096",
+               "--set", "model.seq_length=64", "--set", "training.micro_batch_size=2",
+               "--set", "training.global_batch_size=4"]
+STALL_JOBS = {
+    "no saves": [],
+    "sync saves": ["--set", f"checkpoint.save_interval={STALL_INTERVAL}"],
+    "async saves": ["--set", f"checkpoint.save_interval={STALL_INTERVAL}", "--set", "checkpoint.async_save=true"],
+}
+
+
+def _stall_figures(records: list[dict]) -> dict:
+    """From one run: the wall time from the end of iteration STALL_WARMUP to the end of the last iteration (the
+    saves of iterations STALL_INTERVAL, 2·STALL_INTERVAL, … below the last happen inside it; the final
+    checkpoint after the last iteration is outside), and the gaps between consecutive iterations' ends, split
+    into those that follow a save iteration and the others."""
+    end = {r["iteration"]: r["time"] for r in records if r.get("kind") == "iteration"}
+    gaps = {k: end[k] - end[k - 1] for k in end if k - 1 in end and k - 1 >= STALL_WARMUP}
+    after_save = [gaps[k] for k in gaps if (k - 1) % STALL_INTERVAL == 0]
+    others = [gaps[k] for k in gaps if (k - 1) % STALL_INTERVAL != 0]
+    in_window = {k for k in end if STALL_WARMUP < k < STALL_ITERS and k % STALL_INTERVAL == 0}
+    blocked = sum(r["seconds"] for r in records if r.get("kind") == "checkpoint_stall" and r["iteration"] in in_window)
+    return {"window_s": end[STALL_ITERS] - end[STALL_WARMUP], "after_save_gap_s": after_save, "other_gap_s": others,
+            "saves_in_window": len(after_save), "blocked_per_save_s": blocked / len(in_window),
+            "step_s": statistics.median(r["elapsed_ms"] for r in records if r.get("kind") == "iteration") / 1e3}
+
+
+def measure_checkpoint_stall(rounds: int, launcher: Sequence[str], workdir: Path) -> dict:
+    """The same job without saves, with sync saves and with async saves every STALL_INTERVAL iterations,
+    interleaved over ``rounds``. Extra wall time per save = (window of the case − window without saves) / saves
+    in the window (medians over rounds); also, per case, the median gap after a save iteration minus the median
+    of the other gaps (the stall seen by the iteration right after a save; an async save's finalization and its
+    writer's CPU use may land later). Also measured in the rank (``checkpoint_stall`` records of the reporting
+    rank): training blocked per save = the time inside the save call plus, for async saves, the checks and the
+    finalization attributed to it — the least noisy figure on a shared machine."""
+    runs: dict[str, list[dict]] = {name: [] for name in STALL_JOBS}
+    for round_index in range(rounds):
+        for name, args in STALL_JOBS.items():
+            extra = list(args)
+            if args:
+                extra += ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
+            records = run_job_records([*_layout(2, 1, False), *STALL_MODEL, *extra], STALL_ITERS, workdir, launcher,
+                                      name)
+            runs[name].append(_stall_figures(records))
+            print(f"checkpoint stall round {round_index + 1}/{rounds} {name:<12} done", file=sys.stderr)
+    window = {name: statistics.median(r["window_s"] for r in rs) for name, rs in runs.items()}
+    saves = runs["sync saves"][0]["saves_in_window"]
+    cases = {}
+    for name, rs in runs.items():
+        after = [g for r in rs for g in r["after_save_gap_s"]]
+        other = statistics.median(g for r in rs for g in r["other_gap_s"])
+        cases[name] = {
+            "window_s": window[name], "median_step_s": statistics.median(r["step_s"] for r in rs),
+            "median_gap_s": other,
+            "gap_after_save_minus_median_s": (statistics.median(after) - other) if name != "no saves" else None,
+            "extra_per_save_s": (window[name] - window["no saves"]) / saves if name != "no saves" else None,
+            "blocked_per_save_s": statistics.median(r["blocked_per_save_s"] for r in rs) if name != "no saves"
+            else None,
+        }
+    sync, asyn = cases["sync saves"], cases["async saves"]
+    return {
+        "job": f"plain Megatron TP2 x DP1, {' '.join(STALL_MODEL[1::2])}, {STALL_ITERS} iterations, a save every "
+               f"{STALL_INTERVAL} ({saves} in the window from the end of iteration {STALL_WARMUP} to the end of "
+               f"iteration {STALL_ITERS}), {rounds} rounds",
+        "runs": runs, "cases": cases,
+        "async_over_sync_extra_per_save": (asyn["extra_per_save_s"] / sync["extra_per_save_s"]
+                                           if sync["extra_per_save_s"] else None),
+        "async_over_sync_blocked_per_save": asyn["blocked_per_save_s"] / sync["blocked_per_save_s"],
+    }
+
+
 def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
     rows = run_job_records(case.args, iters, workdir, launcher, case.name.replace("(", "").replace(")", ""))
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
@@ -184,10 +259,12 @@ def measure(iters: int, rounds: int, warmup: int, launcher: Sequence[str], workd
 
 
 def table(result: dict) -> str:
-    lines = ["| case | ranks | median step (ms) |", "|---|---|---|"]
-    lines += [f"| {name} | {c['ranks']} | {c['median_step_ms']:.1f} |" for name, c in result["cases"].items()]
-    lines += ["", "| comparison | ratio | note |", "|---|---|---|"]
-    lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
+    lines = []
+    if result["cases"]:
+        lines += ["| case | ranks | median step (ms) |", "|---|---|---|"]
+        lines += [f"| {name} | {c['ranks']} | {c['median_step_ms']:.1f} |" for name, c in result["cases"].items()]
+        lines += ["", "| comparison | ratio | note |", "|---|---|---|"]
+        lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
     comm = result.get("communication")
     if comm:
         lines += ["", "Per iteration, replica 0 (healthy) of TP4 x 2, without and with replica 1 degraded to TP3:", "",
@@ -214,6 +291,17 @@ def table(result: dict) -> str:
                   f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
+    stall = result.get("checkpoint_stall")
+    if stall:
+        lines += ["", f"Checkpoint stall, sync against async save ({stall['job']}), medians:", "",
+                  "| | median iteration gap (s) | training blocked per save (s) | extra wall time per save (s) | "
+                  "gap after a save − median gap (s) |", "|---|---|---|---|---|"]
+        fmt = lambda v: "–" if v is None else f"{v:.3f}"
+        for name, c in stall["cases"].items():
+            lines.append(f"| {name} | {c['median_gap_s']:.3f} | {fmt(c['blocked_per_save_s'])} | "
+                         f"{fmt(c['extra_per_save_s'])} | {fmt(c['gap_after_save_minus_median_s'])} |")
+        lines.append(f"| async / sync | | {fmt(stall['async_over_sync_blocked_per_save'])} | "
+                     f"{fmt(stall['async_over_sync_extra_per_save'])} | |")
     return "\n".join(lines)
 
 
@@ -223,6 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
+    p.add_argument("--only", choices=["checkpoint-stall"], default=None,
+                   help="run one part only (its figures alone in the JSON and the table)")
     args = p.parse_args(argv)
     if args.warmup >= args.iters:
         print("bench: --warmup must be below --iters", file=sys.stderr)
@@ -230,11 +320,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ntp-bench-") as workdir:
         launcher = [sys.executable, "-m", "ntp_megatron.launcher"]
-        result = measure(args.iters, args.rounds, args.warmup, launcher, Path(workdir))
-        result["communication"] = measure_comm(launcher, Path(workdir))
-        result["failure_recovery"] = measure_failures(args.rounds, launcher, Path(workdir))
-        # Calibration for the goodput simulator: measured seconds from a failure to training again.
-        result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
+        if args.only == "checkpoint-stall":
+            result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
+        else:
+            result = measure(args.iters, args.rounds, args.warmup, launcher, Path(workdir))
+            result["communication"] = measure_comm(launcher, Path(workdir))
+            result["failure_recovery"] = measure_failures(args.rounds, launcher, Path(workdir))
+            # Calibration for the goodput simulator: measured seconds from a failure to training again.
+            result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
+        result["checkpoint_stall"] = measure_checkpoint_stall(args.rounds, launcher, Path(workdir))
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"\nwrote {args.out}")

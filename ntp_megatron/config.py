@@ -157,6 +157,13 @@ class CheckpointSection(_Section):
     load: Optional[str] = None
     """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
     that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
+    async_save: bool = False
+    """Write checkpoints in the background with Megatron-Core's async path (``dist_checkpointing.save(...,
+    async_sharded_save=True)`` scheduled on its ``AsyncCallsQueue``): each rank forks a writer whose memory is a
+    copy-on-write snapshot of the state at the save iteration, and training goes on while it writes.
+    ``latest_checkpointed_iteration.txt`` moves to the new checkpoint only once every rank's writer has finished
+    (checked at the end of each later iteration, and before the next save and the end of the run). NTP off
+    only for now (refused with ``ntp.enabled``); ignored without ``save``."""
     max_restarts: int = Field(3, ge=0)
     """With NTP off and ``save`` set (or NTP on with ``ntp.on_unrecoverable: restart``): how many times a failure
     restarts the whole job from the last checkpoint before the run ends with an error."""
@@ -227,6 +234,10 @@ class JobConfig(_Section):
             )
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.checkpoint.async_save and self.ntp.enabled:
+            raise ValueError("checkpoint.async_save is not supported with ntp.enabled yet (a re-formation cannot "
+                             "drop a pending background save cleanly): set ntp.enabled: false or "
+                             "checkpoint.async_save: false")
         if self.ntp.on_unrecoverable == "restart" and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("ntp.on_unrecoverable 'restart' needs checkpoint.save and checkpoint.save_interval "
                              "(the checkpoints it restarts from)")

@@ -36,6 +36,7 @@ PATCHED_MODULES = (
     "megatron.core.rerun_state_machine",
     "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # async saves: the writer fork, finalization
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.exchange_utils",
 )

@@ -8,12 +8,19 @@ save, all ranks at once (measured here: 30 s for a 7-rank save on 2 cores, again
 Manager only relays write results; Megatron forks its writer processes from the same rank a moment later,
 so on CPU the Manager is forked too, and it dies with its rank (``PR_SET_PDEATHSIG``; upstream's outlives a
 killed rank). Processes with CUDA keep upstream's spawn (never applied there).
+
+Also ``FileSystemWriterAsync.write_preloaded_data``, the worker processes that write a rank's files (forked by
+the rank in a sync save, by its async writer in an async one): they die with the process that forked them.
+Upstream's outlive a killed rank and can go on writing into a checkpoint directory that a restarted job
+removes and writes again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
+import os
 import signal
 from multiprocessing.managers import SyncManager
 from typing import Optional
@@ -24,10 +31,22 @@ _manager: Optional[SyncManager] = None
 
 
 def _die_with_parent() -> None:
+    parent = os.getppid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:  # not Linux
-        pass
+        return
+    if os.getppid() != parent or parent == 1:  # the parent died before the prctl
+        os._exit(1)
+
+
+_upstream_write_preloaded_data = upstream.FileSystemWriterAsync.write_preloaded_data
+
+
+@functools.wraps(_upstream_write_preloaded_data)
+def _write_preloaded_data(*args, **kwargs):
+    _die_with_parent()
+    return _upstream_write_preloaded_data(*args, **kwargs)
 
 
 def _get_write_results_queue():
@@ -43,3 +62,4 @@ def apply() -> None:
     if not callable(getattr(upstream, "_get_write_results_queue", None)) or not hasattr(upstream, "_results_queue"):
         raise RuntimeError("dist_checkpointing_filesystem_async: upstream changed; patch written for 0.16.x")
     upstream._get_write_results_queue = _get_write_results_queue
+    upstream.FileSystemWriterAsync.write_preloaded_data = staticmethod(_write_preloaded_data)

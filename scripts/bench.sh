@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Benchmarks (not tests): NTP vs plain Megatron-Core step time, measured side by side in one run.
-#   scripts/bench.sh [--iters N] [--rounds R] [--out runs/bench/bench.json]
+#   scripts/bench.sh [--iters N] [--rounds R] [--out runs/bench/bench.json] [--only checkpoint-stall]
+# Also: NTP's failure recovery against restart-from-checkpoint, and the checkpoint stall (sync vs async save).
 # Prints a table of ratios and writes JSON (its degraded_step_time_ratio section is goodput-simulator calibration).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"

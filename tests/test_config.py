@@ -76,6 +76,7 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
         (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], "ntp topology: family 'heads' has 2 units"),
         (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer is not supported with ntp"),
         (["model.transformer_impl=transformer_engine"], "ntp.enabled needs model.transformer_impl: local"),
+        (["checkpoint.async_save=true"], "checkpoint.async_save is not supported with ntp.enabled yet"),
     ],
 )
 def test_ntp_config_errors(overrides, expected):
@@ -119,3 +120,8 @@ def test_cli_config_error_is_one_line_and_exit_2(tmp_path, args, expected):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith(expected), lines[0]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_async_save_without_ntp():
+    cfg = load_job_config(overrides=["ntp.enabled=false", "checkpoint.async_save=true"])
+    assert cfg.checkpoint.async_save and not cfg.ntp.enabled

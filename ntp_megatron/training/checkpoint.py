@@ -29,6 +29,18 @@ reads it, and NTP reads what plain Megatron-Core writes.
 Crash safety: a checkpoint is written into its ``iter_*`` directory; only when every rank has finished does
 rank 0 replace ``latest_checkpointed_iteration.txt`` atomically (temporary file, ``os.replace``). A kill
 during a save leaves the previous latest checkpoint as it was.
+
+Async saves (``checkpoint.async_save``, NTP off): :func:`save_checkpoint` with an ``AsyncCallsQueue`` does
+everything the sync save does up to the tensor data (directory, ``common.pt``, the RNG objects, the DCP plan)
+and hands the data write to Megatron-Core's queue, whose ``TemporalAsyncCaller`` forks a writer process. On
+CPU the plan holds references to the live parameters and Adam moments (``FileSystemWriterAsync`` clones only
+views and ``preload_tensors`` is a no-op for CPU tensors), so the fork itself is the snapshot: the writer sees
+the state at the save iteration by copy-on-write, whatever the trainer does to its tensors afterwards. Nothing
+may change them between :func:`save_checkpoint`'s plan and its fork (they are one call here). ``.metadata``,
+``metadata.json`` and then ``latest`` are written by the finalize functions, which run on every rank only
+once every rank's writer has finished (``maybe_finalize_async_calls``, collective). The writer and its
+workers die with their rank (``PR_SET_PDEATHSIG``), so a killed job leaves no process writing into a
+directory a restarted job may rewrite.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -196,6 +208,32 @@ def _prepare_dir(root: Path, iteration: int) -> Path:
     return path
 
 
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that forked it ends (Linux; elsewhere nothing). If that
+    already happened, exit now."""
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux
+        return
+    if os.getppid() != parent or parent == 1:
+        os._exit(1)
+
+
+class _WriterDiesWithRank:
+    """The async request's writer function (run in the forked writer), made to die with its rank first."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        die_with_parent()
+        return self.fn(*args, **kwargs)
+
+
 def save_checkpoint(
     root: Path,
     iteration: int,
@@ -204,9 +242,16 @@ def save_checkpoint(
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
     consumed_samples: Optional[int] = None,
+    async_queue: Any = None,
+    on_finalized: Optional[Callable[[Path], None]] = None,
 ) -> Path:
     """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job (under NTP, the
-    current generation). A rank that dies midway leaves ``latest`` where it was."""
+    current generation). A rank that dies midway leaves ``latest`` where it was.
+
+    With ``async_queue`` (Megatron-Core's ``AsyncCallsQueue``) the tensor data is written by a forked writer
+    while training goes on, and the save completes — ``.metadata``, ``metadata.json``, ``latest``, then
+    ``on_finalized(path)`` — when the queue finalizes it on every rank; the caller must finalize any earlier
+    save first. Without it the save is complete on return (and ``on_finalized`` is called too)."""
     path = iteration_dir(root, iteration)
     layout = _layout(model, coords)
     if dist.get_rank() == 0:
@@ -223,12 +268,26 @@ def save_checkpoint(
         rng["cuda"] = torch.cuda.get_rng_state()
     state["rng_state"] = _rng_object(coords, layout, rng)
     faults.point("checkpoint")
-    dist_checkpointing.save(state, str(path))  # ends with metadata.json and a barrier
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _write_latest(root, iteration)
-    dist.barrier()
-    logger.info("saved checkpoint at iteration %d to %s", iteration, path)
+
+    def point_latest() -> None:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            _write_latest(root, iteration)
+        dist.barrier()
+        logger.info("saved checkpoint at iteration %d to %s", iteration, path)
+        if on_finalized is not None:
+            on_finalized(path)
+
+    if async_queue is None:
+        dist_checkpointing.save(state, str(path))  # ends with metadata.json and a barrier
+        point_latest()
+        return path
+    # Plan now, then fork the writer at once: the fork is the snapshot of the state (see the module docstring).
+    request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+    if request.async_fn is not None:
+        request = request._replace(async_fn=_WriterDiesWithRank(request.async_fn))
+    request.add_finalize_fn(point_latest)  # after upstream's .metadata and metadata.json
+    async_queue.schedule_async_request(request)
     return path
 
 

@@ -99,7 +99,12 @@ class Trainer:
     move_after_step: bool = False
     """The last commit was ``commit+reform``: move to the next generation before the next iteration."""
     last_saved: int = 0
-    """The iteration whose state is on disk: the last checkpoint saved, or the one this run started from."""
+    """The iteration whose state is on disk: the last checkpoint saved, or the one this run started from. With
+    ``checkpoint.async_save``, the last one whose save was started (its writer may still be writing)."""
+    async_saves: Any = None
+    """With ``checkpoint.async_save``: Megatron-Core's ``AsyncCallsQueue`` of saves not yet finalized."""
+    pending_saves: list = field(default_factory=list, repr=False)
+    """Iterations of the async saves started and not yet finalized, oldest first."""
 
     @property
     def setup(self):
@@ -251,17 +256,54 @@ class Trainer:
         return ck.save is not None and ck.save_interval is not None and self.iteration % ck.save_interval == 0
 
     def save(self) -> Path:
-        """Checkpoint the state after ``self.iteration`` (collective over the job, or its current generation)."""
+        """Checkpoint the state after ``self.iteration`` (collective over the job, or its current generation).
+        With ``checkpoint.async_save`` the earlier save is finalized first, and this one only started: it is
+        finalized by a later :meth:`finalize_saves`."""
         p = self.parts
-        path = checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), self.iteration, p.model, p.optimizer,
-                                          p.scheduler, self.coords, self.consumed_samples)
-        if self.generation is not None:  # for peers that did not see the save complete (see _save_until_written)
-            self.elastic.ctl.set(keys.saved(self.iteration), "1")
-        if self.is_reporting_rank:
-            metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": self.iteration,
-                          "path": str(path), "generation": self.setup.generation,
-                          "tp_per_replica": self.setup.tp_per_replica, "time": time.time()}, sys.stdout)
+        iteration, started, clock = self.iteration, time.time(), time.perf_counter()
+        queue = None
+        if self.cfg.checkpoint.async_save:
+            if self.async_saves is None:
+                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+                self.async_saves = AsyncCallsQueue(persistent=False)  # a forked writer per save
+            self.finalize_saves(blocking=True)
+            queue = self.async_saves
+            clock = time.perf_counter()  # the wait for the previous save is counted there
+
+        def saved(path: Path) -> None:
+            if self.generation is not None:  # for peers that did not see the save complete (_save_until_written)
+                self.elastic.ctl.set(keys.saved(iteration), "1")
+            if self.is_reporting_rank:
+                metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": iteration,
+                              "path": str(path), "generation": self.setup.generation,
+                              "tp_per_replica": self.setup.tp_per_replica, "async": queue is not None,
+                              "started": started, "time": time.time()}, sys.stdout)
+
+        path = checkpoint.save_checkpoint(Path(self.cfg.checkpoint.save), iteration, p.model, p.optimizer,
+                                          p.scheduler, self.coords, self.consumed_samples, async_queue=queue,
+                                          on_finalized=saved)
+        if queue is not None:
+            self.pending_saves.append(iteration)
+        self._report_stall(iteration, "save", time.perf_counter() - clock)
         return path
+
+    def _report_stall(self, iteration: int, phase: str, seconds: float) -> None:
+        """Measurement: how long training waited on the save of ``iteration`` (``save``: the call; ``finalize``:
+        checks and finalization of an async one), a ``checkpoint_stall`` record (``scripts/bench.sh``)."""
+        if self.is_reporting_rank:
+            metrics.emit({"kind": "checkpoint_stall", "iteration": iteration, "phase": phase, "seconds": seconds},
+                         sys.stdout)
+
+    def finalize_saves(self, blocking: bool = False) -> None:
+        """Complete the async saves whose writers have finished on every rank (``blocking``: wait for all of
+        them): upstream's metadata, then ``latest`` (collective; only while a save is pending, so the same on
+        every rank)."""
+        if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
+            clock, oldest = time.perf_counter(), self.pending_saves[0]
+            done = self.async_saves.maybe_finalize_async_calls(blocking=blocking)
+            del self.pending_saves[:len(done)]
+            self._report_stall(oldest, "finalize", time.perf_counter() - clock)
 
     def _save_until_written(self) -> None:
         """Save; under NTP a failure midway is absorbed like any other (``latest`` still names the previous
@@ -286,6 +328,7 @@ class Trainer:
                 if record is not None:
                     self.report(record)
                     self._guarded(lambda: self.verify_state(record))
+                self.finalize_saves()  # an async save whose writers are done everywhere moves `latest`
                 if self.save_due():  # a rolled-forward iteration's too
                     self._save_until_written()
                 if self.move_after_step:
@@ -302,6 +345,7 @@ class Trainer:
     def _finish(self) -> bool:
         if self.cfg.checkpoint.save is not None:
             self._save_until_written()  # the final checkpoint, unless this iteration's is on disk already
+        self.finalize_saves(blocking=True)  # no async save left behind
         self.verify_state(final=True)
         torch.distributed.barrier()
         return True

@@ -1,0 +1,193 @@
+"""``checkpoint.async_save``: Megatron-Core's async save path on CPU/gloo (NTP off).
+
+- In one process: the forked writer writes the state as it was at the fork, whatever the trainer does to its
+  tensors afterwards (and the fork is the snapshot point: a change before it is written).
+- Real jobs: async saves write the same tensors as sync saves at the same iterations while training goes on;
+  resuming from an async checkpoint continues the loss curve; a rank killed while an async save is pending
+  leaves ``latest`` on the previous checkpoint, and the restarted job resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.jobs import assert_ok, layout_args, relative_difference, run_job
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def single_process_group():
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from ntp_megatron.patches import apply_patches
+
+    apply_patches(cpu=True)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mutate_before_fork", [False, True])
+def test_async_writer_sees_the_state_at_the_fork(tmp_path, single_process_group, mutate_before_fork):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    original = torch.arange(1 << 20, dtype=torch.float32)
+    live = original.clone()
+    queue = AsyncCallsQueue()
+    request = dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", live, replica_id=0)}, str(tmp_path),
+                                      async_sharded_save=True)
+    if mutate_before_fork:
+        live.add_(1)  # the plan holds the live tensor itself (CPU: no copy), so this is written
+    queue.schedule_async_request(request)  # forks the writer
+    live.mul_(-1)  # training goes on: never written
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert (tmp_path / "metadata.json").is_file()
+    loaded = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty_like(live), replica_id=0)},
+                                     str(tmp_path))["w"]
+    assert torch.equal(loaded, original + 1 if mutate_before_fork else original)
+
+
+def _tensors(path: Path) -> dict:
+    """Every tensor of a torch_dist checkpoint, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = path.parent / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+SAVES = ["--set", "checkpoint.save_interval=3"]
+
+
+def test_async_save_equals_sync_save_and_resumes(tmp_path):
+    iters = 8
+    sync_ckpt, async_ckpt = tmp_path / "sync", tmp_path / "async"
+    sync = run_job(tmp_path / "sync_run", layout_args(2, 2, iters) + SAVES + ["--set", f"checkpoint.save={sync_ckpt}"])
+    assert_ok(sync)
+    run = run_job(tmp_path / "async_run", layout_args(2, 2, iters) + SAVES + [
+        "--set", f"checkpoint.save={async_ckpt}", "--set", "checkpoint.async_save=true"])
+    assert_ok(run)
+    saved = run.events("checkpoint_saved")
+    assert [e["iteration"] for e in saved] == [3, 6, 8] and all(e["async"] for e in saved)
+    assert (async_ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    # Saving in the background does not change training.
+    assert run.losses() == sync.losses()
+    # The async checkpoints hold the state of their iteration, although training went on while they were written.
+    for iteration in (3, 6, 8):
+        name = f"iter_{iteration:07d}"
+        a, s = _tensors(async_ckpt / name), _tensors(sync_ckpt / name)
+        assert a.keys() == s.keys() and any(k.startswith("optimizer.") for k in a)
+        different = [k for k in a if not torch.equal(a[k], s[k])]
+        assert not different, f"{name}: async and sync checkpoints differ in {different[:5]}"
+        common_a = torch.load(async_ckpt / name / "common.pt", weights_only=False)
+        common_s = torch.load(sync_ckpt / name / "common.pt", weights_only=False)
+        assert common_a["iteration"] == common_s["iteration"] == iteration
+        assert common_a["scheduler"] == common_s["scheduler"]
+    # Resuming from an async checkpoint continues the uninterrupted curve.
+    resumed = run_job(tmp_path / "resumed", layout_args(2, 2, iters) + [
+        "--set", f"checkpoint.load={async_ckpt / 'iter_0000003'}"])
+    assert_ok(resumed)
+    before, after = sync.losses(), resumed.losses()
+    assert sorted(after) == list(range(4, iters + 1))
+    worst = max(relative_difference(before[i], after[i]) for i in after)
+    assert worst <= 1e-5, f"worst relative loss difference after resuming from an async save {worst:.2e}"
+
+
+def test_kill_with_an_async_save_pending_keeps_latest(tmp_path):
+    """The save of iteration 4 is started after iteration 4; launch rank 1 dies at the start of iteration 5,
+    before any rank can finalize it (finalization is collective, at the end of an iteration): ``latest`` stays
+    at 2, and the restarted job goes on from 2 with the uninterrupted loss curve."""
+    iters, ckpt = 6, tmp_path / "ckpt"
+    base = layout_args(1, 2, iters) + ["--set", "checkpoint.save_interval=2", "--set", "checkpoint.async_save=true"]
+    full = run_job(tmp_path / "full", base + ["--set", f"checkpoint.save={tmp_path / 'full_ckpt'}"])
+    assert_ok(full)
+    killed = run_job(tmp_path / "killed", base + ["--set", f"checkpoint.save={ckpt}",
+                                                 "--inject-failure", "kill:rank=1,iter=5"])
+    assert_ok(killed)
+    assert "restarting all" in killed.stderr + killed.stdout
+    iterations = [r["iteration"] for r in killed.records if r.get("kind") == "iteration"]
+    # Iterations 3 and 4 ran twice: the restart resumed from iteration 2, not from the unfinished save of 4.
+    assert sorted(set(iterations)) == list(range(1, iters + 1))
+    assert iterations.count(3) >= 2 and iterations.count(4) >= 2, iterations
+    assert [e["iteration"] for e in killed.events("checkpoint_saved")] == [2, 4, 6]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(iters)
+    assert (ckpt / "iter_0000004" / "metadata.json").is_file()
+    before, after = full.losses(), killed.losses()
+    worst = max(relative_difference(before[i], after[i]) for i in before)
+    assert worst <= 1e-5, f"worst relative loss difference after the restart {worst:.2e}"
+
+
+def _rank_killed_during_an_async_save(path: str, port: int) -> None:
+    """A one-rank job that starts an async save of 400 MB, lists its descendants (the results-queue Manager, the
+    writer, its workers), stops them (SIGSTOP: so that none can finish on its own) and is SIGKILLed."""
+    import json
+    import signal
+    import time
+
+    import psutil
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from ntp_megatron.patches import apply_patches
+
+    apply_patches(cpu=True)
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from ntp_megatron.training.checkpoint import _WriterDiesWithRank
+
+    state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(25_000_000), replica_id=0)
+             for i in range(4)}
+    request = dist_checkpointing.save(state, path, async_sharded_save=True)
+    AsyncCallsQueue().schedule_async_request(request._replace(async_fn=_WriterDiesWithRank(request.async_fn)))
+    time.sleep(0.2)
+    descendants = [p.pid for p in psutil.Process().children(recursive=True)]
+    Path(path + ".descendants").write_text(json.dumps(descendants))
+    for pid in descendants:
+        os.kill(pid, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_async_writers_die_with_their_rank(tmp_path):
+    """Upstream's writer and worker processes outlive a killed rank (and could go on writing into a directory a
+    restarted job rewrites); ours get SIGKILL with it."""
+    import json
+    import multiprocessing
+    import signal
+    import time
+
+    import psutil
+
+    path = str(tmp_path / "ckpt")
+    os.mkdir(path)
+    rank = multiprocessing.get_context("fork").Process(target=_rank_killed_during_an_async_save,
+                                                       args=(path, _free_port()))
+    rank.start()
+    rank.join(120)
+    assert rank.exitcode == -9
+    descendants = json.loads(Path(path + ".descendants").read_text())
+    assert len(descendants) >= 3  # the Manager, the writer, at least one worker
+    deadline = time.monotonic() + 5
+    alive = descendants
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for pid in alive:  # upstream's (stopped) survivors: do not leave them behind
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"processes of the killed rank still there: {alive}"
