@@ -134,9 +134,9 @@ class NTPSection(_Section):
     """A failure NTP cannot absorb in place — a replica loses every rank or falls below ``min_tp``:
     ``drop_replica`` trains on without it (its share of the global batch goes to the other replicas, so the
     global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1;
-    ``restart`` stops every rank and starts the job again from the newest checkpoint of ``checkpoint.save`` on
-    the processes that survive: each replica with its live slots, replicas below ``min_tp`` left out, the global
-    batch unchanged (at most ``checkpoint.max_restarts`` times)."""
+    ``restart`` stops every rank and starts the job again from the newest checkpoint of ``checkpoint.save`` with
+    fresh processes for the surviving slots: each replica with its live slots, replicas below ``min_tp`` dropped
+    (``dropped_replicas``), the global batch unchanged (at most ``checkpoint.max_restarts`` times)."""
     heartbeat_interval_s: float = Field(0.2, gt=0.0)
     """How often every rank tells the launcher it is alive."""
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)

@@ -326,7 +326,7 @@ class Launcher:
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         exit_code = 0
         try:
-            exit_code = self._monitor(store)
+            exit_code = self._monitor()
         except KeyboardInterrupt as exc:
             self._say(f"interrupted ({exc or 'SIGINT'}): stopping all ranks")
             self._stop_all()
@@ -345,14 +345,14 @@ class Launcher:
                 self.sink.close()
         return exit_code
 
-    def _monitor(self, store) -> int:
+    def _monitor(self) -> int:
         """Wait for the ranks. A death is absorbed by NTP (a new generation), or restarts the job from the last
         checkpoint (NTP off, checkpoints on), or ends the job."""
         self.agent = None
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
             from ntp_megatron.elastic.agent import Agent
 
-            self.agent = Agent(store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
+            self.agent = Agent(self.store, lambda: self.ranks, self.cfg.ntp.heartbeat_timeout_s,
                                startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
                                say=self._say, live=self._live_launch_ranks, fence=self.cfg.ntp.enabled)
         finished: set[int] = set()
@@ -540,19 +540,22 @@ class Launcher:
                   f"(restart {self.restarts} of at most {self.cfg.checkpoint.max_restarts})")
         self._stop_all()
         self._emit({"kind": "event", "event": "restarted", "restart": self.restarts, "time": time.time()})
+        self._respawn_ranks()
+        return None
+
+    def _respawn_ranks(self) -> None:
+        """A fresh process for every local rank (spawned: the launcher has threads now), watched."""
         self.ranks = {rank: self._spawn_rank(rank, self.store_port) for rank in self.local_ranks}
         self._record_pids()
         for r in self.ranks.values():
             self._watch(r)
-        return None
 
     def _restart_ntp(self, finished: set[int]) -> bool:
         """``ntp.on_unrecoverable: restart``: stop every rank and start the job again from the newest checkpoint,
         on fresh processes for the slots that survived: each replica with its live slots, replicas below
         ``ntp.min_tp`` dropped (:func:`ntp_megatron.layout.restart_layout`), the global batch and data order
-        unchanged. The restarted job has its own
-        launch ranks (0..), store and controller; injected failures that fired stay fired. False if no layout or
-        configuration is possible (the caller stops the job)."""
+        unchanged. The restarted job has its own launch ranks (0..), store and controller; injected failures that
+        fired stay fired. False if no layout or configuration is possible (the caller stops the job)."""
         from ntp_megatron.elastic.controller import Controller
         from ntp_megatron.layout import TopologyError, restart_layout
         from ntp_megatron.training import checkpoint
@@ -595,12 +598,9 @@ class Launcher:
         self.rejoin_attempts.clear()
         finished.clear()
         self.training_done = False
-        self.ranks = {rank: self._spawn_rank(rank, self.store_port) for rank in self.local_ranks}
-        self._record_pids()
+        self._respawn_ranks()
         if self.agent is not None:
             self.agent.restart(self.store)
-        for r in self.ranks.values():
-            self._watch(r)
         self._emit({"kind": "event", "event": "restarted", "restart": self.restarts, "time": time.time(),
                     "iteration": start.iteration if start else 0, "tp_per_replica": tp_per_replica(cfg)})
         return True

@@ -30,7 +30,9 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async as upst
 _manager: Optional[SyncManager] = None
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that forked it ends (Linux; elsewhere nothing). If that
+    already happened, exit now. Also used for the async save's writer (``ntp_megatron.training.checkpoint``)."""
     parent = os.getppid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -45,7 +47,7 @@ _upstream_write_preloaded_data = upstream.FileSystemWriterAsync.write_preloaded_
 
 @functools.wraps(_upstream_write_preloaded_data)
 def _write_preloaded_data(*args, **kwargs):
-    _die_with_parent()
+    die_with_parent()
     return _upstream_write_preloaded_data(*args, **kwargs)
 
 
@@ -53,7 +55,7 @@ def _get_write_results_queue():
     global _manager
     if upstream._results_queue is None:
         _manager = SyncManager(ctx=multiprocessing.get_context("fork"))
-        _manager.start(initializer=_die_with_parent)
+        _manager.start(initializer=die_with_parent)
         upstream._results_queue = _manager.Queue()
     return upstream._results_queue
 

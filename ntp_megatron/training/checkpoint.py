@@ -63,6 +63,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron import faults
+from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
 from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFactory, checkpoint_roles
 
 logger = logging.getLogger(__name__)
@@ -206,21 +207,6 @@ def _prepare_dir(root: Path, iteration: int) -> Path:
         shutil.rmtree(path)
     path.mkdir()
     return path
-
-
-def die_with_parent() -> None:
-    """This process gets SIGKILL when the thread that forked it ends (Linux; elsewhere nothing). If that
-    already happened, exit now."""
-    import ctypes
-    import signal
-
-    parent = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux
-        return
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)
 
 
 class _WriterDiesWithRank:
