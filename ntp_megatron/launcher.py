@@ -31,7 +31,7 @@ from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
 from ntp_megatron.elastic import keys as elastic_keys
-from ntp_megatron import faults, metrics
+from ntp_megatron import faults, megatron_flags, metrics
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
@@ -668,49 +668,13 @@ def _try_check(store, key: str) -> bool:
 
 # -- command line ------------------------------------------------------------------------------------
 
-def _field_index() -> dict[str, str]:
-    """Megatron-style ``--flag-name`` → ``section.field_name``, for every field name unique to one section."""
-    owners: dict[str, list[str]] = {}
-    for section, info in JobConfig.model_fields.items():
-        for name in info.annotation.model_fields:
-            owners.setdefault(name, []).append(section)
-    return {name: f"{secs[0]}.{name}" for name, secs in owners.items() if len(secs) == 1}
-
-
-def translate_extra_args(extra: Sequence[str]) -> list[str]:
-    """Turn Megatron-style flags (``--train-iters 20``, ``--data-path PREFIX``) into ``--set`` overrides."""
-    index = _field_index()
-    overrides: list[str] = []
-    i = 0
-    while i < len(extra):
-        flag = extra[i]
-        if not flag.startswith("--"):
-            raise ConfigError(f"unexpected argument {flag!r}; flags look like --train-iters 20")
-        name, _, inline = flag[2:].partition("=")
-        values = [inline] if inline else []
-        i += 1
-        while not inline and i < len(extra) and not extra[i].startswith("--"):
-            values.append(extra[i])
-            i += 1
-        key = name.replace("-", "_")
-        if key == "data_path":
-            if not values:
-                raise ConfigError("--data-path needs at least one preprocessed prefix")
-            overrides += ["data.mock=false", "data.data_path=" + json.dumps(values)]
-            continue
-        if key not in index:
-            raise ConfigError(f"unknown argument --{name}; use --set section.key=value for config keys")
-        if len(values) > 1:
-            raise ConfigError(f"--{name} takes one value, got {len(values)}")
-        overrides.append(f"{index[key]}={values[0] if values else 'true'}")
-    return overrides
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ntp-launch",
-        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Unknown --flags are "
-                    "Megatron-style config keys: --train-iters 20 is --set training.train_iters=20.",
+        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Other --flags are "
+                    "Megatron-style: --train-iters 20 is --set training.train_iters=20 (list below). Paths are "
+                    "relative to the current directory.",
+        epilog=megatron_flags.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, default=None, help="YAML job config (default: configs/tiny_cpu.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -721,15 +685,18 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(faults.PHASES) + "), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M]"
                         "[,action=kill|hang]; R is a launch rank; repeatable; replaces faults.inject of the config")
     p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes in the job: run one ntp-launch per node, all with the same config, --nnodes, "
+                        "--store-host and --store-port (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index, 0..NNODES-1; node 0 hosts the store, the metrics and the controller")
     p.add_argument("--store-host", default="127.0.0.1", help="host of node 0, which hosts the store")
     p.add_argument("--store-port", type=int, default=0, help="0: any free port (single node only)")
     return p
 
 
 def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
-    overrides = list(args.overrides) + translate_extra_args(extra)
+    overrides = list(args.overrides) + megatron_flags.translate(extra)
     if args.metrics_file is not None:
         overrides.append(f"logging.metrics_file={json.dumps(str(args.metrics_file))}")
     if args.run_dir is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from ntp_megatron.config import DEFAULT_CONFIG, JobConfig, load_job_config
 from ntp_megatron.config_io import ConfigError, parse_yaml
-from ntp_megatron.launcher import translate_extra_args
+from ntp_megatron.megatron_flags import translate as translate_extra_args
 from tests.jobs import REPO
 
 
