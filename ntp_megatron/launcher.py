@@ -31,7 +31,8 @@ from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
 from ntp_megatron.elastic import keys as elastic_keys
-from ntp_megatron import faults, megatron_flags, metrics
+from ntp_megatron import faults, megatron_flags, metrics, preflight
+from ntp_megatron.preflight import pin_checkpoint_load
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
@@ -293,16 +294,17 @@ class Launcher:
             # Megatron's dataset index caches are written here, once, before any rank or process group exists;
             # forked ranks inherit the dataset, other nodes' ranks read the caches after node 0's store is up.
             pretrain.prebuild_dataset(self.run_dir, self.cfg)
+            from ntp_megatron.training import data
+
+            self._say(data.describe(self.cfg))
         self.ranks = self._fork_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
         store = self._start_store(self.store_port)
         self.store = store
         if self.args.node_rank == 0:
-            lg = self.cfg.logging
-            metrics_file = Path(lg.metrics_file) if lg.metrics_file else None
-            tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
-            self.sink = metrics.MetricsSink(metrics_file, tb_dir)
+            self.metrics_file, self.tensorboard_dir = run_outputs(self.cfg, self.run_dir)
+            self.sink = metrics.MetricsSink(self.metrics_file, self.tensorboard_dir)
             self.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
             if self.cfg.ntp.enabled:
                 from ntp_megatron.elastic.controller import Controller
@@ -613,6 +615,11 @@ class Launcher:
         self.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
         for line in run_report.summary_lines(summary):
             self._say(line)
+        saves = [r for r in self.sink.records if r.get("event") == "checkpoint_saved"]
+        if saves:
+            self._say(f"checkpoints: {Path(self.cfg.checkpoint.save).resolve()} (latest: iteration "
+                      f"{saves[-1]['iteration']})")
+        self._say(f"metrics: {self.metrics_file or 'off'} | tensorboard: {self.tensorboard_dir or 'off'}")
         try:
             path = run_report.plot(self.sink.records, self.run_dir / "run.png")
             self._say(f"run plot: {path}")
@@ -620,21 +627,17 @@ class Launcher:
             self._say(f"could not draw the run plot: {exc}")
 
 
-def pin_checkpoint_load(cfg: JobConfig):
-    """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
-    ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
-    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint."""
-    if not cfg.checkpoint.load:
-        return None
-    runtime.quiet_optional_dependency_warnings()
-    from ntp_megatron.training import checkpoint
-
-    try:
-        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))
-    except SystemExit as exc:
-        raise ConfigError(str(exc)) from None
-    cfg.checkpoint.load = str(progress.path.resolve())
-    return progress
+def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
+    """The metrics file (default ``<run_dir>/metrics.jsonl``, appended to) and this run's TensorBoard directory
+    (default ``<run_dir>/tensorboard/<start time>``: each run its own series, so two runs in one run dir do not
+    merge into one whose steps restart); the empty string switches either off."""
+    lg = cfg.logging
+    metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
+    tb_dir = None
+    if lg.tensorboard_dir != "":
+        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
+            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
+    return metrics_file, tb_dir
 
 
 def tp_per_replica(cfg: JobConfig) -> list[int]:
@@ -716,7 +719,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
             raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
                               "use drop_replica or stop")
-        start = pin_checkpoint_load(cfg)
+        preflight.check_data(cfg)
+        preflight.check_device(cfg)
+        start, note = preflight.resume_point(cfg)
+        if note:
+            print(f"ntp-launch: {note}", file=sys.stderr)
+        done = preflight.nothing_to_do(cfg, start)
+        if done:
+            print(f"ntp-launch: {done}", file=sys.stderr)
+            return 0
         run_dir = Path(cfg.logging.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
@@ -724,7 +735,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
-                                              cfg.ntp.enabled) for f in specs]
+                                              cfg.ntp.enabled, start.iteration if start else 0) for f in specs]
         launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
