@@ -728,14 +728,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if done:
             print(f"ntp-launch: {done}", file=sys.stderr)
             return 0
-        run_dir = Path(cfg.logging.run_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / f"config.node{args.node_rank}.json"
-        config_path.write_text(cfg.model_dump_json(indent=2))
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
                                               cfg.ntp.enabled, start.iteration if start else 0) for f in specs]
+        run_dir = Path(cfg.logging.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / f"config.node{args.node_rank}.json"
+        config_path.write_text(cfg.model_dump_json(indent=2))
         launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
