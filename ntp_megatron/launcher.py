@@ -33,6 +33,7 @@ from ntp_megatron.config import JobConfig, load_job_config
 from ntp_megatron.elastic import keys as elastic_keys
 from ntp_megatron import faults, metrics
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
 
 ABORT_KEY = "launcher/abort"
@@ -134,12 +135,7 @@ class Launcher:
         self.config_path = config_path
         self.args = args
         self.world_size = cfg.world_size
-        if self.world_size % args.nnodes:
-            raise ConfigError(
-                f"world size {self.world_size} (tensor × data parallel) is not divisible by --nnodes {args.nnodes}"
-            )
-        per_node = self.world_size // args.nnodes
-        self.local_ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+        self._place(cfg)
         self.ranks: dict[int, RankProcess] = {}
         self.exits: queue.Queue[tuple[RankProcess, int]] = queue.Queue()
         self.sink: Optional[metrics.MetricsSink] = None
@@ -152,6 +148,31 @@ class Launcher:
         self.rejoin_attempts: dict[int, int] = {}
         self.training_done = False
         self.pid_history: dict[str, list[int]] = {}
+
+    def _place(self, cfg: JobConfig) -> None:
+        """This node's launch ranks and the local device of each (:mod:`ntp_megatron.placement`): every slot has a
+        fixed device of a fixed node, live or not, so a dead slot leaves its device idle and a replacement starts
+        on the same device. Every node computes the same map from the config alone."""
+        p = cfg.parallel
+        placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes)
+        slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size,
+                             cfg.topology() if cfg.ntp.enabled else None)
+        if not placement.node_ranks(0, slots):
+            raise ConfigError(f"node 0 (which hosts the store and the controller) would run no rank: its replicas "
+                              f"{list(placement.replicas_on(0))} are all dropped (ntp.dropped_replicas); "
+                              f"drop replicas of other nodes, or use fewer --nnodes")
+        self.placement = placement
+        self.devices: dict[int, int] = placement.node_ranks(self.args.node_rank, slots)
+        """Launch rank -> local device index (``LOCAL_RANK``), for the ranks this node runs."""
+        self.local_ranks = list(self.devices)
+
+    def _where(self) -> str:
+        """Where this node's ranks run, for the start message: which local devices, and which stay idle."""
+        idle = [i for i in range(self.placement.devices_per_node) if i not in self.devices.values()]
+        if self.args.nnodes == 1 and not idle:
+            return ""
+        used = _spans(sorted(self.devices.values())) or "none"
+        return f" on node {self.args.node_rank}, devices {used}" + (f" ({_spans(idle)} idle)" if idle else "")
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
@@ -193,7 +214,7 @@ class Launcher:
         env.update({
             runtime.ENV_RANK: str(rank),
             runtime.ENV_WORLD_SIZE: str(self.world_size),
-            runtime.ENV_LOCAL_RANK: str(rank - self.local_ranks.start),
+            runtime.ENV_LOCAL_RANK: str(self.devices[rank]),
             runtime.ENV_STORE_HOST: self.args.store_host,
             runtime.ENV_STORE_PORT: str(store_port),
             runtime.ENV_RUN_DIR: str(self.run_dir),
@@ -206,6 +227,13 @@ class Launcher:
             "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         })
         return env
+
+    def _start_ranks(self, store_port: int) -> dict[int, RankProcess]:
+        """This node's ranks: forked where they run on CPU, fresh interpreters where CUDA may be used
+        (:func:`ntp_megatron.training.runtime.rank_start_method`)."""
+        if runtime.rank_start_method(self.cfg.training.device) == "spawn":
+            return {rank: self._spawn_rank(rank, store_port) for rank in self.local_ranks}
+        return self._fork_ranks(store_port)
 
     def _fork_ranks(self, store_port: int) -> dict[int, RankProcess]:
         """Fork every local rank from this process, which has imported torch and Megatron-Core already.
@@ -293,7 +321,7 @@ class Launcher:
             # Megatron's dataset index caches are written here, once, before any rank or process group exists;
             # forked ranks inherit the dataset, other nodes' ranks read the caches after node 0's store is up.
             pretrain.prebuild_dataset(self.run_dir, self.cfg)
-        self.ranks = self._fork_ranks(self.store_port)
+        self.ranks = self._start_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
         store = self._start_store(self.store_port)
@@ -315,7 +343,7 @@ class Launcher:
                                              self._say, self._emit, dump_stacks=self._dump_stacks, **resume)
         if self.start is not None:
             self._say(f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
-        self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
+        self._say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
                   f"(store {self.args.store_host}:{self.store_port}, run dir {self.run_dir})")
         for r in self.ranks.values():
             self._watch(r)
@@ -583,7 +611,7 @@ class Launcher:
         c.close()
         fired = [spec for spec in self.failures if _try_check(self.store, elastic_keys.fired(str(spec)))]
         self.cfg, self.start, self.world_size = cfg, start, cfg.world_size
-        self.local_ranks = range(self.world_size)
+        self._place(cfg)  # one node: every surviving slot keeps its device
         self.config_path = self.run_dir / f"config.node0.restart{self.restarts}.json"
         self.config_path.write_text(cfg.model_dump_json(indent=2))
         self.store_port = _free_port(self.args.store_host)
@@ -643,6 +671,17 @@ def tp_per_replica(cfg: JobConfig) -> list[int]:
         widths = {replica.index: replica.width for replica in cfg.topology().replicas}
         return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
+
+
+def _spans(numbers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
 
 
 def _signal_group(pid: int, sig: int) -> None:
