@@ -161,7 +161,7 @@ class Launcher:
             raise ConfigError(f"node 0 (which hosts the store and the controller) would run no rank: its replicas "
                               f"{list(placement.replicas_on(0))} are all dropped (ntp.dropped_replicas); "
                               f"drop replicas of other nodes, or use fewer --nnodes")
-        self.placement = placement
+        self.placement, self.launch_slots = placement, slots
         self.devices: dict[int, int] = placement.node_ranks(self.args.node_rank, slots)
         """Launch rank -> local device index (``LOCAL_RANK``), for the ranks this node runs."""
         self.local_ranks = list(self.devices)
@@ -408,7 +408,7 @@ class Launcher:
             if self.cfg.ntp.enabled:
                 self._rejoin(self.store, finished)
             running = [r for r in self.ranks.values() if r.poll() is None]
-            if not running:
+            if not running and not self.replacements:
                 self._say(f"all {len(finished)} ranks finished")
                 return 0
 
@@ -445,9 +445,9 @@ class Launcher:
 
     def _handle_deaths(self, deaths: list, store, finished: set[int]) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
-        if self.controller is not None:
+        if self.cfg.ntp.enabled:
             booting = [d for d in deaths if d.launch_rank in self.rejoin_attempts
-                       and self.controller.latest.rank_of(*self.controller.identity[d.launch_rank]) is None]
+                       and not self._admitted(store, d.launch_rank)]
             for d in booting:  # a replacement that died before it was admitted: the job never relied on it
                 if self.training_done:
                     continue  # stopped by us: the run completed before it was admitted
@@ -457,6 +457,7 @@ class Launcher:
             deaths = [d for d in deaths if d not in booting]
             if not deaths:
                 return None
+        if self.controller is not None:
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
             reason = self.controller.handle(deaths)
@@ -472,11 +473,13 @@ class Launcher:
                           if self.restarts >= self.cfg.checkpoint.max_restarts else "the job cannot restart")
             self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
         elif self.cfg.ntp.enabled:
-            # Node 0's launcher runs the controller: report the deaths to it through the store.
+            # Node 0's launcher runs the controller: report the deaths to it through the store. Replacements start
+            # here, on the dead slots' own devices; node 0 admits them.
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
                 n = store.add(DEATHS_KEY, 1)
                 store.set(death_key(n), json.dumps(dataclasses.asdict(d)))
+                self._schedule_rejoin(d.launch_rank)
             return None
         else:
             from ntp_megatron.elastic.controller import injected_failure
@@ -516,8 +519,7 @@ class Launcher:
             self.replacements.clear()
             for rank in self.rejoin_attempts:
                 proc = self.ranks.get(rank)
-                live = self.controller is not None and self.controller.latest.rank_of(*self.controller.identity[rank])
-                if proc is not None and proc.poll() is None and live is None:
+                if proc is not None and proc.poll() is None and not self._admitted(store, rank):
                     _signal_group(proc.pid, signal.SIGTERM)
             return
         now = time.time()
@@ -535,13 +537,28 @@ class Launcher:
                             "attempt": self.rejoin_attempts[rank], "time": now})
                 self._say(f"starting a replacement for launch rank {rank} (pid {proc.pid}, attempt "
                           f"{self.rejoin_attempts[rank]} of {self.cfg.ntp.max_rejoin_attempts})")
-        if self.controller is None:
+        if self.controller is None or self.cfg.ntp.rejoin_after_s is None:
             return
-        ready = [lr for lr in self.rejoin_attempts if _try_check(store, elastic_keys.joining(lr))
-                 and self.controller.latest.rank_of(*self.controller.identity[lr]) is None]
+        # Any node's replacements: each announces itself in the store.
+        ready = [lr for lr in self.controller.identity if not self._admitted(store, lr)
+                 and _try_check(store, elastic_keys.joining(lr))]
         if ready and self.controller.admit(ready):
             for lr in ready:
                 store.delete_key(elastic_keys.joining(lr))
+
+    def _admitted(self, store, launch_rank: int) -> bool:
+        """Whether ``launch_rank``'s slot is live in the newest published generation: node 0's controller knows,
+        other nodes read it from the store (False if they cannot)."""
+        if self.controller is not None:
+            return self.controller.latest.rank_of(*self.controller.identity[launch_rank]) is not None
+        from ntp_megatron.layout import Topology
+
+        try:
+            latest = int(store.get(elastic_keys.LATEST).decode())
+            topology = Topology.from_json(json.loads(store.get(elastic_keys.topology(latest)).decode()))
+        except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+            return False
+        return topology.rank_of(*self.launch_slots[launch_rank]) is not None
 
     def _remote_deaths(self, store) -> list:
         """Deaths other nodes' launchers reported since the last poll (node 0)."""
