@@ -7,8 +7,9 @@ Children die with the launcher even if it is killed outright (``PR_SET_PDEATHSIG
 behind.
 
 Multi-node: run one launcher per node with the same ``--nnodes`` and ``--store-host/--store-port``; node 0
-hosts the store and the metrics sink, every node starts its share of the ranks. A failing node sets an
-abort key in the store so the other launchers stop their ranks too.
+hosts the store and the metrics sink, every node starts the ranks of its replicas, each on its slot's device
+(:mod:`ntp_megatron.placement`), and replacements for them. A failing node sets an abort key in the store so
+the other launchers stop their ranks too.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def describe_exit(returncode: int) -> str:
 
 
 class RankProcess:
-    """One rank process (forked, or spawned for a restart): pid, output streams, exit status once reaped."""
+    """One rank process (forked on CPU; spawned where CUDA may be used, and for restarts and replacements): pid,
+    output streams, exit status once reaped."""
 
     def __init__(self, rank: int, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
         self.rank, self.pid = rank, pid

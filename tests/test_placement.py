@@ -79,8 +79,8 @@ def test_slots_keep_their_device_whatever_is_dead(grid):
 
 
 def test_a_dead_slot_leaves_its_gpu_idle_and_shifts_nothing():
-    """TP2 × DP2 on 2 nodes with slot 1 of replica 0 dead: 3 ranks, which the old "next world/N ranks per node"
-    rule refused (3 is not divisible by 2), or with 4 nodes' worth would have moved replica 1's slot 0 to node 0."""
+    """TP2 × DP2 on 2 nodes with slot 1 of replica 0 dead: 3 ranks, which the old rule (each node takes the next
+    world/N launch ranks) refused, 3 not being divisible by 2."""
     placement = Placement(2, 2, 2)
     slots = launch_slots(2, 2, make_topology(2, 2, UNITS, dead_slots=[(0, 1)]))
     assert slots == [(0, 0), (1, 0), (1, 1)]
