@@ -555,6 +555,8 @@ class Launcher:
             return self.controller.latest.rank_of(*self.controller.identity[launch_rank]) is not None
         from ntp_megatron.layout import Topology
 
+        if not _try_check(store, elastic_keys.LATEST):  # a get would wait for it
+            return False
         try:
             latest = int(store.get(elastic_keys.LATEST).decode())
             topology = Topology.from_json(json.loads(store.get(elastic_keys.topology(latest)).decode()))
