@@ -234,6 +234,7 @@ class Launcher:
         """This node's ranks: forked where they run on CPU, fresh interpreters where CUDA may be used
         (:func:`ntp_megatron.training.runtime.rank_start_method`)."""
         if runtime.rank_start_method(self.cfg.training.device) == "spawn":
+            self._say("CUDA may be used here: ranks start as fresh processes, not forks")
             return {rank: self._spawn_rank(rank, store_port) for rank in self.local_ranks}
         return self._fork_ranks(store_port)
 
