@@ -14,7 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ntp_megatron.config_io import load_config
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# The repository's configs/, or its copy in the package (ntp_megatron.configs) when installed from a wheel.
+CONFIG_DIR = _PACKAGE_DIR / "configs" if (_PACKAGE_DIR / "configs").is_dir() else _PACKAGE_DIR.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
 
 

@@ -7,8 +7,9 @@ Children die with the launcher even if it is killed outright (``PR_SET_PDEATHSIG
 behind.
 
 Multi-node: run one launcher per node with the same ``--nnodes`` and ``--store-host/--store-port``; node 0
-hosts the store and the metrics sink, every node starts its share of the ranks. A failing node sets an
-abort key in the store so the other launchers stop their ranks too.
+hosts the store and the metrics sink, every node starts the ranks of its replicas, each on its slot's device
+(:mod:`ntp_megatron.placement`), and replacements for them. A failing node sets an abort key in the store so
+the other launchers stop their ranks too.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from ntp_megatron.elastic.watchdog import wait_for_port
 from ntp_megatron import faults, megatron_flags, metrics, preflight
 from ntp_megatron.preflight import pin_checkpoint_load
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
 
 ABORT_KEY = "launcher/abort"
@@ -72,7 +74,8 @@ def is_echo(death) -> bool:
 
 
 class RankProcess:
-    """One rank process (forked, or spawned for a restart): pid, output streams, exit status once reaped."""
+    """One rank process (forked on CPU; spawned where CUDA may be used, and for restarts and replacements): pid,
+    output streams, exit status once reaped."""
 
     def __init__(self, rank: int, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
         self.rank, self.pid = rank, pid
@@ -151,12 +154,7 @@ class Launcher:
         self.config_path = config_path
         self.args = args
         self.world_size = cfg.world_size
-        if self.world_size % args.nnodes:
-            raise ConfigError(
-                f"world size {self.world_size} (tensor × data parallel) is not divisible by --nnodes {args.nnodes}"
-            )
-        per_node = self.world_size // args.nnodes
-        self.local_ranks = range(args.node_rank * per_node, (args.node_rank + 1) * per_node)
+        self._place(cfg)
         self.ranks: dict[int, RankProcess] = {}
         self.exits: queue.Queue[tuple[RankProcess, int]] = queue.Queue()
         self.sink: Optional[metrics.MetricsSink] = None
@@ -169,6 +167,31 @@ class Launcher:
         self.rejoin_attempts: dict[int, int] = {}
         self.training_done = False
         self.pid_history: dict[str, list[int]] = {}
+
+    def _place(self, cfg: JobConfig) -> None:
+        """This node's launch ranks and the local device of each (:mod:`ntp_megatron.placement`): every slot has a
+        fixed device of a fixed node, live or not, so a dead slot leaves its device idle and a replacement starts
+        on the same device. Every node computes the same map from the config alone."""
+        p = cfg.parallel
+        placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes)
+        slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size,
+                             cfg.topology() if cfg.ntp.enabled else None)
+        if not placement.node_ranks(0, slots):
+            raise ConfigError(f"node 0 (which hosts the store and the controller) would run no rank: its replicas "
+                              f"{list(placement.replicas_on(0))} are all dropped (ntp.dropped_replicas); "
+                              f"drop replicas of other nodes, or use fewer --nnodes")
+        self.placement, self.launch_slots = placement, slots
+        self.devices: dict[int, int] = placement.node_ranks(self.args.node_rank, slots)
+        """Launch rank -> local device index (``LOCAL_RANK``), for the ranks this node runs."""
+        self.local_ranks = list(self.devices)
+
+    def _where(self) -> str:
+        """Where this node's ranks run, for the start message: which local devices, and which stay idle."""
+        idle = [i for i in range(self.placement.devices_per_node) if i not in self.devices.values()]
+        if self.args.nnodes == 1 and not idle:
+            return ""
+        used = _spans(sorted(self.devices.values())) or "none"
+        return f" on node {self.args.node_rank}, devices {used}" + (f" ({_spans(idle)} idle)" if idle else "")
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:
@@ -249,7 +272,7 @@ class Launcher:
         env.update({
             runtime.ENV_RANK: str(rank),
             runtime.ENV_WORLD_SIZE: str(self.world_size),
-            runtime.ENV_LOCAL_RANK: str(rank - self.local_ranks.start),
+            runtime.ENV_LOCAL_RANK: str(self.devices[rank]),
             runtime.ENV_STORE_HOST: self.args.store_host,
             runtime.ENV_STORE_PORT: str(store_port),
             runtime.ENV_RUN_DIR: str(self.run_dir),
@@ -262,6 +285,14 @@ class Launcher:
             "CUDA_DEVICE_MAX_CONNECTIONS": env.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         })
         return env
+
+    def _start_ranks(self, store_port: int) -> dict[int, RankProcess]:
+        """This node's ranks: forked where they run on CPU, fresh interpreters where CUDA may be used
+        (:func:`ntp_megatron.training.runtime.rank_start_method`)."""
+        if runtime.rank_start_method(self.cfg.training.device) == "spawn":
+            self._say("CUDA may be used here: ranks start as fresh processes, not forks")
+            return {rank: self._spawn_rank(rank, store_port) for rank in self.local_ranks}
+        return self._fork_ranks(store_port)
 
     def _fork_ranks(self, store_port: int) -> dict[int, RankProcess]:
         """Fork every local rank from this process, which has imported torch and Megatron-Core already.
@@ -352,7 +383,7 @@ class Launcher:
             from ntp_megatron.training import data
 
             self._say(data.describe(self.cfg))
-        self.ranks = self._fork_ranks(self.store_port)
+        self.ranks = self._start_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
         try:
@@ -382,7 +413,7 @@ class Launcher:
                                              self._say, self._emit, dump_stacks=self._dump_stacks, **resume)
         if self.start is not None:
             self._say(f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
-        self._say(f"started ranks {self.local_ranks.start}..{self.local_ranks.stop - 1} of {self.world_size} "
+        self._say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
                   f"(store {self.args.store_host}:{self.store_port}, run dir {self.run_dir})")
         for r in self.ranks.values():
             self._watch(r)
@@ -452,7 +483,7 @@ class Launcher:
             if self.cfg.ntp.enabled:
                 self._rejoin(self.store, finished)
             running = [r for r in self.ranks.values() if r.poll() is None]
-            if not running:
+            if not running and not self.replacements:
                 self._say(f"all {len(finished)} ranks finished")
                 return 0
 
@@ -489,9 +520,9 @@ class Launcher:
 
     def _handle_deaths(self, deaths: list, store, finished: set[int]) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
-        if self.controller is not None:
+        if self.cfg.ntp.enabled:
             booting = [d for d in deaths if d.launch_rank in self.rejoin_attempts
-                       and self.controller.latest.rank_of(*self.controller.identity[d.launch_rank]) is None]
+                       and not self._admitted(store, d.launch_rank)]
             for d in booting:  # a replacement that died before it was admitted: the job never relied on it
                 if self.training_done:
                     continue  # stopped by us: the run completed before it was admitted
@@ -501,6 +532,7 @@ class Launcher:
             deaths = [d for d in deaths if d not in booting]
             if not deaths:
                 return None
+        if self.controller is not None:
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
             reason = self.controller.handle(deaths)
@@ -516,10 +548,12 @@ class Launcher:
                           if self.restarts >= self.cfg.checkpoint.max_restarts else "the job cannot restart")
             self._emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
         elif self.cfg.ntp.enabled:
-            # Node 0's launcher runs the controller: report the deaths to it through the store.
+            # Node 0's launcher runs the controller: report the deaths to it through the store. Replacements start
+            # here, on the dead slots' own devices; node 0 admits them.
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
                 _try_publish_death(store, d)
+                self._schedule_rejoin(d.launch_rank)
             return None
         else:
             # Without NTP the dead rank's peers stop right after it: report the failure, not its echoes.
@@ -583,8 +617,7 @@ class Launcher:
             self.replacements.clear()
             for rank in self.rejoin_attempts:
                 proc = self.ranks.get(rank)
-                live = self.controller is not None and self.controller.latest.rank_of(*self.controller.identity[rank])
-                if proc is not None and proc.poll() is None and live is None:
+                if proc is not None and proc.poll() is None and not self._admitted(store, rank):
                     _signal_group(proc.pid, signal.SIGTERM)
             return
         now = time.time()
@@ -602,13 +635,30 @@ class Launcher:
                             "attempt": self.rejoin_attempts[rank], "time": now})
                 self._say(f"starting a replacement for launch rank {rank} (pid {proc.pid}, attempt "
                           f"{self.rejoin_attempts[rank]} of {self.cfg.ntp.max_rejoin_attempts})")
-        if self.controller is None:
+        if self.controller is None or self.cfg.ntp.rejoin_after_s is None:
             return
-        ready = [lr for lr in self.rejoin_attempts if _try_check(store, elastic_keys.joining(lr))
-                 and self.controller.latest.rank_of(*self.controller.identity[lr]) is None]
+        # Any node's replacements: each announces itself in the store.
+        ready = [lr for lr in self.controller.identity if not self._admitted(store, lr)
+                 and _try_check(store, elastic_keys.joining(lr))]
         if ready and self.controller.admit(ready):
             for lr in ready:
                 store.delete_key(elastic_keys.joining(lr))
+
+    def _admitted(self, store, launch_rank: int) -> bool:
+        """Whether ``launch_rank``'s slot is live in the newest published generation: node 0's controller knows,
+        other nodes read it from the store (False if they cannot)."""
+        if self.controller is not None:
+            return self.controller.latest.rank_of(*self.controller.identity[launch_rank]) is not None
+        from ntp_megatron.layout import Topology
+
+        if not _try_check(store, elastic_keys.LATEST):  # a get would wait for it
+            return False
+        try:
+            latest = int(store.get(elastic_keys.LATEST).decode())
+            topology = Topology.from_json(json.loads(store.get(elastic_keys.topology(latest)).decode()))
+        except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+            return False
+        return topology.rank_of(*self.launch_slots[launch_rank]) is not None
 
     def _remote_deaths(self, store) -> list:
         """Deaths other nodes' launchers reported since the last poll (node 0)."""
@@ -678,7 +728,7 @@ class Launcher:
         c.close()
         fired = [spec for spec in self.failures if _try_check(self.store, elastic_keys.fired(str(spec)))]
         self.cfg, self.start, self.world_size = cfg, start, cfg.world_size
-        self.local_ranks = range(self.world_size)
+        self._place(cfg)  # one node: every surviving slot keeps its device
         self.config_path = self.run_dir / f"config.node0.restart{self.restarts}.json"
         self.config_path.write_text(cfg.model_dump_json(indent=2))
         self.store_port = _free_port(self.args.store_host)
@@ -740,6 +790,17 @@ def tp_per_replica(cfg: JobConfig) -> list[int]:
         widths = {replica.index: replica.width for replica in cfg.topology().replicas}
         return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
+
+
+def _spans(numbers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
 
 
 def _node_key(node: int) -> str:

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the scripts in this folder: make sure ROOT/.venv exists with this project installed.
 # First use creates it (≈2 min); later uses only check a stamp of pyproject.toml. Sets $PY.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,10 +19,13 @@ if [ ! -x "$PY" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   fi
   echo "ntp-megatron: installing into $VENV (first use only)..." >&2
   [ -x "$PY" ] || "$base" -m venv "$VENV"
-  # torch first, pinned: the CPU wheel of 2.13.0 is what this project is tested with; an unpinned torch
-  # pulled in by another package would be a multi-GB CUDA build.
-  "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
-    && "$PY" -m pip install --quiet --disable-pip-version-check -e "$ROOT[test]" \
-    || { echo "ntp-megatron: installation failed" >&2; exit 1; }
+  # torch first, pinned: the CPU wheel of 2.13.0 is what this project is tested with (the package itself allows
+  # torch>=2.6, so that installing it where torch already is, a GPU container, keeps that torch); an unpinned
+  # torch pulled in by another package would be a multi-GB CUDA build.
+  if ! "$PY" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" \
+      || ! "$PY" -m pip install --quiet --disable-pip-version-check -e "${ROOT}[test]"; then
+    echo "ntp-megatron: installation failed" >&2
+    exit 1
+  fi
   echo "$want" > "$STAMP"
 fi

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -97,14 +98,77 @@ def quiet_optional_dependency_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
 
 
+NVIDIA_GPUS_DIR = Path("/proc/driver/nvidia/gpus")
+"""One entry per GPU the NVIDIA kernel driver sees (a module constant so tests can point it elsewhere)."""
+HIDDEN_DEVICES = ("", "-1", "NoDevFiles")
+"""``CUDA_VISIBLE_DEVICES`` values that name no GPU (Slurm sets ``NoDevFiles`` on a job without GPUs)."""
+
+
+def expected_gpus() -> Optional[str]:
+    """Why this machine is meant to have usable GPUs (None if nothing says so): ``CUDA_VISIBLE_DEVICES`` names
+    some, or the NVIDIA driver sees some. ``training.device: auto`` then requires CUDA to work."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() not in HIDDEN_DEVICES:
+        return f"CUDA_VISIBLE_DEVICES={visible} names GPUs"
+    try:
+        count = len(list(NVIDIA_GPUS_DIR.iterdir()))
+    except OSError:
+        count = 0
+    if count:
+        return f"the NVIDIA driver sees {count} GPU(s) ({NVIDIA_GPUS_DIR})"
+    return None
+
+
+def _cuda_unusable(why: str) -> SystemExit:
+    return SystemExit(f"training.device: CUDA is unusable: {why} (torch {torch.__version__}, built for CUDA "
+                      f"{torch.version.cuda}); fix the CUDA setup, or set training.device: cpu to train on CPU")
+
+
 def select_device(requested: str) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
+    """The rank's device. ``auto`` is CUDA where CUDA works and CPU where there is no GPU at all; a GPU machine
+    whose CUDA is broken (the check raises, torch sees no device although the environment or the driver names
+    some, or the device fails to initialise) ends the rank with a message instead of training on CPU unnoticed."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    try:
+        available = torch.cuda.is_available()
+    except Exception as exc:  # noqa: BLE001 - any failure of the check itself means a broken CUDA
+        raise _cuda_unusable(f"torch.cuda.is_available() failed: {exc}") from exc
+    if not available:
+        if requested == "cuda":
             raise SystemExit("training.device is 'cuda' but CUDA is not available; use 'auto' or 'cpu'")
-        local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
+        reason = expected_gpus()
+        if reason is not None:
+            raise _cuda_unusable(f"{reason}, but torch.cuda.is_available() is False")
+        return torch.device("cpu")
+    local_rank = int(os.environ.get(ENV_LOCAL_RANK, "0"))
+    try:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"this rank's device is {local_rank} ({ENV_LOCAL_RANK}) but {count} device(s) are "
+                               f"visible")
         torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+        torch.cuda.init()
+    except Exception as exc:  # noqa: BLE001
+        raise _cuda_unusable(f"device {local_rank}: {exc}") from exc
+    return torch.device("cuda", local_rank)
+
+
+def rank_start_method(requested: str) -> str:
+    """How the launcher starts ranks: ``"fork"`` from itself (CPU: it has imported torch and Megatron-Core once,
+    and the ranks skip those seconds), or ``"spawn"`` fresh interpreters wherever CUDA may be used. A fork after
+    these imports is safe only while nothing touched CUDA, and an import (Transformer Engine's, for one) can touch
+    it in ways ``torch.cuda.is_initialized()`` does not see. A CUDA check that fails also spawns: each rank then
+    reports the broken CUDA (:func:`select_device`)."""
+    if requested == "cpu":
+        return "fork"
+    if requested == "cuda":
+        return "spawn"
+    try:
+        gpu = torch.cuda.is_available() or expected_gpus() is not None
+    except Exception:  # noqa: BLE001
+        gpu = True
+    return "spawn" if gpu else "fork"
 
 
 def select_backend(requested: str, device: torch.device) -> str:
