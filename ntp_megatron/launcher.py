@@ -756,8 +756,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config_path.write_text(cfg.model_dump_json(indent=2))
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
+        eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
-                                              cfg.ntp.enabled) for f in specs]
+                                              cfg.ntp.enabled, eval_interval) for f in specs]
         launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
