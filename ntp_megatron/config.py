@@ -198,9 +198,11 @@ class CheckpointSection(_Section):
 class LoggingSection(_Section):
     log_interval: int = Field(1, ge=1)
     tensorboard_dir: Optional[str] = None
-    """Default: ``<run_dir>/tensorboard``; set to the empty string to switch TensorBoard off."""
+    """Default: ``<run_dir>/tensorboard/<start time>`` (one subdirectory per run); the empty string: off."""
     run_dir: str = "runs/latest"
     metrics_file: Optional[str] = None
+    """JSON lines, one per iteration and event, appended to. Default: ``<run_dir>/metrics.jsonl``; the empty
+    string: none."""
     state_checksums: bool = False
     """Verification aid: after every iteration each replica reports checksums of its full parameters and
     optimizer state (a ``state_checksums`` record in the metrics file). Costs a gather per tensor."""
@@ -254,9 +256,11 @@ class JobConfig(_Section):
                     )
         decay_iters = t.lr_decay_iters or t.train_iters
         if t.lr_warmup_iters >= decay_iters:
+            source = "training.lr_decay_iters" if t.lr_decay_iters else "training.train_iters (lr_decay_iters unset)"
             raise ValueError(
-                f"training.lr_warmup_iters ({t.lr_warmup_iters}) must be below training.lr_decay_iters "
-                f"(or training.train_iters when unset: {decay_iters})"
+                f"training.lr_warmup_iters ({t.lr_warmup_iters}) must be below the decay length, {source} = "
+                f"{decay_iters}: shorten the warmup (--lr-warmup-iters {max(decay_iters - 1, 0)}) or lengthen the "
+                f"run (--train-iters / --lr-decay-iters above {t.lr_warmup_iters})"
             )
         if t.evaluates and not self.data.mock and split_fractions(self.data.split)[1] == 0:
             raise ValueError(f"data.split '{self.data.split}' has no validation share, but training.eval_iters "

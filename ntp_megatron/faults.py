@@ -125,12 +125,14 @@ def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
 
 
 def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters: Optional[int] = None,
-                       checkpoints: bool = False, ntp: bool = True,
+                       checkpoints: bool = False, ntp: bool = True, resumes_after: int = 0,
                        eval_interval: Optional[int] = None) -> FailureSpec:
     """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed.
 
     ``world_size``: launch ranks are 0..world_size-1. ``train_iters``: an iteration past the run never fires,
-    so it is refused. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it).
+    so it is refused; so is one at or before ``resumes_after``, the iteration of the checkpoint the run resumes
+    from. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it). ``eval_interval``:
+    the run's evaluation interval, None if it does not evaluate (phase ``eval`` needs one).
     """
     action, sep, rest = text.partition(":")
     if not sep or action not in (*ACTIONS, "random"):
@@ -184,6 +186,9 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     if train_iters is not None and spec.iteration > train_iters:
         raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is past training.train_iters "
                           f"({train_iters}); it would never fire")
+    if spec.iteration <= resumes_after:
+        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is not after iteration {resumes_after}, "
+                          "where the run resumes from its checkpoint; it would never fire")
     _check_rank(text, spec.rank, world_size)
     if spec.action == "exit" and not 1 <= spec.code <= 255:
         raise ConfigError(f"--inject-failure {text!r}: code must be in 1..255")

@@ -31,7 +31,8 @@ from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
 from ntp_megatron.elastic import keys as elastic_keys
-from ntp_megatron import faults, metrics
+from ntp_megatron import faults, megatron_flags, metrics, preflight
+from ntp_megatron.preflight import pin_checkpoint_load
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.training import runtime
 
@@ -293,16 +294,17 @@ class Launcher:
             # Megatron's dataset index caches are written here, once, before any rank or process group exists;
             # forked ranks inherit the dataset, other nodes' ranks read the caches after node 0's store is up.
             pretrain.prebuild_dataset(self.run_dir, self.cfg)
+            from ntp_megatron.training import data
+
+            self._say(data.describe(self.cfg))
         self.ranks = self._fork_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
         store = self._start_store(self.store_port)
         self.store = store
         if self.args.node_rank == 0:
-            lg = self.cfg.logging
-            metrics_file = Path(lg.metrics_file) if lg.metrics_file else None
-            tb_dir = None if lg.tensorboard_dir == "" else Path(lg.tensorboard_dir or self.run_dir / "tensorboard")
-            self.sink = metrics.MetricsSink(metrics_file, tb_dir)
+            self.metrics_file, self.tensorboard_dir = run_outputs(self.cfg, self.run_dir)
+            self.sink = metrics.MetricsSink(self.metrics_file, self.tensorboard_dir)
             self.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
             if self.cfg.ntp.enabled:
                 from ntp_megatron.elastic.controller import Controller
@@ -613,6 +615,11 @@ class Launcher:
         self.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
         for line in run_report.summary_lines(summary):
             self._say(line)
+        saves = [r for r in self.sink.records if r.get("event") == "checkpoint_saved"]
+        if saves:
+            self._say(f"checkpoints: {Path(self.cfg.checkpoint.save).resolve()} (latest: iteration "
+                      f"{saves[-1]['iteration']})")
+        self._say(f"metrics: {self.metrics_file or 'off'} | tensorboard: {self.tensorboard_dir or 'off'}")
         try:
             path = run_report.plot(self.sink.records, self.run_dir / "run.png")
             self._say(f"run plot: {path}")
@@ -620,21 +627,17 @@ class Launcher:
             self._say(f"could not draw the run plot: {exc}")
 
 
-def pin_checkpoint_load(cfg: JobConfig):
-    """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
-    ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
-    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint."""
-    if not cfg.checkpoint.load:
-        return None
-    runtime.quiet_optional_dependency_warnings()
-    from ntp_megatron.training import checkpoint
-
-    try:
-        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))
-    except SystemExit as exc:
-        raise ConfigError(str(exc)) from None
-    cfg.checkpoint.load = str(progress.path.resolve())
-    return progress
+def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
+    """The metrics file (default ``<run_dir>/metrics.jsonl``, appended to) and this run's TensorBoard directory
+    (default ``<run_dir>/tensorboard/<start time>``: each run its own series, so two runs in one run dir do not
+    merge into one whose steps restart); the empty string switches either off."""
+    lg = cfg.logging
+    metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
+    tb_dir = None
+    if lg.tensorboard_dir != "":
+        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
+            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
+    return metrics_file, tb_dir
 
 
 def tp_per_replica(cfg: JobConfig) -> list[int]:
@@ -668,49 +671,13 @@ def _try_check(store, key: str) -> bool:
 
 # -- command line ------------------------------------------------------------------------------------
 
-def _field_index() -> dict[str, str]:
-    """Megatron-style ``--flag-name`` → ``section.field_name``, for every field name unique to one section."""
-    owners: dict[str, list[str]] = {}
-    for section, info in JobConfig.model_fields.items():
-        for name in info.annotation.model_fields:
-            owners.setdefault(name, []).append(section)
-    return {name: f"{secs[0]}.{name}" for name, secs in owners.items() if len(secs) == 1}
-
-
-def translate_extra_args(extra: Sequence[str]) -> list[str]:
-    """Turn Megatron-style flags (``--train-iters 20``, ``--data-path PREFIX``) into ``--set`` overrides."""
-    index = _field_index()
-    overrides: list[str] = []
-    i = 0
-    while i < len(extra):
-        flag = extra[i]
-        if not flag.startswith("--"):
-            raise ConfigError(f"unexpected argument {flag!r}; flags look like --train-iters 20")
-        name, _, inline = flag[2:].partition("=")
-        values = [inline] if inline else []
-        i += 1
-        while not inline and i < len(extra) and not extra[i].startswith("--"):
-            values.append(extra[i])
-            i += 1
-        key = name.replace("-", "_")
-        if key == "data_path":
-            if not values:
-                raise ConfigError("--data-path needs at least one preprocessed prefix")
-            overrides += ["data.mock=false", "data.data_path=" + json.dumps(values)]
-            continue
-        if key not in index:
-            raise ConfigError(f"unknown argument --{name}; use --set section.key=value for config keys")
-        if len(values) > 1:
-            raise ConfigError(f"--{name} takes one value, got {len(values)}")
-        overrides.append(f"{index[key]}={values[0] if values else 'true'}")
-    return overrides
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ntp-launch",
-        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Unknown --flags are "
-                    "Megatron-style config keys: --train-iters 20 is --set training.train_iters=20.",
+        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Other --flags are "
+                    "Megatron-style: --train-iters 20 is --set training.train_iters=20 (list below). Paths are "
+                    "relative to the current directory.",
+        epilog=megatron_flags.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, default=None, help="YAML job config (default: configs/tiny_cpu.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -721,15 +688,18 @@ def build_parser() -> argparse.ArgumentParser:
                         + ", ".join(faults.PHASES) + "), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M]"
                         "[,action=kill|hang]; R is a launch rank; repeatable; replaces faults.inject of the config")
     p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes in the job: run one ntp-launch per node, all with the same config, --nnodes, "
+                        "--store-host and --store-port (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index, 0..NNODES-1; node 0 hosts the store, the metrics and the controller")
     p.add_argument("--store-host", default="127.0.0.1", help="host of node 0, which hosts the store")
     p.add_argument("--store-port", type=int, default=0, help="0: any free port (single node only)")
     return p
 
 
 def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
-    overrides = list(args.overrides) + translate_extra_args(extra)
+    overrides = list(args.overrides) + megatron_flags.translate(extra)
     if args.metrics_file is not None:
         overrides.append(f"logging.metrics_file={json.dumps(str(args.metrics_file))}")
     if args.run_dir is not None:
@@ -749,16 +719,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
             raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
                               "use drop_replica or stop")
-        start = pin_checkpoint_load(cfg)
-        run_dir = Path(cfg.logging.run_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path = run_dir / f"config.node{args.node_rank}.json"
-        config_path.write_text(cfg.model_dump_json(indent=2))
+        preflight.check_data(cfg)
+        preflight.check_device(cfg)
+        start, note = preflight.resume_point(cfg)
+        if note:
+            print(f"ntp-launch: {note}", file=sys.stderr)
+        done = preflight.nothing_to_do(cfg, start)
+        if done:
+            print(f"ntp-launch: {done}", file=sys.stderr)
+            return 0
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
         eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
-                                              cfg.ntp.enabled, eval_interval) for f in specs]
+                                              cfg.ntp.enabled, start.iteration if start else 0, eval_interval)
+                    for f in specs]
+        run_dir = Path(cfg.logging.run_dir).resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / f"config.node{args.node_rank}.json"
+        config_path.write_text(cfg.model_dump_json(indent=2))
         launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)

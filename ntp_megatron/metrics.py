@@ -34,8 +34,9 @@ def parse(line: str) -> Optional[dict[str, Any]]:
     return json.loads(line[len(METRIC_TAG):])
 
 
-def iteration_line(record: dict[str, Any]) -> str:
-    """Megatron's iteration line, plus the NTP state (TP degree of every replica)."""
+def iteration_line(record: dict[str, Any], eta_s: Optional[float] = None) -> str:
+    """Megatron's iteration line, plus the NTP state (TP degree of every replica) and, given ``eta_s``, the
+    estimated time to the end of the run."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{stamp}] iteration {record['iteration']:>8d}/{record['train_iters']:>8d} |"
@@ -49,6 +50,7 @@ def iteration_line(record: dict[str, Any]) -> str:
         f" number of skipped iterations: {record.get('skipped', 0):>3d} |"
         f" tp per replica: {record['tp_per_replica']} |"
         + (f" generation: {record['generation']} |" if record.get("generation") else "")
+        + (f" ETA: {_duration(eta_s)} |" if eta_s is not None else "")
     )
 
 
@@ -58,6 +60,12 @@ def evaluation_line(record: dict[str, Any]) -> str:
     where = "the end of training" if record["final"] else f"iteration {record['iteration']}"
     return (f" {record['split']} loss at {where} | lm loss value: {record['lm_loss']:.6E} |"
             f" lm loss PPL: {record['ppl']:.6E} | ")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

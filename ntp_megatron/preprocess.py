@@ -7,7 +7,7 @@ uses the corpus shipped in the package.
 
     ntp-preprocess --output-prefix runs/data/corpus                # → runs/data/corpus_text_document.*
     ntp-preprocess --input my.txt --output-prefix out/my           # documents separated by 2 blank lines
-    ntp-preprocess --input my.jsonl --json-key text --output-prefix out/my
+    ntp-preprocess --input my.jsonl --output-prefix out/my         # JSON lines: key "text" (--json-key K)
 """
 
 from __future__ import annotations
@@ -20,10 +20,27 @@ from typing import Iterator, Optional, Sequence
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 DOC_SEPARATOR = "\n\n\n"
+DEFAULT_JSON_KEY = "text"
+"""Megatron's ``tools/preprocess_data.py`` reads this key of each JSON line unless told otherwise."""
+
+
+def looks_like_json_lines(path: Path) -> bool:
+    """True when the first non-blank line of ``path`` is a JSON object (a ``.jsonl`` file, whatever its name)."""
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line), dict)
+                except json.JSONDecodeError:
+                    return False
+    return False
 
 
 def read_documents(path: Path, json_key: Optional[str]) -> Iterator[str]:
-    """Documents of a text file (separated by two blank lines) or of a JSON-lines file (``json_key``)."""
+    """Documents of a text file (separated by two blank lines) or of a JSON-lines file (``json_key``; detected
+    and read with the key ``text`` when ``json_key`` is None, as Megatron's preprocessor does)."""
+    if json_key is None and looks_like_json_lines(path):
+        json_key = DEFAULT_JSON_KEY
     if json_key is not None:
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -31,7 +48,8 @@ def read_documents(path: Path, json_key: Optional[str]) -> Iterator[str]:
                     try:
                         yield json.loads(line)[json_key]
                     except (json.JSONDecodeError, KeyError, TypeError):
-                        raise SystemExit(f"{path}:{n}: not a JSON object with key {json_key!r}") from None
+                        raise SystemExit(f"ntp-preprocess: {path}:{n}: not a JSON object with key {json_key!r} "
+                                         "(--json-key names the key of the document text)") from None
         return
     for doc in path.read_text(encoding="utf-8").split(DOC_SEPARATOR):
         if doc.strip():
@@ -72,7 +90,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="ntp-preprocess", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", type=Path, action="append", default=None,
                    help=f"text or JSON-lines file; repeatable (default: the shipped corpus {SHIPPED_CORPUS.name})")
-    p.add_argument("--json-key", default=None, help="read JSON lines and take this key as the document text")
+    p.add_argument("--json-key", default=None,
+                   help=f"key of the document text in JSON lines (default: {DEFAULT_JSON_KEY!r}; a file whose first "
+                        "line is a JSON object is read as JSON lines even without this flag)")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_text_document.{bin,idx}")
     p.add_argument("--vocab-size", type=int, default=256, help="byte-level vocabulary size (≥ 256)")
     args = p.parse_args(argv)

@@ -4,6 +4,5 @@
 # Also: NTP's failure recovery against restart-from-checkpoint, and the checkpoint stall (sync vs async save).
 # Prints a table of ratios and writes JSON (its degraded_step_time_ratio section is goodput-simulator calibration).
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"  # paths stay relative to the caller's directory
 exec "$PY" -m ntp_megatron.bench "$@"

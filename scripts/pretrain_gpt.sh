@@ -6,8 +6,7 @@
 # re-forms at TP1 and trains on; a replacement process starts 2 s later, is admitted at an iteration boundary,
 # and the replica is back at TP2 for the rest of the run.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
-cd "$ROOT"
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"  # paths stay relative to the caller's directory
 if [ $# -eq 0 ]; then
   set -- --train-iters 120 --inject-failure "kill:rank=3,iter=15,phase=backward" --set ntp.rejoin_after_s=2
 fi

@@ -47,12 +47,13 @@ class _Zygote:
     _proc: Optional[subprocess.Popen] = None
 
     @classmethod
-    def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float, module: Optional[str] = None) -> int:
+    def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float, module: Optional[str] = None,
+            cwd: Path = REPO) -> int:
         if cls._proc is None or cls._proc.poll() is not None:
             cls._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, text=True, bufsize=1)
         proc = cls._proc
-        request = {"args": args, "cwd": str(REPO), "stdout": str(stdout), "stderr": str(stderr)}
+        request = {"args": args, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
         if module is not None:
             request["module"] = module
         proc.stdin.write(json.dumps(request) + "\n")
@@ -85,14 +86,16 @@ def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOU
     return JobResult(returncode, out, err, records, run_dir)
 
 
-def run_module(module: str, args: Sequence[str], out_dir: Path, timeout: float = JOB_TIMEOUT_S) -> tuple[int, str]:
-    """``python -m module args`` (forked from the zygote: no imports to pay); returns (exit code, stderr)."""
+def run_module(module: str, args: Sequence[str], out_dir: Path, timeout: float = JOB_TIMEOUT_S,
+               cwd: Path = REPO) -> tuple[int, str]:
+    """``python -m module args`` in ``cwd`` (forked from the zygote: no imports to pay); returns (exit code,
+    stderr)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stdout, stderr = out_dir / f"{module}.stdout", out_dir / f"{module}.stderr"
     if os.environ.get("NTP_TEST_ZYGOTE", "1") == "1":
-        returncode = _Zygote.run(list(args), stdout, stderr, timeout, module=module)
+        returncode = _Zygote.run(list(args), stdout, stderr, timeout, module=module, cwd=cwd)
         return returncode, stderr.read_text(errors="replace")
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
     return proc.returncode, proc.stderr
 

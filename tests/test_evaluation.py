@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ntp_megatron import faults, launcher, metrics, run_report
+from ntp_megatron import faults, launcher, megatron_flags, metrics, run_report
 from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, replica_sample_range
@@ -64,7 +64,7 @@ def reference(jobs):
 # -- config, data order, spec: pure -----------------------------------------------------------------------------
 
 def test_megatron_flags_set_the_eval_keys():
-    overrides = launcher.translate_extra_args(EVAL)
+    overrides = megatron_flags.translate(EVAL)
     assert overrides == ["training.eval_interval=2", "training.eval_iters=2"]
     t = load_job_config(overrides=overrides).training
     assert (t.eval_interval, t.eval_iters, t.evaluates) == (2, 2, True)
@@ -157,7 +157,8 @@ def test_evaluation_equals_tp1_under_ntp_with_a_dead_slot(jobs, reference):
     assert "validation loss at the end of training: lm loss" in result.stderr  # the end-of-run summary
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tb = EventAccumulator(str(result.run_dir / "tensorboard"))
+    [run_tb] = (result.run_dir / "tensorboard").iterdir()  # one subdirectory per run
+    tb = EventAccumulator(str(run_tb))
     tb.Reload()
     assert [e.step for e in tb.Scalars("lm loss validation")] == [2, 4, 4]
     assert [e.step for e in tb.Scalars("lm loss validation ppl")] == [2, 4, 4]

@@ -260,7 +260,7 @@ def save_checkpoint(
         if dist.get_rank() == 0:
             _write_latest(root, iteration)
         dist.barrier()
-        logger.info("saved checkpoint at iteration %d to %s", iteration, path)
+        logger.debug("saved checkpoint at iteration %d to %s", iteration, path)
         if on_finalized is not None:
             on_finalized(path)
 

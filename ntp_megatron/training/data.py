@@ -36,7 +36,7 @@ def build_tokenizer(data: DataSection, vocab_size: int):
     return MegatronTokenizer.from_pretrained(metadata_path={"library": data.tokenizer}, vocab_size=vocab_size)
 
 
-def _blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's ``--data-path`` convention: ``[prefix, ...]`` or ``[w1, prefix1, w2, prefix2, ...]``."""
     try:
         float(data_path[0])
@@ -50,7 +50,26 @@ def _blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
 def check_indexed_prefix(prefix: str) -> None:
     for suffix in (".bin", ".idx"):
         if not Path(prefix + suffix).is_file():
-            raise SystemExit(f"data.data_path: {prefix}{suffix} not found; build it with ntp-preprocess")
+            raise SystemExit(f"data.data_path: {prefix}{suffix} not found (relative paths are relative to "
+                             f"{Path.cwd()}); build it with ntp-preprocess --output-prefix")
+
+
+def describe(cfg: JobConfig) -> str:
+    """One line on the data in use, for the start of a run: mock or indexed, paths, documents, tokens."""
+    t, m = cfg.training, cfg.model
+    needed = f"{t.train_iters * t.global_batch_size} training samples of {m.seq_length} tokens"
+    if cfg.data.mock:
+        return f"data: mock (Megatron-Core MockGPTDataset, vocabulary {m.vocab_size}), {needed}"
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes, weights = parse_blend(cfg.data.data_path)
+    parts = []
+    for i, prefix in enumerate(prefixes):
+        ds = IndexedDataset(prefix)
+        weight = f"weight {weights[i]:g}, " if weights else ""
+        parts.append(f"{prefix} ({weight}{len(ds)} documents, {int(ds.sequence_lengths.sum())} tokens)")
+    return (f"data: indexed (Megatron-Core GPTDataset), {'; '.join(parts)}, split {cfg.data.split}, "
+            f"{cfg.data.tokenizer} tokenizer, {needed}")
 
 
 @dataclass
@@ -84,7 +103,7 @@ def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
     t, d = cfg.training, cfg.data
     blend = None
     if not d.mock:
-        blend = _blend(d.data_path)
+        blend = parse_blend(d.data_path)
         for prefix in blend[0]:
             check_indexed_prefix(prefix)
     ds_config = GPTDatasetConfig(

@@ -118,6 +118,7 @@ class Trainer:
     ``checkpoint.async_save``, the last one whose save was started (its writer may still be writing)."""
     async_saves: Any = None
     """With ``checkpoint.async_save``: Megatron-Core's ``AsyncCallsQueue`` of saves not yet finalized."""
+    _recent_ms: list = field(default_factory=list, repr=False)
     pending_saves: list = field(default_factory=list, repr=False)
     """Iterations of the async saves started and not yet finalized, oldest first."""
     evaluated: set = field(default_factory=set, repr=False)
@@ -278,6 +279,12 @@ class Trainer:
             print("-" * len(line), line, "-" * len(line), sep="\n", flush=True)
 
     # -- reporting --------------------------------------------------------------------------------------------
+    def _eta(self, record: dict[str, Any]) -> float:
+        """Seconds until the run's last iteration at the mean pace of the last (up to) 20 iterations."""
+        self._recent_ms.append(record["elapsed_ms"])
+        del self._recent_ms[:-20]
+        return (record["train_iters"] - record["iteration"]) * sum(self._recent_ms) / len(self._recent_ms) / 1e3
+
     def report(self, record: dict[str, Any]) -> None:
         held = self.elastic.release_held() if self.generation is not None else 0
         if record["generation"] != self._resources_reported:
@@ -300,8 +307,9 @@ class Trainer:
             return
         if self.generation is not None:
             self.elastic.ctl.set(keys.CONSUMED, str(self.consumed_samples))  # what a replacement starts from
+        eta_s = self._eta(record)
         if record["iteration"] % self.cfg.logging.log_interval == 0 or record["iteration"] == record["train_iters"]:
-            print(metrics.iteration_line(record), flush=True)
+            print(metrics.iteration_line(record, eta_s=eta_s), flush=True)
 
     def full_state(self) -> dict[str, torch.Tensor]:
         from ntp_megatron.training.inspect_state import full_state
@@ -365,6 +373,9 @@ class Trainer:
             if self.generation is not None:  # for peers that did not see the save complete (_save_until_written)
                 self.elastic.ctl.set(keys.saved(iteration), "1")
             if self.is_reporting_rank:
+                how = "in the background, " if queue is not None else ""
+                print(f" successfully saved checkpoint from iteration {iteration:>8d} to {path} "
+                      f"({how}{time.time() - started:.2f} s)", flush=True)
                 metrics.emit({"kind": "event", "event": "checkpoint_saved", "iteration": iteration,
                               "path": str(path), "generation": self.setup.generation,
                               "tp_per_replica": self.setup.tp_per_replica, "async": queue is not None,

@@ -73,10 +73,14 @@ class RankEnv:
 
 
 def quiet_optional_dependency_warnings() -> None:
-    """Megatron-Core warns once per module that TE/Apex are missing; on CPU that is expected, not news."""
+    """Warnings a user cannot act on: Megatron-Core warns once per module that TE/Apex are missing (on CPU that
+    is expected, not news), and every rank's checkpoint load prints torch's deprecation notices for the APIs
+    Megatron-Core 0.16's ``dist_checkpointing`` calls (``load_state_dict``, ShardedTensor)."""
     for pattern in (r".*Transformer Engine and Apex are not installed.*", r".*Apex is not installed.*",
                     r".*Transformer Engine is not installed.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    for pattern in (r"`load_state_dict` is deprecated", r"Please use DTensor instead and we are deprecating ShardedTensor"):
+        warnings.filterwarnings("ignore", message=pattern, category=FutureWarning)
 
 
 def select_device(requested: str) -> torch.device:

@@ -1,0 +1,99 @@
+"""What the launcher checks before any rank starts, so a mistake costs one line and exit code 2, not a rank
+start, eight copies of a traceback and exit code 1: data prefixes that do not exist, a CUDA config on a machine
+without CUDA, a checkpoint directory that does not exist, a resume with nothing left to train.
+
+Paths mean what they mean in the user's shell: relative ones are relative to the current directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ntp_megatron.config import JobConfig
+from ntp_megatron.config_io import ConfigError
+
+
+def check_data(cfg: JobConfig) -> None:
+    """Every prefix of ``data.data_path`` names an indexed dataset (``PREFIX.bin`` and ``PREFIX.idx``)."""
+    if cfg.data.mock:
+        return
+    from ntp_megatron.training import data
+
+    try:
+        prefixes, _ = data.parse_blend(cfg.data.data_path)
+        for prefix in prefixes:
+            data.check_indexed_prefix(prefix)
+    except SystemExit as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_device(cfg: JobConfig) -> None:
+    """A config that asks for CUDA (``training.device: cuda`` or ``parallel.backend: nccl``) on a machine
+    where torch sees no CUDA device. ``auto`` is left to the ranks (CPU and gloo where there is no GPU)."""
+    wants = [f"{key} is {value!r}" for key, value in (("training.device", cfg.training.device),
+                                                       ("parallel.backend", cfg.parallel.backend))
+             if value in ("cuda", "nccl")]
+    if not wants:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{' and '.join(wants)}, but torch sees no CUDA device on this machine "
+                          f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use training.device: auto "
+                          "or cpu and parallel.backend: auto or gloo")
+
+
+def resume_point(cfg: JobConfig):
+    """Where the run starts: None (iteration 0) or the checkpoint ``checkpoint.load`` names, as
+    :class:`ntp_megatron.training.checkpoint.Progress`, with ``checkpoint.load`` pinned to its ``iter_*``
+    directory. Returns ``(progress, note)``; ``note`` is a line for the user or None.
+
+    Megatron's habit of giving ``--save`` and ``--load`` the same directory works from the first run: with no
+    checkpoint there yet the run starts fresh and says so, and the next run resumes from what it saved. A
+    ``load`` directory that is not the save directory must exist and hold a checkpoint."""
+    from ntp_megatron.training import runtime
+
+    runtime.quiet_optional_dependency_warnings()
+    from ntp_megatron.training.checkpoint import resolve_load_dir
+
+    ck = cfg.checkpoint
+    if not ck.load:
+        return None, None
+    load = Path(ck.load)
+    same = ck.save is not None and Path(ck.save).resolve() == load.resolve()
+    if same and (not load.is_dir() or resolve_load_dir(load) is None):
+        cfg.checkpoint.load = None
+        return None, (f"no checkpoint in {load} yet: starting from iteration 0; checkpoints are saved there and "
+                      "the next run with the same --load resumes from the latest")
+    if not load.exists():
+        raise ConfigError(f"checkpoint.load: no such directory: {load.resolve()}")
+    return pin_checkpoint_load(cfg), None
+
+
+def pin_checkpoint_load(cfg: JobConfig):
+    """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
+    ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
+    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint."""
+    if not cfg.checkpoint.load:
+        return None
+    from ntp_megatron.training import runtime
+
+    runtime.quiet_optional_dependency_warnings()
+    from ntp_megatron.training import checkpoint
+
+    try:
+        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))
+    except SystemExit as exc:
+        raise ConfigError(str(exc)) from None
+    cfg.checkpoint.load = str(progress.path.resolve())
+    return progress
+
+
+def nothing_to_do(cfg: JobConfig, start) -> Optional[str]:
+    """The line to print when the checkpoint the run resumes from has done every iteration already."""
+    if start is None or start.iteration < cfg.training.train_iters:
+        return None
+    relation = "=" if start.iteration == cfg.training.train_iters else ">"
+    return (f"nothing to do: checkpoint {Path(start.path).resolve()} is at iteration {start.iteration} {relation} "
+            f"training.train_iters ({cfg.training.train_iters}); raise --train-iters to train further")
