@@ -83,6 +83,25 @@ def test_evaluation_without_validation_data_is_one_line_exit_2(capsys):
     assert load_job_config(overrides=["training.eval_interval=5"]).training.evaluates
 
 
+def test_a_split_without_validation_documents_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """99,1,0 of 10 documents leaves none for validation (Megatron's builder would never finish building it)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "corpus")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for doc in range(10):
+        builder.add_document(numpy.arange(100) + doc, [100])
+    builder.finalize(prefix + ".idx")
+    args = ["--run-dir", str(tmp_path / "run"), "--data-path", prefix, "--eval-interval", "5", "--eval-iters", "1"]
+    assert launcher.main([*args, "--split", "99,1,0"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("ntp-launch: data.split '99,1,0' leaves no validation document of the 10 in"), line
+    assert launcher.main([*args, "--split", "80,15,4"]) == 2  # test: documents 9.6 to 10 of 10
+    assert "leaves no test document" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before the run started
+
+
 def test_evaluation_samples_depend_on_window_and_shares_only():
     g, dp, eval_iters = 12, 3, 2
     full = [list(range(b * g, (b + 1) * g)) for b in range(2 * eval_iters, 3 * eval_iters)]  # window 2

@@ -119,19 +119,23 @@ def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
     )
     dataset_cls = MockGPTDataset if d.mock else GPTDataset
     validation, test = evaluation_sizes(cfg)
-    if blend is not None and validation:
-        _check_split_documents(blend[0], ds_config.split_matrix, cfg)
+    check_evaluation_split(cfg)
     train_ds, validation_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_cls, [t.train_iters * t.global_batch_size, validation, test], lambda: True, ds_config).build()
     return Datasets(train_ds, validation_ds if validation else None, test_ds if test else None)
 
 
-def _check_split_documents(prefixes: list[str], split_matrix, cfg: JobConfig) -> None:
-    """Refuse a validation or test share that holds no document of some prefix (Megatron's builder would loop
-    forever on it), before anything is built."""
+def check_evaluation_split(cfg: JobConfig) -> None:
+    """With evaluation on indexed data: refuse a validation or test share of ``data.split`` that holds no
+    document of some prefix (Megatron's builder would loop forever on it), before anything is built."""
+    if cfg.data.mock or not cfg.training.evaluates:
+        return
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    for prefix in prefixes:
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
+    for prefix in parse_blend(cfg.data.data_path)[0]:
         documents = IndexedDataset(prefix, mmap=True).sequence_lengths.shape[0]
         for name, bounds in (("validation", split_matrix[1]), ("test", split_matrix[2])):
             if bounds is not None and round(bounds[1] * documents) == round(bounds[0] * documents):
