@@ -31,6 +31,7 @@ from typing import IO, Optional, Sequence
 
 from ntp_megatron.config import JobConfig, load_job_config
 from ntp_megatron.elastic import keys as elastic_keys
+from ntp_megatron.elastic.watchdog import wait_for_port
 from ntp_megatron import faults, megatron_flags, metrics, preflight
 from ntp_megatron.preflight import pin_checkpoint_load
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
@@ -44,6 +45,14 @@ STOP_GRACE_S = 5.0
 POLL_S = 0.02
 DEBOUNCE_S = 0.05
 """Deaths within this long of each other are handled as one failure (one new generation)."""
+NODE_WAIT_FRACTION = 0.8
+"""Node 0 waits this fraction of ``parallel.timeout_s`` for the other nodes, so that its message comes before
+its ranks' rendezvous times out."""
+NODE_WAIT_QUIET_S = 1.0
+"""Nodes that connect within this long after node 0 started are not worth a "waiting for" line."""
+SETTLE_S = 2.0
+"""NTP off, several nodes: how long a launcher waits for the other nodes' reports of a failure before it names
+the failed rank from what it has (the first death that is not an echo of another)."""
 
 
 def describe_exit(returncode: int) -> str:
@@ -52,7 +61,14 @@ def describe_exit(returncode: int) -> str:
             return f"was killed by signal {signal.Signals(-returncode).name}"
         except ValueError:
             return f"was killed by signal {-returncode}"
+    if returncode == runtime.EXIT_PEER_FAILED:
+        return f"stopped after another rank's failure broke its collectives (exit code {returncode})"
     return f"exited with code {returncode}"
+
+
+def is_echo(death) -> bool:
+    """A death caused by another rank's (:data:`runtime.EXIT_PEER_FAILED`), not a failure of its own."""
+    return death.cause == describe_exit(runtime.EXIT_PEER_FAILED)
 
 
 class RankProcess:
@@ -189,6 +205,45 @@ class Launcher:
         is_server = a.node_rank == 0
         return dist.TCPStore(a.store_host, port, None, is_server, timeout=timeout, wait_for_workers=False)
 
+    def _join_store(self):
+        """Host the store (node 0) or connect to node 0's, saying so while it waits; then announce this node."""
+        a = self.args
+        if a.node_rank > 0:
+            try:
+                wait_for_port(a.store_host, self.store_port, 0.0)
+            except TimeoutError:
+                self._say(f"waiting for node 0 of {a.nnodes} at {a.store_host}:{self.store_port}")
+                wait_for_port(a.store_host, self.store_port, self.cfg.parallel.timeout_s)
+        store = self._start_store(self.store_port)
+        store.set(_node_key(a.node_rank), str(os.getpid()))
+        return store
+
+    def _wait_for_nodes(self) -> bool:
+        """Node 0: wait until every other node's launcher has connected, saying which ones it waits for; at
+        ``NODE_WAIT_FRACTION`` of the timeout (before the ranks' own rendezvous gives up) one line and False."""
+        a = self.args
+        if a.node_rank != 0 or a.nnodes == 1:
+            return True
+        limit = NODE_WAIT_FRACTION * self.cfg.parallel.timeout_s
+        waiting_for: set[int] = set()
+        while True:
+            missing = [i for i in range(1, a.nnodes) if not _try_check(self.store, _node_key(i))]
+            if not missing:
+                return True
+            waited = time.time() - self.started
+            if waited > limit:
+                self._say(f"node {missing[0]} of {a.nnodes} did not join within {limit:.0f} s: start ntp-launch "
+                          f"with the same config and --nnodes {a.nnodes} --node-rank {missing[0]} --store-host "
+                          f"<this host> --store-port {self.store_port} there")
+                _try_set(self.store, ABORT_KEY, f"node {missing[0]} did not join")
+                self._stop_all()
+                return False
+            for i in missing:
+                if i not in waiting_for and waited > NODE_WAIT_QUIET_S:
+                    self._say(f"waiting for node {i} of {a.nnodes} at {a.store_host}:{self.store_port}")
+                    waiting_for.add(i)
+            time.sleep(POLL_S * 5)
+
     def _rank_env(self, rank: int, store_port: int) -> dict[str, str]:
         env = dict(os.environ)
         env.update({
@@ -300,7 +355,17 @@ class Launcher:
         self.ranks = self._fork_ranks(self.store_port)
         self._record_pids()
         self.started = time.time()
-        store = self._start_store(self.store_port)
+        try:
+            store = self._join_store()
+        except Exception as exc:  # noqa: BLE001 - a C++ error from the store client: one line instead
+            a = self.args
+            self._say(f"could not reach node 0's store at {a.store_host}:{self.store_port} within "
+                      f"{self.cfg.parallel.timeout_s:.0f} s ({str(exc).splitlines()[0][:120]}); is ntp-launch "
+                      f"--node-rank 0 running there with --store-port {self.store_port}?")
+            for r in self.ranks.values():
+                self._watch(r)  # reaps them
+            self._stop_all()
+            return 1
         self.store = store
         if self.args.node_rank == 0:
             self.metrics_file, self.tensorboard_dir = run_outputs(self.cfg, self.run_dir)
@@ -351,6 +416,8 @@ class Launcher:
         """Wait for the ranks. A death is absorbed by NTP (a new generation), or restarts the job from the last
         checkpoint (NTP off, checkpoints on), or ends the job."""
         self.agent = None
+        if not self._wait_for_nodes():
+            return 1
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
             from ntp_megatron.elastic.agent import Agent
 
@@ -372,7 +439,10 @@ class Launcher:
                     self._stop_all()
                     return 1
             if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
-                self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                if self.cfg.ntp.enabled:
+                    self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                else:
+                    self._report_failure(self._failure_behind([], store), store)
                 self._stop_all()
                 return 1
             if deaths:
@@ -449,28 +519,51 @@ class Launcher:
             # Node 0's launcher runs the controller: report the deaths to it through the store.
             for d in deaths:
                 self._say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
-                n = store.add(DEATHS_KEY, 1)
-                store.set(death_key(n), json.dumps(dataclasses.asdict(d)))
+                _try_publish_death(store, d)
             return None
         else:
-            from ntp_megatron.elastic.controller import injected_failure
-
-            # Without NTP the dead rank's peers crash right after it: report the failure, not its echoes.
-            first = min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, d.time))
-            self._say(f"rank {first.launch_rank} (pid {first.pid}) {first.cause}")
-            for d in [first]:
-                record = injected_failure(store, d.launch_rank) or {}
-                self._emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,
-                            "cause": d.cause, "time": record.get("time", d.time),
-                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
+            # Without NTP the dead rank's peers stop right after it: report the failure, not its echoes.
+            first = self._failure_behind(deaths, store)
+            self._report_failure(first, store)
             if self._can_restart():
                 return self._restart(store)
+            deaths = [first]
         _try_set(store, ABORT_KEY, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths))
         live = sum(r.poll() is None for r in self.ranks.values())
         self._say(f"stopping the other {live} local rank(s)")
         self._stop_all()
         self._say("all ranks stopped")
         return 1
+
+    def _failure_behind(self, local: list, store):
+        """NTP off: the death the others echo — an injected failure's, else one that is not an echo
+        (:func:`is_echo`), else the earliest. With several nodes every launcher publishes its deaths in the store
+        and waits up to ``SETTLE_S`` for one that is not an echo, so each names the same rank whichever node's
+        deaths it saw first."""
+        from ntp_megatron.elastic.controller import injected_failure
+
+        deaths = list(local)
+        if self.args.nnodes > 1:
+            for d in local:
+                _try_publish_death(store, d)
+            deadline = time.monotonic() + SETTLE_S
+            while True:
+                deaths = _published_deaths(store) or deaths
+                if any(not is_echo(d) for d in deaths) or time.monotonic() > deadline:
+                    break
+                time.sleep(POLL_S)
+        return min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, is_echo(d), d.time))
+
+    def _report_failure(self, death, store) -> None:
+        """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
+        from ntp_megatron.elastic.controller import injected_failure
+
+        where = "" if death.launch_rank in self.local_ranks else "another node aborted the job: "
+        self._say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
+        record = injected_failure(store, death.launch_rank) or {}
+        self._emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
+                    "cause": death.cause, "time": record.get("time", death.time),
+                    "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
 
     def _schedule_rejoin(self, launch_rank: int) -> None:
         """Plan a replacement for a failed rank after the repair delay, a bounded number of times."""
@@ -525,9 +618,9 @@ class Launcher:
         reported = int(store.add(DEATHS_KEY, 0))
         while self._remote_deaths_seen < reported:
             self._remote_deaths_seen += 1
-            record = json.loads(store.get(death_key(self._remote_deaths_seen)))
-            self._say(f"node report: launch rank {record['launch_rank']} {record['cause']}")
-            out.append(Death(**record))
+            death = Death(**json.loads(store.get(death_key(self._remote_deaths_seen))))
+            self._say(f"node report: launch rank {death.launch_rank} {death.cause}")
+            out.append(death)
         return out
 
     def _can_restart(self) -> bool:
@@ -622,7 +715,8 @@ class Launcher:
         self._say(f"metrics: {self.metrics_file or 'off'} | tensorboard: {self.tensorboard_dir or 'off'}")
         try:
             path = run_report.plot(self.sink.records, self.run_dir / "run.png")
-            self._say(f"run plot: {path}")
+            if path is not None:
+                self._say(f"run plot: {path}")
         except Exception as exc:  # noqa: BLE001 - a plot must never fail a run
             self._say(f"could not draw the run plot: {exc}")
 
@@ -646,6 +740,29 @@ def tp_per_replica(cfg: JobConfig) -> list[int]:
         widths = {replica.index: replica.width for replica in cfg.topology().replicas}
         return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
+
+
+def _node_key(node: int) -> str:
+    return f"launcher/node{node}"
+
+
+def _try_publish_death(store, death) -> None:
+    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off)."""
+    try:
+        n = store.add(DEATHS_KEY, 1)
+        store.set(death_key(n), json.dumps(dataclasses.asdict(death)))
+    except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
+        pass
+
+
+def _published_deaths(store) -> list:
+    """Every death any node has published so far."""
+    from ntp_megatron.elastic.controller import Death
+
+    try:
+        return [Death(**json.loads(store.get(death_key(n)))) for n in range(1, int(store.add(DEATHS_KEY, 0)) + 1)]
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -32,6 +32,7 @@ PATCHED_MODULES = (
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.module",
+    "megatron.core.transformer.utils",  # the causal mask of the local spec's softmax (no materialised mask)
     "megatron.core.utils",
     "megatron.core.rerun_state_machine",
     "megatron.core.dist_checkpointing.strategies.torch",

@@ -189,8 +189,25 @@ class Heartbeat:
         self._thread.join()
 
 
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a connection; TimeoutError after ``timeout_s``. Used before creating a
+    store client, whose own retries log C++ errors and stacks while a node's store is not up yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0) as sock:
+                if sock.getsockname() != sock.getpeername():  # not TCP's self-connect to a free local port
+                    return
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(exc.strerror or str(exc)) from None
+            time.sleep(0.2)
+
+
 def store_factory(host: str, port: int) -> StoreFactory:
     def open_store(timeout_s: float) -> dist.Store:
+        wait_for_port(host, port, timeout_s)
         return dist.TCPStore(host, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
 

@@ -115,6 +115,10 @@ def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
+        # No [mbs, 1, s, s] mask per micro-batch (64 MiB at s = 8K, copied from pageable memory): both layer
+        # specs attend causally without one (the local spec's softmax makes an [s, s] causal mask on the device,
+        # Transformer Engine's kernels need none); the same boolean mask, so the same numbers.
+        create_attention_mask=False,
         path_to_cache=str(cache_dir),
     )
     dataset_cls = MockGPTDataset if d.mock else GPTDataset

@@ -55,7 +55,15 @@ def main() -> int:
     apply_patches(cpu=device.type == "cpu")
     if not cfg.ntp.enabled:
         trainer = build_plain_trainer(env, cfg, device)
-        trainer.run()
+        try:
+            trainer.run()
+        except Exception as exc:
+            if not runtime.is_peer_failure(exc):
+                raise
+            # One line, not a traceback per rank: the launcher reports the rank whose failure this echoes.
+            print(f"stopped: a collective failed because another rank did ({str(exc).splitlines()[0][:160]})",
+                  file=sys.stderr, flush=True)
+            return runtime.EXIT_PEER_FAILED
         dist.destroy_process_group()
         return 0
     from ntp_megatron.training.reform import Retired

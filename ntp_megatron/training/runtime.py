@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ntp_megatron.elastic.watchdog import wait_for_port
+
 logger = logging.getLogger(__name__)
 
 ENV_RANK = "RANK"
@@ -33,6 +35,12 @@ ENV_JOINING = "NTP_JOINING"
 """Set for a replacement process that the launcher started for a failed rank of a running NTP job."""
 ENV_RESTART = "NTP_RESTART"
 """How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
+
+EXIT_PEER_FAILED = 3
+"""Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
+not its cause. The launcher names the cause."""
+_PEER_FAILURE_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                         "NCCL communicator was aborted", "NCCL error")
 
 TOPOLOGY_KEY = "topology/gen{generation}"
 """Store key under which the launcher publishes each generation's topology (JSON)."""
@@ -72,6 +80,12 @@ class RankEnv:
         )
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_FAILURE_MARKERS))
+
+
 def quiet_optional_dependency_warnings() -> None:
     """Warnings a user cannot act on: Megatron-Core warns once per module that TE/Apex are missing (on CPU that
     is expected, not news), and every rank's checkpoint load prints torch's deprecation notices for the APIs
@@ -103,6 +117,7 @@ def select_backend(requested: str, device: torch.device) -> str:
 
 def connect_store(env: RankEnv, timeout_s: float) -> dist.TCPStore:
     """A client of the launcher's store (the launcher is the server; ranks never host it)."""
+    wait_for_port(env.store_host, env.store_port, timeout_s)
     return dist.TCPStore(
         env.store_host, env.store_port, world_size=None, is_master=False,
         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
