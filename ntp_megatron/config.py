@@ -103,8 +103,8 @@ class TrainingSection(_Section):
     eval_interval: Optional[int] = Field(None, ge=0)
     """Megatron's ``--eval-interval``: evaluate on the validation split after every ``eval_interval`` iterations,
     and once more at the end of training (validation, and test where ``data.split`` gives test data; an interval
-    above ``train_iters`` gives the final evaluation only). None or 0: no evaluation (Megatron evaluates by
-    default, every 1000 iterations; here it is opt-in, since the default ``data.split`` has no validation data)."""
+    above ``train_iters`` gives the final evaluation only). None or 0: no evaluation (Megatron-LM evaluates every
+    1000 iterations by default; here evaluation is opt-in)."""
     eval_iters: int = Field(100, ge=0)
     """Megatron's ``--eval-iters``: batches of ``global_batch_size`` samples per evaluation (0: no evaluation)."""
 

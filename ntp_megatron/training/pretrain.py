@@ -141,7 +141,8 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
 
 
 _PREBUILT_DATASET = None
-"""The datasets (training, validation, test), when the launcher built it before forking this rank (index caches written once)."""
+"""The datasets (training, validation, test), when the launcher built them before forking this rank (index caches
+written once)."""
 
 
 def prebuild_dataset(run_dir: Path, cfg: JobConfig) -> None:
