@@ -7,6 +7,7 @@ one-line error format.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, Literal, Optional
 
@@ -101,6 +102,26 @@ class TrainingSection(_Section):
     clip_grad: float = Field(1.0, ge=0.0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_interval: Optional[int] = Field(None, ge=0)
+    """Megatron's ``--eval-interval``: evaluate on the validation split after every ``eval_interval`` iterations,
+    and once more at the end of training (validation, and test where ``data.split`` gives test data; an interval
+    above ``train_iters`` gives the final evaluation only). None or 0: no evaluation (Megatron-LM evaluates every
+    1000 iterations by default; here evaluation is opt-in)."""
+    eval_iters: int = Field(100, ge=0)
+    """Megatron's ``--eval-iters``: batches of ``global_batch_size`` samples per evaluation (0: no evaluation)."""
+
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.eval_interval) and self.eval_iters > 0
+
+
+def split_fractions(split: str) -> list[float]:
+    """``data.split`` as Megatron reads it ("98,2,0", "98/2/0"; missing parts are 0): train, validation, test
+    fractions."""
+    parts = [float(x) for x in re.findall(r"[.0-9]+", split)]
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return [x / total for x in parts] if total > 0 else parts
 
 
 class DataSection(_Section):
@@ -110,6 +131,8 @@ class DataSection(_Section):
     data_path: list[str] = Field(default_factory=list)
     """A blend like Megatron's ``--data-path``: ``[prefix]`` or ``[weight, prefix, weight, prefix, ...]``."""
     split: str = "100,0,0"
+    """Megatron's ``--split``: train, validation and test shares of the documents (validation and test are read by
+    the evaluation, ``training.eval_interval``). Mock data ignores it: Megatron-Core splits mock documents 1,1,1."""
     tokenizer: Literal["byte-level"] = "byte-level"
     cache_dir: Optional[str] = None
     """Where Megatron's dataset index caches go; default: ``<run_dir>/data_cache``."""
@@ -118,6 +141,9 @@ class DataSection(_Section):
     def _path(self) -> "DataSection":
         if not self.mock and not self.data_path:
             raise ValueError("data.data_path must name a preprocessed prefix when data.mock is false")
+        if len(re.findall(r"[.0-9]+", self.split)) > 3 or not sum(split_fractions(self.split)):
+            raise ValueError(f"data.split '{self.split}' must be up to three non-negative shares (train, validation, "
+                             "test) with a positive sum, e.g. 98,2,0")
         return self
 
 
@@ -238,6 +264,10 @@ class JobConfig(_Section):
                 f"{decay_iters}: shorten the warmup (--lr-warmup-iters {max(decay_iters - 1, 0)}) or lengthen the "
                 f"run (--train-iters / --lr-decay-iters above {t.lr_warmup_iters})"
             )
+        if t.evaluates and not self.data.mock and split_fractions(self.data.split)[1] == 0:
+            raise ValueError(f"data.split '{self.data.split}' has no validation share, but training.eval_iters "
+                             f"({t.eval_iters}) and training.eval_interval ({t.eval_interval}) ask for evaluation: "
+                             "give it one (e.g. data.split: 98,2,0) or set training.eval_iters: 0")
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
         if self.checkpoint.async_save and self.ntp.enabled:

@@ -15,6 +15,8 @@ renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based 
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
+- ``eval``: in the evaluation after iteration N, before its middle batch (N must be an evaluation iteration: a
+  multiple of ``training.eval_interval``, or ``train_iters`` for the final one);
 - ``reform``: in the first re-formation this process takes part in at iteration N or later (NTP only: after
   joining the new generation, before units move) — a second failure in the middle of a re-formation after
   another rank's failure, or a replacement process dying while it is being admitted.
@@ -42,7 +44,7 @@ from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit")
-PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "reform")
+PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval", "reform")
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
@@ -123,12 +125,14 @@ def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
 
 
 def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters: Optional[int] = None,
-                       checkpoints: bool = False, ntp: bool = True, resumes_after: int = 0) -> FailureSpec:
+                       checkpoints: bool = False, ntp: bool = True, resumes_after: int = 0,
+                       eval_interval: Optional[int] = None) -> FailureSpec:
     """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed.
 
     ``world_size``: launch ranks are 0..world_size-1. ``train_iters``: an iteration past the run never fires,
     so it is refused; so is one at or before ``resumes_after``, the iteration of the checkpoint the run resumes
-    from. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it).
+    from. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it). ``eval_interval``:
+    the run's evaluation interval, None if it does not evaluate (phase ``eval`` needs one).
     """
     action, sep, rest = text.partition(":")
     if not sep or action not in (*ACTIONS, "random"):
@@ -168,6 +172,13 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     if phase == "checkpoint" and not checkpoints:
         raise ConfigError(f"--inject-failure {text!r}: phase checkpoint needs checkpoints to be saved "
                           "(set checkpoint.save and checkpoint.save_interval)")
+    if phase == "eval":
+        if eval_interval is None:
+            raise ConfigError(f"--inject-failure {text!r}: phase eval needs evaluation (set training.eval_interval "
+                              "and training.eval_iters)")
+        if f["iter"] % eval_interval and f["iter"] != train_iters:
+            raise ConfigError(f"--inject-failure {text!r}: no evaluation follows iteration {f['iter']}: use a "
+                              f"multiple of training.eval_interval ({eval_interval}) or training.train_iters")
     spec = RankFailure(action=action, rank=f["rank"], iteration=f["iter"], phase=phase,  # type: ignore[arg-type]
                        code=f.get("code", 1))
     if spec.iteration < 1:

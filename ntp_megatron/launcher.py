@@ -908,8 +908,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         specs = args.failures if args.failures else cfg.faults.inject
         checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
+        eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
         failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
-                                              cfg.ntp.enabled, start.iteration if start else 0) for f in specs]
+                                              cfg.ntp.enabled, start.iteration if start else 0, eval_interval)
+                    for f in specs]
         run_dir = Path(cfg.logging.run_dir).resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"

@@ -54,6 +54,14 @@ def iteration_line(record: dict[str, Any], eta_s: Optional[float] = None) -> str
     )
 
 
+def evaluation_line(record: dict[str, Any]) -> str:
+    """Megatron's evaluation line: ``validation loss at iteration 10 | lm loss value: … | lm loss PPL: … |``;
+    the final evaluations are ``… at the end of training``."""
+    where = "the end of training" if record["final"] else f"iteration {record['iteration']}"
+    return (f" {record['split']} loss at {where} | lm loss value: {record['lm_loss']:.6E} |"
+            f" lm loss PPL: {record['ppl']:.6E} | ")
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
@@ -69,8 +77,9 @@ class MetricsSink:
 
     def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
         self.records: list[dict[str, Any]] = []
-        self._iterations: set[tuple] = set()
-        """Everything written, in order (the launcher's end-of-run summary and plot read it)."""
+        """Iteration and evaluation records, and events, in order (the launcher's end-of-run summary and plot
+        read them)."""
+        self._seen: set[tuple] = set()
         self._file: Optional[TextIO] = None
         if metrics_file is not None:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
@@ -82,22 +91,30 @@ class MetricsSink:
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 
     def write(self, record: dict[str, Any]) -> None:
-        if record.get("kind") == "iteration":
-            key = (record["iteration"], record.get("restart", 0), record.get("generation"))
-            if key in self._iterations:
-                return  # every rank reports each iteration; one record is kept
-            self._iterations.add(key)
-        if record.get("kind") in ("iteration", "event"):
+        kind = record.get("kind")
+        key = None
+        if kind == "iteration":
+            key = (kind, record["iteration"], record.get("restart", 0), record.get("generation"))
+        elif kind == "evaluation":  # once per evaluation, however often it was computed (equal values)
+            key = (kind, record["split"], record["iteration"], record["final"])
+        if key is not None:
+            if key in self._seen:
+                return  # every rank reports each iteration and evaluation; one record is kept
+            self._seen.add(key)
+        if kind in ("iteration", "evaluation", "event"):
             self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        if self._tb is not None and record.get("kind") == "iteration":
+        if self._tb is not None and kind == "iteration":
             step = record["iteration"]
             for key in ("lm_loss", "grad_norm", "lr", "elapsed_ms", "tokens_per_s"):
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for replica, tp in enumerate(record.get("tp_per_replica", [])):
                 self._tb.add_scalar(f"ntp/tp_replica{replica}", tp, step)
+        if self._tb is not None and kind == "evaluation":  # Megatron's names: "lm loss validation", "... ppl"
+            self._tb.add_scalar(f"lm loss {record['split']}", record["lm_loss"], record["iteration"])
+            self._tb.add_scalar(f"lm loss {record['split']} ppl", record["ppl"], record["iteration"])
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"kind": "event", "event": name, "time": time.time(), **fields})

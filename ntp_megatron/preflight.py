@@ -24,6 +24,7 @@ def check_data(cfg: JobConfig) -> None:
         prefixes, _ = data.parse_blend(cfg.data.data_path)
         for prefix in prefixes:
             data.check_indexed_prefix(prefix)
+        data.check_evaluation_split(cfg)
     except SystemExit as exc:
         raise ConfigError(str(exc)) from None
 

@@ -31,16 +31,27 @@ def _events(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == "event" and r.get("event") == name]
 
 
+def _evaluations(records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("kind") == "evaluation" and r.get("split") == split]
+
+
+def _final_evaluation(records: list[dict[str, Any]], split: str) -> Optional[dict[str, Any]]:
+    return next((r for r in _evaluations(records, split) if r.get("final")), None)
+
+
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     iterations, repeated = _iterations(records)
     useful_s = sum(r["elapsed_ms"] for r in iterations.values()) / 1e3
     reformed = _events(records, "reformed")
     redone = sum(e.get("iterations_redone", 0) for e in reformed)
     losses = [r["lm_loss"] for _, r in sorted(iterations.items())]
+    final_eval = {split: _final_evaluation(records, split) for split in ("validation", "test")}
     return {
         "iterations": len(iterations),
         "final_lm_loss": losses[-1] if losses else None,
         "best_lm_loss": min(losses) if losses else None,
+        **{f"final_{split}_lm_loss": r["lm_loss"] if r else None for split, r in final_eval.items()},
+        **{f"final_{split}_ppl": r["ppl"] if r else None for split, r in final_eval.items()},
         "wall_s": wall_s,
         "useful_s": useful_s,
         "goodput": useful_s / wall_s if wall_s > 0 else None,
@@ -57,6 +68,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         return ["summary: no iteration completed"]
     lines = [f"summary: {summary['iterations']} iterations, final lm loss {summary['final_lm_loss']:.6f} "
              f"(best {summary['best_lm_loss']:.6f}), wall time {summary['wall_s']:.1f} s"]
+    for split in ("validation", "test"):
+        if summary.get(f"final_{split}_lm_loss") is not None:
+            lines.append(f"{split} loss at the end of training: lm loss {summary[f'final_{split}_lm_loss']:.6f} "
+                         f"(PPL {summary[f'final_{split}_ppl']:.3f})")
     if summary["goodput"] is not None:
         lines.append(f"goodput: {100 * summary['goodput']:.1f} % (useful iteration time {summary['useful_s']:.1f} s "
                      f"of {summary['wall_s']:.1f} s wall) | iterations lost: {summary['iterations_lost']} "
@@ -67,7 +82,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
-    """Loss per iteration, TP per replica over iterations, failures (red) and rejoins (green) marked."""
+    """Loss per iteration with the validation loss (points; the end-of-training ones as stars), TP per replica over
+    iterations, failures (red) and rejoins (green) marked."""
     iterations, _ = _iterations(records)
     if not iterations:
         return None
@@ -80,7 +96,19 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
     fig, (loss_ax, tp_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True,
                                          gridspec_kw={"height_ratios": [2, 1]})
     loss_ax.plot(steps, [iterations[i]["lm_loss"] for i in steps], color="tab:blue", label="lm loss")
+    for split, color in (("validation", "tab:orange"), ("test", "tab:purple")):
+        evaluations = _evaluations(records, split)
+        periodic = [r for r in evaluations if not r.get("final")]
+        if periodic:
+            loss_ax.plot([r["iteration"] for r in periodic], [r["lm_loss"] for r in periodic], "o-", color=color,
+                         markersize=4, label=f"{split} lm loss")
+        for r in evaluations:
+            if r.get("final"):
+                loss_ax.plot([r["iteration"]], [r["lm_loss"]], "*", color=color, markersize=11,
+                             label=f"{split} lm loss, end of training")
     loss_ax.set_ylabel("lm loss")
+    if any(r.get("kind") == "evaluation" for r in records):
+        loss_ax.legend(loc="upper right", fontsize="small")
     widths = [iterations[i]["tp_per_replica"] for i in steps]
     for replica in range(max(len(w) for w in widths)):
         tp_ax.step(steps, [w[replica] if replica < len(w) else 0 for w in widths], where="post",

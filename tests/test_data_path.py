@@ -12,7 +12,7 @@ from ntp_megatron.training import data
 
 def test_samples_carry_no_attention_mask_and_attention_stays_causal(tmp_path):
     cfg = load_job_config(overrides=["model.seq_length=16"])
-    dataset = data.build_train_dataset(cfg, data.build_tokenizer(cfg.data, cfg.model.vocab_size), tmp_path)
+    dataset = data.build_datasets(cfg, data.build_tokenizer(cfg.data, cfg.model.vocab_size), tmp_path).train
     batch = next(data.microbatches(dataset, range(4), 2, torch.device("cpu")))
     assert "attention_mask" not in batch and batch["tokens"].shape == (2, 16)
 

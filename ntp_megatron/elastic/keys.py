@@ -106,3 +106,9 @@ def started(generation: int, iteration: int) -> str:
 def saved(iteration: int) -> str:
     """Set by every rank that returned from saving iteration ``k``'s checkpoint (so it is complete)."""
     return f"{PREFIX}saved/{iteration}"
+
+
+def evaluated(generation: int, iteration: int, split: str, final: bool) -> str:
+    """JSON record of an evaluation, written by every rank that completed it in generation ``g`` (so a rank whose
+    evaluation failed there knows, after the re-formation, whether to do it again)."""
+    return f"{PREFIX}gen{generation}/evaluated/{split}/{iteration}{'/final' if final else ''}"

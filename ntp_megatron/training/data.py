@@ -4,20 +4,25 @@ Datasets come from ``BlendedMegatronDatasetBuilder``: ``MockGPTDataset`` by defa
 indexed ``.bin/.idx`` files built by ``ntp-preprocess``. Which samples a replica reads depends only on
 (iteration, replica index), never on the TP layout (DESIGN invariant 4): iteration ``k`` consumes global
 samples ``[k·G, (k+1)·G)`` and replica ``r`` of ``D`` takes the ``r``-th contiguous ``G/D`` of them.
+
+Evaluation reads the validation and test splits the same way, one ``G``-sample batch after another, each share
+in full whatever ``ntp.degraded_batch`` says (:func:`evaluation_batches`): its loss is the same number under every
+layout.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
-from ntp_megatron.config import DataSection, JobConfig
+from ntp_megatron.config import DataSection, JobConfig, split_fractions
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,30 @@ def describe(cfg: JobConfig) -> str:
             f"{cfg.data.tokenizer} tokenizer, {needed}")
 
 
-def build_train_dataset(cfg: JobConfig, tokenizer, cache_dir: Path) -> GPTDataset:
-    """The training split, sized for the whole run.
+@dataclass
+class Datasets:
+    """The splits of ``data.split`` that the run reads (validation and test only with evaluation on)."""
+
+    train: GPTDataset
+    validation: Optional[GPTDataset] = None
+    test: Optional[GPTDataset] = None
+
+
+def evaluation_sizes(cfg: JobConfig) -> tuple[int, int]:
+    """Samples the run's evaluations read from the validation and the test split, as Megatron-LM sizes them:
+    every evaluation reads ``eval_iters`` fresh global batches (the periodic ones and the final one), the test
+    split is read once, at the end."""
+    t = cfg.training
+    if not t.evaluates:
+        return 0, 0
+    per_evaluation = t.eval_iters * t.global_batch_size
+    # Megatron-Core splits mock data "1,1,1" whatever the split says: it always has test documents.
+    test = per_evaluation if cfg.data.mock or split_fractions(cfg.data.split)[2] > 0 else 0
+    return (evaluation_window(cfg, t.train_iters, "validation", final=True) + 1) * per_evaluation, test
+
+
+def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
+    """The training split sized for the whole run, and the validation and test splits its evaluations read.
 
     Megatron's builder orders the ranks itself (global rank 0 writes the index caches, the others read
     them after a barrier), so ``cache_dir`` must be on a file system every node sees, as in Megatron-LM.
@@ -95,8 +122,50 @@ def build_train_dataset(cfg: JobConfig, tokenizer, cache_dir: Path) -> GPTDatase
         path_to_cache=str(cache_dir),
     )
     dataset_cls = MockGPTDataset if d.mock else GPTDataset
-    sizes = [t.train_iters * t.global_batch_size, 0, 0]
-    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, ds_config).build()[0]
+    validation, test = evaluation_sizes(cfg)
+    check_evaluation_split(cfg)
+    train_ds, validation_ds, test_ds = BlendedMegatronDatasetBuilder(
+        dataset_cls, [t.train_iters * t.global_batch_size, validation, test], lambda: True, ds_config).build()
+    return Datasets(train_ds, validation_ds if validation else None, test_ds if test else None)
+
+
+def check_evaluation_split(cfg: JobConfig) -> None:
+    """With evaluation on indexed data: refuse a validation or test share of ``data.split`` that holds no
+    document of some prefix (Megatron's builder would loop forever on it), before anything is built."""
+    if cfg.data.mock or not cfg.training.evaluates:
+        return
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
+    for prefix in parse_blend(cfg.data.data_path)[0]:
+        documents = IndexedDataset(prefix, mmap=True).sequence_lengths.shape[0]
+        for name, bounds in (("validation", split_matrix[1]), ("test", split_matrix[2])):
+            if bounds is not None and round(bounds[1] * documents) == round(bounds[0] * documents):
+                raise SystemExit(f"data.split '{cfg.data.split}' leaves no {name} document of the {documents} in "
+                                 f"{prefix}, but training.eval_iters ({cfg.training.eval_iters}) asks for "
+                                 f"evaluation: give the {name} share more weight"
+                                 + (" (or none)" if name == "test" else "") + ", or set training.eval_iters: 0")
+
+
+def evaluation_window(cfg: JobConfig, iteration: int, split: str, final: bool) -> int:
+    """Which window of ``eval_iters`` global batches of ``split`` the evaluation after ``iteration`` reads: the
+    periodic ones read successive windows of the validation split and the final one the window after them, as
+    Megatron-LM's validation iterator goes on from one evaluation to the next; the test split is read once."""
+    interval = cfg.training.eval_interval
+    if split == "test":
+        return 0
+    return cfg.training.train_iters // interval if final else iteration // interval - 1
+
+
+def evaluation_batches(window: int, eval_iters: int, shares: list[int], num_replicas: int,
+                       global_batch_size: int) -> list[list[int]]:
+    """The samples a replica reads in each batch of evaluation window ``window``: its shares of global batches
+    ``window·eval_iters …`` of the split, every share in full. A function of (window, shares) only."""
+    return [[i for share in shares
+             for i in replica_sample_range(window * eval_iters + b, share, num_replicas, global_batch_size)]
+            for b in range(eval_iters)]
 
 
 def replica_sample_range(iteration: int, replica: int, num_replicas: int, global_batch_size: int) -> range:

@@ -8,11 +8,18 @@ collective that fails (a peer died, or the watchdog closed the generation's sock
 :meth:`Trainer.recover`: it rolls a committed step forward or drops an aborted one, leaves the old generation,
 joins the new one, keeps or rebuilds its model for the new layout (units it lacks come from peers), and
 training goes on at the settled iteration.
+
+Evaluation (``training.eval_interval``): after every ``eval_interval`` iterations and at the end, a forward-only
+pass over ``eval_iters`` global batches of the validation split (and, at the end, the test split), whose loss is
+the per-token mean over all of them, the same under every layout. Under NTP it is a collective phase like the
+others: a failure in it is absorbed and the evaluation done again in the new generation.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import sys
 import time
@@ -28,7 +35,8 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.config import JobConfig
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components
-from ntp_megatron.training.data import microbatches, replica_sample_range
+from ntp_megatron.training.data import Datasets, evaluation_batches, evaluation_window, microbatches, \
+    replica_sample_range
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +71,13 @@ class _ForwardStep:
         return output, lambda out: loss_func(batch["loss_mask"], out)
 
 
+def _evaluation_step(data_iterator, model):
+    """Megatron's ``forward_step_func`` for evaluation (forward only, no failure-injection points)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, lambda out: loss_func(batch["loss_mask"], out)
+
+
 def _resources() -> dict[str, Any]:
     """This process's threads (native and Python), open file descriptors and resident memory."""
     status = Path("/proc/self/status").read_text()
@@ -82,7 +97,7 @@ def _backward_point(grad: torch.Tensor) -> torch.Tensor:
 class Trainer:
     cfg: JobConfig
     parts: Components
-    dataset: Any
+    datasets: Datasets
     device: torch.device
     launch_rank: int
     failures: Optional[faults.FailureTrigger] = None
@@ -106,6 +121,8 @@ class Trainer:
     _recent_ms: list = field(default_factory=list, repr=False)
     pending_saves: list = field(default_factory=list, repr=False)
     """Iterations of the async saves started and not yet finalized, oldest first."""
+    evaluated: set = field(default_factory=set, repr=False)
+    """``(iteration, split, final)`` of the evaluations done (or not due: the iteration the run started from)."""
 
     @property
     def setup(self):
@@ -142,7 +159,7 @@ class Trainer:
         lr = parts.optimizer.param_groups[0]["lr"]
         reported = get_forward_backward_func()(
             forward_step_func=_ForwardStep(s.microbatches),
-            data_iterator=microbatches(self.dataset, samples, t.micro_batch_size, self.device),
+            data_iterator=microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
             model=[parts.model],
             num_microbatches=s.microbatches,
             seq_length=self.cfg.model.seq_length,
@@ -187,6 +204,79 @@ class Trainer:
         record.update(elapsed_ms=elapsed * 1e3, skipped=0 if update_ok else 1, time=time.time(),
                       tokens_per_s=record["global_batch_size"] * self.cfg.model.seq_length / elapsed)
         return record
+
+    # -- evaluation ---------------------------------------------------------------------------------------------
+    def evaluate(self, split: str, final: bool) -> dict[str, Any]:
+        """Forward-only over this replica's shares of ``eval_iters`` global batches of ``split`` (collective over
+        the job): the per-token mean loss of all of them; returns the evaluation's record. Which samples: a
+        function of the iteration and the replica's shares only (:func:`evaluation_window`), so a resumed or
+        re-formed run reads the same ones."""
+        t, s, parts = self.cfg.training, self.setup, self.parts
+        if self.failures is not None:
+            self.failures.iteration = self.iteration
+        window = evaluation_window(self.cfg, self.iteration, split, final)
+        batches = evaluation_batches(window, t.eval_iters, s.shares, s.num_replicas, t.global_batch_size)
+        dataset = getattr(self.datasets, split)
+        start = time.perf_counter()
+        total = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens
+        parts.model.eval()
+        try:
+            with torch.no_grad():
+                for b, samples in enumerate(batches):
+                    if b == len(batches) // 2:
+                        faults.point("eval")
+                    reported = get_forward_backward_func()(
+                        forward_step_func=_evaluation_step,
+                        data_iterator=microbatches(dataset, samples, t.micro_batch_size, self.device),
+                        model=[parts.model],
+                        num_microbatches=len(samples) // t.micro_batch_size,
+                        seq_length=self.cfg.model.seq_length,
+                        micro_batch_size=t.micro_batch_size,
+                        forward_only=True,
+                        pg_collection=s.pg,
+                    )
+                    total += torch.stack([r["lm loss"] for r in reported]).double().sum(dim=0)
+        finally:
+            parts.model.train()
+        loss_sum, tokens = s.sum_over_replicas(total).tolist()
+        loss = loss_sum / tokens
+        record = {"kind": "evaluation", "split": split, "iteration": self.iteration, "final": final,
+                  "lm_loss": loss, "ppl": math.exp(min(20.0, loss)), "eval_iters": t.eval_iters,
+                  "samples": t.eval_iters * t.global_batch_size, "tokens": int(tokens),
+                  "consumed_samples": self.consumed_samples, "tp_per_replica": s.tp_per_replica,
+                  "generation": s.generation, "elapsed_ms": (time.perf_counter() - start) * 1e3, "time": time.time()}
+        if self.generation is not None:  # before this rank can take part in a later generation
+            self.elastic.ctl.set(keys.evaluated(s.generation, self.iteration, split, final), json.dumps(record))
+        return record
+
+    def _evaluate_until_done(self, split: str, final: bool = False) -> None:
+        """Evaluate and report, once per (iteration, split, final). Under NTP a failure midway is absorbed and the
+        re-formed job evaluates again, unless some rank had completed the evaluation (a collective can end on some
+        of its members and fail on others): then its record stands for everyone, and every rank of the new
+        generation moves on alike."""
+        done = (self.iteration, split, final)
+        while done not in self.evaluated:
+            generation = self.setup.generation
+            record = self._guarded(lambda: self.evaluate(split, final))
+            if record is None:
+                key = keys.evaluated(generation, self.iteration, split, final)
+                if not self.elastic.ctl.check([key]):
+                    continue
+                record = json.loads(self.elastic.ctl.get(key))
+            self.evaluated.add(done)
+            self.report_evaluation(record)
+
+    def evaluation_due(self) -> bool:
+        t = self.cfg.training
+        return t.evaluates and self.iteration % t.eval_interval == 0 and \
+            (self.iteration, "validation", False) not in self.evaluated
+
+    def report_evaluation(self, record: dict[str, Any]) -> None:
+        """Every rank sends the record (the launcher keeps one); the reporting rank prints Megatron's lines."""
+        metrics.emit(record, sys.stdout)
+        if self.is_reporting_rank:
+            line = metrics.evaluation_line(record)
+            print("-" * len(line), line, "-" * len(line), sep="\n", flush=True)
 
     # -- reporting --------------------------------------------------------------------------------------------
     def _eta(self, record: dict[str, Any]) -> float:
@@ -331,6 +421,7 @@ class Trainer:
     def run(self) -> None:
         t = self.cfg.training
         self.last_saved = self.iteration  # where this run started: the seed's state, or a checkpoint on disk
+        self.evaluated.add((self.iteration, "validation", False))  # evaluated by the run that saved it, if due
         self._guarded(self.dump_initial_state)
         while True:
             while self.iteration < t.train_iters:
@@ -339,6 +430,8 @@ class Trainer:
                 if record is not None:
                     self.report(record)
                     self._guarded(lambda: self.verify_state(record))
+                if self.evaluation_due():  # a rolled-forward iteration's too; before its checkpoint, as Megatron
+                    self._evaluate_until_done("validation")
                 self.finalize_saves()  # an async save whose writers are done everywhere moves `latest`
                 if self.save_due():  # a rolled-forward iteration's too
                     self._save_until_written()
@@ -356,6 +449,10 @@ class Trainer:
     def _finish(self) -> bool:
         if self.cfg.checkpoint.save is not None:
             self._save_until_written()  # the final checkpoint, unless this iteration's is on disk already
+        if self.cfg.training.evaluates:
+            for split in ("validation", "test"):
+                if getattr(self.datasets, split) is not None:
+                    self._evaluate_until_done(split, final=True)
         self.finalize_saves(blocking=True)  # no async save left behind
         self.verify_state(final=True)
         torch.distributed.barrier()

@@ -90,7 +90,7 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     p, t = cfg.parallel, cfg.training
     backend = runtime.select_backend(p.backend, device)
     control = runtime.connect_store(env, p.timeout_s)  # node 0's launcher built the dataset before its store
-    dataset = _dataset(env, cfg)
+    datasets = _dataset(env, cfg)
     runtime.init_process_group(env, control, backend, p.timeout_s, generation=env.restart)
     setup = parallel.uniform_parallel(cfg)
     setup.generation = env.restart  # each restart is a generation of its own in the records
@@ -98,7 +98,7 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
     trainer = Trainer(
-        cfg=cfg, parts=parts, dataset=dataset, device=device, launch_rank=env.rank,
+        cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
         failures=_trigger(env, control), comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
     )
     # A restart resumes from the newest checkpoint of this run, if any; else from checkpoint.load (which the launcher
@@ -126,14 +126,14 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
                           runtime.select_backend(p.backend, device), p.timeout_s, cfg.ntp.heartbeat_interval_s)
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
-    dataset = _dataset(env, cfg)
+    datasets = _dataset(env, cfg)
 
     def build(setup, initialize: bool):
         torch.manual_seed(cfg.training.seed)  # initial weights are a function of the seed alone
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         return build_components(cfg, setup, device, initialize=initialize)
 
-    trainer = Trainer(cfg=cfg, parts=None, dataset=dataset, device=device, launch_rank=env.rank,
+    trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank,
                       failures=_trigger(env, elastic.ctl),
                       comm_stats=CommStats().install() if cfg.logging.comm_stats else None, elastic=elastic)
     trainer.reformer = Reformer(cfg, elastic, elastic.topology(0), build=build)
@@ -141,7 +141,8 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
 
 
 _PREBUILT_DATASET = None
-"""The training dataset, when the launcher built it before forking this rank (index caches written once)."""
+"""The datasets (training, validation, test), when the launcher built them before forking this rank (index caches
+written once)."""
 
 
 def prebuild_dataset(run_dir: Path, cfg: JobConfig) -> None:
@@ -160,7 +161,7 @@ def _dataset(env: runtime.RankEnv, cfg: JobConfig):
 def _build_dataset(run_dir: Path, cfg: JobConfig):
     tokenizer = data.build_tokenizer(cfg.data, cfg.model.vocab_size)
     cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "data_cache"
-    return data.build_train_dataset(cfg, tokenizer, cache_dir)
+    return data.build_datasets(cfg, tokenizer, cache_dir)
 
 
 def _trigger(env: runtime.RankEnv, store) -> faults.FailureTrigger:
