@@ -21,7 +21,7 @@ for it fails loudly rather than building a world-sized group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -83,11 +83,3 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
         intra_expt_dp=groups.dp, inter_dist_opt=None, intra_dist_opt=groups.grad_stats,
     )
 
-
-def set_data_parallel_group(group: dist.ProcessGroup, ranks: Sequence[int]) -> None:
-    """Make ``group`` this process's data-parallel group in the globals too (a test's one-rank world)."""
-    for name in ("_DATA_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-                 "_EXPERT_DATA_PARALLEL_GROUP", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP"):
-        setattr(ps, name, group)
-    ps._DATA_PARALLEL_GLOBAL_RANKS = ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = list(ranks)
-    ps._MPU_DATA_PARALLEL_WORLD_SIZE = ps._MPU_DATA_PARALLEL_RANK = None
