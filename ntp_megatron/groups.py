@@ -129,14 +129,16 @@ def build_groups(topology: Topology, rank: int, timeout_s: float) -> NTPGroups:
     alone = make.alone()
     member_of = set(topology.member_blocks(rank))
     sync: dict[int, dist.ProcessGroup] = {}
+    sync_ranks: dict[int, tuple[int, ...]] = {}
     for block in range(topology.tp_base):
-        group = make.every_rank(sync_group_ranks(topology, block))
+        ranks = sync_group_ranks(topology, block)
+        group = make.every_rank(ranks)
         if block in member_of:
-            sync[block] = group
+            sync[block], sync_ranks[block] = group, ranks
     healthy = topology.is_healthy(replica.index)
     if healthy:
         [(block, dp)] = sync.items()
-        dp_ranks = sync_group_ranks(topology, block)
+        dp_ranks = sync_ranks[block]
     else:
         dp, dp_ranks = alone, (rank,)
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
