@@ -83,7 +83,7 @@ def _cfg(dp: int, ntp: bool):
 
 
 def _check_calls(world: FakeWorld, largest_allowed: int) -> None:
-    """At most ``TP`` groups every rank makes (one per slot or block: the groups across replicas), two made by
+    """``TP`` groups every rank makes (one per slot or block: the groups across replicas), two made by
     their members alone (this rank's replica and this rank by itself), none world-sized, all with a timeout."""
     local = [call for call in world.calls if call["local"]]
     assert len(local) == 2 and all(world.rank in call["ranks"] for call in local), local
