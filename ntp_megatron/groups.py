@@ -1,15 +1,20 @@
 """torch.distributed groups for an NTP topology, installed into Megatron-Core.
 
-Every rank creates every group of the topology in the same order (``new_group`` is collective over the
-default group): one TP group per replica, then the ``tp_base`` sync groups. Sync group ``s`` has one member
-per replica: the rank at slot ``s``, or the proxy of block ``s`` where that slot is dead. Megatron-Core sees
-this rank's replica as its tensor- and model-parallel group. A rank of a healthy replica also sees its sync
-group as its data-parallel group: its DDP buckets are exactly a slot-``s`` rank's, so Megatron's own
-all-reduce does the sync at upstream's speed, with nothing added. A rank of a degraded replica gets itself
-alone as its data-parallel group; :mod:`ntp_megatron.grad_sync` runs its sync groups.
+A rank holds only the groups it is a member of: its replica (its tensor-parallel group), the sync groups
+of the blocks it serves, and itself alone for every trivial role (pipeline, context, expert, embedding).
+Sync group ``s`` has one member per replica: the rank at slot ``s``, or the proxy of block ``s`` where that
+slot is dead. Megatron-Core sees this rank's replica as its tensor- and model-parallel group. A rank of a
+healthy replica also sees its sync group as its data-parallel group: its DDP buckets are exactly a
+slot-``s`` rank's, so Megatron's own all-reduce does the sync at upstream's speed, with nothing added. A
+rank of a degraded replica gets itself alone as its data-parallel group; :mod:`ntp_megatron.grad_sync` runs
+its sync groups.
 
-Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is rebuilt from
-a topology object, so a re-formation can call :func:`build_groups` again.
+A rank makes ``tp_base + 2`` groups per generation, whatever the number of replicas (Megatron's dense
+initializer at TP 1 made 112,646 per rank at 10,240 ranks), and no world-sized group exists besides the
+default one: see :class:`GroupMaker` for how.
+
+Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is rebuilt
+from a topology object, so a re-formation can call :func:`build_groups` again.
 """
 
 from __future__ import annotations
@@ -17,14 +22,77 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.layout import Topology
 from ntp_megatron.patches import parallel_state as ps_patch
+
+
+class GroupMaker:
+    """This rank's groups of one generation, made at a cost that does not grow with the number of replicas.
+
+    ``torch.distributed.new_group`` wants every rank of the world to call it for every group, in one order.
+    With ``use_local_synchronization`` only the members call, but torch then names the group after its ranks
+    *and the number of groups this process has already made*, and members that disagree on that number never
+    meet. So the one group made that way is the first of the generation (every rank has made none besides
+    the default group, and every rank is in exactly one such group: its replica), plus this rank alone (one
+    member, nothing to agree on). The groups that cross replicas, ``tp_base`` of them, are made by every rank
+    in one order: a call a rank is not a member of only records the group's ranks.
+    """
+
+    def __init__(self, rank: int, timeout: timedelta) -> None:
+        self.rank = rank
+        self.timeout = timeout
+
+    def first_local(self, ranks: Iterable[int]) -> dist.ProcessGroup:
+        """The group of ``ranks`` (this rank among them, disjoint from every other rank's first group), made
+        by its members only; before any other group of this generation."""
+        ranks = sorted(ranks)
+        if len(distributed_c10d._world.pg_names) > 1:
+            raise RuntimeError("a group made by its members alone must be the first of its generation: torch "
+                               "names it after the number of groups the process already has, which its peers "
+                               f"must share (this process has {len(distributed_c10d._world.pg_names)})")
+        return self._new(ranks, local=True)
+
+    def alone(self) -> dist.ProcessGroup:
+        """This rank by itself (made locally: no peer to agree with on anything)."""
+        return self._new([self.rank], local=True)
+
+    def every_rank(self, ranks: Iterable[int]) -> Optional[dist.ProcessGroup]:
+        """The group of ``ranks``; every rank of the world calls this for the same groups in the same order.
+        None where this rank is not a member."""
+        ranks = sorted(ranks)
+        group = self._new(ranks, local=False)
+        return group if self.rank in ranks else None
+
+    def _new(self, ranks: list[int], local: bool) -> dist.ProcessGroup:
+        return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
+
+
+def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta,
+                 grad_stats: Optional[dist.ProcessGroup] = None) -> ps_patch.RankGroups:
+    """``rank``'s groups in Megatron's dense grid at PP = CP = 1 (upstream's rank order: TP innermost):
+    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them."""
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size {tp_size}")
+    replica, tp_rank = divmod(rank, tp_size)
+    make = GroupMaker(rank, timeout)
+    tp_ranks = tuple(range(replica * tp_size, (replica + 1) * tp_size))
+    tp = make.first_local(tp_ranks)
+    alone = make.alone()
+    dp, dp_ranks = None, ()
+    for slot in range(tp_size):
+        ranks = tuple(range(slot, world_size, tp_size))
+        group = make.every_rank(ranks)
+        if slot == tp_rank:
+            dp, dp_ranks = group, ranks
+    return ps_patch.RankGroups(tp=tp, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone, rank=rank,
+                               grad_stats=grad_stats)
 
 
 @dataclass
@@ -42,38 +110,40 @@ class NTPGroups:
     def with_data_parallel(self, group: dist.ProcessGroup) -> ProcessGroupCollection:
         """This rank's collection with ``group`` as its data-parallel group (for a slot-shaped shadow DDP)."""
         pg = copy.copy(self.pg_collection)
-        pg.dp = pg.dp_cp = pg.intra_dp_cp = group
+        pg.dp = pg.dp_cp = pg.intra_dp_cp = pg.expt_dp = pg.intra_expt_dp = group
         return pg
 
 
+def sync_group_ranks(topology: Topology, block: int) -> tuple[int, ...]:
+    """The ranks of sync group ``block`` (one per replica), ascending."""
+    return tuple(sorted(topology.sync_member(rep.index, block) for rep in topology.replicas))
+
+
 def build_groups(topology: Topology, rank: int, timeout_s: float) -> NTPGroups:
-    timeout = timedelta(seconds=timeout_s)
-    ps_patch.initialize_trivial_groups(timeout)
-    tp_group = None
-    for replica in topology.replicas:
-        group = dist.new_group(list(replica.ranks), timeout=timeout)
-        if rank in replica.ranks:
-            tp_group = group
-    if tp_group is None:
-        raise RuntimeError(f"rank {rank} is in no replica of topology generation {topology.generation}")
+    """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
+    generation right after it joined (see :class:`GroupMaker`)."""
+    make = GroupMaker(rank, timedelta(seconds=timeout_s))
+    replica = topology.replica_of(rank)
+    tp_ranks = tuple(sorted(replica.ranks))
+    tp_group = make.first_local(tp_ranks)
+    alone = make.alone()
     member_of = set(topology.member_blocks(rank))
     sync: dict[int, dist.ProcessGroup] = {}
-    for block, ranks in enumerate(topology.sync_groups()):
-        group = dist.new_group(list(ranks), timeout=timeout)
+    sync_ranks: dict[int, tuple[int, ...]] = {}
+    for block in range(topology.tp_base):
+        ranks = sync_group_ranks(topology, block)
+        group = make.every_rank(ranks)
         if block in member_of:
-            sync[block] = group
-    replica = topology.replica_of(rank)
+            sync[block], sync_ranks[block] = group, ranks
     healthy = topology.is_healthy(replica.index)
-    ps_patch.install_tensor_parallel_group(tp_group, replica.ranks)
     if healthy:
-        [(block, group)] = sync.items()
-        ps_patch.install_data_parallel_group(group, topology.sync_groups()[block])
+        [(block, dp)] = sync.items()
+        dp_ranks = sync_ranks[block]
     else:
-        alone = parallel_state.get_context_parallel_group()  # CP = 1: this rank by itself
-        ps_patch.install_data_parallel_group(alone, [rank])
-    pg = ProcessGroupCollection.use_mpu_process_groups()  # reads the groups just installed
-    return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=dict(sorted(sync.items())),
-                     pg_collection=pg, healthy=healthy)
+        dp, dp_ranks = alone, (rank,)
+    pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
+                                              rank=rank))
+    return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy)
 
 
 def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup]:

@@ -1,53 +1,85 @@
-"""Per-replica tensor-parallel groups in Megatron-Core's globals (upstream: ``megatron.core.parallel_state``).
+"""This rank's process groups in Megatron-Core's globals (upstream: ``megatron.core.parallel_state``).
 
-``initialize_model_parallel`` assumes a dense tp × dp grid and rejects, say, 7 ranks at TP 4. Each process
-keeps its own copy of the globals, so an uneven world works when every rank first initialises the rarely
-changing groups at TP 1 (pipeline, context, expert: all trivial) and then installs its own replica's TP
-group and the data-parallel group it syncs in. Code that still reads the globals (the RNG tracker's TP rank,
-``get_model_parallel_group`` in the optimizer) then sees the replica it lives in.
+Upstream's ``initialize_model_parallel`` builds the whole dense tp × cp × ep × dp × pp grid on every rank: each
+rank calls ``new_group`` for every group of the world, and is a member of several world-sized ones (at 10,240
+ranks and TP 1: 112,646 calls per rank, six world-sized groups, each a full mesh under gloo). It also rejects
+an uneven world (7 ranks at TP 4). Each process keeps its own copy of the globals, so neither is needed: the
+caller builds the few groups its rank is a member of and :func:`install` puts them where Megatron's code
+looks (the RNG tracker's TP and expert ranks, vocab-parallel cross entropy, the pipeline schedule, sharded
+state dicts' data-parallel group). The same groups go into the explicit ``ProcessGroupCollection`` it
+returns for the model, DDP and the optimizer.
+
+With pipeline, context and expert parallelism all 1 (the only shapes this package runs), upstream's grid
+has, for one rank: the tensor-parallel group, the data-parallel group, the rank by itself for every
+trivial role (pipeline, context, expert, embedding and position embedding), the tensor-parallel group
+again for the roles that combine it with a trivial one (model, tensor+context, expert tensor), the
+data-parallel group again for expert data parallelism, and the world for the distributed optimizer's
+grad-norm group. The tensor-and-data group (FP8 amax reduction only) is left unset, so code that reaches
+for it fails loudly rather than building a world-sized group.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 
-def initialize_trivial_groups(timeout: timedelta) -> None:
-    """Megatron's own initializer at TP 1 / PP 1 / CP 1: valid for any world size. No gloo side groups (the
-    job's backend is gloo on CPU already), and every group bounded by ``timeout``."""
-    ps.destroy_model_parallel()  # unconditionally: an initializer a failure cut short leaves some groups set
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                                 distributed_timeout_minutes=timeout.total_seconds() / 60,
-                                 create_gloo_process_groups=False)
+@dataclass(frozen=True)
+class RankGroups:
+    """The groups one rank takes part in, with their global ranks (in group-rank order)."""
+
+    tp: dist.ProcessGroup
+    tp_ranks: tuple[int, ...]
+    dp: dist.ProcessGroup
+    dp_ranks: tuple[int, ...]
+    alone: dist.ProcessGroup
+    """This rank by itself: every trivial role (pipeline, context, expert, embedding)."""
+    rank: int
+    grad_stats: Optional[dist.ProcessGroup] = None
+    """The distributed optimizer's grad-norm group (the world at PP 1; None without a distributed optimizer)."""
 
 
-def install_tensor_parallel_group(tp_group: dist.ProcessGroup, tp_ranks: Sequence[int]) -> None:
-    """Make ``tp_group`` (this rank's replica) the tensor- and model-parallel group of this process."""
-    ps._TENSOR_MODEL_PARALLEL_GROUP = tp_group
-    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = list(tp_ranks)
-    ps._MODEL_PARALLEL_GROUP = tp_group  # PP = 1: model parallel = tensor parallel
-    ps._MODEL_PARALLEL_GLOBAL_RANKS = list(tp_ranks)
-    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = tp_group  # CP = 1
-    ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
-    ps._MPU_TENSOR_MODEL_PARALLEL_RANK = None
+def install(groups: RankGroups) -> ProcessGroupCollection:
+    """Replace Megatron-Core's globals by ``groups`` and return the matching explicit collection."""
+    ps.destroy_model_parallel()  # unconditionally: a build a failure cut short leaves some globals set
+    tp_ranks, dp_ranks, me = list(groups.tp_ranks), list(groups.dp_ranks), [groups.rank]
+    ps._TENSOR_MODEL_PARALLEL_GROUP = groups.tp
+    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
+    ps._MODEL_PARALLEL_GROUP = groups.tp  # PP = 1: model parallel = tensor parallel
+    ps._MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
+    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = groups.tp  # CP = 1
+    ps._PIPELINE_MODEL_PARALLEL_GROUP = groups.alone
+    ps._PIPELINE_GLOBAL_RANKS = me
+    ps._EMBEDDING_GROUP = groups.alone  # first and last pipeline stage: this rank
+    ps._EMBEDDING_GLOBAL_RANKS = me
+    ps._POSITION_EMBEDDING_GROUP = groups.alone
+    ps._POSITION_EMBEDDING_GLOBAL_RANKS = me
+    ps._CONTEXT_PARALLEL_GROUP = groups.alone
+    ps._CONTEXT_PARALLEL_GLOBAL_RANKS = me
+    ps._DATA_PARALLEL_GROUP = groups.dp
+    ps._DATA_PARALLEL_GLOBAL_RANKS = dp_ranks
+    ps._DATA_PARALLEL_GROUP_WITH_CP = groups.dp
+    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = dp_ranks
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = groups.dp  # one distributed-optimizer instance
+    ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = groups.grad_stats
+    # Expert parallelism 1, expert tensor parallelism = TP (upstream's default): no expert weights here, but
+    # the RNG tracker seeds its expert stream from these ranks, and DDP wants an expert data-parallel group.
+    ps._EXPERT_MODEL_PARALLEL_GROUP = groups.alone
+    ps._EXPERT_MODEL_PARALLEL_RANKS = me
+    ps._EXPERT_TENSOR_PARALLEL_GROUP = groups.tp
+    ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = groups.tp
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = groups.tp
+    ps._EXPERT_DATA_PARALLEL_GROUP = groups.dp
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = groups.dp
+    ps._set_global_memory_buffer()
+    return ProcessGroupCollection(
+        tp=groups.tp, pp=groups.alone, mp=groups.tp, embd=groups.alone, pos_embd=groups.alone, cp=groups.alone,
+        tp_cp=groups.tp, hcp=None, ep=groups.alone, expt_tp=groups.tp, tp_ep=groups.tp, tp_ep_pp=groups.tp,
+        tp_dp_cp=None, dp=groups.dp, dp_cp=groups.dp, expt_dp=groups.dp, intra_dp_cp=groups.dp,
+        intra_expt_dp=groups.dp, inter_dist_opt=None, intra_dist_opt=groups.grad_stats,
+    )
 
-
-def install_data_parallel_group(dp_group: dist.ProcessGroup, dp_ranks: Sequence[int]) -> None:
-    """The group Megatron's own DP collectives run in (for NTP: the sync group when all replicas are equally
-    wide, else this rank alone). The TP1 initialiser's other DP-derived groups span the whole world, which
-    is wrong for any layout, so they are cleared: code that still reaches for them fails loudly instead."""
-    for name in ("_DATA_PARALLEL_GROUP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_DATA_PARALLEL_GROUP_WITH_CP_AG",
-                 "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "_TENSOR_AND_DATA_PARALLEL_GROUP",
-                 "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"):
-        setattr(ps, name, None)
-    ps._DATA_PARALLEL_GROUP = dp_group
-    ps._DATA_PARALLEL_GLOBAL_RANKS = list(dp_ranks)
-    ps._DATA_PARALLEL_GROUP_WITH_CP = dp_group
-    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = list(dp_ranks)
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = dp_group
-    ps._MPU_DATA_PARALLEL_WORLD_SIZE = None
-    ps._MPU_DATA_PARALLEL_RANK = None

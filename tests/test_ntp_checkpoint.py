@@ -176,10 +176,9 @@ def megatron():
     apply_patches(cpu=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    ps_patch.initialize_trivial_groups(timedelta(seconds=60))
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from ntp_megatron.groups import dense_groups
 
-    yield ProcessGroupCollection.use_mpu_process_groups()
+    yield ps_patch.install(dense_groups(1, 0, 1, timedelta(seconds=60)))
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()

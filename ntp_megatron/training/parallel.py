@@ -13,14 +13,16 @@ replica, so the global batch and the data order do not change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.config import JobConfig
+from ntp_megatron.groups import build_groups, dense_groups
+from ntp_megatron.patches import parallel_state as ps_patch
 
 
 @dataclass
@@ -71,31 +73,33 @@ def assign_shares(live: list[int], num_replicas: int) -> dict[int, list[int]]:
 
 
 def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
+    """Megatron's dense grid at the configured TP, but only this rank's groups: its TP and DP groups and
+    itself alone for the trivial roles (never upstream's initializer, which makes every group of the world on
+    every rank). The distributed optimizer's grad-norm group is the world: the default group, not a copy."""
     p = cfg.parallel
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=p.tensor_model_parallel_size,
-                                             distributed_timeout_minutes=p.timeout_s / 60,
-                                             create_gloo_process_groups=False)
-    replica = parallel_state.get_data_parallel_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = dense_groups(p.tensor_model_parallel_size, rank, world, timedelta(seconds=p.timeout_s),
+                          grad_stats=dist.group.WORLD if p.use_distributed_optimizer else None)
+    pg = ps_patch.install(groups)
+    replica, tp_rank = divmod(rank, p.tensor_model_parallel_size)
     return ParallelSetup(
-        pg=ProcessGroupCollection.use_mpu_process_groups(),
+        pg=pg,
         replica=replica,
         num_replicas=p.data_parallel_size,
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_rank=tp_rank,
         tp_per_replica=[p.tensor_model_parallel_size] * p.data_parallel_size,
         shares=[replica],
         microbatches_per_share=cfg.num_microbatches,
         samples_per_iteration=cfg.training.global_batch_size,
-        rank=dist.get_rank(),
+        rank=rank,
     )
 
 
 def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
-    """Groups (collective over this generation's default group) and samples for ``rank`` in ``topology``."""
-    from ntp_megatron.groups import build_groups
-
+    """Groups (collective over each group's members) and samples for ``rank`` in ``topology``."""
     groups = build_groups(topology, rank, cfg.parallel.timeout_s)
-    live = [rep.index for rep in topology.replicas]
-    shares = assign_shares(live, cfg.parallel.data_parallel_size)
+    widths = {rep.index: rep.width for rep in topology.replicas}
+    shares = assign_shares(list(widths), cfg.parallel.data_parallel_size)
     counts = {rep.index: microbatches_per_share(cfg, rep.width) * len(shares[rep.index])
               for rep in topology.replicas}
     replica = topology.replica_of(rank)
@@ -104,7 +108,7 @@ def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
         replica=replica.index,
         num_replicas=cfg.parallel.data_parallel_size,
         tp_rank=topology.local_rank(rank),
-        tp_per_replica=[topology.replica(r).width if r in live else 0 for r in range(cfg.parallel.data_parallel_size)],
+        tp_per_replica=[widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)],
         shares=shares[replica.index],
         microbatches_per_share=microbatches_per_share(cfg, replica.width),
         samples_per_iteration=sum(counts.values()) * cfg.training.micro_batch_size,

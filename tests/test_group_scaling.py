@@ -1,0 +1,214 @@
+"""Process groups at cluster scale, counted without processes: a fake torch.distributed for a 10,240- or
+102,400-rank world records every ``new_group`` call one rank makes while the real builders run (NTP's
+``ntp_parallel`` with dead slots, the plain ``uniform_parallel``). A rank must make TP + 2 calls whatever
+the number of replicas, and no world-sized group. Upstream's initializer made 112,646 calls per rank at
+10,240 ranks (TP 1) and joined six world-sized groups; the fake gives up after a budget, so the old code
+fails fast. Then the same builder in real gloo processes, through a failure and a return.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ntp_megatron.config import load_job_config
+from ntp_megatron.layout import make_topology
+from ntp_megatron.training.parallel import ntp_parallel, uniform_parallel
+
+TP = 8
+BUDGET = 64
+"""More ``new_group`` calls than this on one rank: the builder does not scale (it fails the test at once)."""
+# dead slots: one replica down to TP 7, one to TP 6 (two blocks dealt), and the last replica down to TP 5
+DEAD = [(0, 3), (5, 0), (5, 1), (-1, 7), (-1, 6), (-1, 0)]
+
+
+class FakeGroup:
+    def __init__(self, ranks: list[int], me: int) -> None:
+        self.ranks, self.me = ranks, me
+
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        return self.ranks.index(self.me)
+
+
+@dataclass
+class FakeWorld:
+    """torch.distributed as one rank of a ``size``-rank world sees it."""
+
+    size: int
+    rank: int
+    calls: list[dict] = field(default_factory=list)
+
+    def new_group(self, ranks=None, timeout=None, use_local_synchronization=False, **_kw):
+        members = list(range(self.size)) if ranks is None else sorted(ranks)
+        self.calls.append({"ranks": members, "timeout": timeout, "local": use_local_synchronization})
+        if len(self.calls) > BUDGET:
+            raise AssertionError(f"more than {BUDGET} new_group calls on rank {self.rank} of {self.size}")
+        return FakeGroup(members, self.rank) if self.rank in members else dist.GroupMember.NON_GROUP_MEMBER
+
+    def get_rank(self, group=None) -> int:
+        return self.rank if group is None else group.rank()
+
+    def get_world_size(self, group=None) -> int:
+        return self.size if group is None else group.size()
+
+
+@pytest.fixture
+def fake_world(monkeypatch):
+    def install(size: int, rank: int) -> FakeWorld:
+        world = FakeWorld(size, rank)
+        for name in ("new_group", "get_rank", "get_world_size"):
+            monkeypatch.setattr(dist, name, getattr(world, name))
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        return world
+
+    yield install
+    ps.destroy_model_parallel()
+
+
+def _cfg(dp: int, ntp: bool):
+    return load_job_config(None, [f"ntp.enabled={str(ntp).lower()}", f"parallel.tensor_model_parallel_size={TP}",
+                                  f"parallel.data_parallel_size={dp}", "training.micro_batch_size=1",
+                                  f"training.global_batch_size={dp}", "model.num_attention_heads=16",
+                                  "model.hidden_size=128"])
+
+
+def _check_calls(world: FakeWorld, largest_allowed: int) -> None:
+    """``TP`` groups every rank makes (one per slot or block: the groups across replicas), two made by
+    their members alone (this rank's replica and this rank by itself), none world-sized, all with a timeout."""
+    local = [call for call in world.calls if call["local"]]
+    assert len(local) == 2 and all(world.rank in call["ranks"] for call in local), local
+    assert len(world.calls) - len(local) == TP
+    assert max(len(call["ranks"]) for call in world.calls) <= largest_allowed < world.size
+    assert all(call["timeout"] is not None for call in world.calls), "a group without a timeout"
+
+
+@pytest.mark.parametrize("replicas", [1280, 12800])
+def test_ntp_groups_do_not_grow_with_the_world(fake_world, replicas):
+    """TP8 × ``replicas`` with dead slots: a healthy rank, a proxy of dead blocks and a non-proxy rank of a
+    degraded replica each make ten ``new_group`` calls, the largest group is a sync group (one rank per
+    replica), and Megatron's globals and the collection hold exactly this rank's replica and sync groups."""
+    cfg = _cfg(replicas, ntp=True)
+    dead = [(r % replicas, s) for r, s in DEAD]
+    topology = make_topology(TP, replicas, cfg.unit_counts(), dead_slots=dead)
+    assert topology.world_size == TP * replicas - len(dead)
+    degraded_ranks = [r for i in (0, 5, replicas - 1) for r in topology.replica(i).ranks]
+    proxy = max(degraded_ranks, key=lambda r: len(topology.member_blocks(r)))
+    degraded = min(degraded_ranks, key=lambda r: len(topology.member_blocks(r)))
+    healthy = topology.rank_of(1, 0)
+    sync_groups = topology.sync_groups()
+    assert len(topology.member_blocks(proxy)) >= 2 and len(topology.member_blocks(degraded)) == 1
+    for rank in (healthy, proxy, degraded):
+        world = fake_world(topology.world_size, rank)
+        setup = ntp_parallel(cfg, topology, rank)
+        blocks = topology.member_blocks(rank)
+        _check_calls(world, largest_allowed=replicas)
+        replica = topology.replica_of(rank)
+        assert ps.get_tensor_model_parallel_group().ranks == sorted(replica.ranks) == setup.pg.tp.ranks
+        assert ps.get_tensor_model_parallel_world_size() == replica.width
+        assert sorted(setup.groups.sync) == blocks
+        for block, group in setup.groups.sync.items():
+            assert group.ranks == sorted(sync_groups[block])
+        dp = ps.get_data_parallel_group()
+        assert dp is setup.pg.dp
+        assert dp.ranks == (setup.groups.sync[blocks[0]].ranks if setup.groups.healthy else [rank])
+        for role in ("pp", "cp", "ep", "embd", "pos_embd"):
+            assert getattr(setup.pg, role).ranks == [rank], role
+
+
+@pytest.mark.parametrize("replicas", [1280, 12800])
+def test_plain_groups_do_not_grow_with_the_world(fake_world, replicas):
+    """Uniform TP8 × ``replicas``: ten calls per rank (its TP group and itself, made locally; the eight DP
+    groups, made by every rank), laid out as upstream's grid (TP innermost)."""
+    cfg = _cfg(replicas, ntp=False)
+    world_size = TP * replicas
+    for rank in (0, world_size // 2 + 3, world_size - 1):
+        world = fake_world(world_size, rank)
+        setup = uniform_parallel(cfg)
+        _check_calls(world, largest_allowed=replicas)
+        replica, slot = divmod(rank, TP)
+        assert (setup.replica, setup.tp_rank) == (replica, slot)
+        assert setup.pg.tp.ranks == list(range(replica * TP, replica * TP + TP))
+        assert setup.pg.dp.ranks == list(range(slot, world_size, TP))
+        assert ps.get_data_parallel_group() is setup.pg.dp and ps.get_tensor_model_parallel_group() is setup.pg.tp
+        assert ps.get_data_parallel_rank() == replica and ps.get_tensor_model_parallel_rank() == slot
+
+
+# -- the same builder in real gloo processes, across generations -------------------------------------------------
+
+UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
+GENERATIONS = [[], [(1, 1)], [(1, 1), (0, 1)], []]
+"""Dead slots of each generation of TP2 × 2: healthy; replica 1 at TP1 (its rank is the proxy of block 1);
+both at TP1 (the two sync groups have the same ranks); healthy again (the two processes come back)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
+    """One process (a fixed slot) through every generation it has a rank in: groups, one all-reduce in each,
+    and no group of this process besides the default one and the ones it uses."""
+    try:
+        import torch
+        from torch.distributed import distributed_c10d
+
+        from ntp_megatron.groups import build_groups
+
+        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        for generation, dead in enumerate(GENERATIONS):
+            topology = make_topology(2, 2, UNITS, dead_slots=dead, generation=generation)
+            rank = topology.rank_of(replica, slot)
+            if rank is None:
+                continue
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/", store), rank=rank,
+                                    world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+            groups = build_groups(topology, rank, timeout_s)
+            used = [groups.tp, groups.pg_collection.pp, *groups.sync.values()]
+            held = [g for g in distributed_c10d._world.pg_names if g is not distributed_c10d._get_default_group()]
+            assert {id(g) for g in held} == {id(g) for g in used}, (generation, [g.size() for g in held])
+            for group in used:  # replica, this rank alone, then sync groups in ascending block: one order
+                value = torch.ones(1)
+                dist.all_reduce(value, group=group)
+                assert value.item() == group.size() == dist.get_world_size(group)
+            dist.barrier()
+            ps.destroy_model_parallel()
+            dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def test_groups_work_in_gloo_across_generations():
+    """Four forked gloo processes build their groups in four generations of one store (healthy, one replica at
+    TP1, both at TP1 with identical sync groups, healthy again): every group works, and a process holds no
+    group besides the default one and its replica, itself and its sync groups."""
+    port = _free_port()
+    timeout_s = 30.0
+    master = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_slot_process, args=(r, s, port, timeout_s)) for r in range(2) for s in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=90)
+        if proc.exitcode is None:
+            proc.kill()
+    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
+    del master
