@@ -256,6 +256,10 @@ class JobConfig(_Section):
         for key, on in unsupported.items():
             if on:
                 raise ValueError(f"{key} is not supported with ntp.enabled yet; switch one of them off")
+        if self.training.precision == "fp16":
+            raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
+                             "reduces over the replica inside the optimizer step, after the commit point): use "
+                             "'bf16' or 'fp32', or set ntp.enabled: false")
         if self.model.transformer_impl != "local":
             raise ValueError("ntp.enabled needs model.transformer_impl: local (NTP layers build on the local spec)")
         try:

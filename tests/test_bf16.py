@@ -31,6 +31,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ntp_megatron.config import load_job_config
+from ntp_megatron.config_io import ConfigError
 from tests.equivalence_cases import ITERS, Case, assert_replicas_agree, iteration_records, key_bias_rows
 from tests.jobs import JobResult, assert_ok, relative_difference
 from tests.test_live_failure import assert_replicas_agree as assert_replicas_agree_across_generations
@@ -112,3 +114,12 @@ def test_live_kill_under_bf16_moves_main_params_and_moments(jobs, tp1):
     assert_covers_main_state(result)
     assert_replicas_agree_across_generations(result, iters=ITERS)
     compare_bf16(result, tp1)
+
+
+def test_fp16_under_ntp_is_refused_and_plain_fp16_is_allowed():
+    """fp16's loss scaler all-reduces found-inf inside the optimizer step, after NTP's commit point."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config(overrides=["training.precision=fp16"])
+    assert str(err.value).startswith("training.precision 'fp16' is not supported with ntp.enabled yet"), err.value
+    assert "\n" not in str(err.value)
+    assert load_job_config(overrides=["training.precision=fp16", "ntp.enabled=false"]).training.precision == "fp16"
