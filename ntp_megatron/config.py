@@ -234,6 +234,10 @@ class JobConfig(_Section):
             )
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.parallel.use_distributed_optimizer and (self.logging.state_checksums or self.logging.dump_state):
+            key = "logging.state_checksums" if self.logging.state_checksums else "logging.dump_state"
+            raise ValueError(f"{key} does not cover parallel.use_distributed_optimizer's sharded optimizer state "
+                             "yet; switch one of them off")
         if self.checkpoint.async_save and self.ntp.enabled:
             raise ValueError("checkpoint.async_save is not supported with ntp.enabled yet (a re-formation cannot "
                              "drop a pending background save cleanly): set ntp.enabled: false or "

@@ -80,6 +80,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
             cpu_shim,
             dist_checkpointing_filesystem_async,
             optimizer_clip_grads,
+            optimizer_distrib_optimizer,
             optimizer_optimizer,
             tensor_parallel_random,
         )
@@ -88,8 +89,10 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         tensor_parallel_random.apply()
         optimizer_clip_grads.apply()
         optimizer_optimizer.apply()  # bf16 / fp16: upstream accepts CUDA tensor types only
+        optimizer_distrib_optimizer.apply()
         dist_checkpointing_filesystem_async.apply()  # a forked, not spawned, results queue for checkpoint writes
         _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads", "optimizer_optimizer",
+                         "optimizer_distrib_optimizer",
                          "dist_checkpointing_filesystem_async"])
     from ntp_megatron.patches import optimizer_param_groups
 

@@ -21,7 +21,9 @@ _CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "tor
                     torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
 
-def _answering_cuda_type(init: Callable) -> Callable:
+def answering_cuda_type(init: Callable) -> Callable:
+    """``init(self, optimizer, ...)`` during which the CPU parameters of ``optimizer`` answer ``type()`` with
+    their CUDA type name."""
     @functools.wraps(init)
     def wrapped(self, optimizer, *args, **kwargs):
         masked = []
@@ -43,5 +45,5 @@ def apply() -> None:
     cls = upstream.Float16OptimizerWithFloat16Params
     if getattr(cls.__init__, "_ntp_cpu_types", False):
         return
-    cls.__init__ = _answering_cuda_type(cls.__init__)
+    cls.__init__ = answering_cuda_type(cls.__init__)
     cls.__init__._ntp_cpu_types = True

@@ -135,3 +135,11 @@ def test_fp16_under_ntp_is_refused_and_plain_fp16_is_allowed():
     assert str(err.value).startswith("training.precision 'fp16' is not supported with ntp.enabled yet"), err.value
     assert "\n" not in str(err.value)
     assert load_job_config(overrides=["training.precision=fp16", "ntp.enabled=false"]).training.precision == "fp16"
+
+
+def test_state_verification_refuses_the_distributed_optimizer():
+    """Its sharded state lives on other ranks than the parameters: refused rather than silently skipped."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config(overrides=["ntp.enabled=false", "parallel.use_distributed_optimizer=true",
+                                   "logging.state_checksums=true"])
+    assert str(err.value).startswith("logging.state_checksums does not cover parallel.use_distributed_optimizer")
