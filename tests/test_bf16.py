@@ -34,7 +34,7 @@ import torch
 from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
 from tests.equivalence_cases import ITERS, Case, assert_replicas_agree, iteration_records, key_bias_rows
-from tests.jobs import JobResult, assert_ok, relative_difference
+from tests.jobs import JobResult, assert_ok, layout_args, relative_difference
 from tests.test_live_failure import assert_replicas_agree as assert_replicas_agree_across_generations
 
 BF16 = ["--set", "training.precision=bf16"]
@@ -143,3 +143,19 @@ def test_state_verification_refuses_the_distributed_optimizer():
         load_job_config(overrides=["ntp.enabled=false", "parallel.use_distributed_optimizer=true",
                                    "logging.state_checksums=true"])
     assert str(err.value).startswith("logging.state_checksums does not cover parallel.use_distributed_optimizer")
+
+
+def test_plain_fp16_trains_and_resumes_with_its_loss_scale(jobs, tmp_path_factory):
+    """fp16 (NTP off) on CPU: Megatron's dynamic loss scale starts at 2^32, so the first iterations overflow and
+    are skipped until it has come down; a checkpoint taken after that resumes with the same scale (the next
+    iteration's loss is the uninterrupted run's, bit for bit)."""
+    ckpt = tmp_path_factory.mktemp("fp16-ckpt")
+    fp16 = layout_args(2, 1, 26) + ["--set", "training.precision=fp16"]
+    full = jobs.run("fp16", fp16 + ["--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=25"])
+    assert_ok(full)
+    records = iteration_records(full)
+    skipped = [records[i]["skipped"] for i in sorted(records)]
+    assert skipped[0] == 1 and skipped[-3:] == [0, 0, 0], skipped  # measured: steps from iteration 23 on
+    resumed = jobs.run("fp16-resumed", fp16 + ["--set", f"checkpoint.load={ckpt}/iter_0000025"])
+    assert_ok(resumed)
+    assert iteration_records(resumed)[26]["lm_loss"] == records[26]["lm_loss"]
