@@ -150,7 +150,7 @@ def test_plain_fp16_trains_and_resumes_with_its_loss_scale(jobs, tmp_path_factor
     are skipped until it has come down; a checkpoint taken after that resumes with the same scale (the next
     iteration's loss is the uninterrupted run's, bit for bit)."""
     ckpt = tmp_path_factory.mktemp("fp16-ckpt")
-    fp16 = layout_args(2, 1, 26) + ["--set", "training.precision=fp16"]
+    fp16 = layout_args(1, 1, 26) + ["--set", "training.precision=fp16"]
     full = jobs.run("fp16", fp16 + ["--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=25"])
     assert_ok(full)
     records = iteration_records(full)
