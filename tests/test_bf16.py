@@ -18,10 +18,11 @@ Adam moment, worst tensor's L2         1.7e-2                       2.4e-2
 bf16 rounds every matmul output and every TP partial sum to 8 bits of mantissa, so a layout that sums in another
 order computes another rounding; Adam then turns those differences, where gradients are small (norm biases), into
 a few percent of the update. Parameters are compared by their update (final minus initial), since a weight's
-initial value hides its update's error. The tolerances are about three times plain Megatron-Core's own spread:
-``LOSS_TOL`` 3e-5, ``GRAD_NORM_TOL`` 1.5e-3, ``UPDATE_TOL`` 0.1 (moments included). A wrong gradient or a lost unit
-moves the grad norm and whole updates by far more; the fp32 property test (test_ntp_equivalence) holds the exact
-function to 1e-5.
+initial value hides its update's error; the key rows of the QKV bias are left out as in the fp32 comparison
+(their true gradient is zero). The tolerances are about three times plain Megatron-Core's worst spread:
+``LOSS_TOL`` 3e-5, ``GRAD_NORM_TOL`` 1.5e-3, ``UPDATE_TOL`` 0.1 (moments included). They check that bf16 NTP
+trains the same model; what must be exact is checked exactly — every replica's and every TP rank's bits, main
+params and moments included — and the fp32 property test (test_ntp_equivalence) holds NTP's function to 1e-5.
 """
 
 from __future__ import annotations
