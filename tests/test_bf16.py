@@ -148,15 +148,18 @@ def test_state_verification_refuses_the_distributed_optimizer():
 
 def test_plain_fp16_trains_and_resumes_with_its_loss_scale(jobs, tmp_path_factory):
     """fp16 (NTP off) on CPU: Megatron's dynamic loss scale starts at 2^32, so the first iterations overflow and
-    are skipped until it has come down; a checkpoint taken after that resumes with the same scale (the next
-    iteration's loss is the uninterrupted run's, bit for bit)."""
+    are skipped until it has come down; a checkpoint taken after that resumes with the same scale (the steps after
+    it — skipped or not, grad norm, next loss — are the uninterrupted run's, bit for bit)."""
     ckpt = tmp_path_factory.mktemp("fp16-ckpt")
-    fp16 = layout_args(1, 1, 26) + ["--set", "training.precision=fp16"]
+    fp16 = layout_args(1, 1, 27) + ["--set", "training.precision=fp16"]
     full = jobs.run("fp16", fp16 + ["--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=25"])
     assert_ok(full)
     records = iteration_records(full)
     skipped = [records[i]["skipped"] for i in sorted(records)]
-    assert skipped[0] == 1 and skipped[-3:] == [0, 0, 0], skipped  # measured: steps from iteration 23 on
+    assert skipped[0] == 1 and skipped[-3:] == [0, 0, 0], skipped  # skipped while the scale overflows fp16
     resumed = jobs.run("fp16-resumed", fp16 + ["--set", f"checkpoint.load={ckpt}/iter_0000025"])
     assert_ok(resumed)
-    assert iteration_records(resumed)[26]["lm_loss"] == records[26]["lm_loss"]
+    after = iteration_records(resumed)
+    for i in (26, 27):
+        assert [after[i][k] for k in ("lm_loss", "grad_norm", "skipped")] == \
+            [records[i][k] for k in ("lm_loss", "grad_norm", "skipped")], i
