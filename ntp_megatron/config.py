@@ -270,6 +270,10 @@ class JobConfig(_Section):
                              "give it one (e.g. data.split: 98,2,0) or set training.eval_iters: 0")
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
+        if self.parallel.use_distributed_optimizer and (self.logging.state_checksums or self.logging.dump_state):
+            key = "logging.state_checksums" if self.logging.state_checksums else "logging.dump_state"
+            raise ValueError(f"{key} does not cover parallel.use_distributed_optimizer's sharded optimizer state "
+                             "yet; switch one of them off")
         if self.checkpoint.async_save and self.ntp.enabled:
             raise ValueError("checkpoint.async_save is not supported with ntp.enabled yet (a re-formation cannot "
                              "drop a pending background save cleanly): set ntp.enabled: false or "
@@ -292,6 +296,10 @@ class JobConfig(_Section):
         for key, on in unsupported.items():
             if on:
                 raise ValueError(f"{key} is not supported with ntp.enabled yet; switch one of them off")
+        if self.training.precision == "fp16":
+            raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
+                             "reduces over the replica inside the optimizer step, after the commit point): use "
+                             "'bf16' or 'fp32', or set ntp.enabled: false")
         if self.model.transformer_impl != "local":
             raise ValueError("ntp.enabled needs model.transformer_impl: local (NTP layers build on the local spec)")
         try:

@@ -6,7 +6,9 @@ same replica when there is one, else the rank holding the same canonical block i
 (:func:`ntp_megatron.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
 packed message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the
 parameter and of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order
-both ends derive from the topology and the parameter names alone.
+both ends derive from the topology and the parameter names alone. Under bf16 / fp16 the parameter travels as
+the fp32 main param the optimizer steps; the model's 16-bit copy is its rounding (as after every step) and is
+rebuilt from it on arrival.
 
 Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
 the wire are exactly the units that moved.
@@ -25,6 +27,13 @@ from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
 
 Unit = tuple[str, int]  # (family, unit id)
+
+
+def optimizer_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor the optimizer steps for ``param`` and keys its state by: under bf16 / fp16 Megatron's fp32
+    copy (``main_param``), else the parameter itself."""
+    main = getattr(param, "main_param", None)
+    return param if main is None else main
 
 
 def state_keys(optimizer_name: str) -> tuple[str, ...]:
@@ -73,8 +82,18 @@ class UnitTensors:
         self.state = optimizer.optimizer.state if optimizer is not None else {}
 
     def tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
-        """The parameter, then its state tensors in ``keys`` order."""
-        return [param.data, *(self.state[param][key] for key in self.keys)]
+        """Every per-element tensor of ``param`` this rank holds: the parameter, its fp32 main param (bf16 /
+        fp16), then its state tensors in ``keys`` order."""
+        main = optimizer_param(param)
+        return [param.data, *([main.data] if main is not param else []), *self._state(main)]
+
+    def moved(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
+        """What a message carries for ``param``: the tensor the optimizer steps, then its state tensors."""
+        main = optimizer_param(param)
+        return [main.data, *self._state(main)]
+
+    def _state(self, main: torch.Tensor) -> list[torch.Tensor]:
+        return [self.state[main][key] for key in self.keys]
 
     def unit_numel(self, family: str) -> int:
         """Elements one unit of ``family`` occupies in a message."""
@@ -85,13 +104,13 @@ class UnitTensors:
         return sum(p.numel() for p in self.replicated) * (1 + len(self.keys))
 
     def pack(self, units: tuple[Unit, ...], replicated: bool = False) -> torch.Tensor:
-        parts = [t.reshape(-1) for p in self.replicated for t in self.tensors(p)] if replicated else []
+        parts = [t.reshape(-1) for p in self.replicated for t in self.moved(p)] if replicated else []
         for _, param, shard in self.params:
             local = [shard.units.index(u) for f, u in units if f == shard.family]
             if not local:
                 continue
             index = torch.tensor(local, device=param.device)
-            for tensor in self.tensors(param):
+            for tensor in self.moved(param):
                 parts.append(tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1))
         return torch.cat(parts).float() if parts else torch.empty(0)
 
@@ -102,19 +121,24 @@ class UnitTensors:
         offset = 0
         if replicated:
             for param in self.replicated:
-                for tensor in self.tensors(param):
+                for tensor in self.moved(param):
                     tensor.view(-1).copy_(buffer[offset:offset + tensor.numel()])
                     offset += tensor.numel()
+                if optimizer_param(param) is not param:
+                    param.data.copy_(optimizer_param(param).data)
         for _, param, shard in self.params:
             local = [shard.units.index(u) for f, u in units if f == shard.family]
             if not local:
                 continue
             index = torch.tensor(local, device=param.device)
-            for tensor in self.tensors(param):
+            for tensor in self.moved(param):
                 size = shard.outer * len(local) * shard.inner
                 chunk = buffer[offset:offset + size].view(shard.outer, len(local), shard.inner).to(tensor.dtype)
-                tensor.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, index, chunk)
+                shard.view(tensor).index_copy_(1, index, chunk)
                 offset += size
+            main = optimizer_param(param)
+            if main is not param:  # the 16-bit parameter: its main param's new units, rounded
+                shard.view(param.data).index_copy_(1, index, shard.view(main.data).index_select(1, index).to(param.dtype))
         assert offset == buffer.numel(), f"message of {buffer.numel()} elements, {offset} used"
 
 
@@ -126,12 +150,11 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
     for name, param in new_model.named_parameters():
         before = old_by_name[name]
         if step is not None:
-            new.state[param]["step"] = step.clone()
+            new.state[optimizer_param(param)]["step"] = step.clone()
         shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
         if shard is None:
-            param.data.copy_(before.data)
-            for key in new.keys:
-                new.state[param][key].copy_(old.state[before][key])
+            for target, source in zip(new.tensors(param), old.tensors(before)):
+                target.copy_(source)
             continue
         previous: UnitShard = before.ntp_shard
         kept = [(i, previous.units.index(u)) for i, u in enumerate(shard.units) if u in previous.units]
@@ -160,7 +183,8 @@ def set_step(tensors: UnitTensors, steps: int) -> None:
 def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
     """Create zeroed per-element state for every parameter of a freshly built optimizer (filled afterwards)."""
     for param in model.parameters():
-        tensors.state[param] = {key: torch.zeros_like(param.data) for key in tensors.keys}
+        main = optimizer_param(param)
+        tensors.state[main] = {key: torch.zeros_like(main.data) for key in tensors.keys}
 
 
 def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], new: Optional[UnitTensors],

@@ -80,14 +80,21 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
             cpu_shim,
             dist_checkpointing_filesystem_async,
             optimizer_clip_grads,
+            optimizer_distrib_optimizer,
+            optimizer_grad_scaler,
+            optimizer_optimizer,
             tensor_parallel_random,
         )
 
         cpu_shim.apply()
         tensor_parallel_random.apply()
         optimizer_clip_grads.apply()
+        optimizer_optimizer.apply()  # bf16 / fp16: upstream accepts CUDA tensor types only
+        optimizer_distrib_optimizer.apply()
+        optimizer_grad_scaler.apply()  # fp16 checkpoints: the loss scale restored without .cuda()
         dist_checkpointing_filesystem_async.apply()  # a forked, not spawned, results queue for checkpoint writes
-        _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads",
+        _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads", "optimizer_optimizer",
+                         "optimizer_distrib_optimizer", "optimizer_grad_scaler",
                          "dist_checkpointing_filesystem_async"])
     from ntp_megatron.patches import optimizer_param_groups
 

@@ -26,6 +26,7 @@ PATCHED_MODULES = (
     "megatron.core.optimizer",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",  # fp16's loss scale
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.tensor_parallel.layers",

@@ -50,7 +50,25 @@ def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
     if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
         # The norm override returns the global norm; a chain of several would combine it several times.
         raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
+    carry_ntp_attributes(optimizer)
+    # As Megatron-LM's training loop: the schedule scales the loss by the optimizer's loss scale (fp16's
+    # dynamic scale; 1 otherwise), and the optimizer unscales the gradients by it.
+    tf_config.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+def carry_ntp_attributes(optimizer) -> None:
+    """Under bf16 / fp16 the optimizer steps fp32 copies of the model's parameters (main params), to which
+    Megatron copies only its own TP attributes; every ``ntp_*`` attribute (``ntp_shard``: the units a tensor
+    holds) goes to them too, so the code that walks the optimizer's tensors — state checksums, resharding,
+    checkpoints — sees their layout."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for model_group, main_group in zip(getattr(part, "float16_groups", ()),
+                                           getattr(part, "fp32_from_float16_groups", ())):
+            for param, main_param in zip(model_group, main_group):
+                for name, value in vars(param).items():
+                    if name.startswith("ntp_"):
+                        setattr(main_param, name, value)
 
 
 def build_scheduler(cfg: JobConfig, optimizer) -> OptimizerParamScheduler:

@@ -15,13 +15,16 @@ import torch.distributed as dist
 
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.ntp_gpt import family_geometry
+from ntp_megatron.reshard import optimizer_param, state_keys
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+class UncoveredState(RuntimeError):
+    """A tensor the verification must cover cannot be read in unit order (or is missing): never skipped."""
 
 
-def shard_of(name: str, param: torch.nn.Parameter, tf_config, num_units: dict[str, int], tp_rank: int,
+def shard_of(name: str, param: torch.Tensor, tf_config, num_units: dict[str, int], tp_rank: int,
              tp_size: int) -> Optional[UnitShard]:
-    """The NTP tag if the parameter has one; for a uniform Megatron model, rank ``tp_rank``'s contiguous block."""
+    """The NTP tag if the tensor has one; for a uniform Megatron model, rank ``tp_rank``'s contiguous block."""
     shard = getattr(param, "ntp_shard", None)
     if shard is not None or tp_size == 1:
         return shard
@@ -43,21 +46,55 @@ def _gather_full(local: torch.Tensor, shard: UnitShard, tp_group) -> torch.Tenso
     return full.reshape(-1)
 
 
-def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int) -> dict[str, torch.Tensor]:
-    """``name`` → full parameter and ``name.exp_avg`` / ``name.exp_avg_sq`` → full Adam moments (all
-    and flattened). Collective over the replica's TP group."""
+def covered_tensors(model, optimizer) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
+    """``key`` → (parameter name, tensor, the tensor whose ``ntp_shard`` describes it) for every tensor of the replica state:
+    each parameter ``name``; under bf16 / fp16 its fp32 main param ``name.main_param``; and ``name.<key>`` for
+    each per-element optimizer state tensor (Adam's moments, SGD's momentum), which belong to the main param.
+
+    Raises :class:`UncoveredState` where a tensor would otherwise go unreported: a parameter the optimizer does
+    not step, a main param without the parameter's NTP tag, or, once the optimizer holds any state, a parameter
+    without all of it."""
+    keys = state_keys(optimizer.config.optimizer)
     state = optimizer.optimizer.state
-    out: dict[str, torch.Tensor] = {}
+    stepped = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    has_state = any(state.get(p) for group in optimizer.optimizer.param_groups for p in group["params"])
+    out: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
     for name, param in model.module.named_parameters():
-        shard = shard_of(name, param, tf_config, num_units, tp_rank, tp_group.size())
-        tensors = {name: param.data}
-        for key in STATE_KEYS:
-            if key in state.get(param, {}):
-                tensors[f"{name}.{key}"] = state[param][key]
-        for key, tensor in tensors.items():
-            out[key] = tensor.detach().cpu().reshape(-1).clone() if shard is None else _gather_full(tensor, shard, tp_group)
+        out[name] = (name, param.data, param)
+        if not param.requires_grad:
+            continue
+        main = optimizer_param(param)
+        if id(main) not in stepped:
+            raise UncoveredState(f"{name}: the optimizer does not step this parameter (or its main param)")
+        if main is not param:
+            if hasattr(param, "ntp_shard") and getattr(main, "ntp_shard", None) != param.ntp_shard:
+                raise UncoveredState(f"{name}: its fp32 main param lacks the parameter's ntp_shard")
+            out[f"{name}.main_param"] = (name, main.data, main)
+        if not has_state:
+            continue  # before the first step (or a load) no parameter has state yet
+        for key in keys:
+            if key not in state.get(main, {}):
+                raise UncoveredState(f"{name}: optimizer state {key!r} missing")
+            if state[main][key] is not None:  # SGD without momentum keeps None
+                out[f"{name}.{key}"] = (name, state[main][key], main)
+    return out
+
+
+def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int) -> dict[str, torch.Tensor]:
+    """``name`` → full parameter, ``name.main_param`` → its full fp32 main param (bf16 / fp16), and
+    ``name.exp_avg`` / ``name.exp_avg_sq`` → full Adam moments (all flattened). Collective over the replica's
+    TP group."""
+    out: dict[str, torch.Tensor] = {}
+    for key, (name, tensor, owner) in covered_tensors(model, optimizer).items():
+        shard = shard_of(name, owner, tf_config, num_units, tp_rank, tp_group.size())
+        out[key] = tensor.detach().cpu().reshape(-1).clone() if shard is None else _gather_full(tensor, shard, tp_group)
     return out
 
 
 def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {key: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16] for key, t in state.items()}
+    """sha256 prefix of each tensor's bytes (16-bit tensors hashed through an int16 view: numpy has no bf16)."""
+    def raw(t: torch.Tensor) -> bytes:
+        t = t.contiguous()
+        return (t.view(torch.int16) if t.element_size() == 2 else t).numpy().tobytes()
+
+    return {key: hashlib.sha256(raw(t)).hexdigest()[:16] for key, t in state.items()}

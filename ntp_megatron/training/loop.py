@@ -462,9 +462,11 @@ class Trainer:
         """Run a collective action; under NTP a failed generation sends the rank to recovery instead (and the
         action's result is None). Recovery runs after the ``except`` block: the exception's traceback pins the
         failed step's frames — the old model, its autograd graph, its process groups — until it is dropped."""
+        from ntp_megatron.training.inspect_state import UncoveredState
+
         try:
             return action()
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, UncoveredState):  # a verification gap is no peer's failure
             raise
         except Exception as exc:  # noqa: BLE001
             if self.generation is None:

@@ -123,7 +123,9 @@ def build_model(
 
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize, **common)
-    gpt = gpt.to(device)
+    # bf16 / fp16: the whole model in 16 bits, norms included, as Megatron-LM's Float16Module casts it (the
+    # wrapper itself is left out: NTP code reads the GPT module directly; the loss is fp32 either way).
+    gpt = gpt.to(device=device, dtype=tf_config.params_dtype)
     config = ddp_config(cfg)
     if not own_buckets_sync:
         config.overlap_grad_reduce = False
