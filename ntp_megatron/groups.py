@@ -10,8 +10,8 @@ rank of a degraded replica gets itself alone as its data-parallel group; :mod:`n
 its sync groups.
 
 A rank makes ``tp_base + 2`` groups per generation, whatever the number of replicas (Megatron's dense
-initializer at TP 1 made 112,646 per rank at 10,240 ranks), and no world-sized group exists besides the
-default one: see :class:`GroupMaker` for how.
+initializer at TP 1 made 112,646 per rank at 10,240 ranks), and at TP ≥ 2 no world-sized group exists
+besides the default one: see :class:`GroupMaker` for how.
 
 Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is rebuilt
 from a topology object, so a re-formation can call :func:`build_groups` again.
@@ -53,6 +53,10 @@ class GroupMaker:
         """The group of ``ranks`` (this rank among them, disjoint from every other rank's first group), made
         by its members only; before any other group of this generation."""
         ranks = sorted(ranks)
+        # With a device bound to the default group, torch makes subgroups by an NCCL split that every rank of the
+        # default group must join: members alone would wait for the others forever. Nothing binds one today.
+        if getattr(distributed_c10d._get_default_group(), "bound_device_id", None) is not None:
+            raise RuntimeError("groups made by their members alone need a default group without a bound device")
         if len(distributed_c10d._world.pg_names) > 1:
             raise RuntimeError("a group made by its members alone must be the first of its generation: torch "
                                "names it after the number of groups the process already has, which its peers "

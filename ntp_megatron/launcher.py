@@ -258,7 +258,7 @@ class Launcher:
                 self._say(f"node {missing[0]} of {a.nnodes} did not join within {limit:.0f} s: start ntp-launch "
                           f"with the same config and --nnodes {a.nnodes} --node-rank {missing[0]} --store-host "
                           f"<this host> --store-port {self.store_port} there")
-                _try_set(self.store, ABORT_KEY, f"node {missing[0]} did not join")
+                _set_abort(self.store, f"node {missing[0]} did not join")
                 self._stop_all()
                 return False
             for i in missing:
@@ -388,11 +388,15 @@ class Launcher:
         self.started = time.time()
         try:
             store = self._join_store()
-        except Exception as exc:  # noqa: BLE001 - a C++ error from the store client: one line instead
-            a = self.args
-            self._say(f"could not reach node 0's store at {a.store_host}:{self.store_port} within "
-                      f"{self.cfg.parallel.timeout_s:.0f} s ({str(exc).splitlines()[0][:120]}); is ntp-launch "
-                      f"--node-rank 0 running there with --store-port {self.store_port}?")
+        except Exception as exc:  # noqa: BLE001 - a C++ error from the store: one line instead
+            a, why = self.args, str(exc).splitlines()[0][:120]
+            if a.node_rank == 0:
+                self._say(f"cannot host the store on port {self.store_port} ({why}); is the port in use? choose "
+                          "another --store-port")
+            else:
+                self._say(f"could not reach node 0's store at {a.store_host}:{self.store_port} within "
+                          f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running there "
+                          f"with --store-port {self.store_port}?")
             for r in self.ranks.values():
                 self._watch(r)  # reaps them
             self._stop_all()
@@ -470,10 +474,11 @@ class Launcher:
                     self._stop_all()
                     return 1
             if self.args.nnodes > 1 and _try_check(store, ABORT_KEY):
-                if self.cfg.ntp.enabled:
-                    self._say(f"another node aborted the job: {store.get(ABORT_KEY).decode()}")
+                reason, death = _read_abort(store)
+                if death is not None:
+                    self._report_failure(death, store)  # the failure the aborting node named
                 else:
-                    self._report_failure(self._failure_behind([], store), store)
+                    self._say(f"another node aborted the job: {reason}")
                 self._stop_all()
                 return 1
             if deaths:
@@ -503,10 +508,9 @@ class Launcher:
                 continue  # a process of an earlier restart
             if returncode == 0:
                 finished.add(proc.rank)
-                if (self.controller is None
-                        or self.controller.latest.rank_of(*self.controller.identity[proc.rank]) is not None):
-                    self.training_done = True  # a rank of the running generation completed the run
-                continue
+                if not self.cfg.ntp.enabled or self._admitted(self.store, proc.rank):
+                    self.training_done = True  # a rank of the running generation completed the run (a retired
+                continue                       # one, of a dropped replica, exits 0 too)
             when, cause = time.time(), describe_exit(returncode)
             if agent is not None and proc.rank in agent.notes:
                 when, cause = agent.notes[proc.rank]
@@ -521,9 +525,14 @@ class Launcher:
     def _handle_deaths(self, deaths: list, store, finished: set[int]) -> Optional[int]:
         """None to keep going, or the launcher's exit code."""
         if self.cfg.ntp.enabled:
-            booting = [d for d in deaths if d.launch_rank in self.rejoin_attempts
+            # Replacements this node started, or (node 0) another node's, that died before they were admitted.
+            booting = [d for d in deaths
+                       if (d.launch_rank in self.rejoin_attempts or d.launch_rank not in self.local_ranks)
                        and not self._admitted(store, d.launch_rank)]
             for d in booting:  # a replacement that died before it was admitted: the job never relied on it
+                _try_delete(store, elastic_keys.joining(d.launch_rank))  # so that it is never admitted
+                if self.controller is None:
+                    _try_publish_death(store, d)  # node 0 may have admitted it meanwhile: it decides
                 if self.training_done:
                     continue  # stopped by us: the run completed before it was admitted
                 self._say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
@@ -562,7 +571,8 @@ class Launcher:
             if self._can_restart():
                 return self._restart(store)
             deaths = [first]
-        _try_set(store, ABORT_KEY, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths))
+        _set_abort(store, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths),
+                   deaths[0] if len(deaths) == 1 else None)
         live = sum(r.poll() is None for r in self.ranks.values())
         self._say(f"stopping the other {live} local rank(s)")
         self._stop_all()
@@ -577,16 +587,33 @@ class Launcher:
         from ntp_megatron.elastic.controller import injected_failure
 
         deaths = list(local)
+        if all(is_echo(d) for d in deaths):
+            deaths += self._stalled_ranks()
         if self.args.nnodes > 1:
-            for d in local:
+            for d in deaths:
                 _try_publish_death(store, d)
             deadline = time.monotonic() + SETTLE_S
-            while True:
-                deaths = _published_deaths(store) or deaths
-                if any(not is_echo(d) for d in deaths) or time.monotonic() > deadline:
-                    break
+            while not any(not is_echo(d) for d in deaths) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
+                _, decided = _read_abort(store)
+                if decided is not None:  # another node has named the failure already
+                    return decided
+                try:
+                    deaths = _published_deaths(store) or deaths
+                except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
+                    break
         return min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, is_echo(d), d.time))
+
+    def _stalled_ranks(self) -> list:
+        """Local ranks still alive but stopped (SIGSTOP, a hang): when every death is an echo, the rank its peers
+        were waiting for is one of these."""
+        from ntp_megatron.elastic.controller import Death
+
+        out = []
+        for r in self.ranks.values():
+            if r.poll() is None and _process_state(r.pid) in ("T", "t"):
+                out.append(Death(r.rank, time.time(), "is stopped (hung): its peers' collectives timed out", r.pid))
+        return out
 
     def _report_failure(self, death, store) -> None:
         """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
@@ -817,13 +844,37 @@ def _try_publish_death(store, death) -> None:
 
 
 def _published_deaths(store) -> list:
-    """Every death any node has published so far."""
+    """Every death any node has published so far (raises if the store is unreachable)."""
     from ntp_megatron.elastic.controller import Death
 
+    return [Death(**json.loads(store.get(death_key(n)))) for n in range(1, int(store.add(DEATHS_KEY, 0)) + 1)]
+
+
+def _set_abort(store, reason: str, death=None) -> None:
+    """Tell every node to stop: why, and the failure this node named (so they all name the same one)."""
+    _try_set(store, ABORT_KEY, json.dumps({"reason": reason,
+                                           "death": dataclasses.asdict(death) if death is not None else None}))
+
+
+def _read_abort(store) -> tuple[Optional[str], object]:
+    """(reason, the named failure as a ``Death`` or None) if a node has aborted the job, else (None, None)."""
+    from ntp_megatron.elastic.controller import Death
+
+    if not _try_check(store, ABORT_KEY):
+        return None, None
     try:
-        return [Death(**json.loads(store.get(death_key(n)))) for n in range(1, int(store.add(DEATHS_KEY, 0)) + 1)]
+        record = json.loads(store.get(ABORT_KEY).decode())
     except Exception:  # noqa: BLE001
-        return []
+        return "unknown", None
+    return record["reason"], Death(**record["death"]) if record.get("death") else None
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of ``/proc/<pid>/stat`` ("R", "S", "T" stopped, ...), "" if unreadable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -837,6 +888,13 @@ def _try_set(store, key: str, value: str) -> None:
     try:
         store.set(key, value)
     except Exception:  # the store may be unreachable on a failing node; reporting must not crash
+        pass
+
+
+def _try_delete(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001
         pass
 
 
@@ -913,10 +971,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                               cfg.ntp.enabled, start.iteration if start else 0, eval_interval)
                     for f in specs]
         run_dir = Path(cfg.logging.run_dir).resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / f"config.node{args.node_rank}.json"
+        launcher = Launcher(cfg, config_path, args, failures, start)  # refuses a placement before anything is made
+        run_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(cfg.model_dump_json(indent=2))
-        launcher = Launcher(cfg, config_path, args, failures, start)
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -102,6 +102,7 @@ UNSUPPORTED: dict[str, str] = {
     "recompute-granularity": "activation recomputation is not supported yet",
     "recompute-activations": "activation recomputation is not supported yet",
     "fp32-residual-connection": "an fp32 residual stream is not supported yet",
+    "disable-bias-linear": "linear layers without biases are not supported yet",
 }
 """Megatron flags the project knows it does not support, with the reason given to the user."""
 
@@ -143,6 +144,8 @@ def translate(extra: Sequence[str]) -> list[str]:
         else:
             raise ConfigError(f"unknown argument --{name}: neither a config key nor a Megatron flag ntp-launch "
                               "supports (ntp-launch --help lists them; --set section.key=value sets any key)")
+    if "--bf16" in extra and "--fp16" in extra:
+        raise ConfigError("--bf16 and --fp16 exclude each other: pick one")
     return overrides
 
 

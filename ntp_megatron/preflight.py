@@ -30,19 +30,33 @@ def check_data(cfg: JobConfig) -> None:
 
 
 def check_device(cfg: JobConfig) -> None:
-    """A config that asks for CUDA (``training.device: cuda`` or ``parallel.backend: nccl``) on a machine
-    where torch sees no CUDA device. ``auto`` is left to the ranks (CPU and gloo where there is no GPU)."""
+    """A config that asks for CUDA (``training.device: cuda`` or ``parallel.backend: nccl``) on a machine where
+    torch sees no CUDA device, or ``auto`` on a GPU machine whose CUDA is broken (the environment or the driver
+    names GPUs, torch sees none): one line here instead of one per rank. Creates no CUDA context."""
+    import torch
+
+    from ntp_megatron.training import runtime
+
     wants = [f"{key} is {value!r}" for key, value in (("training.device", cfg.training.device),
                                                        ("parallel.backend", cfg.parallel.backend))
              if value in ("cuda", "nccl")]
-    if not wants:
+    expected = runtime.expected_gpus() if not wants and cfg.training.device == "auto" else None
+    if not wants and expected is None:
         return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(f"{' and '.join(wants)}, but torch sees no CUDA device on this machine "
-                          f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use training.device: auto "
-                          "or cpu and parallel.backend: auto or gloo")
+    try:
+        available = torch.cuda.is_available()
+    except Exception as exc:  # noqa: BLE001 - the check itself failing means a broken CUDA
+        raise ConfigError(f"training.device: CUDA is unusable: torch.cuda.is_available() failed ({exc}); fix the "
+                          "CUDA setup, or set training.device: cpu") from None
+    if available:
+        return
+    if expected is not None:
+        raise ConfigError(f"training.device is 'auto' and {expected}, but torch sees no CUDA device (torch "
+                          f"{torch.__version__}, CUDA build {torch.version.cuda}); fix the CUDA setup, or set "
+                          "training.device: cpu to train on CPU")
+    raise ConfigError(f"{' and '.join(wants)}, but torch sees no CUDA device on this machine "
+                      f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use training.device: auto "
+                      "or cpu and parallel.backend: auto or gloo")
 
 
 def resume_point(cfg: JobConfig):

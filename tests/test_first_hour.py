@@ -50,6 +50,8 @@ def test_megatron_spellings_are_accepted(flags, expected):
     (["--train-samples", "1000"], "--train-samples: sample-based training is not supported yet: use --train-iters"),
     (["--bf16", "yes"], "--bf16: takes no value"),
     (["--no-such-flag"], "unknown argument --no-such-flag: neither a config key nor a Megatron flag"),
+    (["--disable-bias-linear"], "--disable-bias-linear: linear layers without biases are not supported yet"),
+    (["--bf16", "--fp16"], "--bf16 and --fp16 exclude each other"),
 ])
 def test_unsupported_megatron_flags_are_refused_by_name(flags, expected):
     with pytest.raises(ConfigError) as err:

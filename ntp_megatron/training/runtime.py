@@ -41,7 +41,8 @@ EXIT_PEER_FAILED = 3
 """Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
 not its cause. The launcher names the cause."""
 _PEER_FAILURE_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                         "NCCL communicator was aborted", "NCCL error")
+                         "NCCL communicator was aborted", "remote process exited or there was a network error")
+"""Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
 
 TOPOLOGY_KEY = "topology/gen{generation}"
 """Store key under which the launcher publishes each generation's topology (JSON)."""
