@@ -12,8 +12,8 @@ indices. A replicated tensor is one unit.
 The generator is counter-based: SplitMix64's finaliser over ``key + (index + 1) * golden_gamma`` (``key`` hashes
 the seed and the name) gives 24 uniform bits, and Wichura's AS241 inverse normal CDF turns them into a standard
 normal (7 digits, float32's precision). Everything is written with integer ops and IEEE-exact float32
-``+ - * / sqrt`` (the logarithm of the tails too), each a separate torch op: the values are bit-identical on CPU
-and CUDA, whatever the vectorisation.
+``+ - * / sqrt`` (the logarithm of the tails too), each a separate torch op (no fused multiply-add), so a value
+does not depend on vectorisation, chunking or the device (CPU and CUDA round these ops alike; only CPU is tested).
 
 What each parameter gets follows Megatron-Core's own initialisation: ``init_method`` (N(0, init_method_std)) for
 QKV, FC1 and an untied output layer, ``output_layer_init_method`` (the std scaled by 1/sqrt(2 num_layers)) for the

@@ -28,7 +28,7 @@ from ntp_megatron.layers import (
     tag_parameter,
     vocab_parallel_cross_entropy,
 )
-from ntp_megatron.init import initialize_layout_free
+from ntp_megatron.init import INIT_CHOICES, initialize_layout_free
 from ntp_megatron.sharding import ROLE_KEY, assign_replica_ids
 
 
@@ -152,16 +152,17 @@ def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int,
     ``"megatron"`` replays a TP1 Megatron model's CPU initialisation from the torch RNG state at the call (every
     full-size weight drawn on every rank). ``initialize=False`` leaves the weights to the caller (a re-formation
     copies them). The torch RNG state is left as it was at the call, or as the replay leaves it."""
+    if init not in INIT_CHOICES:
+        raise ValueError(f"init must be one of {', '.join(INIT_CHOICES)}, not {init!r}")
     rng_state = torch.get_rng_state()
     model = NTPGPTModel(config, units, normalization, vocab_size, **gpt_kwargs)
     torch.set_rng_state(rng_state)  # construction's own draws are overwritten: do not let them shift the stream
+    if initialize and init == "megatron":
+        initialize_like_megatron(model)  # replays from where a Megatron model's construction would have started
     if device is not None:
         model = model.to(device)
-    if initialize:
-        if init == "megatron":
-            initialize_like_megatron(model)  # replays from where a Megatron model's construction would have started
-        else:
-            initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None))
+    if initialize and init == "layout_free":  # on the device: nothing full-size, nothing through the host
+        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None))
     return model
 
 
