@@ -136,7 +136,8 @@ def test_initial_weights_follow_megatrons_init_per_parameter(megatron):
 
 def test_generation_is_o_local(megatron, monkeypatch):
     """A TP4 rank's build generates exactly its own elements, in chunks, and draws nothing full-size: the only
-    torch normal draw is the position embedding's constructor (replicated, so local)."""
+    torch normal draw is the position embedding's constructor (replicated, so local). A build without
+    initialisation (a re-formation's) generates nothing."""
     import ntp_megatron.init as init
 
     cfg = load_job_config(None, [*MODEL, "model.hidden_size=64", "model.ffn_hidden_size=200",
@@ -159,6 +160,10 @@ def test_generation_is_o_local(megatron, monkeypatch):
     monkeypatch.setattr(init, "normal", counting_normal)
     monkeypatch.setattr(init, "CHUNK", 4096)
     monkeypatch.setattr(torch.Tensor, "normal_", counting_torch_normal)
+    _ntp(cfg, units, initialize=False)  # a re-formation's build: the weights come from the old layout and peers
+    position = cfg.model.seq_length * cfg.model.hidden_size
+    assert generated == [] and drawn in ([position], []), (generated, drawn)
+    drawn.clear()
     model = _ntp(cfg, units)
     monkeypatch.undo()
     normal_params = [p for n, p in model.named_parameters() if not n.endswith(".bias") and "norm" not in n]
@@ -166,7 +171,7 @@ def test_generation_is_o_local(megatron, monkeypatch):
     full = sum(p.ntp_shard.num_units // len(p.ntp_shard.units) * p.numel() if hasattr(p, "ntp_shard") else p.numel()
                for p in normal_params)
     assert local < 0.4 * full
-    position = model.embedding.position_embeddings.weight.numel()
+    assert position == model.embedding.position_embeddings.weight.numel()
     assert drawn in ([position], []), f"torch normal draws of {drawn} elements (local: {local}, full: {full})"
     assert sum(generated) == local
     assert max(generated) <= 4096

@@ -50,10 +50,11 @@ def transformer_config(cfg: JobConfig, device: Optional[torch.device] = None) ->
         # only feeds upstream's divisibility asserts, which uneven layouts must not hit.
         tensor_model_parallel_size=1 if cfg.ntp.enabled else p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
-        # Megatron allocates parameters on the current CUDA device unless this is set; on CPU it must be. With
-        # model.init layout_free, build_model initialises (Megatron's init would be overwritten).
+        # Megatron allocates parameters on the current CUDA device unless this is set; on CPU it must be.
         use_cpu_initialization=not on_cuda,
-        perform_initialization=cfg.initializer == "megatron",
+        # Off only for a plain model with model.init layout_free (build_model initialises it); NTP models switch it
+        # off in their own copy and initialise themselves.
+        perform_initialization=cfg.ntp.enabled or cfg.initializer == "megatron",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=t.precision == "bf16",
