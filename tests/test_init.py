@@ -28,9 +28,10 @@ def _ntp(cfg, units, **kwargs):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     m = cfg.model
+    tied = not m.untie_embeddings_and_output_weights
     return build_ntp_gpt(transformer_config(cfg), RankUnits(*units), m.normalization, m.vocab_size,
                          seed=cfg.training.seed, max_sequence_length=m.seq_length, pre_process=True,
-                         post_process=True, share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                         post_process=True, share_embeddings_and_output_weights=tied,
                          position_embedding_type=m.position_embedding_type,
                          pg_collection=ProcessGroupCollection.use_mpu_process_groups(), **kwargs)
 
@@ -168,7 +169,7 @@ def test_generation_is_o_local(megatron, monkeypatch):
     monkeypatch.undo()
     normal_params = [p for n, p in model.named_parameters() if not n.endswith(".bias") and "norm" not in n]
     local = sum(p.numel() for p in normal_params)
-    full = sum(p.ntp_shard.num_units // len(p.ntp_shard.units) * p.numel() if hasattr(p, "ntp_shard") else p.numel()
+    full = sum(p.numel() // len(p.ntp_shard.units) * p.ntp_shard.num_units if hasattr(p, "ntp_shard") else p.numel()
                for p in normal_params)
     assert local < 0.4 * full
     assert position == model.embedding.position_embeddings.weight.numel()
@@ -229,8 +230,9 @@ def test_cpu_initialisation_and_fusions_follow_the_device(monkeypatch, device):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     real_find_spec = importlib.util.find_spec
+    apex_kernel = "fused_weight_gradient_mlp_cuda"
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "fused_weight_gradient_mlp_cuda" else real_find_spec(name, *a))
+                        lambda name, *a: object() if name == apex_kernel else real_find_spec(name, *a))
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
     cfg = load_job_config(None, ["training.device=auto", "model.position_embedding_type=rope"])
     tf_config = model_lib.transformer_config(cfg)
