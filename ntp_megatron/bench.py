@@ -5,7 +5,8 @@ machine drift hits all of them alike, and each case's step time is the median ``
 iterations after warm-up, pooled over rounds. Output: a table on stdout and JSON (``--out``), including a
 ``degraded_step_time_ratio`` section in the format the goodput simulator reads as calibration. Also measured:
 communication of healthy ranks, a failure absorbed by NTP against a restart from checkpoint, and the training
-stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs that part alone).
+stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs that part alone), and the time and
+peak memory of initialising one rank's model, Megatron replay against the layout-free initialiser (``--only init``).
 
 On a CPU machine with fewer cores than ranks, ranks time-share cores: ratios between jobs with different
 rank counts then measure total work rather than per-GPU speed. The comparisons below are arranged so that
@@ -232,6 +233,84 @@ def measure_checkpoint_stall(rounds: int, launcher: Sequence[str], workdir: Path
     }
 
 
+# Initialisation cost of one rank's model, Megatron replay (every full-size master weight drawn on every rank, then
+# the rank's units kept) against the layout-free initialiser (only the rank's units computed), at TP 1, 2, 4, 8:
+# a wider model, built in a fresh process per measurement (rank 0's canonical block) so that its peak RSS is its own.
+INIT_MODEL = ["model.num_layers=4", "model.hidden_size=2048", "model.num_attention_heads=16",
+              "model.ffn_hidden_size=8192", "model.vocab_size=32768", "model.seq_length=1024"]
+INIT_TPS = (1, 2, 4, 8)
+INIT_KINDS = ("megatron", "layout_free")
+
+
+def init_probe(tp: int, init: str) -> dict:
+    """In a fresh process: build rank 0's NTP model of a TP ``tp`` replica with ``init``; time and peak RSS."""
+    import os
+    import resource
+    import socket
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from ntp_megatron.config import load_job_config
+    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.patches import apply_patches
+    from ntp_megatron.patches import parallel_state as ps_patch
+    from ntp_megatron.training.model import transformer_config
+
+    torch.set_num_threads(1)  # as a rank runs (the launcher's default OMP_NUM_THREADS=1)
+    apply_patches(cpu=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    ps_patch.initialize_trivial_groups(timedelta(seconds=60))
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cfg = load_job_config(None, [*INIT_MODEL, f"parallel.tensor_model_parallel_size={tp}",
+                                 "parallel.data_parallel_size=1", f"model.init={init}"])
+    m = cfg.model
+    units = RankUnits(*(tuple(cfg.topology().units_of(0, f)) for f in ("heads", "ffn", "vocab")))
+    tf_config = transformer_config(cfg, torch.device("cpu"))
+    torch.manual_seed(cfg.training.seed)
+    page_mb = os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    rss_start_mb = int(open("/proc/self/statm").read().split()[1]) * page_mb
+    started = time.perf_counter()
+    model = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, init=init, seed=cfg.training.seed,
+                          max_sequence_length=m.seq_length, pre_process=True, post_process=True,
+                          share_embeddings_and_output_weights=True, position_embedding_type=m.position_embedding_type,
+                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    seconds = time.perf_counter() - started
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    params = sum(p.numel() for p in model.parameters())
+    dist.destroy_process_group()
+    return {"tp": tp, "init": init, "build_s": seconds, "peak_rss_mb": peak_mb,
+            "peak_over_start_mb": peak_mb - rss_start_mb, "local_params": params, "local_param_mb": params * 4 / 2 ** 20}
+
+
+def measure_init(rounds: int) -> dict:
+    """Every (TP, initialiser) pair in its own process, interleaved over ``rounds``; medians."""
+    runs: dict[str, list[dict]] = {f"{init} tp{tp}": [] for tp in INIT_TPS for init in INIT_KINDS}
+    for round_index in range(rounds):
+        for tp in INIT_TPS:
+            for init in INIT_KINDS:
+                code = ("import json; from ntp_megatron.bench import init_probe; "
+                        f"print(json.dumps(init_probe({tp}, {init!r})))")
+                proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise SystemExit(f"bench: init probe tp{tp} {init} failed:\n{proc.stderr[-3000:]}")
+                runs[f"{init} tp{tp}"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(f"init round {round_index + 1}/{rounds} {init:<12} tp{tp} done", file=sys.stderr)
+    keys = ("build_s", "peak_rss_mb", "peak_over_start_mb", "local_param_mb")
+    cases = {name: {key: statistics.median(r[key] for r in rs) for key in keys} for name, rs in runs.items()}
+    for name, c in cases.items():
+        c["best_build_s"] = min(r["build_s"] for r in runs[name])  # the least disturbed by other load
+        base = cases[name.rsplit(" ", 1)[0] + " tp1"]
+        c["best_build_s_over_tp1"] = c["best_build_s"] / base["best_build_s"]
+        c["peak_over_start_over_tp1"] = c["peak_over_start_mb"] / base["peak_over_start_mb"]
+    return {"model": " ".join(INIT_MODEL), "rounds": rounds, "runs": runs, "cases": cases}
+
+
 def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
     rows = run_job_records(case.args, iters, workdir, launcher, case.name.replace("(", "").replace(")", ""))
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
@@ -291,6 +370,17 @@ def table(result: dict) -> str:
                   f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
+    init = result.get("init")
+    if init:
+        lines += ["", f"Building one rank's model (rank 0 of a TP k replica; {init['model']}), "
+                  f"{init['rounds']} round(s), one thread:", "",
+                  "| initialiser | TP | local params (MiB fp32) | best build (s) | × TP1's | median build (s) | "
+                  "peak RSS over start (MiB) | × TP1's | peak RSS (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, c in init["cases"].items():
+            kind, tp = name.rsplit(" ", 1)
+            lines.append(f"| {kind} | {tp[2:]} | {c['local_param_mb']:.0f} | {c['best_build_s']:.2f} | "
+                         f"{c['best_build_s_over_tp1']:.2f} | {c['build_s']:.2f} | {c['peak_over_start_mb']:.0f} | "
+                         f"{c['peak_over_start_over_tp1']:.2f} | {c['peak_rss_mb']:.0f} |")
     stall = result.get("checkpoint_stall")
     if stall:
         lines += ["", f"Checkpoint stall, sync against async save ({stall['job']}), medians:", "",
@@ -311,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=["checkpoint-stall"], default=None,
+    p.add_argument("--only", choices=["checkpoint-stall", "init"], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
     args = p.parse_args(argv)
     if args.warmup >= args.iters:
@@ -320,6 +410,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ntp-bench-") as workdir:
         launcher = [sys.executable, "-m", "ntp_megatron.launcher"]
+        if args.only == "init":
+            result = {"machine": "CPU", "cases": {}, "ratios": [], "init": measure_init(args.rounds)}
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            print(table(result))
+            print(f"\nwrote {args.out}")
+            return 0
         if args.only == "checkpoint-stall":
             result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
         else:
@@ -328,6 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["failure_recovery"] = measure_failures(args.rounds, launcher, Path(workdir))
             # Calibration for the goodput simulator: measured seconds from a failure to training again.
             result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
+            result["init"] = measure_init(args.rounds)
         result["checkpoint_stall"] = measure_checkpoint_stall(args.rounds, launcher, Path(workdir))
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -47,6 +47,9 @@ class ModelSection(_Section):
     init_method_std: float = Field(0.02, gt=0.0)
     layernorm_epsilon: float = Field(1e-5, gt=0.0)
     transformer_impl: Literal["local", "transformer_engine"] = "local"
+    init: Optional[Literal["megatron", "layout_free"]] = None
+    """Initial weights: ``layout_free`` (each element a function of seed, parameter name and element index, computed
+    for this rank's units only), ``megatron`` (Megatron-Core's own), or null: layout_free under NTP, else megatron."""
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelSection":
@@ -62,6 +65,9 @@ class ModelSection(_Section):
             )
         if self.activation == "swiglu" and not self.gated_linear_unit:
             raise ValueError("model.activation 'swiglu' needs model.gated_linear_unit: true")
+        if self.init == "layout_free" and self.transformer_impl != "local":
+            raise ValueError("model.init 'layout_free' needs model.transformer_impl: local (it knows the local "
+                             "spec's parameters); use model.init: megatron with transformer_engine")
         return self
 
 
@@ -326,6 +332,11 @@ class JobConfig(_Section):
             dead_slots=parse_dead_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
             dropped=self.ntp.dropped_replicas,
         )
+
+    @property
+    def initializer(self) -> str:
+        """``model.init``, its default resolved: the layout-free initialiser under NTP, Megatron's own otherwise."""
+        return self.model.init or ("layout_free" if self.ntp.enabled else "megatron")
 
     @property
     def world_size(self) -> int:

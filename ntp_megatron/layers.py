@@ -8,8 +8,10 @@ ascending order. Layouts come from :mod:`ntp_megatron.layout`; this module only 
 How the Megatron classes are reused: each NTP class calls the upstream constructor with a size that
 upstream's ``divide(size, tp)`` turns into this rank's local size (``local × tp``), with initialisation off,
 then records the true global size and the rank's :class:`UnitShard` on every split parameter. Initial
-values come later from :func:`initialize_like_megatron`, which draws every master weight at its global size
-in Megatron's own order, so any layout starts from the weights a TP1 Megatron model would have.
+values come later: from :mod:`ntp_megatron.init` (the default: each element a function of seed, name and global
+index, computed for this rank's units only), or from :func:`initialize_like_megatron`, which draws every master
+weight at its global size in Megatron's own order, so any layout starts from the weights a TP1 Megatron model
+built with ``use_cpu_initialization`` would have (at O(model) cost per rank).
 """
 
 from __future__ import annotations

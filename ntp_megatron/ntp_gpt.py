@@ -28,6 +28,7 @@ from ntp_megatron.layers import (
     tag_parameter,
     vocab_parallel_cross_entropy,
 )
+from ntp_megatron.init import INIT_CHOICES, initialize_layout_free
 from ntp_megatron.sharding import ROLE_KEY, assign_replica_ids
 
 
@@ -144,16 +145,36 @@ class NTPGPTModel(GPTModel):
 
 
 def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int, initialize: bool = True,
+                  init: str = "layout_free", seed: int = 0, device: Optional[torch.device] = None,
                   **gpt_kwargs) -> NTPGPTModel:
-    """Construct the model, then give it the initial weights of a TP1 Megatron model built from the same RNG
-    state (layout-independent). ``initialize=False`` leaves the weights to the caller (a re-formation copies
-    them) and the RNG untouched."""
+    """Construct the model (on ``device`` if given), then give it layout-independent initial weights:
+    ``init="layout_free"`` computes this rank's units from (``seed``, name, element index) in O(local);
+    ``"megatron"`` replays a TP1 Megatron model's CPU initialisation from the torch RNG state at the call (every
+    full-size weight drawn on every rank). ``initialize=False`` leaves the weights to the caller (a re-formation
+    copies them). The torch RNG state is left as it was at the call, or as the replay leaves it."""
+    if init not in INIT_CHOICES:
+        raise ValueError(f"init must be one of {', '.join(INIT_CHOICES)}, not {init!r}")
     rng_state = torch.get_rng_state()
     model = NTPGPTModel(config, units, normalization, vocab_size, **gpt_kwargs)
-    torch.set_rng_state(rng_state)  # replay from where a Megatron model's construction would have started
-    if initialize:
-        initialize_like_megatron(model)
+    torch.set_rng_state(rng_state)  # construction's own draws are overwritten: do not let them shift the stream
+    if initialize and init == "megatron":
+        initialize_like_megatron(model)  # replays from where a Megatron model's construction would have started
+    if device is not None:
+        model = model.to(device)
+    if initialize and init == "layout_free":  # on the device: nothing full-size, nothing through the host
+        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None))
     return model
+
+
+def uniform_shard(name: str, param: torch.nn.Parameter, tf_config, tp_rank: int, tp_size: int) -> Optional[UnitShard]:
+    """The units of a plain Megatron model's (uniform TP) parameter on ``tp_rank``: block ``tp_rank`` of equal
+    contiguous blocks, folded as :func:`family_geometry` says; None for a replicated parameter."""
+    geometry = family_geometry(name, tf_config)
+    if geometry is None:
+        return None
+    family, outer, inner = geometry
+    local = param.numel() // (outer * inner)
+    return UnitShard(family, local * tp_size, tuple(range(tp_rank * local, (tp_rank + 1) * local)), outer, inner)
 
 
 def family_geometry(name: str, tf_config) -> Optional[tuple[str, int, int]]:

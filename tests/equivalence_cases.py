@@ -70,6 +70,7 @@ class Case:
             "training.global_batch_size": 2 * self.dp * self.micro_batches,
             "training.lr_warmup_iters": 1, "training.clip_grad": self.clip_grad,
             "logging.log_interval": 1, "logging.tensorboard_dir": "", "ntp.enabled": "false",
+            "model.init": "layout_free",  # NTP's default initialiser, so that the TP1 reference starts alike
         }
         return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 

@@ -23,7 +23,7 @@ ITERS = 4
 
 def run_args(tp: int, dp: int, *extra: str) -> list[str]:
     return [*TINY, "--set", f"parallel.tensor_model_parallel_size={tp}", "--set", f"parallel.data_parallel_size={dp}",
-            "--set", f"training.train_iters={ITERS}", *EVAL, *extra]
+            "--set", f"training.train_iters={ITERS}", "--set", "model.init=layout_free", *EVAL, *extra]
 
 
 def ntp_args(tp: int, dp: int, *extra: str) -> list[str]:

@@ -13,7 +13,7 @@ HEADS, HEAD_DIM = 8, 8  # the tiny model: hidden 64, 8 heads
 # rate makes the update large next to the weights, so final - initial measures it to fp32 round-off.
 ONE_STEP = [*TINY, "--set", "training.train_iters=1", "--set", "training.lr_warmup_iters=0",
             "--set", "training.lr_decay_style=constant", "--set", "training.optimizer=sgd",
-            "--set", "training.lr=1.0"]
+            "--set", "training.lr=1.0", "--set", "model.init=layout_free"]  # the plain reference starts as NTP does
 
 
 def one_step(jobs, name: str, tp: int, dp: int, extra: list[str]):

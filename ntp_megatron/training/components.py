@@ -93,7 +93,7 @@ def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
                      initialize: bool = True) -> Components:
     """Everything for ``setup``'s layout. ``initialize=False``: weights are left for the caller to fill (a
     re-formation copies them from the old layout and from peers)."""
-    tf_config = model_lib.transformer_config(cfg)
+    tf_config = model_lib.transformer_config(cfg, device)
     healthy = setup.groups is None or setup.groups.healthy
     model = model_lib.build_model(cfg, tf_config, setup.pg, device, setup.topology, setup.rank,
                                   own_buckets_sync=healthy, initialize=initialize)

@@ -3,7 +3,9 @@ with the local layer spec (or Transformer Engine's), wrapped in Megatron's DDP."
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 
 from ntp_megatron.config import JobConfig
@@ -20,9 +24,12 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def transformer_config(cfg: JobConfig) -> TransformerConfig:
-    """Megatron's TransformerConfig; the YAML ``model`` keys are its own field names."""
+def transformer_config(cfg: JobConfig, device: Optional[torch.device] = None) -> TransformerConfig:
+    """Megatron's TransformerConfig; the YAML ``model`` keys are its own field names. ``device``: where the model
+    will live (default: where ``training.device`` resolves on this machine); it decides CPU initialisation and
+    the fusions."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
+    on_cuda = (device.type if device is not None else _requested_device_type(cfg)) == "cuda"
     activation = {"gelu": F.gelu, "swiglu": F.silu, "squared_relu": lambda x: torch.pow(F.relu(x), 2)}
     dtype = _DTYPES[t.precision]
     return TransformerConfig(
@@ -43,24 +50,55 @@ def transformer_config(cfg: JobConfig) -> TransformerConfig:
         # only feeds upstream's divisibility asserts, which uneven layouts must not hit.
         tensor_model_parallel_size=1 if cfg.ntp.enabled else p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel,
-        # One master weight sliced per rank: initial weights do not depend on the TP layout.
-        use_cpu_initialization=True,
-        perform_initialization=True,
+        # Megatron allocates parameters on the current CUDA device unless this is set; on CPU it must be.
+        use_cpu_initialization=not on_cuda,
+        # Off only for a plain model with model.init layout_free (build_model initialises it); NTP models switch it
+        # off in their own copy and initialise themselves.
+        perform_initialization=cfg.ntp.enabled or cfg.initializer == "megatron",
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=t.precision == "bf16",
         fp16=t.precision == "fp16",
         # Mean over every token of the global batch, whatever the DP/TP layout.
         calculate_per_token_loss=True,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **fusions(cfg, on_cuda),
         finalize_model_grads_func=finalize_model_grads,
         cuda_graph_scope=[],  # the non-deprecated spelling of upstream's default "full"
     )
+
+
+def _requested_device_type(cfg: JobConfig) -> str:
+    requested = cfg.training.device
+    return "cuda" if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def fusions(cfg: JobConfig, on_cuda: bool) -> dict[str, bool]:
+    """Megatron's fused kernels: all off on CPU (they are CUDA kernels); on CUDA, Megatron-LM's defaults (all on)
+    where this model and the installed packages allow them: no fused bias-activation for squared ReLU, fused RoPE
+    only with rotary embeddings and Transformer Engine's kernel, gradient-accumulation fusion only when Apex's
+    ``fused_weight_gradient_mlp_cuda`` extension is importable (Megatron's own linear layers, the output layer
+    included, need it even with Transformer Engine layers)."""
+    if not on_cuda:
+        return dict.fromkeys(FUSIONS, False)
+    m = cfg.model
+    return {
+        "bias_activation_fusion": m.activation in ("gelu", "swiglu"),
+        "masked_softmax_fusion": True,
+        "bias_dropout_fusion": True,
+        "apply_rope_fusion": m.position_embedding_type == "rope" and _fused_rope_available(),
+        "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        "persist_layer_norm": True,
+    }
+
+
+FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+           "gradient_accumulation_fusion", "persist_layer_norm")
+
+
+def _fused_rope_available() -> bool:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
 def layer_spec(cfg: JobConfig):
@@ -118,11 +156,17 @@ def build_model(
     )
     if topology is None:
         gpt = GPTModel(config=tf_config, transformer_layer_spec=layer_spec(cfg), vocab_size=m.vocab_size, **common)
+        gpt = gpt.to(device)
+        if not tf_config.perform_initialization:
+            mark_tensor_parallel(gpt, tf_config)
+            if initialize:
+                initialize_uniform_layout_free(gpt, tf_config, cfg.training.seed, pg_collection.tp)
     else:
         from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
 
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
-        gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize, **common)
+        gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize,
+                            init=cfg.initializer, seed=cfg.training.seed, device=device, **common)
     # bf16 / fp16: the whole model in 16 bits, norms included, as Megatron-LM's Float16Module casts it (the
     # wrapper itself is left out: NTP code reads the GPT module directly; the loss is fp32 either way).
     gpt = gpt.to(device=device, dtype=tf_config.params_dtype)
@@ -135,3 +179,26 @@ def build_model(
     n_params = sum(p.numel() for p in gpt.parameters())
     logger.info("GPT model: %d parameters on this rank", n_params)
     return model
+
+
+def mark_tensor_parallel(gpt: torch.nn.Module, tf_config: TransformerConfig) -> None:
+    """The TP attributes Megatron sets on a split weight only while initialising it (``perform_initialization``),
+    set here for a model built without: DDP, the optimizer and checkpoints read them."""
+    for name, module in gpt.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            stride = 2 if name.endswith("linear_fc1") and tf_config.gated_linear_unit else 1
+            set_tensor_model_parallel_attributes(weight, True, 0, stride)
+        elif isinstance(module, RowParallelLinear):
+            set_tensor_model_parallel_attributes(weight, True, 1, 1)
+
+
+def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerConfig, seed: int, tp_group) -> None:
+    """``model.init: layout_free`` for a plain Megatron model at uniform TP: the same values as every NTP layout."""
+    from ntp_megatron.init import initialize_layout_free
+    from ntp_megatron.ntp_gpt import uniform_shard
+
+    rank, size = tp_group.rank(), tp_group.size()
+    initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size))
