@@ -3,24 +3,27 @@ with replicas bit for bit equal — fp32 main params and Adam moments included �
 re-formation.
 
 Tolerances, measured on this case (3 iterations; relative differences to plain Megatron-Core bf16 at TP1 on the
-same samples, 2026-11-30):
+same samples, every run from the layout-free initialiser, 2026-11-30):
 
 =====================================  ===========================  =========================
                                        plain Megatron TP2 × DP2     NTP TP2 + TP1 (dead slot)
 =====================================  ===========================  =========================
-lm loss, worst iteration               8.9e-6                       2.5e-6
-grad norm, worst iteration             4.8e-4                       1.8e-4
-update of a parameter / main param,    3.4e-2 (a norm's bias)       3.3e-2 (the same bias)
-worst tensor's L2
-Adam moment, worst tensor's L2         1.7e-2                       2.4e-2
+lm loss, worst iteration               5.2e-6                       6.6e-6
+grad norm, worst iteration             7.2e-4                       1.4e-4
+update of a bf16 parameter, worst      1.5e-1 (a norm's weight)     1.5e-1 (a norm's weight)
+tensor's L2
+update of an fp32 main param           5.3e-2 (an FC1 bias)         9.0e-2 (the same bias)
+Adam moment, worst tensor's L2         1.9e-2                       9.6e-3
 =====================================  ===========================  =========================
 
 bf16 rounds every matmul output and every TP partial sum to 8 bits of mantissa, so a layout that sums in another
-order computes another rounding; Adam then turns those differences, where gradients are small (norm biases), into
-a few percent of the update. Parameters are compared by their update (final minus initial), since a weight's
-initial value hides its update's error; the key rows of the QKV bias are left out as in the fp32 comparison
-(their true gradient is zero). The tolerances are about three times plain Megatron-Core's worst spread:
-``LOSS_TOL`` 3e-5, ``GRAD_NORM_TOL`` 1.5e-3, ``UPDATE_TOL`` 0.1 (moments included). They check that bf16 NTP
+order computes another rounding; Adam then turns those differences, where gradients are small (biases, norms),
+into a visible part of a small update, and a bf16 norm weight near 1.0 moves in steps of 2^-7, so its update is
+mostly rounding. Parameters are compared by their update (final minus initial), since a weight's initial value
+hides its update's error; the key rows of the QKV bias are left out as in the fp32 comparison (their true gradient
+is zero). The tolerances are about twice plain Megatron-Core's own worst spread between layouts: ``LOSS_TOL``
+3e-5, ``GRAD_NORM_TOL`` 1.5e-3, ``UPDATE_TOL`` 0.3 (moments included); a wrong update (a lost or doubled gradient
+share) is off by order 1. They check that bf16 NTP
 trains the same model; what must be exact is checked exactly — every replica's and every TP rank's bits, main
 params and moments included — and the fp32 property test (test_ntp_equivalence) holds NTP's function to 1e-5.
 """
@@ -41,7 +44,7 @@ from tests.test_live_failure import assert_replicas_agree as assert_replicas_agr
 BF16 = ["--set", "training.precision=bf16"]
 LOSS_TOL = 3e-5
 GRAD_NORM_TOL = 1.5e-3
-UPDATE_TOL = 0.1
+UPDATE_TOL = 0.3
 
 # TP2 × 2 with replica 1's slot 1 dead: replica 1 runs at TP1, slot 0 is the proxy of block 1.
 CASE = Case(tp_base=2, dp=2, dead=((1, 1),), num_layers=2, query_groups=4, heads_per_group=2, kv_channels=8,
