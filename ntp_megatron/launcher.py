@@ -191,7 +191,8 @@ class Launcher:
         if self.args.nnodes == 1 and not idle:
             return ""
         used = _spans(sorted(self.devices.values())) or "none"
-        return f" on node {self.args.node_rank}, devices {used}" + (f" ({_spans(idle)} idle)" if idle else "")
+        idle_text = f" (device{'s' if len(idle) > 1 else ''} {_spans(idle)} idle)" if idle else ""
+        return f" on node {self.args.node_rank}, devices {used}{idle_text}"
 
     # -- output ------------------------------------------------------------------------------------
     def _say(self, message: str) -> None:

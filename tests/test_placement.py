@@ -130,7 +130,7 @@ def test_launcher_gives_each_rank_its_slots_device(tmp_path):
     node1.run_dir = tmp_path
     assert node1.local_ranks == [4, 5, 6]
     assert [node1._rank_env(r, 1)[runtime.ENV_LOCAL_RANK] for r in node1.local_ranks] == ["0", "2", "3"]
-    assert node1._where() == " on node 1, devices 0, 2..3 (1 idle)"
+    assert node1._where() == " on node 1, devices 0, 2..3 (device 1 idle)"
     node0 = _launcher(tmp_path, 2, 0, "ntp.enabled=true", "parallel.tensor_model_parallel_size=2",
                       "parallel.data_parallel_size=4", "ntp.dead_slots=[2:1]")
     assert node0.local_ranks == [0, 1, 2, 3]
@@ -192,7 +192,7 @@ def test_two_launchers_on_one_host_with_a_dead_slot_and_a_rejoin(tmp_path):
     assert json.loads((run_dir / "ranks.node0.json").read_text()).keys() == {"0"}
     pids1 = json.loads((run_dir / "ranks.node1.json").read_text())
     assert pids1.keys() == {"1", "2"} and len(pids1["2"]) == 2, pids1  # the replacement started on node 1
-    assert "ntp-launch: started ranks 0 of 3 on node 0, devices 0 (1 idle)" in err0
+    assert "ntp-launch: started ranks 0 of 3 on node 0, devices 0 (device 1 idle)" in err0
     assert "ntp-launch: started ranks 1..2 of 3 on node 1, devices 0..1 " in err1
     assert "ntp-launch: starting a replacement for launch rank 2" in err1
     assert "ntp-launch: admitting launch rank 2 (replica 1, slot 1)" in err0
