@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from megatron.core.optimizer import distrib_optimizer as upstream
 
-from ntp_megatron.patches.optimizer_optimizer import answering_cuda_type
+from ntp_megatron.patches.optimizer_optimizer import answer_cuda_type_in_constructor
 
 
 def apply() -> None:
-    cls = upstream.DistributedOptimizer
-    if getattr(cls.__init__, "_ntp_cpu_types", False):
-        return
-    cls.__init__ = answering_cuda_type(cls.__init__)
-    cls.__init__._ntp_cpu_types = True
+    answer_cuda_type_in_constructor(upstream.DistributedOptimizer)

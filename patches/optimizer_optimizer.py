@@ -41,9 +41,13 @@ def answering_cuda_type(init: Callable) -> Callable:
     return wrapped
 
 
-def apply() -> None:
-    cls = upstream.Float16OptimizerWithFloat16Params
+def answer_cuda_type_in_constructor(cls: type) -> None:
+    """Wrap ``cls.__init__`` with :func:`answering_cuda_type` (once)."""
     if getattr(cls.__init__, "_ntp_cpu_types", False):
         return
     cls.__init__ = answering_cuda_type(cls.__init__)
     cls.__init__._ntp_cpu_types = True
+
+
+def apply() -> None:
+    answer_cuda_type_in_constructor(upstream.Float16OptimizerWithFloat16Params)
