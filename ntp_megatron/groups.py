@@ -55,7 +55,8 @@ class GroupMaker:
         ranks = sorted(ranks)
         # With a device bound to the default group, torch makes subgroups by an NCCL split that every rank of the
         # default group must join: members alone would wait for the others forever. Nothing binds one today.
-        if getattr(distributed_c10d._get_default_group(), "bound_device_id", None) is not None:
+        default = distributed_c10d.GroupMember.WORLD
+        if default is not None and getattr(default, "bound_device_id", None) is not None:
             raise RuntimeError("groups made by their members alone need a default group without a bound device")
         if len(distributed_c10d._world.pg_names) > 1:
             raise RuntimeError("a group made by its members alone must be the first of its generation: torch "

@@ -36,7 +36,9 @@ from ntp_megatron.layers import UnitShard
 logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 18
-"""Elements generated at once: bounds the temporary memory (a few int64 / float32 buffers of this size)."""
+"""Elements generated at once on CPU: bounds the temporary memory (a few int64 / float32 buffers of this size)."""
+CHUNK_CUDA = 1 << 24
+"""On a GPU: about 100 small kernels per chunk, so chunks are large (a few hundred MB of temporaries)."""
 
 INIT_CHOICES = ("megatron", "layout_free")
 
@@ -101,18 +103,26 @@ def _log(x: torch.Tensor) -> torch.Tensor:
     return series.mul_(s).mul_(2.0).add_(exponent.mul_(_LN2))
 
 
-def standard_normal(bits: torch.Tensor) -> torch.Tensor:
+def standard_normal(bits: torch.Tensor, gather_tail: Optional[bool] = None) -> torch.Tensor:
     """float32 standard normals from 24 uniform bits each: the lowest bit is the sign, the other 23 give the
     probability of the smaller tail, p = (k + 1/2) / 2^24 (exact in float32, so |z| <= 5.4), and AS241 PPND7
-    its quantile."""
+    its quantile. ``gather_tail`` (default: on CPU) computes the tail branch only for the elements that take it;
+    otherwise (GPU) for every element, then picks, with no host sync: the same values either way."""
+    if gather_tail is None:
+        gather_tail = bits.device.type == "cpu"
     sign = (bits & 1).to(torch.float32).mul_(-2.0).add_(1.0)
     p = bits.bitwise_right_shift_(1).to(torch.float32).add_(0.5).mul_(2.0 ** -24)
     q = 0.5 - p  # exact
     r = (q * q).neg_().add_(0.180625)
     central = q.mul_(_poly(r, _CENTRAL_NUM)).div_(_poly(r, _CENTRAL_DEN))
-    tail = (p < 0.075).nonzero().squeeze_(1)  # about 15 %: only these pay for the logarithm
-    r = _log(p.index_select(0, tail)).neg_().sqrt_().sub_(1.6)
-    central.index_copy_(0, tail, _poly(r, _TAIL_NUM).div_(_poly(r, _TAIL_DEN)))
+    in_tail = p < 0.075  # about 15 %
+    if gather_tail:  # only these pay for the logarithm
+        tail = in_tail.nonzero().squeeze_(1)
+        r = _log(p.index_select(0, tail)).neg_().sqrt_().sub_(1.6)
+        central.index_copy_(0, tail, _poly(r, _TAIL_NUM).div_(_poly(r, _TAIL_DEN)))
+    else:  # the tail formula is defined for every p in (0, 1/2]: its denominator has no root there
+        r = _log(p).neg_().sqrt_().sub_(1.6)
+        central = torch.where(in_tail, _poly(r, _TAIL_NUM).div_(_poly(r, _TAIL_DEN)), central)
     return central.mul_(sign)
 
 
@@ -134,8 +144,9 @@ def _runs(units: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
 def fill_normal_(param: torch.Tensor, key: int, std: float, shard: Optional[UnitShard],
                  chunk: Optional[int] = None) -> None:
     """Write N(0, std) into ``param`` (this rank's units of ``shard``, or the whole tensor if replicated), at most
-    ``chunk`` (default :data:`CHUNK`) elements at a time, on the parameter's device."""
-    chunk = chunk or CHUNK
+    ``chunk`` (default :data:`CHUNK`, :data:`CHUNK_CUDA` on a GPU) elements at a time, on the parameter's
+    device."""
+    chunk = chunk or (CHUNK if param.device.type == "cpu" else CHUNK_CUDA)
     if shard is None:
         shard = UnitShard("replicated", 1, (0,), 1, param.numel())
     outer, inner = shard.outer, shard.inner

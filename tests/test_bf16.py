@@ -73,6 +73,10 @@ def compare_bf16(got: JobResult, want: JobResult) -> None:
     state = torch.load(got.run_dir / "state" / "replica0.pt")
     reference = torch.load(want.run_dir / "state" / "replica0.pt")
     initial = torch.load(want.run_dir / "state" / "replica0.init.pt")
+    got_initial = torch.load(got.run_dir / "state" / "replica0.init.pt")
+    assert set(got_initial) == set(initial)
+    for key, tensor in initial.items():  # the same initialiser, rounded to bf16 once, in both layouts
+        assert torch.equal(got_initial[key], tensor), f"initial {key} differs from TP1's"
     assert set(state) == set(reference)
     for key, expected_tensor in reference.items():
         keep = ~key_bias_rows(key, expected_tensor.numel(), CASE)

@@ -230,9 +230,10 @@ def test_cpu_initialisation_and_fusions_follow_the_device(monkeypatch, device):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     real_find_spec = importlib.util.find_spec
-    apex_kernel = "fused_weight_gradient_mlp_cuda"
+    apex = {"apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda",
+            "scaled_upper_triang_masked_softmax_cuda"}
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == apex_kernel else real_find_spec(name, *a))
+                        lambda name, *a: object() if name in apex else real_find_spec(name, *a))
     monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None)
     cfg = load_job_config(None, ["training.device=auto", "model.position_embedding_type=rope"])
     tf_config = model_lib.transformer_config(cfg)
@@ -240,3 +241,36 @@ def test_cpu_initialisation_and_fusions_follow_the_device(monkeypatch, device):
     assert flags == dict.fromkeys(model_lib.FUSIONS, device == "cuda")
     assert tf_config.use_cpu_initialization == (device == "cpu")
     assert model_lib.transformer_config(cfg, torch.device("cpu")).bias_activation_fusion is False
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_cuda_fusions_build_without_apex(megatron, normalization):  # noqa: F811
+    """On a GPU node without Apex (the gpu extra does not install it), the fusions chosen for CUDA must still build
+    the local-spec model: torch norms refuse the persistent layer norm, and the fused masked softmax would import
+    Apex's extensions at the first forward. Built here on CPU with CUDA's fusion choices."""
+    import importlib.util
+
+    from megatron.core.models.gpt import GPTModel
+
+    from ntp_megatron.training import model as model_lib
+
+    if importlib.util.find_spec("apex") is not None:
+        pytest.skip("Apex is installed here")
+    cfg = load_job_config(None, [f"model.normalization={normalization}", "ntp.enabled=false",
+                                 "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=1"])
+    flags = model_lib.fusions(cfg, on_cuda=True)
+    assert flags["masked_softmax_fusion"] is False and flags["persist_layer_norm"] is False
+    tf_config = model_lib.transformer_config(cfg, torch.device("cpu"))
+    for name, on in flags.items():
+        setattr(tf_config, name, on)
+    GPTModel(config=tf_config, transformer_layer_spec=model_lib.layer_spec(cfg), vocab_size=256,
+             max_sequence_length=64, pg_collection=megatron)
+
+
+def test_gpu_tail_branch_gives_the_cpu_values():
+    """The GPU path computes the tail formula for every element and picks (no host sync); the CPU path only for the
+    elements in the tail: every one of the 2^24 inputs gives the same bits either way."""
+    from ntp_megatron.init import standard_normal
+
+    bits = torch.arange(1 << 24, dtype=torch.int64)
+    assert torch.equal(standard_normal(bits.clone(), gather_tail=True), standard_normal(bits.clone(), gather_tail=False))

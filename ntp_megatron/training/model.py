@@ -74,21 +74,29 @@ def _requested_device_type(cfg: JobConfig) -> str:
 
 def fusions(cfg: JobConfig, on_cuda: bool) -> dict[str, bool]:
     """Megatron's fused kernels: all off on CPU (they are CUDA kernels); on CUDA, Megatron-LM's defaults (all on)
-    where this model and the installed packages allow them: no fused bias-activation for squared ReLU, fused RoPE
-    only with rotary embeddings and Transformer Engine's kernel, gradient-accumulation fusion only when Apex's
-    ``fused_weight_gradient_mlp_cuda`` extension is importable (Megatron's own linear layers, the output layer
-    included, need it even with Transformer Engine layers)."""
+    where this model and the installed packages allow them: no fused bias-activation for squared ReLU; the fused
+    masked softmax only with Apex's ``scaled_*masked_softmax_cuda`` extensions (the local spec imports them at the
+    first forward); the persistent layer norm only where it is Apex's LayerNorm (the local spec's RMSNorm, and its
+    LayerNorm without Apex, are torch norms that refuse the flag) or Transformer Engine's (which ignores it); fused
+    RoPE only with rotary embeddings and Transformer Engine's kernel; gradient-accumulation fusion only with Apex's
+    ``fused_weight_gradient_mlp_cuda`` (Megatron's own linear layers, the output layer included, need it even with
+    Transformer Engine layers)."""
     if not on_cuda:
         return dict.fromkeys(FUSIONS, False)
     m = cfg.model
+    te = m.transformer_impl == "transformer_engine"
     return {
         "bias_activation_fusion": m.activation in ("gelu", "swiglu"),
-        "masked_softmax_fusion": True,
+        "masked_softmax_fusion": _importable("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"),
         "bias_dropout_fusion": True,
         "apply_rope_fusion": m.position_embedding_type == "rope" and _fused_rope_available(),
-        "gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-        "persist_layer_norm": True,
+        "gradient_accumulation_fusion": _importable("fused_weight_gradient_mlp_cuda"),
+        "persist_layer_norm": te or (m.normalization == "LayerNorm" and _importable("apex")),
     }
+
+
+def _importable(*modules: str) -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in modules)
 
 
 FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion", "apply_rope_fusion",
