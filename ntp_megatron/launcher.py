@@ -690,13 +690,11 @@ class Launcher:
 
     def _remote_deaths(self, store) -> list:
         """Deaths other nodes' launchers reported since the last poll (node 0)."""
-        from ntp_megatron.elastic.controller import Death
-
         out = []
         reported = int(store.add(DEATHS_KEY, 0))
         while self._remote_deaths_seen < reported:
             self._remote_deaths_seen += 1
-            death = Death(**json.loads(store.get(death_key(self._remote_deaths_seen))))
+            death = _published_death(store, self._remote_deaths_seen)
             self._say(f"node report: launch rank {death.launch_rank} {death.cause}")
             out.append(death)
         return out
@@ -844,11 +842,16 @@ def _try_publish_death(store, death) -> None:
         pass
 
 
-def _published_deaths(store) -> list:
-    """Every death any node has published so far (raises if the store is unreachable)."""
+def _published_death(store, n: int):
+    """The ``n``-th death (1-based) any node published (:func:`_try_publish_death`)."""
     from ntp_megatron.elastic.controller import Death
 
-    return [Death(**json.loads(store.get(death_key(n)))) for n in range(1, int(store.add(DEATHS_KEY, 0)) + 1)]
+    return Death(**json.loads(store.get(death_key(n))))
+
+
+def _published_deaths(store) -> list:
+    """Every death any node has published so far (raises if the store is unreachable)."""
+    return [_published_death(store, n) for n in range(1, int(store.add(DEATHS_KEY, 0)) + 1)]
 
 
 def _set_abort(store, reason: str, death=None) -> None:

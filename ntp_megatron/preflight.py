@@ -15,16 +15,13 @@ from ntp_megatron.config_io import ConfigError
 
 
 def check_data(cfg: JobConfig) -> None:
-    """Every prefix of ``data.data_path`` names an indexed dataset (``PREFIX.bin`` and ``PREFIX.idx``)."""
+    """Indexed data exists and its split has what evaluation reads (:func:`ntp_megatron.training.data.check_data`)."""
     if cfg.data.mock:
         return
     from ntp_megatron.training import data
 
     try:
-        prefixes, _ = data.parse_blend(cfg.data.data_path)
-        for prefix in prefixes:
-            data.check_indexed_prefix(prefix)
-        data.check_evaluation_split(cfg)
+        data.check_data(cfg)
     except SystemExit as exc:
         raise ConfigError(str(exc)) from None
 

@@ -47,11 +47,18 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     return [str(p) for p in data_path[1::2]], [float(w) for w in data_path[0::2]]
 
 
-def check_indexed_prefix(prefix: str) -> None:
-    for suffix in (".bin", ".idx"):
-        if not Path(prefix + suffix).is_file():
-            raise SystemExit(f"data.data_path: {prefix}{suffix} not found (relative paths are relative to "
-                             f"{Path.cwd()}); build it with ntp-preprocess --output-prefix")
+def check_data(cfg: JobConfig) -> None:
+    """Indexed data only: every prefix names a dataset (``PREFIX.bin`` and ``PREFIX.idx``), and the split leaves
+    the evaluations data to read (:func:`check_evaluation_split`); SystemExit with one line otherwise. The launcher
+    calls it before any rank starts, the dataset builder again."""
+    if cfg.data.mock:
+        return
+    for prefix in parse_blend(cfg.data.data_path)[0]:
+        for suffix in (".bin", ".idx"):
+            if not Path(prefix + suffix).is_file():
+                raise SystemExit(f"data.data_path: {prefix}{suffix} not found (relative paths are relative to "
+                                 f"{Path.cwd()}); build it with ntp-preprocess --output-prefix")
+    check_evaluation_split(cfg)
 
 
 def describe(cfg: JobConfig) -> str:
@@ -101,11 +108,8 @@ def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
     them after a barrier), so ``cache_dir`` must be on a file system every node sees, as in Megatron-LM.
     """
     t, d = cfg.training, cfg.data
-    blend = None
-    if not d.mock:
-        blend = parse_blend(d.data_path)
-        for prefix in blend[0]:
-            check_indexed_prefix(prefix)
+    check_data(cfg)
+    blend = None if d.mock else parse_blend(d.data_path)
     ds_config = GPTDatasetConfig(
         random_seed=t.seed,
         sequence_length=cfg.model.seq_length,
@@ -123,7 +127,6 @@ def build_datasets(cfg: JobConfig, tokenizer, cache_dir: Path) -> Datasets:
     )
     dataset_cls = MockGPTDataset if d.mock else GPTDataset
     validation, test = evaluation_sizes(cfg)
-    check_evaluation_split(cfg)
     train_ds, validation_ds, test_ds = BlendedMegatronDatasetBuilder(
         dataset_cls, [t.train_iters * t.global_batch_size, validation, test], lambda: True, ds_config).build()
     return Datasets(train_ds, validation_ds if validation else None, test_ds if test else None)
