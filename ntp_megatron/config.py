@@ -154,7 +154,9 @@ class DataSection(_Section):
 
 
 class NTPSection(_Section):
-    enabled: bool = False
+    enabled: bool = True
+    """Nonuniform tensor parallelism: a replica that loses a rank re-forms at a lower TP degree and trains on. Off:
+    plain Megatron-Core behaviour (a failure restarts the job from the last checkpoint, or ends it)."""
     min_tp: int = Field(1, ge=1)
     dead_slots: list[str] = Field(default_factory=list)
     """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``."""

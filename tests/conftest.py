@@ -1,10 +1,32 @@
-"""Shared fixtures: real jobs are expensive (process start-up dominates), so identical ones run once."""
+"""Shared fixtures, and the two tiers of the suite.
+
+``tests/unit/`` holds tests that start no rank process (pure layout math, config, the protocol over an in-memory
+store, one-process Megatron-Core models): ``scripts/test.sh -m unit`` runs them in under a minute.
+``tests/jobs/`` holds multi-process runs (real launcher, real gloo ranks). Every test runs under a timeout, so a
+hang fails that test, never the suite.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.jobs import JobResult, run_job
+from tests.harness import JobResult, run_job
+
+UNIT_TIMEOUT_S = 60
+JOB_TIMEOUT_S = 900
+"""Per test, fixtures included (a module's shared jobs run in its first test)."""
+
+_UNIT_DIR = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        unit = _UNIT_DIR in Path(str(item.fspath)).resolve().parents
+        item.add_marker(pytest.mark.unit if unit else pytest.mark.job)
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S if unit else JOB_TIMEOUT_S))
 
 
 class JobCache:

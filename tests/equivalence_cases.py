@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from hypothesis import strategies as st
 
-from tests.jobs import JobResult, relative_difference
+from tests.harness import JobResult, relative_difference
 
 MAX_RANKS = 8
 ITERS = 3

@@ -10,7 +10,7 @@ one forked process per TP rank (TP × DP1). The other side of the NTP checkpoint
 (model and optimizer) at each TP degree and writes the full-vocabulary logits of :func:`fixed_batch`, as
 ``{(ckpt, tp): logits}``.
 
-The model, optimizer, schedule and data mirror the test jobs' config (``tests.jobs.TINY``, tiny_cpu.yaml),
+The model, optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml),
 written out here with Megatron's own names. No ntp-megatron code runs except four upstream workarounds
 from ``ntp_megatron/patches``, each needed on CPU or for the data, none on the checkpoint path:
 

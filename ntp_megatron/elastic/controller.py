@@ -71,6 +71,7 @@ class Controller:
         store.set(keys.info(0), json.dumps({"base": 0, "dead": [], "settled": None, "failure_time": time.time(),
                                             "deaths": []}))
         store.set(keys.LATEST, "0")  # generation 0 is formed by its ranks like any other (COMPLETED once it is)
+        self._published(topology, base=None, dead=[], joined=[])
         if not store.check([keys.COMMITTED]):
             store.set(keys.START, str(start_iteration))
             store.set(keys.COMMITTED, str(start_iteration))
@@ -133,6 +134,7 @@ class Controller:
         for ended in {running, old.generation}:
             self.store.set(keys.abort(ended), "1")
         self.latest = self.published[g] = new
+        self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
 
     def _refresh_completed(self) -> None:
@@ -175,12 +177,21 @@ class Controller:
         self.store.set(keys.LATEST, str(g))
         self.store.set(keys.reform_requested(old.generation), str(g))
         self.latest = self.published[g] = new
+        self._published(new, base=old.generation, dead=[], joined=slots)
         self.dead.difference_update(launch_ranks)
         joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]})"
                            for lr in launch_ranks)
         self.say(f"admitting {joined} at the next iteration boundary: generation {g}, tp per replica "
                  f"{[rep.width for rep in new.replicas]}")
         return True
+
+    def _published(self, topology: Topology, base: Optional[int], dead: list[int], joined: list) -> None:
+        """A ``generation_published`` event: the new topology as published, the generation it builds on, the ranks
+        of that generation that died (its process-group ranks) and the slots that join, so a reader can work out
+        what a re-formation had to move without asking the ranks."""
+        self.emit({"kind": "event", "event": "generation_published", "generation": topology.generation,
+                   "base": base, "dead_ranks": sorted(dead), "joined": [list(s) for s in joined],
+                   "topology": topology.to_json(), "time": time.time()})
 
     def _report_deaths(self, deaths: list[Death], old: Topology, settled: Optional[dict]) -> None:
         """One ``rank_failed`` event and log line per death, once the survivors of ``old`` noticed (so the

@@ -73,6 +73,13 @@ def failure(launch_rank: int) -> str:
 def fired(spec: str) -> str:
     return f"{PREFIX}fired/{spec}"
 
+
+def rank_error(launch_rank: int) -> str:
+    """JSON written by a rank whose own code failed — a failed write, out of memory, a bug; not a peer's death —
+    just before it exits: ``{"error": "<type>: <message>", "iteration": k, "phase": ..., "time": t}``. The launcher
+    names it and stops the job instead of re-forming around it."""
+    return f"{PREFIX}error/{launch_rank}"
+
 DEATHS = PREFIX + "deaths"
 """How many rank deaths other nodes' launchers have reported (node 0's controller reads them in order)."""
 

@@ -13,8 +13,8 @@
   degraded by a failure before it formed).
 - Errors and crash safety: a checkpoint of another model shape; ``latest`` moves only after a complete save.
 
-``python -m tests.test_ntp_checkpoint ntp-logits ...`` is the NTP side of the logits comparison (the tests fork it
-from the zygote of ``tests.jobs``, like ``tests.plain_megatron``; it forks its ranks).
+``python -m tests.jobs.test_ntp_checkpoint ntp-logits ...`` is the NTP side of the logits comparison (the tests fork it
+from the zygote of ``tests.harness``, like ``tests.plain_megatron``; it forks its ranks).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ntp_megatron.layout import make_topology, next_topology
-from tests.jobs import TINY, assert_ok, relative_difference, run_job, run_module
-from tests.test_live_failure import assert_replicas_agree, leftover_processes
+from tests.harness import TINY, assert_ok, relative_difference, run_job, run_module
+from tests.jobs.test_live_failure import assert_replicas_agree, leftover_processes
 
 ITERS, SAVE_AT = 6, 3
 TOLERANCE = 1e-5
@@ -470,7 +470,7 @@ def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
     final = degraded_run.ckpt / f"iter_{ITERS:07d}"
     resaved = tmp_path / "resaved"
     ntp_out, plain_out = tmp_path / "ntp-logits.pt", tmp_path / "plain-logits.pt"
-    _python(tmp_path, "tests.test_ntp_checkpoint", "ntp-logits", "--ckpt", str(final), "--resave", str(resaved),
+    _python(tmp_path, "tests.jobs.test_ntp_checkpoint", "ntp-logits", "--ckpt", str(final), "--resave", str(resaved),
             "--out", str(ntp_out))
     resaved_dir = resaved / f"iter_{ITERS:07d}"
     _python(tmp_path, "tests.plain_megatron", "logits", "--tp", "1", "--tp", "2", "--ckpt", str(final),
@@ -541,7 +541,7 @@ def test_a_save_cut_short_leaves_the_last_good_checkpoint_to_resume_from(degrade
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# NTP side of the logits comparison (python -m tests.test_ntp_checkpoint ntp-logits)
+# NTP side of the logits comparison (python -m tests.jobs.test_ntp_checkpoint ntp-logits)
 
 LOGITS_TOPOLOGIES = {"tp4+tp3": (4, 2, "1:3"), "tp3": (4, 1, "0:3")}
 
@@ -645,7 +645,7 @@ def _ntp_logits_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["ntp-logits"]:
-        raise SystemExit("usage: python -m tests.test_ntp_checkpoint ntp-logits --ckpt DIR --out FILE [--resave DIR]")
+        raise SystemExit("usage: python -m tests.jobs.test_ntp_checkpoint ntp-logits --ckpt DIR --out FILE [--resave DIR]")
     return _ntp_logits_main(argv[1:])
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.jobs import assert_ok, layout_args, relative_difference, run_job
+from tests.harness import assert_ok, layout_args, relative_difference, run_job
 
 
 def _free_port() -> int:

@@ -8,11 +8,7 @@ fails fast. Then the same builder in real gloo processes, through a failure and 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import socket
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
@@ -141,74 +137,3 @@ def test_plain_groups_do_not_grow_with_the_world(fake_world, replicas):
         assert setup.pg.dp.ranks == list(range(slot, world_size, TP))
         assert ps.get_data_parallel_group() is setup.pg.dp and ps.get_tensor_model_parallel_group() is setup.pg.tp
         assert ps.get_data_parallel_rank() == replica and ps.get_tensor_model_parallel_rank() == slot
-
-
-# -- the same builder in real gloo processes, across generations -------------------------------------------------
-
-UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
-GENERATIONS = [[], [(1, 1)], [(1, 1), (0, 1)], []]
-"""Dead slots of each generation of TP2 × 2: healthy; replica 1 at TP1 (its rank is the proxy of block 1);
-both at TP1 (the two sync groups have the same ranks); healthy again (the two processes come back)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
-    """One process (a fixed slot) through every generation it has a rank in: groups, one all-reduce in each,
-    and no group of this process besides the default one and the ones it uses."""
-    try:
-        import torch
-        from torch.distributed import distributed_c10d
-
-        from ntp_megatron.groups import build_groups
-
-        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-        for generation, dead in enumerate(GENERATIONS):
-            topology = make_topology(2, 2, UNITS, dead_slots=dead, generation=generation)
-            rank = topology.rank_of(replica, slot)
-            if rank is None:
-                continue
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/", store), rank=rank,
-                                    world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
-            groups = build_groups(topology, rank, timeout_s)
-            used = [groups.tp, groups.pg_collection.pp, *groups.sync.values()]
-            held = [g for g in distributed_c10d._world.pg_names if g is not distributed_c10d._get_default_group()]
-            assert {id(g) for g in held} == {id(g) for g in used}, (generation, [g.size() for g in held])
-            for group in used:  # replica, this rank alone, then sync groups in ascending block: one order
-                value = torch.ones(1)
-                dist.all_reduce(value, group=group)
-                assert value.item() == group.size() == dist.get_world_size(group)
-            dist.barrier()
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        os._exit(1)
-    os._exit(0)
-
-
-def test_groups_work_in_gloo_across_generations():
-    """Four forked gloo processes build their groups in four generations of one store (healthy, one replica at
-    TP1, both at TP1 with identical sync groups, healthy again): every group works, and a process holds no
-    group besides the default one and its replica, itself and its sync groups."""
-    port = _free_port()
-    timeout_s = 30.0
-    master = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
-                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_slot_process, args=(r, s, port, timeout_s)) for r in range(2) for s in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=90)
-        if proc.exitcode is None:
-            proc.kill()
-    assert [proc.exitcode for proc in procs] == [0, 0, 0, 0]
-    del master

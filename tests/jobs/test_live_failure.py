@@ -14,7 +14,7 @@ from collections import defaultdict
 import psutil
 import pytest
 
-from tests.jobs import TINY, JobResult, relative_difference, run_job
+from tests.harness import TINY, JobResult, relative_difference, run_job
 
 ITERS = 10
 TOL = 1e-5

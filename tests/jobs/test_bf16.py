@@ -38,8 +38,8 @@ import torch
 from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
 from tests.equivalence_cases import ITERS, Case, assert_replicas_agree, iteration_records, key_bias_rows
-from tests.jobs import JobResult, assert_ok, layout_args, relative_difference
-from tests.test_live_failure import assert_replicas_agree as assert_replicas_agree_across_generations
+from tests.harness import JobResult, assert_ok, layout_args, relative_difference
+from tests.jobs.test_live_failure import assert_replicas_agree as assert_replicas_agree_across_generations
 
 BF16 = ["--set", "training.precision=bf16"]
 LOSS_TOL = 3e-5

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from tests.jobs import REPO, assert_ok, layout_args, run_job
+from tests.harness import REPO, assert_ok, layout_args, run_job
 
 
 def test_preprocess_then_train_on_indexed_data(tmp_path):

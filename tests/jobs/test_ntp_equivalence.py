@@ -18,7 +18,7 @@ import time
 from hypothesis import HealthCheck, Phase, example, given, settings
 
 from tests.equivalence_cases import Case, assert_replicas_agree, cases, clipped, compare_with_reference
-from tests.jobs import assert_ok
+from tests.harness import assert_ok
 
 FUZZ_EXAMPLES = int(os.environ.get("NTP_FUZZ_EXAMPLES", "0"))
 FUZZ_LOG = os.environ.get("NTP_FUZZ_LOG")
@@ -59,7 +59,7 @@ def test_ntp_computes_plain_megatron_tp1(tmp_path_factory, case: Case):
     started = time.monotonic()
     outcome = {"case": case.to_json()}
     try:
-        from tests.jobs import run_job
+        from tests.harness import run_job
 
         ntp_dir = tmp_path_factory.mktemp("ntp")
         ntp = run_job(ntp_dir, case.ntp_args() + ["--set", f"logging.dump_state={ntp_dir / 'state'}"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.jobs import assert_ok, layout_args, relative_difference, run_job
+from tests.harness import assert_ok, layout_args, relative_difference, run_job
 
 
 def test_resume_continues_the_run(tmp_path):

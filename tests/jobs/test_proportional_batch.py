@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.jobs import TINY, assert_ok
+from tests.harness import TINY, assert_ok
 
 HEADS, HEAD_DIM = 8, 8  # the tiny model: hidden 64, 8 heads
 # SGD: the update is linear in the gradient, so comparing updates compares the averaged gradients (Adam's

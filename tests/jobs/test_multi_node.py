@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import REPO, TINY, run_module
+from tests.harness import REPO, TINY, run_module
 
 JOB = ["--nnodes", "2", "--tensor-model-parallel-size", "2", "--data-parallel-size", "2", "--train-iters", "3",
        *TINY[:6], "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]

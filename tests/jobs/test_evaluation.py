@@ -14,7 +14,7 @@ from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, replica_sample_range
 from ntp_megatron.training.parallel import assign_shares
-from tests.jobs import TINY, assert_ok, relative_difference, run_job
+from tests.harness import TINY, assert_ok, relative_difference, run_job
 
 TOL = 1e-5  # as the training-loss equivalence: fp32 forward passes of different widths, summed in float64
 EVAL = ["--eval-interval", "2", "--eval-iters", "2"]  # through the launcher's Megatron-style flags

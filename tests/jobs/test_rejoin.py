@@ -4,8 +4,8 @@ admitted leaves the job degraded, and the next attempt succeeds. The loss curve 
 
 from __future__ import annotations
 
-from tests.jobs import run_job
-from tests.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
+from tests.harness import run_job
+from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
 ITERS = 150  # long enough for two replacement processes to start (a fresh interpreter: several seconds each)
 

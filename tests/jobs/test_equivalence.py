@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.jobs import assert_ok, layout_args, relative_difference
+from tests.harness import assert_ok, layout_args, relative_difference
 
 ITERS = 10
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]

@@ -153,7 +153,7 @@ def test_config_error_class_is_shared():
         load(None, ["cluster.tp=12"])
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[2] / "configs" / "sim").glob("*.yaml")), ids=str)
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[3] / "configs" / "sim").glob("*.yaml")), ids=str)
 def test_shipped_configs_load(path):
     base, points = load(path)
     assert base.title and len(points) >= 1
@@ -161,7 +161,7 @@ def test_shipped_configs_load(path):
 
 def test_planned_restarts_in_a_snapshot_change_nothing(tmp_path, capsys):
     # a snapshot has no time, so the job has only started: restart_every_h must not matter (it used to crash)
-    config = Path(__file__).parents[2] / "configs" / "sim" / "study_c_llama3_spares.yaml"
+    config = Path(__file__).parents[3] / "configs" / "sim" / "study_c_llama3_spares.yaml"
     common = ["--set", "failures.mode=snapshot", "--set", "run.trials=3", "--set", "sweep=null", "--no-plots", "--no-progress"]
     assert main([str(config), *common, "--set", "strategies.restart_every_h=24", "--out", str(tmp_path / "a")]) == 0
     with_restarts = capsys.readouterr().out

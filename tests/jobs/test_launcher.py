@@ -8,7 +8,7 @@ import re
 import psutil
 import pytest
 
-from tests.jobs import layout_args, run_job
+from tests.harness import layout_args, run_job
 
 
 def job_processes(run_dir) -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 from ntp_megatron.sim.config import load
 from ntp_megatron.sim.run import simulate
 
-CONFIGS = Path(__file__).parents[2] / "configs" / "sim"
+CONFIGS = Path(__file__).parents[3] / "configs" / "sim"
 
 
 def _summaries(name: str, *overrides: str):

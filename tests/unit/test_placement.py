@@ -7,12 +7,6 @@ straddles nodes; each node provides tp·dp/nnodes devices), not from the formula
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -24,7 +18,6 @@ from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.layout import make_topology
 from ntp_megatron.placement import Device, Placement, PlacementError, launch_slots
 from ntp_megatron.training import runtime
-from tests.jobs import REPO, TINY
 
 UNITS = {"heads": 8, "ffn": 16, "vocab": 32}
 
@@ -150,53 +143,3 @@ def test_launcher_refuses_a_node_count_that_splits_replicas(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("ntp-launch: --nnodes 2 does not divide"), err
 
 
-def _launch_node(node: int, run_dir: Path, args: list[str]) -> subprocess.Popen:
-    """One node's ``ntp-launch`` (a process of its own; output to ``node<n>.stdout/.stderr`` in ``run_dir``)."""
-    out, err = (open(run_dir / f"node{node}.{name}", "w") for name in ("stdout", "stderr"))
-    with out, err:
-        return subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--node-rank", str(node),
-                                 "--run-dir", str(run_dir), *args], cwd=REPO, stdout=out, stderr=err,
-                                start_new_session=True)
-
-
-def test_two_launchers_on_one_host_with_a_dead_slot_and_a_rejoin(tmp_path):
-    """Two nodes on one host (one launcher each, one store): TP2 × DP2 with slot 1 of replica 0 dead. Node 0 runs
-    launch rank 0 alone (its device 1 idle), node 1 runs replica 1's two ranks. Launch rank 2 (node 1) is killed;
-    node 1's launcher starts its replacement, node 0's controller admits it, and replica 1 trains at TP2 again.
-    The run is long; once it trains rejoined, Ctrl-C stops both nodes (no wait on a replacement's boot time)."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    metrics = run_dir / "metrics.jsonl"
-    common = ["--nnodes", "2", "--store-port", str(launcher._free_port("127.0.0.1")), *TINY,
-              "--set", "ntp.enabled=true", "--set", "parallel.tensor_model_parallel_size=2",
-              "--set", "parallel.data_parallel_size=2", "--set", "ntp.dead_slots=[0:1]",
-              "--set", "training.train_iters=100000", "--set", "ntp.rejoin_after_s=0", "--set", "parallel.timeout_s=60",
-              "--inject-failure", "kill:rank=2,iter=3,phase=backward"]
-    nodes = [_launch_node(0, run_dir, [*common, "--metrics-file", str(metrics)]), _launch_node(1, run_dir, common)]
-    try:
-        deadline = time.monotonic() + 240
-        records: list[dict] = []
-        while not any(r.get("kind") == "iteration" and r["generation"] == 2 for r in records):
-            assert time.monotonic() < deadline, "replica 1 did not train rejoined within 240 s"
-            assert all(n.poll() is None for n in nodes), (run_dir / "node0.stderr").read_text()[-3000:]
-            time.sleep(0.5)
-            if metrics.exists():
-                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.send_signal(signal.SIGINT)
-        codes = [n.wait(timeout=60) for n in nodes]
-    assert codes == [130, 130]
-    err0, err1 = ((run_dir / f"node{n}.stderr").read_text() for n in (0, 1))
-    assert json.loads((run_dir / "ranks.node0.json").read_text()).keys() == {"0"}
-    pids1 = json.loads((run_dir / "ranks.node1.json").read_text())
-    assert pids1.keys() == {"1", "2"} and len(pids1["2"]) == 2, pids1  # the replacement started on node 1
-    assert "ntp-launch: started ranks 0 of 3 on node 0, devices 0 (device 1 idle)" in err0
-    assert "ntp-launch: started ranks 1..2 of 3 on node 1, devices 0..1 " in err1
-    assert "ntp-launch: starting a replacement for launch rank 2" in err1
-    assert "ntp-launch: admitting launch rank 2 (replica 1, slot 1)" in err0
-    widths = [(r["iteration"], r["generation"], r["tp_per_replica"]) for r in records if r.get("kind") == "iteration"]
-    assert widths[0] == (1, 0, [1, 2])
-    assert {(g, tuple(w)) for _, g, w in widths} == {(0, (1, 2)), (1, (1, 1)), (2, (1, 2))}
-    assert [i for i, _, _ in widths] == sorted({i for i, _, _ in widths})  # the failed iteration redone once

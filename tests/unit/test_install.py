@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import REPO
+from tests.harness import REPO
 
 NGC_TORCH = "2.14.0a0+ecf3bae40a.nv26.10"
 """A torch as GPU containers ship it: a pre-release of the next version with a local tag (NGC PyTorch 25.01 had
