@@ -313,7 +313,9 @@ class FaultsSection(_Section):
 
 
 class JobConfig(_Section):
-    """A training job. Rules between keys of different sections (each broken one is a one-line error):
+    """A training job: one section per concern.
+
+    Rules between keys of different sections (each broken one is a one-line error):
 
     - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
     - with ``ntp.enabled``: no ``parallel.use_distributed_optimizer``, ``parallel.sequence_parallel`` or

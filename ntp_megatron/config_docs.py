@@ -11,7 +11,6 @@ description), plus the value ``configs/tiny_cpu.yaml`` gives it where that diffe
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import typing
 from pathlib import Path
@@ -119,18 +118,16 @@ def _alias_keys() -> dict[str, list[str]]:
     return keys
 
 
-def _flags(key: str, aliases: dict[str, list[str]]) -> str:
-    section, name = key.split(".")
-    flags = [f"--{name.replace('_', '-')}"] if megatron_flags.field_index().get(name) == key else []
+def _flags(key: str, own_flags: dict[str, str], aliases: dict[str, list[str]]) -> str:
+    """The flag named after ``key`` (when its name belongs to one section only) and Megatron's spellings for it."""
+    name = key.partition(".")[2]
+    flags = [f"--{name.replace('_', '-')}"] if own_flags.get(name) == key else []
     flags += [flag for flag in aliases.get(key, []) if flag not in flags]
     return ", ".join(f"`{flag}`" for flag in flags)
 
 
-def _description(info: FieldInfo) -> str:
-    return _cell(info.description or "")
-
-
-def _section_table(section: str, model: type[BaseModel], demo: dict[str, Any], aliases: dict[str, list[str]]) -> str:
+def _section_table(section: str, model: type[BaseModel], demo: dict[str, Any]) -> str:
+    own_flags, aliases = megatron_flags.field_index(), _alias_keys()
     rows = ["| key | type | default | allowed | flags | tiny_cpu.yaml | description |",
             "|---|---|---|---|---|---|---|"]
     for name, info in model.model_fields.items():
@@ -139,7 +136,7 @@ def _section_table(section: str, model: type[BaseModel], demo: dict[str, Any], a
         demo_value = demo.get(name, default)
         shown = "" if demo_value == default else f"`{_cell(_yaml(demo_value))}`"
         rows.append(f"| `{key}` | {_type_name(info.annotation)} | `{_cell(_yaml(default))}` | {_allowed(info)} | "
-                    f"{_flags(key, aliases)} | {shown} | {_description(info)} |")
+                    f"{_flags(key, own_flags, aliases)} | {shown} | {_cell(info.description or '')} |")
     return "\n".join(rows)
 
 
@@ -151,18 +148,16 @@ def _docstring(cls: type) -> tuple[str, str]:
     return _cell(head), rest.replace("``", "`").strip()
 
 
-def render(demo_config: Optional[Path] = None) -> str:
+def render() -> str:
     """The whole of docs/configuration.md."""
-    demo = read_yaml_file(demo_config or DEFAULT_CONFIG)
-    aliases = _alias_keys()
+    demo = read_yaml_file(DEFAULT_CONFIG)
     parts = [_INTRO.rstrip()]
     for section, info in JobConfig.model_fields.items():
         model = info.annotation
         head, rest = _docstring(model)
         parts.append(f"## `{section}`\n\n{head}" + (f"\n\n{rest}" if rest else ""))
-        parts.append(_section_table(section, model, demo.get(section) or {}, aliases))
-    head, rest = _docstring(JobConfig)
-    parts.append(f"## Rules between keys\n\n{re.sub(r'^A training job. ', '', head)}\n\n{rest}")
+        parts.append(_section_table(section, model, demo.get(section) or {}))
+    parts.append(f"## Rules between keys\n\n{_docstring(JobConfig)[1]}")
     return "\n\n".join(parts).rstrip() + "\n"
 
 
