@@ -22,34 +22,61 @@ DEFAULT_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # use_attribute_docstrings: each field's docstring is its description, which docs/configuration.md is
+    # generated from (python -m ntp_megatron.config_docs).
 
 
 class ModelSection(_Section):
     """GPT architecture, in Megatron-Core ``TransformerConfig`` / ``GPTModel`` terms."""
 
     num_layers: int = Field(2, ge=1)
+    """Transformer layers."""
     hidden_size: int = Field(64, ge=1)
+    """Width of the residual stream."""
     num_attention_heads: int = Field(8, ge=1)
+    """Attention heads. Without NTP, they (and the query groups) must be divisible by
+    ``parallel.tensor_model_parallel_size``."""
     num_query_groups: Optional[int] = Field(None, ge=1)
+    """Grouped-query attention: key/value groups, a divisor of ``num_attention_heads``. null: multi-head
+    attention (one group per head). Under NTP a query group with its heads is the unit of the attention family, so
+    every TP rank needs at least one."""
     ffn_hidden_size: Optional[int] = Field(None, ge=1)
+    """Width of the MLP's hidden layer; null: 4 × ``hidden_size``."""
     kv_channels: Optional[int] = Field(None, ge=1)
+    """Channels per attention head; null: ``hidden_size / num_attention_heads`` (which must then divide)."""
     seq_length: int = Field(64, ge=2)
+    """Tokens per sample."""
     max_position_embeddings: Optional[int] = Field(None, ge=2)
+    """Longest sequence the position embedding covers; null: ``seq_length``."""
     vocab_size: int = Field(256, ge=2)
+    """Rows of the word embedding and the output layer; the byte-level tokenizer needs at least 256."""
     hidden_dropout: float = Field(0.1, ge=0.0, le=1.0)
+    """Dropout probability on the embeddings and on the outputs of the attention and MLP blocks."""
     attention_dropout: float = Field(0.1, ge=0.0, le=1.0)
+    """Dropout probability on the attention weights."""
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalisation layers."""
     gated_linear_unit: bool = False
+    """A gated MLP: fc1 computes gate and up rows (``swiglu`` needs it)."""
     activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """The MLP's activation; ``swiglu`` needs ``gated_linear_unit: true``."""
     position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Learned absolute position embeddings, or rotary ones (RoPE)."""
     untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of sharing the word embedding's."""
     init_method_std: float = Field(0.02, gt=0.0)
+    """Standard deviation of the normal initial weights (scaled by 1/√(2·``num_layers``) for the attention
+    projection and fc2, as in Megatron)."""
     layernorm_epsilon: float = Field(1e-5, gt=0.0)
+    """Epsilon of every normalisation layer (Megatron's ``--norm-epsilon``)."""
     transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """Layer spec: ``local`` is Megatron-Core's local spec (the CPU path, and the one NTP builds on);
+    ``transformer_engine`` needs the ``gpu`` extra and ``ntp.enabled: false``."""
     init: Optional[Literal["megatron", "layout_free"]] = None
     """Initial weights: ``layout_free`` (each element a function of seed, parameter name and element index, computed
-    for this rank's units only), ``megatron`` (Megatron-Core's own), or null: layout_free under NTP, else megatron."""
+    for this rank's units only), ``megatron`` (Megatron-Core's own), or null: layout_free under NTP, else megatron.
+    ``layout_free`` needs ``transformer_impl: local``."""
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelSection":
@@ -72,17 +99,27 @@ class ModelSection(_Section):
 
 
 class ParallelSection(_Section):
+    """How the ranks are laid out: tensor × data parallel (pipeline, context and expert parallelism are 1)."""
+
     tensor_model_parallel_size: int = Field(1, ge=1)
+    """TP degree of a healthy replica (under NTP, its slots: tp_base)."""
     data_parallel_size: int = Field(1, ge=1)
+    """Replicas. The job starts tensor × data parallel size ranks, less the slots of ``ntp.dead_slots`` and
+    ``ntp.dropped_replicas``."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """``auto``: NCCL when CUDA is available, gloo otherwise."""
     timeout_s: float = Field(120.0, gt=0.0)
-    """Bound on every collective and store wait (invariant 5: nothing hangs)."""
+    """Bound on every collective and store wait, so nothing hangs."""
     overlap_grad_reduce: bool = False
+    """Megatron DDP's overlap: a gradient bucket's all-reduce starts during backward once the bucket is
+    ready (bucket groups are dispatched in creation order: see patches/README.md)."""
     ddp_bucket_size: Optional[int] = Field(None, ge=1)
-    """Elements per DDP gradient bucket (Megatron's --ddp-bucket-size); None: Megatron's default."""
+    """Elements per DDP gradient bucket (Megatron's ``--ddp-bucket-size``); null: Megatron's default."""
     use_distributed_optimizer: bool = False
+    """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group); needs
+    ``ntp.enabled: false``."""
     sequence_parallel: bool = False
+    """Megatron's sequence parallelism (needs Transformer Engine or Apex norms); needs ``ntp.enabled: false``."""
 
     @property
     def world_size(self) -> int:
@@ -90,28 +127,52 @@ class ParallelSection(_Section):
 
 
 class TrainingSection(_Section):
+    """Iterations, batches, optimizer, learning-rate schedule, precision, device and evaluation."""
+
     train_iters: int = Field(50, ge=1)
+    """Iterations to train; a resumed run goes on until this iteration."""
     micro_batch_size: int = Field(4, ge=1)
+    """Samples per micro-batch of one replica."""
     global_batch_size: int = Field(16, ge=1)
+    """Samples per iteration over all replicas: a multiple of ``micro_batch_size`` ×
+    ``parallel.data_parallel_size``. Degraded and dropped replicas do not change it (unless
+    ``ntp.degraded_batch: proportional``)."""
     seed: int = Field(1234, ge=0)
+    """Seeds the data order, the initial weights and dropout."""
     optimizer: Literal["adam", "sgd"] = "adam"
+    """Megatron-Core's optimizer: Adam or SGD."""
     lr: float = Field(1e-3, gt=0.0)
+    """Peak learning rate, reached at the end of the warmup."""
     min_lr: float = Field(1e-4, ge=0.0)
+    """Learning rate at the end of the decay."""
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
+    """How Megatron's ``OptimizerParamScheduler`` decays the learning rate from ``lr`` to ``min_lr``."""
     lr_warmup_iters: int = Field(5, ge=0)
+    """Iterations of linear warmup from 0 to ``lr``; must be below the decay length."""
     lr_decay_iters: Optional[int] = Field(None, ge=1)
+    """Iterations over which the learning rate decays; null: ``train_iters``."""
     weight_decay: float = Field(0.01, ge=0.0)
+    """Weight decay, constant over the run."""
     adam_beta1: float = Field(0.9, gt=0.0, lt=1.0)
+    """Adam's β1."""
     adam_beta2: float = Field(0.95, gt=0.0, lt=1.0)
+    """Adam's β2."""
     adam_eps: float = Field(1e-8, gt=0.0)
+    """Adam's ε."""
     sgd_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    """Momentum of ``optimizer: sgd``."""
     clip_grad: float = Field(1.0, ge=0.0)
+    """Clip gradients to this global L2 norm; 0: no clipping."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """``bf16`` and ``fp16`` train with Megatron's mixed-precision optimizer (fp32 main params); ``fp16``
+    (dynamic loss scale) needs ``ntp.enabled: false``."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """``auto``: CUDA when a usable GPU is present, else the CPU (a GPU machine whose CUDA is broken stops
+    with a message instead of training on the CPU); ``cuda`` is refused on a machine without CUDA."""
     eval_interval: Optional[int] = Field(None, ge=0)
     """Megatron's ``--eval-interval``: evaluate on the validation split after every ``eval_interval`` iterations,
     and once more at the end of training (validation, and test where ``data.split`` gives test data; an interval
-    above ``train_iters`` gives the final evaluation only). None or 0: no evaluation (Megatron-LM evaluates every
+    above ``train_iters`` gives the final evaluation only). null or 0: no evaluation (Megatron-LM evaluates every
     1000 iterations by default; here evaluation is opt-in)."""
     eval_iters: int = Field(100, ge=0)
     """Megatron's ``--eval-iters``: batches of ``global_batch_size`` samples per evaluation (0: no evaluation)."""
@@ -134,12 +195,17 @@ class DataSection(_Section):
     """``mock: true`` uses Megatron-Core's MockGPTDataset; otherwise ``data_path`` names indexed data."""
 
     mock: bool = True
+    """Megatron-Core's ``MockGPTDataset`` (synthetic documents, nothing read); false: the indexed data of
+    ``data_path`` (``--data-path`` sets it false)."""
     data_path: list[str] = Field(default_factory=list)
-    """A blend like Megatron's ``--data-path``: ``[prefix]`` or ``[weight, prefix, weight, prefix, ...]``."""
+    """A blend like Megatron's ``--data-path``: ``[prefix]`` or ``[weight, prefix, weight, prefix, ...]``; needed
+    when ``mock`` is false."""
     split: str = "100,0,0"
-    """Megatron's ``--split``: train, validation and test shares of the documents (validation and test are read by
-    the evaluation, ``training.eval_interval``). Mock data ignores it: Megatron-Core splits mock documents 1,1,1."""
+    """Megatron's ``--split``: train, validation and test shares of the documents, up to three non-negative numbers
+    with a positive sum (validation and test are read by the evaluation, ``training.eval_interval``). Mock data
+    ignores it: Megatron-Core splits mock documents 1,1,1."""
     tokenizer: Literal["byte-level"] = "byte-level"
+    """Byte-level, the only tokenizer: it needs no vocabulary file, so nothing is downloaded at run time."""
     cache_dir: Optional[str] = None
     """Where Megatron's dataset index caches go; default: ``<run_dir>/data_cache``."""
 
@@ -154,10 +220,14 @@ class DataSection(_Section):
 
 
 class NTPSection(_Section):
+    """Nonuniform tensor parallelism and live failures (docs/live-failures.md)."""
+
     enabled: bool = True
     """Nonuniform tensor parallelism: a replica that loses a rank re-forms at a lower TP degree and trains on. Off:
     plain Megatron-Core behaviour (a failure restarts the job from the last checkpoint, or ends it)."""
     min_tp: int = Field(1, ge=1)
+    """No replica may run narrower: a failure that would leave one below it is handled by
+    ``on_unrecoverable``."""
     dead_slots: list[str] = Field(default_factory=list)
     """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``."""
     dropped_replicas: list[int] = Field(default_factory=list)
@@ -181,15 +251,19 @@ class NTPSection(_Section):
     a Python thread that long GIL-holding work can delay by seconds: keep this well above that."""
     rejoin_after_s: Optional[float] = Field(None, ge=0.0)
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
-    slot; it is admitted at an iteration boundary and takes its canonical block back. None: never."""
+    slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""
     max_rejoin_attempts: int = Field(3, ge=1)
     """Replacements that die while starting or being admitted are retried this many times per slot."""
 
 
 class CheckpointSection(_Section):
+    """Megatron-Core ``dist_checkpointing`` saves and loads, in any topology (docs/checkpoints.md)."""
+
     save: Optional[str] = None
     """Directory to save dist_checkpointing checkpoints into (``iter_0000010/`` per save)."""
     save_interval: Optional[int] = Field(None, ge=1)
+    """Iterations between saves; null: only the final checkpoint, which is saved at the end whenever
+    ``save`` is set."""
     load: Optional[str] = None
     """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
     that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
@@ -206,10 +280,16 @@ class CheckpointSection(_Section):
 
 
 class LoggingSection(_Section):
+    """Log lines, the metrics file, TensorBoard, and verification and measurement aids (docs/metrics.md)."""
+
     log_interval: int = Field(1, ge=1)
+    """Print an iteration line every this many iterations (and at the last one); the metrics file records
+    every iteration."""
     tensorboard_dir: Optional[str] = None
     """Default: ``<run_dir>/tensorboard/<start time>`` (one subdirectory per run); the empty string: off."""
     run_dir: str = "runs/latest"
+    """Where a run writes its outputs (metrics, TensorBoard, ``run.png``, rank pids), relative to the current
+    directory; ``--run-dir`` sets it."""
     metrics_file: Optional[str] = None
     """JSON lines, one per iteration and event, appended to. Default: ``<run_dir>/metrics.jsonl``; the empty
     string: none."""
@@ -225,20 +305,49 @@ class LoggingSection(_Section):
 
 
 class FaultsSection(_Section):
+    """Injected failures (docs/faults.md)."""
+
     inject: list[str] = Field(default_factory=list)
     """``--inject-failure`` specs (see ``ntp_megatron.faults``); ``--inject-failure`` on the command line
     replaces this list."""
 
 
 class JobConfig(_Section):
+    """A training job: one section per concern.
+
+    Rules between keys of different sections (each broken one is a one-line error):
+
+    - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
+    - with ``ntp.enabled``: no ``parallel.use_distributed_optimizer``, ``parallel.sequence_parallel`` or
+      ``training.precision: fp16``; ``model.transformer_impl: local``; the starting topology is valid (dead slots
+      inside the grid, no replica below ``ntp.min_tp``, at least ``parallel.tensor_model_parallel_size`` units in
+      every family: query groups, FFN units, vocabulary rows); no ``checkpoint.async_save``;
+    - without NTP: no ``ntp.dead_slots`` or ``ntp.dropped_replicas``, and ``model.num_attention_heads`` and the
+      query groups divisible by ``parallel.tensor_model_parallel_size``;
+    - ``training.lr_warmup_iters`` below the decay length (``training.lr_decay_iters``, else ``train_iters``);
+    - evaluation on indexed data needs a validation share in ``data.split``;
+    - ``checkpoint.save_interval`` needs ``checkpoint.save``; ``ntp.on_unrecoverable: restart`` needs both;
+    - ``logging.state_checksums`` and ``logging.dump_state`` exclude ``parallel.use_distributed_optimizer``;
+    - ``ntp.heartbeat_timeout_s`` above ``ntp.heartbeat_interval_s``; ``ntp.min_tp`` at most
+      ``parallel.tensor_model_parallel_size``.
+    """
+
     model: ModelSection = Field(default_factory=ModelSection)
+    """GPT architecture."""
     parallel: ParallelSection = Field(default_factory=ParallelSection)
+    """Tensor and data parallelism, backend, timeouts, DDP."""
     training: TrainingSection = Field(default_factory=TrainingSection)
+    """Iterations, batches, optimizer, schedule, precision, device, evaluation."""
     data: DataSection = Field(default_factory=DataSection)
+    """Mock or indexed data, split, tokenizer."""
     ntp: NTPSection = Field(default_factory=NTPSection)
+    """Nonuniform tensor parallelism and live failures."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    """Saving and resuming."""
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    """Log lines, metrics, TensorBoard."""
     faults: FaultsSection = Field(default_factory=FaultsSection)
+    """Injected failures."""
 
     @model_validator(mode="after")
     def _batch(self) -> "JobConfig":

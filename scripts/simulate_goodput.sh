@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cluster-scale goodput simulator (README, "Goodput simulator").
+# Cluster-scale goodput simulator (docs/simulator.md).
 #   scripts/simulate_goodput.sh [CONFIG] [--set k=v ...] [--out DIR]
 #   e.g. scripts/simulate_goodput.sh configs/sim/paper_fig6.yaml
 set -euo pipefail

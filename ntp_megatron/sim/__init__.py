@@ -1,4 +1,4 @@
-"""Cluster-scale goodput simulator for NTP and the recovery strategies it competes with (see the README, "Goodput simulator").
+"""Cluster-scale goodput simulator for NTP and the recovery strategies it competes with (see docs/simulator.md).
 
 Pure numpy: it never imports torch or Megatron, so it loads and runs on any laptop.
 """

@@ -1,7 +1,7 @@
 """Measured inputs from ``scripts/bench.sh`` (and the live runtime): step-time ratios and the recovery pause.
 
 Without calibration a group at reduced TP ``tp_eff`` takes the ideal ``tp / tp_eff`` times longer per step and a
-live re-formation pauses the job for ``strategies.reconfigure_s``. The JSON (README, "Calibration") may carry
+live re-formation pauses the job for ``strategies.reconfigure_s``. The JSON (docs/simulator.md, "Calibration") may carry
 either or both of::
 
     {"degraded_step_time_ratio": {"32": {"30": 1.08, "28": 1.17}},   # healthy TP -> reduced TP -> ratio

@@ -70,7 +70,7 @@ class Failures(Section):
 
 
 # NVIDIA's published peak dense FP8 throughput of one B200 at two power limits: 4.5 PFLOPS at 1,000 W (HGX B200)
-# and 5.0 PFLOPS at 1,200 W (GB200). alpha = ln(5.0 / 4.5) / ln(1.2) = 0.578 (README, "Power boost").
+# and 5.0 PFLOPS at 1,200 W (GB200). alpha = ln(5.0 / 4.5) / ln(1.2) = 0.578 (docs/simulator.md, "Power boost").
 B200_ALPHA = 0.58
 
 
@@ -113,7 +113,8 @@ PlacementName = Literal["fixed", "packed", "packed_on_restart"]
 
 
 class Placement(Section):
-    """Which DP replica each TP group serves, per strategy (README, "Placement": who may move domains, at what cost)."""
+    """Which DP replica each TP group serves, per strategy (docs/simulator.md, "Placement": who may move domains,
+    at what cost)."""
 
     checkpoint_restart: PlacementName = "packed"
     dp_drop: PlacementName = "packed_on_restart"

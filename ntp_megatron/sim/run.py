@@ -52,7 +52,7 @@ class PointResult:
 
 def _stats(values: list[float]) -> dict[str, float]:
     a = np.asarray(values, dtype=float)
-    with np.errstate(invalid="ignore"):  # spares can be infinite (README, "Spares")
+    with np.errstate(invalid="ignore"):  # spares can be infinite (docs/simulator.md, "Spares")
         return _describe(a)
 
 
