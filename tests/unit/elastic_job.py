@@ -1,0 +1,133 @@
+"""A job's control plane without rank processes: the real controller and the ranks' real protocol calls
+(:class:`ntp_megatron.elastic.commit.CommitProtocol`) on one in-memory store, the ranks as threads where they
+must wait for each other (a vote completes only when every rank voted)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import CommitProtocol
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.layout import Topology, make_topology
+
+UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
+WAIT_S = 10.0
+"""Bound on every wait of a test thread (the store's own timeout is shorter)."""
+
+
+def together(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run ``calls`` at once, one thread each (as ranks would); their results, or the exceptions they raised."""
+    if not calls:
+        return []
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.exception(timeout=WAIT_S) or f.result() for f in futures]
+
+
+class Job:
+    """Generation 0 of a ``tp`` x ``dp`` job on ``store`` (the controller's store may be a proxy of it)."""
+
+    def __init__(self, store, tp: int, dp: int, start: int = 0, policy: str = "drop_replica", min_tp: int = 1,
+                 controller_store=None) -> None:
+        self.store = store
+        self.said: list[str] = []
+        self.events: list[dict] = []
+        self.controller = Controller(controller_store if controller_store is not None else store,
+                                     make_topology(tp, dp, UNITS), min_tp, policy, self.said.append,
+                                     self.events.append, start_iteration=start)
+        self.alive = set(range(tp * dp))
+
+    # -- what the store says -------------------------------------------------------------------------------------
+    def topology(self, generation: int) -> Topology:
+        return Topology.from_json(json.loads(self.store.get(keys.topology(generation))))
+
+    def info(self, generation: int) -> dict:
+        return json.loads(self.store.get(keys.info(generation)))
+
+    def latest(self) -> int:
+        return int(self.store.get(keys.LATEST))
+
+    def committed(self) -> int:
+        return int(self.store.get(keys.COMMITTED))
+
+    def completed(self) -> int:
+        return int(self.store.get(keys.COMPLETED)) if self.store.check([keys.COMPLETED]) else -1
+
+    def protocol(self, generation: int, store=None) -> CommitProtocol:
+        return CommitProtocol(store if store is not None else self.store, generation,
+                              self.topology(generation).world_size)
+
+    # -- what the ranks do ---------------------------------------------------------------------------------------
+    def members(self, generation: int) -> list[int]:
+        """Launch ranks with a slot in ``generation`` that are alive."""
+        topology = self.topology(generation)
+        return [lr for lr, slot in sorted(self.controller.identity.items())
+                if topology.rank_of(*slot) is not None and lr in self.alive]
+
+    def form(self, generation: int, ranks: Optional[list[int]] = None) -> list[str]:
+        """``ranks`` (default: every live member) finish re-forming into ``generation``; their verdicts."""
+        ranks = self.members(generation) if ranks is None else ranks
+        return together([self.protocol(generation).form for _ in ranks])
+
+    def commit(self, generation: int, iteration: int) -> list[str]:
+        """Every live member of ``generation`` votes for ``iteration``; their decisions."""
+        protocol = self.protocol(generation)
+        return together([lambda: protocol.vote(iteration) for _ in self.members(generation)])
+
+    def notice(self, generation: int) -> None:
+        """Every live member notes that ``generation`` is over (the controller's failure report waits for it)."""
+        for lr in self.alive:
+            self.store.set(keys.aware(generation, lr), str(time.time()))
+
+    def die(self, *launch_ranks: int) -> Optional[str]:
+        """``launch_ranks`` die together and the controller handles them; what it returned (why the job stops)."""
+        self.alive.difference_update(launch_ranks)
+        self.notice(self.controller.latest.generation)
+        self.notice(self.controller.completed.generation)
+        reason = self.controller.handle([death(lr) for lr in launch_ranks])
+        self.controller.close()
+        return reason
+
+
+def death(launch_rank: int) -> Death:
+    return Death(launch_rank, time.time(), "was killed by signal SIGKILL")
+
+
+class Voter:
+    """A rank voting in a thread: ``add`` done is signalled, so the next voter is known to come after it."""
+
+    def __init__(self, protocol: CommitProtocol, iteration: int) -> None:
+        self.voted = threading.Event()
+        self.result: Any = None
+        store = protocol.store
+        signal = self
+
+        class _Signalling:
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            def add(self, key, amount):
+                value = store.add(key, amount)
+                signal.voted.set()
+                return value
+
+        self._protocol = CommitProtocol(_Signalling(), protocol.generation, protocol.world_size)
+        self._thread = threading.Thread(target=self._run, args=(iteration,), daemon=True)
+        self._thread.start()
+        assert self.voted.wait(WAIT_S), "a voter did not get its vote in"
+
+    def _run(self, iteration: int) -> None:
+        try:
+            self.result = self._protocol.vote(iteration)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            self.result = exc
+
+    def decision(self) -> Any:
+        self._thread.join(WAIT_S)
+        assert not self._thread.is_alive(), "a voter is still waiting for a decision"
+        return self.result
