@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from ntp_megatron.elastic import keys
@@ -22,11 +21,21 @@ WAIT_S = 10.0
 
 def together(calls: list[Callable[[], Any]]) -> list[Any]:
     """Run ``calls`` at once, one thread each (as ranks would); their results, or the exceptions they raised."""
-    if not calls:
-        return []
-    with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
-        return [f.exception(timeout=WAIT_S) or f.result() for f in futures]
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+        assert not thread.is_alive(), "a rank is still waiting for the others"
+    return results
 
 
 class Job:
@@ -98,14 +107,14 @@ def death(launch_rank: int) -> Death:
     return Death(launch_rank, time.time(), "was killed by signal SIGKILL")
 
 
-class Voter:
-    """A rank voting in a thread: ``add`` done is signalled, so the next voter is known to come after it."""
+class InThread:
+    """A rank in a protocol call that waits for the others (``vote(k)`` or ``form()``), in its own thread;
+    returns once the rank's count (its vote, or its ready) is in, so whoever counts next comes after it."""
 
-    def __init__(self, protocol: CommitProtocol, iteration: int) -> None:
-        self.voted = threading.Event()
+    def __init__(self, protocol: CommitProtocol, call: str, *args: Any) -> None:
+        self.counted = threading.Event()
         self.result: Any = None
-        store = protocol.store
-        signal = self
+        store, counted = protocol.store, self.counted
 
         class _Signalling:
             def __getattr__(self, name):
@@ -113,21 +122,30 @@ class Voter:
 
             def add(self, key, amount):
                 value = store.add(key, amount)
-                signal.voted.set()
+                counted.set()
                 return value
 
-        self._protocol = CommitProtocol(_Signalling(), protocol.generation, protocol.world_size)
-        self._thread = threading.Thread(target=self._run, args=(iteration,), daemon=True)
+        mine = CommitProtocol(_Signalling(), protocol.generation, protocol.world_size)
+        self._thread = threading.Thread(target=self._run, args=(getattr(mine, call), args), daemon=True)
         self._thread.start()
-        assert self.voted.wait(WAIT_S), "a voter did not get its vote in"
+        assert self.counted.wait(WAIT_S), f"a rank's {call} did not get its count in"
 
-    def _run(self, iteration: int) -> None:
+    def _run(self, call: Callable[..., Any], args: tuple) -> None:
         try:
-            self.result = self._protocol.vote(iteration)
+            self.result = call(*args)
         except BaseException as exc:  # noqa: BLE001 - the test inspects it
             self.result = exc
 
-    def decision(self) -> Any:
+    def outcome(self) -> Any:
+        """What the call returned (or raised)."""
         self._thread.join(WAIT_S)
-        assert not self._thread.is_alive(), "a voter is still waiting for a decision"
+        assert not self._thread.is_alive(), "a rank is still waiting for a decision"
         return self.result
+
+
+def voter(protocol: CommitProtocol, iteration: int) -> InThread:
+    return InThread(protocol, "vote", iteration)
+
+
+def former(protocol: CommitProtocol) -> InThread:
+    return InThread(protocol, "form")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMMITTED_DECISIONS, CommitProtocol, settle
-from tests.unit.elastic_job import Job, Voter, death
+from tests.unit.elastic_job import Job, death, voter
 from tests.unit.interleavings import Interleaving, Killed, every_order, hash_store
 
 
@@ -37,33 +37,27 @@ LAYOUTS = [(1, 2), (1, 3), (2, 2), (3, 2)]
 
 # -- the last vote against the controller's abort ----------------------------------------------------------------
 
-@pytest.mark.parametrize("start", [0, 7], ids=["fresh", "resumed"])
-@pytest.mark.parametrize("tp, dp", LAYOUTS)
-def test_last_vote_against_the_abort_in_every_order(tp, dp, start):
-    """A rank that voted for iteration k dies; the last voter's ``commit`` races the controller's ``abort``. In
-    every order of their store operations: every rank has the same decision, the store holds it, a survivor
-    reading it after the next generation was published finds it too (rolls forward or drops alike), and the
-    controller settled the first iteration not committed, published as such."""
+def _vote_race(tp: int, dp: int, start: int, seen: list):
+    """The trial: a rank that voted for iteration k dies and the controller handles it, racing the last voter.
+    Checks the rules and appends to ``seen`` what each actor observed and what was decided."""
     world, k = tp * dp, start + 2
     dead, last = world - 1, world - 2
-    outcomes = set()
 
     def trial(il: Interleaving) -> None:
         job = Job(il.store, tp, dp, start=start, controller_store=il.proxy("controller"))
         job.form(0)
         job.commit(0, k - 1)
-        early = [Voter(job.protocol(0), k) for _ in range(last)]
+        early = [voter(job.protocol(0), k) for _ in range(last)]
         il.store.add(keys.votes(0, k), 1)  # the rank that dies voted first
         job.alive.discard(dead)
         job.notice(0)
         results = il.run({"controller": lambda: job.controller.handle([death(dead)]),
                           "voter": lambda: job.protocol(0, il.proxy("voter")).vote(k)})
         job.controller.close()
-        decisions = [v.decision() for v in early] + [results["voter"]]
+        decisions = [v.outcome() for v in early] + [results["voter"]]
         assert results["controller"] is None, job.said
         assert len(set(decisions)) == 1 and decisions[0] in (COMMIT, ABORT), (decisions, il.trace)
         decided = decisions[0]
-        outcomes.add(decided)
         assert job.latest() == 1
         assert job.protocol(0).decision(k) == decided, il.trace  # what a survivor reads after generation 1 came
         first_open = k + 1 if decided == COMMIT else k
@@ -71,10 +65,34 @@ def test_last_vote_against_the_abort_in_every_order(tp, dp, start):
         assert job.controller.settled == settled, il.trace
         assert job.info(1)["settled"] == settled
         assert job.committed() == first_open - 1, il.trace
+        seen.append((decided, tuple(il.seen["voter"]), tuple(il.seen["controller"])))
 
-    orders = every_order(trial, _shared(0, k))
-    assert outcomes == {COMMIT, ABORT}
-    assert len(orders) >= 20, len(orders)  # the last voter's 3-4 operations among the controller's 5-7
+    return trial, _shared(0, k)
+
+
+@pytest.mark.parametrize("tp, dp, start", [(1, 2, 0), (1, 3, 0), (2, 2, 0), (3, 2, 0), (2, 2, 7)],
+                         ids=["2", "3", "4", "6", "4-resumed"])
+def test_last_vote_against_the_abort_in_every_order(tp, dp, start):
+    """A rank that voted for iteration k dies; the last voter's ``commit`` races the controller's ``abort``. In
+    every order of their store operations (world sizes 2 to 6, a fresh and a resumed run): every rank has the
+    same decision, the store holds it, a survivor reading it after the next generation was published finds it
+    too (rolls forward or drops alike), and the controller settled the first iteration not committed, published
+    as such."""
+    seen: list = []
+    orders = every_order(*_vote_race(tp, dp, start, seen))
+    assert {decided for decided, _, _ in seen} == {COMMIT, ABORT}
+    assert len(orders) >= 5, len(orders)
+
+
+def test_the_reduced_search_observes_all_that_every_order_does():
+    """The vote race run in every order of the watched operations, equivalent or not: each actor observes
+    nothing there that the reduced search did not show it."""
+    reduced: list = []
+    every_order(*_vote_race(1, 2, 0, reduced))
+    full: list = []
+    runs = every_order(*_vote_race(1, 2, 0, full), reduce=False)
+    assert set(full) == set(reduced)
+    assert len(runs) > 5 * len(set(reduced)), (len(runs), len(set(reduced)))
 
 
 @pytest.mark.parametrize("tp, dp", [(2, 2), (3, 2)])
@@ -97,7 +115,7 @@ def test_last_vote_against_the_abort_at_an_admission_boundary(tp, dp):
         assert job.controller.admit([replacement])
         members = job.members(1)
         k = 3
-        early = [Voter(job.protocol(1), k) for _ in members[2:]]
+        early = [voter(job.protocol(1), k) for _ in members[2:]]
         il.store.add(keys.votes(1, k), 1)  # launch rank 0 votes, then dies
         job.alive.discard(dead)
         job.notice(1)
@@ -105,7 +123,7 @@ def test_last_vote_against_the_abort_at_an_admission_boundary(tp, dp):
         results = il.run({"controller": lambda: job.controller.handle([death(dead)]),
                           "voter": lambda: job.protocol(1, il.proxy("voter")).vote(k)})
         job.controller.close()
-        decisions = [v.decision() for v in early] + [results["voter"]]
+        decisions = [v.outcome() for v in early] + [results["voter"]]
         assert len(set(decisions)) == 1 and decisions[0] in (COMMIT_REFORM, ABORT), (decisions, il.trace)
         decided = decisions[0]
         outcomes.add(decided)
@@ -141,12 +159,12 @@ def test_last_voter_killed_before_each_of_its_operations(at):
     job.form(0)
     job.commit(0, 1)
     k, last = 2, 2
-    early = [Voter(job.protocol(0), k) for _ in range(last)]
+    early = [voter(job.protocol(0), k) for _ in range(last)]
     il = Interleaving(store, _every_key, kill={"voter": at})
     result = il.run({"voter": lambda: job.protocol(0, il.proxy("voter")).vote(k)})["voter"]
     assert isinstance(result, Killed) == (at < len(VOTE_OPERATIONS) - 1), result
     assert job.die(last) is None
-    decisions = {v.decision() for v in early}
+    decisions = {v.outcome() for v in early}
     committed = at > VOTE_OPERATIONS.index("compare_set decision")
     assert decisions == {COMMIT if committed else ABORT}
     first_open = k + 1 if committed else k
@@ -154,10 +172,10 @@ def test_last_voter_killed_before_each_of_its_operations(at):
     assert job.committed() == first_open - 1, "a fresh process would resume after an iteration not yet committed"
 
     assert job.form(1) == ["complete"] * 2
-    voter = Voter(job.protocol(1), first_open)  # launch rank 0 votes for the iteration it is at, then 1 dies
+    late = voter(job.protocol(1), first_open)  # launch rank 0 votes for the iteration it is at, then 1 dies
     assert job.die(1) is None
     assert job.info(2)["settled"] == {"generation": 1, "iteration": first_open, "decision": ABORT, "started": 0}
-    assert voter.decision() == ABORT
+    assert late.outcome() == ABORT
 
 
 # -- what a survivor reads after the next generation was published -----------------------------------------------
@@ -184,10 +202,10 @@ def test_a_rank_that_voted_drops_its_iteration_when_it_was_aborted():
     job = Job(store, 1, 3)
     job.form(0)
     job.commit(0, 1)
-    voters = [Voter(job.protocol(0), 2) for _ in range(2)]
+    voters = [voter(job.protocol(0), 2) for _ in range(2)]
     assert job.protocol(0).decision(2) is None
     assert job.die(2) is None
-    assert [v.decision() for v in voters] == [ABORT, ABORT]
+    assert [v.outcome() for v in voters] == [ABORT, ABORT]
     assert job.protocol(0).decision(2) == ABORT
     assert job.info(1)["settled"] == {"generation": 0, "iteration": 2, "decision": ABORT, "started": 0}
     assert job.committed() == 1
@@ -220,7 +238,7 @@ def test_settle_skips_every_committed_iteration_and_stops_at_an_admission_bounda
 def test_a_generation_marked_over_without_a_decision_counts_as_abort():
     """Nobody will decide (the generation was marked over without it): the voter's wait ends with the store's
     timeout, and that counts as ``abort``; a rank forming that generation reads ``incomplete``."""
-    store = hash_store(0.2)
+    store = hash_store(0.1)
     protocol = CommitProtocol(store, 0, 2)
     store.set(keys.abort(0), "stop")
     started = time.monotonic()
@@ -232,7 +250,7 @@ def test_a_generation_marked_over_without_a_decision_counts_as_abort():
 def test_a_decision_that_came_as_the_wait_timed_out_stands():
     """A voter's wait times out just as the last vote commits, and a failure then marks the generation over: the
     voter reads ``commit`` like everyone else, not ``abort`` (it would skip a step the others took)."""
-    store = hash_store(0.2)
+    store = hash_store(0.1)
     job = Job(store, 1, 3)
     job.form(0)
 
@@ -244,7 +262,7 @@ def test_a_decision_that_came_as_the_wait_timed_out_stands():
             try:
                 store.wait(keys_)
             except dist.DistStoreError:
-                Voter(job.protocol(0), 1)  # the other two votes come in, the last one commits
+                voter(job.protocol(0), 1)  # the other two votes come in, the last one commits
                 assert job.protocol(0).vote(1) == COMMIT
                 job.die(2)  # then a rank dies
                 raise
@@ -256,7 +274,7 @@ def test_a_decision_that_came_as_the_wait_timed_out_stands():
 def test_every_wait_is_bounded_by_the_store_timeout():
     """A vote or a formation nobody completes and nobody ends raises ``TimeoutError`` after the store's
     timeout: nothing hangs."""
-    store = hash_store(0.2)
+    store = hash_store(0.1)
     protocol = CommitProtocol(store, 0, 2)
     started = time.monotonic()
     with pytest.raises(TimeoutError, match="no decision"):
