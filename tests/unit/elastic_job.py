@@ -103,6 +103,19 @@ class Job:
         return reason
 
 
+def admission_pending(job: Job, replacement: int) -> None:
+    """``replacement`` died at iteration 2 of generation 0; generation 1 formed without it and committed
+    iteration 2; a new process for its slot is being admitted (generation 2 published, generation 1 asked to move
+    after its next committed iteration)."""
+    job.form(0)
+    job.commit(0, 1)
+    job.die(replacement)
+    job.form(1)
+    job.commit(1, 2)
+    job.alive.add(replacement)
+    assert job.controller.admit([replacement])
+
+
 def death(launch_rank: int) -> Death:
     return Death(launch_rank, time.time(), "was killed by signal SIGKILL")
 

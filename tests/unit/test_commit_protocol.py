@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMMITTED_DECISIONS, CommitProtocol, settle
-from tests.unit.elastic_job import Job, death, voter
+from tests.unit.elastic_job import Job, admission_pending, death, voter
 from tests.unit.interleavings import Interleaving, Killed, every_order, hash_store
 
 
@@ -106,13 +106,7 @@ def test_last_vote_against_the_abort_at_an_admission_boundary(tp, dp):
 
     def trial(il: Interleaving) -> None:
         job = Job(il.store, tp, dp, controller_store=il.proxy("controller"))
-        job.form(0)
-        job.commit(0, 1)
-        job.die(replacement)
-        job.form(1)
-        job.commit(1, 2)
-        job.alive.add(replacement)
-        assert job.controller.admit([replacement])
+        admission_pending(job, replacement)
         members = job.members(1)
         k = 3
         early = [voter(job.protocol(1), k) for _ in members[2:]]

@@ -16,7 +16,7 @@ import pytest
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE
 from ntp_megatron.layout import next_topology
-from tests.unit.elastic_job import Job, death, former, voter
+from tests.unit.elastic_job import Job, admission_pending, death, former, voter
 from tests.unit.interleavings import Interleaving, every_order, hash_store
 
 
@@ -150,17 +150,10 @@ def test_last_ready_rank_against_the_controllers_incomplete_in_every_order(tp, d
 
 # -- admissions ---------------------------------------------------------------------------------------------------
 
-def _admitting(tp: int = 2, dp: int = 2) -> Job:
-    """Rank 3 died at iteration 2 of generation 0, generation 1 formed and committed iteration 2; a replacement
-    for rank 3 is being admitted (generation 2 published)."""
-    job = _job(tp, dp)
-    job.form(0)
-    job.commit(0, 1)
-    job.die(3)
-    job.form(1)
-    job.commit(1, 2)
-    job.alive.add(3)
-    assert job.controller.admit([3])
+def _admitting() -> Job:
+    """TP2 x DP2; a new process for launch rank 3 is being admitted (:func:`admission_pending`)."""
+    job = _job(2, 2)
+    admission_pending(job, 3)
     return job
 
 
