@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import zipfile
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import MegatronOptimizer
@@ -78,6 +80,11 @@ SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message names it and, where that can be known, the file."""
+
+
+READ_FAILURES = (CheckpointException, CheckpointingException, OSError, EOFError, pickle.UnpicklingError)
+"""How reading a checkpoint fails (torch DCP gathers every rank's read failure into a ``CheckpointException``);
+not a peer's death in the load's collectives, which a rank must take for what it is."""
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -297,8 +304,12 @@ def resolve_load_dir(load: Path) -> Optional[Path]:
 
 def read_progress(load: Path) -> Progress:
     """The complete checkpoint ``load`` names (a root: its latest; or one ``iter_*`` directory) and its progress;
-    SystemExit with one line if there is none. Read by the launcher before any rank starts, so every rank loads
-    the same directory whatever a later save does to ``latest``."""
+    SystemExit with one line if there is none, :class:`CheckpointError` if a file of it is missing or damaged
+    (:func:`verify_checkpoint`). Read by the launcher before any rank starts, so every rank loads the same directory
+    whatever a later save does to ``latest``."""
+    path = resolve_load_dir(load)
+    if path is not None and (path / "metadata.json").is_file():
+        verify_checkpoint(path)
     path, common = _open(load)
     consumed = common.get("consumed_samples")
     return Progress(path, int(common["iteration"]), int(consumed) if consumed is not None else None)
@@ -311,8 +322,10 @@ def _open(load: Path) -> tuple[Path, dict]:
         raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
     if not (path / "metadata.json").is_file():
         raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
-    verify_checkpoint(path)
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as exc:  # noqa: BLE001 - local reading only: any failure means the checkpoint
+        raise _read_failure(path, exc) from exc
     if "iteration" not in common:
         raise SystemExit(f"checkpoint.load: {path} has no iteration state")
     return path, common
@@ -325,8 +338,8 @@ def verify_checkpoint(path: Path) -> None:
     there (a missing or truncated file is found by its length), and holds at each item's place what torch DCP
     writes there: a ``torch.save`` archive, which begins with a zip local header and ends with the end of its
     central directory (a file overwritten or swapped for another is found by two small reads per item).
-    :class:`CheckpointError` naming the first file that is not. Read by the launcher before any rank starts and
-    by every rank before it loads."""
+    :class:`CheckpointError` naming the first file that is not. Run by the launcher before any rank starts
+    (:func:`read_progress`), and by a rank whose load failed, to name the file (:func:`_read_failure`)."""
     def broken(name: str, why: str) -> CheckpointError:
         return CheckpointError(f"checkpoint.load: {path.resolve() / name}: {why}")
 
@@ -389,9 +402,13 @@ def _is_archive(f, offset: int, length: int) -> bool:
 
 
 def _read_failure(path: Path, exc: BaseException) -> CheckpointError:
-    """One line for a load that failed although :func:`verify_checkpoint` found its files whole (bytes changed
-    inside an item, ...): the checkpoint and the first line of the first failure (torch DCP's
-    ``CheckpointException`` carries every rank's own)."""
+    """What a rank raises when reading the checkpoint failed: the damaged file if :func:`verify_checkpoint` finds
+    one, else (bytes changed inside an item, ...) the checkpoint and the first line of the first failure (torch
+    DCP's ``CheckpointException`` carries every rank's own). Only on failure: a load that works pays nothing."""
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as found:
+        return found
     failures = getattr(exc, "failures", None)
     cause: BaseException = exc
     if isinstance(failures, dict) and failures:
@@ -442,12 +459,12 @@ def load_checkpoint(
     layout = _layout(model, coords)
     same_layout = common.get("parallel") == layout.parallel
     request = _sharded_state(model, optimizer, layout, is_loading=True)
-    check_shapes(request, path)
     if same_layout:
         request["rng_state"] = _rng_object(coords, layout, None)
     try:
+        check_shapes(request, path)
         state = dist_checkpointing.load(request, str(path))
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failure to read it: name the checkpoint
+    except READ_FAILURES as exc:
         raise _read_failure(path, exc) from exc
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -164,9 +164,10 @@ def test_a_damaged_checkpoint_to_load_is_refused_before_any_rank_starts(tmp_path
 
 
 def test_a_rank_loading_a_damaged_checkpoint_names_the_file(tmp_path):
-    """What a rank does at a restart from the save directory (the launcher checked only the load directory): it
-    checks the files before it reads a tensor, so no model is needed to see it refuse."""
+    """What a rank does at a restart from the save directory (the launcher checked only the load directory): its
+    read fails, then it looks for the damaged file and names it. Here the first read, ``common.pt``'s, fails (so
+    no model is needed); a tensor read failing: tests/jobs/test_checkpoint_inputs.py."""
     path = _checkpoint(tmp_path / "ckpt")
-    file, why = _damage(path, "truncated")
+    file, why = _damage(path, "common truncated")
     with pytest.raises(checkpoint.CheckpointError, match=re.escape(f"checkpoint.load: {file}: {why}")):
         checkpoint.load_checkpoint(tmp_path / "ckpt", model=None, optimizer=None, scheduler=None, coords=None)
