@@ -8,8 +8,9 @@ The protocol's writers (a rank's vote, the controller's abort, a rank's ``comple
   a watched key waits for its turn, and one actor at a time is let through, every other actor being parked at
   its next watched operation or finished;
 - two orders that differ only in the order of independent operations (different keys, or two reads of one
-  key) end in the same state, so only one of them is run (sleep sets: Godefroid, "Partial-Order Methods for the
-  Verification of Concurrent Systems", 1996); every order of every pair of dependent operations is run;
+  key) end in the same state, so only one of them is run (the partial-order reduction known as sleep sets);
+  every order of every pair of dependent operations is run (``reduce=False`` runs every order, equivalent or
+  not: the tests check that both reach the same observations);
 - an operation on a key that is not watched runs at once. That is sound only if no other actor touches the key
   while one of them writes it (it is then independent of everything the others do); every run checks this,
   so a trial that watches too little fails instead of silently missing orders;

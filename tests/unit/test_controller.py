@@ -215,7 +215,6 @@ def test_a_failure_while_an_admission_is_pending(when):
     else:
         assert info["settled"] == {"generation": 1, "iteration": 3, "decision": ABORT, "started": 0}
         assert [v.outcome() for v in voting] == [ABORT, ABORT]
-    job.alive.add(3)
     assert job.form(3) == [COMPLETE] * 2
     assert job.controller.admit([3]) and job.info(4)["joined"] == _slots(job, 3)
 
