@@ -961,6 +961,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               "use drop_replica or stop")
         preflight.check_data(cfg)
         preflight.check_device(cfg)
+        preflight.check_checkpoint_save(cfg)
         start, note = preflight.resume_point(cfg)
         if note:
             print(f"ntp-launch: {note}", file=sys.stderr)

@@ -1,12 +1,14 @@
 """What the launcher checks before any rank starts, so a mistake costs one line and exit code 2, not a rank
 start, eight copies of a traceback and exit code 1: data prefixes that do not exist, a CUDA config on a machine
-without CUDA, a checkpoint directory that does not exist, a resume with nothing left to train.
+without CUDA, a checkpoint directory that does not exist or a checkpoint with a missing or truncated file, a save
+directory that cannot be written, a resume with nothing left to train.
 
 Paths mean what they mean in the user's shell: relative ones are relative to the current directory.
 """
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +58,32 @@ def check_device(cfg: JobConfig) -> None:
                       "or cpu and parallel.backend: auto or gloo")
 
 
+def check_checkpoint_save(cfg: JobConfig) -> None:
+    """``checkpoint.save`` is a directory this process can write into, or one it can create: refused here, not
+    at the first save (where every rank would fail at once, after the work of the iterations before it). Creates
+    nothing: a directory that does not exist yet is made by the first save."""
+    if not cfg.checkpoint.save:
+        return
+    save = Path(cfg.checkpoint.save)
+    where = save.resolve()
+    existing = where
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == where and not where.is_dir():
+        raise ConfigError(f"checkpoint.save: {where} is not a directory (a file is there)")
+    if not existing.is_dir():
+        raise ConfigError(f"checkpoint.save: {where} cannot be created: {existing} is not a directory")
+    try:  # whether this process may write there (permissions, a read-only mount, ...): try it
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if existing == where:
+            raise ConfigError(f"checkpoint.save: {where} is not writable ({reason})") from None
+        raise ConfigError(f"checkpoint.save: {where} cannot be created: {existing} is not writable ({reason})") \
+            from None
+
+
 def resume_point(cfg: JobConfig):
     """Where the run starts: None (iteration 0) or the checkpoint ``checkpoint.load`` names, as
     :class:`ntp_megatron.training.checkpoint.Progress`, with ``checkpoint.load`` pinned to its ``iter_*``
@@ -86,7 +114,8 @@ def resume_point(cfg: JobConfig):
 def pin_checkpoint_load(cfg: JobConfig):
     """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
     ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
-    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint."""
+    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint, or
+    one with a file missing, truncated or unreadable (:func:`ntp_megatron.training.checkpoint.verify_checkpoint`)."""
     if not cfg.checkpoint.load:
         return None
     from ntp_megatron.training import runtime
@@ -95,8 +124,8 @@ def pin_checkpoint_load(cfg: JobConfig):
     from ntp_megatron.training import checkpoint
 
     try:
-        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))
-    except SystemExit as exc:
+        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))  # verifies its files too
+    except (SystemExit, checkpoint.CheckpointError) as exc:
         raise ConfigError(str(exc)) from None
     cfg.checkpoint.load = str(progress.path.resolve())
     return progress

@@ -68,13 +68,16 @@ class CommitProtocol:
     def _await(self, key: str, otherwise: str) -> str:
         """The value of a decision key. The controller writes its decision before it marks the generation
         over, so a generation marked over without a decision on ``key`` means nobody will write one: that
-        counts as ``otherwise`` (the controller's verdict). Bounded by the store's timeout."""
+        counts as ``otherwise`` (the controller's verdict). A decision written as the wait timed out stands.
+        Bounded by the store's timeout."""
         try:
             self.store.wait([key])
         except dist.DistStoreError:
-            if self.store.check([keys.abort(self.generation)]) and not self.store.check([key]):
-                return otherwise
-            raise TimeoutError(f"no decision on {key} within the store timeout") from None
+            over = self.store.check([keys.abort(self.generation)])  # first: any decision is written before it
+            if not self.store.check([key]):
+                if over:
+                    return otherwise
+                raise TimeoutError(f"no decision on {key} within the store timeout") from None
         return self.store.get(key).decode()
 
 
@@ -88,14 +91,24 @@ def settle(store: dist.Store, generation: int) -> Optional[tuple[int, str, int]]
     race. Returns ``(iteration, "abort", ranks that had begun it)`` for the first iteration the controller could
     abort (every earlier one is committed), or None if the generation had already ended at an admission boundary
     (no iteration in flight). No rank can be past that iteration: a commit needs every rank's vote, and the dead
-    cannot vote again."""
+    cannot vote again.
+
+    ``COMMITTED`` may lag the decisions by one iteration: the last voter writes it after its ``commit`` won, and
+    may die in between. Settling brings it up to date, so that a later settle (the next generation's first
+    failure) and a fresh process start after the right iteration."""
     committed = int(store.get(keys.COMMITTED).decode()) if store.check([keys.COMMITTED]) else 0
     last = keys.decision(generation, committed)
-    if committed and store.check([last]) and store.get(last).decode() == COMMIT_REFORM:
-        return None
+    decided = store.get(last).decode() if committed and store.check([last]) else None
     iteration = committed + 1
-    while _first_write(store, keys.decision(generation, iteration), ABORT) in COMMITTED_DECISIONS:
+    while decided != COMMIT_REFORM:
+        decided = _first_write(store, keys.decision(generation, iteration), ABORT)
+        if decided not in COMMITTED_DECISIONS:
+            break
         iteration += 1
+    if iteration - 1 > committed:
+        store.set(keys.COMMITTED, str(iteration - 1))
+    if decided == COMMIT_REFORM:
+        return None
     return iteration, ABORT, int(store.add(keys.started(generation, iteration), 0))
 
 

@@ -49,7 +49,9 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -57,10 +59,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import faults
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
@@ -71,6 +76,15 @@ logger = logging.getLogger(__name__)
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 """Where the scheduler state may be: ours, or Megatron-LM's name for it."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read; the message names it and, where that can be known, the file."""
+
+
+READ_FAILURES = (CheckpointException, CheckpointingException, OSError, EOFError, pickle.UnpicklingError)
+"""How reading a checkpoint fails (torch DCP gathers every rank's read failure into a ``CheckpointException``);
+not a peer's death in the load's collectives, which a rank must take for what it is."""
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -290,8 +304,12 @@ def resolve_load_dir(load: Path) -> Optional[Path]:
 
 def read_progress(load: Path) -> Progress:
     """The complete checkpoint ``load`` names (a root: its latest; or one ``iter_*`` directory) and its progress;
-    SystemExit with one line if there is none. Read by the launcher before any rank starts, so every rank loads
-    the same directory whatever a later save does to ``latest``."""
+    SystemExit with one line if there is none, :class:`CheckpointError` if a file of it is missing or damaged
+    (:func:`verify_checkpoint`). Read by the launcher before any rank starts, so every rank loads the same directory
+    whatever a later save does to ``latest``."""
+    path = resolve_load_dir(load)
+    if path is not None and (path / "metadata.json").is_file():
+        verify_checkpoint(path)
     path, common = _open(load)
     consumed = common.get("consumed_samples")
     return Progress(path, int(common["iteration"]), int(consumed) if consumed is not None else None)
@@ -304,10 +322,101 @@ def _open(load: Path) -> tuple[Path, dict]:
         raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
     if not (path / "metadata.json").is_file():
         raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
-    common = dist_checkpointing.load_common_state_dict(str(path))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as exc:  # noqa: BLE001 - local reading only: any failure means the checkpoint
+        raise _read_failure(path, exc) from exc
     if "iteration" not in common:
         raise SystemExit(f"checkpoint.load: {path} has no iteration state")
     return path, common
+
+
+def verify_checkpoint(path: Path) -> None:
+    """That the checkpoint in ``path`` (an ``iter_*`` directory) is whole, without reading a tensor:
+    ``metadata.json`` parses, ``common.pt`` is an intact archive (its records' CRCs), and under the torch_dist
+    backend ``.metadata`` reads and every file it lists exists, can be opened, is as long as the items it holds
+    there (a missing or truncated file is found by its length), and holds at each item's place what torch DCP
+    writes there: a ``torch.save`` archive, which begins with a zip local header and ends with the end of its
+    central directory (a file overwritten or swapped for another is found by two small reads per item).
+    :class:`CheckpointError` naming the first file that is not. Run by the launcher before any rank starts
+    (:func:`read_progress`), and by a rank whose load failed, to name the file (:func:`_read_failure`)."""
+    def broken(name: str, why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint.load: {path.resolve() / name}: {why}")
+
+    try:
+        backend = json.loads((path / "metadata.json").read_text()).get("sharded_backend")
+    except FileNotFoundError:
+        raise broken("metadata.json", "missing (not a complete checkpoint)") from None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise broken("metadata.json", f"unreadable ({type(exc).__name__}: {exc})") from None
+    try:
+        with zipfile.ZipFile(path / "common.pt") as archive:
+            bad_record = archive.testzip()
+    except FileNotFoundError:
+        raise broken("common.pt", "missing") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
+        raise broken("common.pt", f"unreadable or truncated ({type(exc).__name__}: {exc})") from None
+    if bad_record is not None:
+        raise broken("common.pt", f"corrupt (record {bad_record!r} fails its CRC check)")
+    if backend != "torch_dist":
+        return  # another backend's files: the load itself names what it cannot read
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        raise broken(".metadata", "missing") from None
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign pickle fails in many ways
+        raise broken(".metadata", f"unreadable ({type(exc).__name__}: {exc})") from None
+    items: dict[str, list] = {}
+    for item in (getattr(metadata, "storage_data", None) or {}).values():
+        items.setdefault(item.relative_path, []).append(item)
+    for name, held in sorted(items.items()):
+        length = max(item.offset + item.length for item in held)
+        try:
+            with open(path / name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < length:
+                    raise broken(name, f"truncated: {size} bytes, but the checkpoint's .metadata has data up to "
+                                       f"byte {length}")
+                for item in sorted(held, key=lambda item: item.offset):
+                    if not item.transform_descriptors and not _is_archive(f, item.offset, item.length):
+                        raise broken(name, f"corrupt: bytes {item.offset}..{item.offset + item.length} are not the "
+                                           "archive the checkpoint's .metadata says is there")
+        except FileNotFoundError:
+            raise broken(name, "missing (the checkpoint's .metadata lists data in it)") from None
+        except OSError as exc:
+            raise broken(name, f"unreadable ({exc.strerror or type(exc).__name__})") from None
+
+
+_ZIP_HEADER, _ZIP_END = b"PK\x03\x04", b"PK\x05\x06"
+_ZIP_END_SIZE = 22
+"""The end of central directory record: its signature and its size without a comment (torch.save writes none)."""
+
+
+def _is_archive(f, offset: int, length: int) -> bool:
+    if length < len(_ZIP_HEADER) + _ZIP_END_SIZE:
+        return False
+    f.seek(offset)
+    head = f.read(len(_ZIP_HEADER))
+    f.seek(offset + length - _ZIP_END_SIZE)
+    return head == _ZIP_HEADER and f.read(len(_ZIP_END)) == _ZIP_END
+
+
+def _read_failure(path: Path, exc: BaseException) -> CheckpointError:
+    """What a rank raises when reading the checkpoint failed: the damaged file if :func:`verify_checkpoint` finds
+    one, else (bytes changed inside an item, ...) the checkpoint and the first line of the first failure (torch
+    DCP's ``CheckpointException`` carries every rank's own). Only on failure: a load that works pays nothing."""
+    try:
+        verify_checkpoint(path)
+    except CheckpointError as found:
+        return found
+    failures = getattr(exc, "failures", None)
+    cause: BaseException = exc
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        cause = first[0] if isinstance(first, tuple) else first
+    lines = str(cause).strip().splitlines()
+    return CheckpointError(f"checkpoint.load: cannot read {path.resolve()}: {type(cause).__name__}: "
+                           f"{lines[0][:200] if lines else ''}")
 
 
 def _requested_shapes(request: dict) -> dict[str, tuple[int, ...]]:
@@ -350,10 +459,13 @@ def load_checkpoint(
     layout = _layout(model, coords)
     same_layout = common.get("parallel") == layout.parallel
     request = _sharded_state(model, optimizer, layout, is_loading=True)
-    check_shapes(request, path)
     if same_layout:
         request["rng_state"] = _rng_object(coords, layout, None)
-    state = dist_checkpointing.load(request, str(path))
+    try:
+        check_shapes(request, path)
+        state = dist_checkpointing.load(request, str(path))
+    except READ_FAILURES as exc:
+        raise _read_failure(path, exc) from exc
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state[scheduler_key])
