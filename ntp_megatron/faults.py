@@ -6,9 +6,10 @@ In-rank (the rank does it to itself, at a chosen point of a chosen iteration)::
 
 ``ACTION``: ``kill`` (SIGKILL: a dead GPU or host, no cleanup), ``hang`` (SIGSTOP: the process stops
 responding, as a hung GPU does; the launcher fences it), ``exit`` (exit code C, default 1, as a crashing
-program would), ``error`` (raise :class:`InjectedError` there, as a bug of ours or a failed write would: the rank
-reports its own error and the job stops naming it, with no re-formation). ``R`` is the *launch rank*: a process's identity for the whole run (process-group ranks are
-renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based iteration. ``P``:
+program would), ``error`` (raise :class:`InjectedError` there, as a bug of ours or a failed write would: the
+rank reports an error of its own and the job stops naming it, with no re-formation). ``R`` is the *launch
+rank*: a process's identity for the whole run (process-group ranks are renumbered by every re-formation; launch
+ranks never are). ``N`` is the 1-based iteration. ``P``:
 
 - ``start`` (default): before iteration N begins;
 - ``forward``: inside the forward pass of N, at its middle micro-batch;
@@ -221,7 +222,8 @@ class InjectedError(RuntimeError):
 
 
 class FailureTrigger:
-    """The in-rank side: the training code calls :meth:`point` at every phase of every iteration.
+    """The in-rank side: :meth:`point` is called at every phase of every iteration (the hook of
+    :mod:`ntp_megatron.phases`).
 
     ``fired(spec)`` says whether a spec already fired in this run (a restarted rank must not fail again);
     ``on_fire(spec)`` records the failure just before it happens (what, where, when), so the launcher can

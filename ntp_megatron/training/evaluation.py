@@ -8,23 +8,21 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, microbatches
+from ntp_megatron.training.loop_state import LoopState
 from ntp_megatron.training.steps import evaluation_step
-
-if TYPE_CHECKING:
-    from ntp_megatron.training.loop import Trainer
 
 
 class Evaluations:
     """The evaluations of one run, each done and reported once per (iteration, split, final)."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: LoopState) -> None:
         self.trainer = trainer
         self.done: set[tuple[int, str, bool]] = set()
         """``(iteration, split, final)`` of the evaluations done (or not due: the iteration the run started from)."""

@@ -11,15 +11,14 @@ from typing import TYPE_CHECKING, Optional
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.training import checkpoint
+from ntp_megatron.training.loop_state import LoopState
 
 if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from ntp_megatron.training.loop import Trainer
-
 
 class Checkpoints:
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: LoopState) -> None:
         self.trainer = trainer
         self.last_saved = 0
         """The iteration whose state is on disk: the last checkpoint saved, or the one this run started from. With

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.training.inspect_state import checksums, full_state
-
-if TYPE_CHECKING:
-    from ntp_megatron.training.loop import Trainer
+from ntp_megatron.training.loop_state import LoopState
 
 
 class StateChecks:
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: LoopState) -> None:
         self.trainer = trainer
         self.checked: Optional[tuple[int, int]] = None
         """(iteration, generation) of the last check this rank took part in."""
