@@ -10,20 +10,24 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from ntp_megatron.layout import Topology
+
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 
 class RankObjects(Protocol):
     """The Megatron-Core objects a rank trains with in one layout."""
 
-    model: Any
-    """Megatron's ``DistributedDataParallel`` around the GPT model (``model.module``)."""
-    optimizer: Any
-    """Megatron's optimizer (``optimizer.optimizer`` is the torch optimizer whose state moves)."""
-    scheduler: Any
-    """Megatron's ``OptimizerParamScheduler``."""
+    model: DistributedDataParallel
+    """The GPT model (``model.module``) in Megatron's DDP wrapper."""
+    optimizer: MegatronOptimizer
+    """``optimizer.optimizer`` is the torch optimizer whose state moves."""
+    scheduler: OptimizerParamScheduler
 
     def release(self) -> None:
         """Drop what the objects hold beyond themselves (they were replaced)."""
