@@ -6,8 +6,10 @@ In-rank (the rank does it to itself, at a chosen point of a chosen iteration)::
 
 ``ACTION``: ``kill`` (SIGKILL: a dead GPU or host, no cleanup), ``hang`` (SIGSTOP: the process stops
 responding, as a hung GPU does; the launcher fences it), ``exit`` (exit code C, default 1, as a crashing
-program would). ``R`` is the *launch rank*: a process's identity for the whole run (process-group ranks are
-renumbered by every re-formation; launch ranks never are). ``N`` is the 1-based iteration. ``P``:
+program would), ``error`` (raise :class:`InjectedError` there, as a bug of ours or a failed write would: the
+rank reports an error of its own and the job stops naming it, with no re-formation). ``R`` is the *launch
+rank*: a process's identity for the whole run (process-group ranks are renumbered by every re-formation; launch
+ranks never are). ``N`` is the 1-based iteration. ``P``:
 
 - ``start`` (default): before iteration N begins;
 - ``forward``: inside the forward pass of N, at its middle micro-batch;
@@ -28,6 +30,9 @@ Controller-side (the launcher does it from outside)::
 
 Every spec fires at most once per run, also across restarts from a checkpoint (the launcher's store records
 what fired). A bad spec is one line naming the problem (exit code 2).
+
+The training code names its phases through :mod:`ntp_megatron.phases`; :func:`install` plugs a rank's trigger
+into it.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
+from ntp_megatron import phases
 from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
-ACTIONS = ("kill", "hang", "exit")
+ACTIONS = ("kill", "hang", "exit", "error")
 PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval", "reform")
-USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
+USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
 
@@ -53,7 +59,7 @@ USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang
 class RankFailure:
     """A failure the rank triggers in itself."""
 
-    action: Literal["kill", "hang", "exit"]
+    action: Literal["kill", "hang", "exit", "error"]
     rank: int
     iteration: int
     phase: str = "start"
@@ -211,8 +217,13 @@ def from_env(environ: Optional[dict[str, str]] = None) -> list[RankFailure]:
     return [RankFailure(**item) for item in json.loads(raw)] if raw else []
 
 
+class InjectedError(RuntimeError):
+    """What the ``error`` action raises: an exception of the rank's own code, not a failure of a peer."""
+
+
 class FailureTrigger:
-    """The in-rank side: the training code calls :meth:`point` at every phase of every iteration.
+    """The in-rank side: :meth:`point` is called at every phase of every iteration (the hook of
+    :mod:`ntp_megatron.phases`).
 
     ``fired(spec)`` says whether a spec already fired in this run (a restarted rank must not fail again);
     ``on_fire(spec)`` records the failure just before it happens (what, where, when), so the launcher can
@@ -226,7 +237,7 @@ class FailureTrigger:
         self._on_fire = on_fire
         self._fired = fired
         self.iteration = 0
-        """The 1-based iteration in progress (set by the training loop)."""
+        """The 1-based iteration in progress, for a :meth:`point` called without one."""
 
     def point(self, phase: str, iteration: Optional[int] = None) -> None:
         iteration = self.iteration if iteration is None else iteration
@@ -243,6 +254,8 @@ class FailureTrigger:
         print(f"injected failure: {spec}", flush=True)
         if self._on_fire is not None:
             self._on_fire(spec)
+        if spec.action == "error":
+            raise InjectedError(f"injected error ({spec})")
         if spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "hang":
@@ -251,16 +264,6 @@ class FailureTrigger:
         os._exit(spec.code)
 
 
-_active: Optional[FailureTrigger] = None
-
-
 def install(trigger: Optional[FailureTrigger]) -> None:
-    """Make ``trigger`` the one :func:`point` consults (one per rank process)."""
-    global _active
-    _active = trigger
-
-
-def point(phase: str) -> None:
-    """A phase of the iteration in progress was reached: fire a matching in-rank failure, if any."""
-    if _active is not None:
-        _active.point(phase)
+    """Make ``trigger`` the hook of every :func:`ntp_megatron.phases.point` (one per rank process; None: none)."""
+    phases.install(trigger.point if trigger is not None else None)

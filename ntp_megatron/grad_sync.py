@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
-from ntp_megatron import faults
+from ntp_megatron import phases
 from ntp_megatron.groups import NTPGroups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
@@ -303,7 +303,7 @@ class GradSync:
                              force_all_reduce: bool = False) -> None:
         """Megatron's ``finalize_model_grads`` for NTP: upstream's on a healthy rank, the shadow sync on a
         degraded one; then, with uneven blocks, replicated gradients from block 0's member."""
-        faults.point("grad_sync")
+        phases.point("grad_sync")
         if self.groups.healthy:
             finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         else:

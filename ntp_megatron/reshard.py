@@ -229,6 +229,8 @@ def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int
 
 def join_lower_bound_bytes(new: Topology, joined: list[tuple[int, int]], unit_numel: dict[str, int],
                            element_size: int = 4) -> int:
-    """Bytes that admitting ``joined`` (replica, slot) pairs must move at least: their canonical blocks."""
-    return sum(len(new.block(family, slot)) * per_unit * element_size
-               for _, slot in joined for family, per_unit in unit_numel.items())
+    """Bytes that admitting ``joined`` (replica, slot) pairs must move at least: every unit the new processes
+    hold in ``new``, since they start with none — their canonical blocks, and more where their replica still lacks
+    slots (a process that brings a dropped replica back alone holds all of its units)."""
+    return sum(len(new.units_of(new.rank_of(replica, slot), family)) * per_unit * element_size
+               for replica, slot in joined for family, per_unit in unit_numel.items())

@@ -1,8 +1,11 @@
 """Live failures: detection, generations, the exact-once commit of each iteration, re-formation.
 
 Launcher side: :mod:`.controller` (decides the next topology and settles the iteration in flight) and
-:mod:`.agent` (reaps, fences hung ranks, executes controller-side kills). Rank side: :mod:`.watchdog`
-(heartbeat; gets the rank out of a collective the moment its generation is over), :mod:`.commit` (one
-store decision per iteration) and :mod:`.reform` (rebuilds groups, layers and optimizer state for the next
-generation). :mod:`.keys` names what they share in the launcher's store.
+:mod:`.agent` (reaps, fences hung ranks, executes controller-side kills). Rank side: :mod:`.session` (the one
+object the training loop calls), :mod:`.generation` (this process's membership in the job's generations),
+:mod:`.watchdog` (heartbeat; gets the rank out of a collective the moment its generation is over), :mod:`.commit`
+(one store decision per iteration), :mod:`.reform` (rebuilds groups, layers and optimizer state for the next
+generation, through the small interfaces of :mod:`.host` that the training code implements) and :mod:`.errors`
+(a rank's own error told apart from a peer's failure). :mod:`.keys` names what they share in the launcher's
+store. Nothing here imports :mod:`ntp_megatron.training`.
 """

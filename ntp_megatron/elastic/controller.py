@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
+from ntp_megatron.elastic.errors import reported_error
 from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
 
 AWARE_WAIT_S = 10.0
@@ -87,6 +88,16 @@ class Controller:
         deaths = [d for d in deaths if d.launch_rank not in self.dead]
         if not deaths:
             return None
+        errors = [(d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank)) is not None]
+        if errors:  # the rank's own error (ntp_megatron.elastic.errors): no re-formation gets past it
+            d, error = errors[0]
+            reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "
+                      f"phase {error['phase']}): {error['error']}")
+            self._refresh_completed()
+            self.store.set(keys.STOP, reason)
+            for g in {self.completed.generation, self.latest.generation}:
+                self.store.set(keys.abort(g), "stop")
+            return reason
         self.dead.update(d.launch_rank for d in deaths)
         self.failures += len(deaths)
         old = self.latest

@@ -32,6 +32,11 @@ from ntp_megatron.layout import Topology
 logger = logging.getLogger(__name__)
 
 WATCH_TIMEOUT_S = 3600.0
+POLL_S = 0.01
+
+
+class JobStopped(SystemExit):
+    """The launcher stopped the job (a failure NTP cannot absorb, a rank's own error): this process ends."""
 
 
 @dataclass
@@ -175,13 +180,23 @@ class ElasticRank:
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self.ctl.check([keys.STOP]):
-                raise SystemExit(f"job stopped by the launcher: {self.ctl.get(keys.STOP).decode()}")
+                raise JobStopped(f"job stopped by the launcher: {self.ctl.get(keys.STOP).decode()}")
             latest = int(self.ctl.get(keys.LATEST).decode()) if self.ctl.check([keys.LATEST]) else 0
             if latest > generation:
                 return self.topology(latest), self.info(latest)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generation after {generation} within {self.timeout_s:.0f} s")
-            time.sleep(0.01)
+            time.sleep(POLL_S)
+
+    def marked_over(self, generation: int, within_s: float) -> bool:
+        """Whether ``generation`` is marked over or the job stopped, now or within ``within_s`` seconds (a
+        bounded poll of the store; see :mod:`ntp_megatron.elastic.errors`)."""
+        deadline = time.monotonic() + within_s
+        while not self.ctl.check([keys.abort(generation)]) and not self.ctl.check([keys.STOP]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
 
 def _reset_group_names() -> None:

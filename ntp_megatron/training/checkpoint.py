@@ -67,7 +67,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ntp_megatron import faults
+from ntp_megatron import phases
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
 from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFactory, checkpoint_roles
 
@@ -267,7 +267,7 @@ def save_checkpoint(
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     state["rng_state"] = _rng_object(coords, layout, rng)
-    faults.point("checkpoint")
+    phases.point("checkpoint")
 
     def point_latest() -> None:
         dist.barrier()

@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from ntp_megatron.training import runtime
 
@@ -28,7 +29,10 @@ from megatron.core import tensor_parallel  # noqa: E402
 
 from ntp_megatron import faults  # noqa: E402
 from ntp_megatron.config import JobConfig  # noqa: E402
-from ntp_megatron.elastic import keys  # noqa: E402
+from ntp_megatron.elastic import errors, keys  # noqa: E402
+from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
+from ntp_megatron.elastic.reform import Retired  # noqa: E402
+from ntp_megatron.elastic.session import NullSession  # noqa: E402
 from ntp_megatron.patches import apply_patches  # noqa: E402
 from ntp_megatron.training import checkpoint, data, parallel  # noqa: E402
 from ntp_megatron.training.comm_stats import CommStats  # noqa: E402
@@ -53,38 +57,34 @@ def main() -> int:
         raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
     device = runtime.select_device(cfg.training.device)
     apply_patches(cpu=device.type == "cpu")
-    if not cfg.ntp.enabled:
-        trainer = build_plain_trainer(env, cfg, device)
-        try:
-            trainer.run()
-        except Exception as exc:
-            if not runtime.is_peer_failure(exc):
-                raise
+    trainer, store = build_elastic_trainer(env, cfg, device) if cfg.ntp.enabled else \
+        build_plain_trainer(env, cfg, device)
+    try:
+        trainer.run()
+    except Retired as retired:
+        print(retired.code, flush=True)
+        trainer.session.end()
+        return 0
+    except JobStopped:
+        raise
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        return errors.report(store, env.rank, exc)  # our own clear stop (e.g. a checkpoint of another model)
+    except Exception as exc:  # noqa: BLE001
+        if not cfg.ntp.enabled and errors.is_peer_failure(exc):
             # One line, not a traceback per rank: the launcher reports the rank whose failure this echoes.
             print(f"stopped: a collective failed because another rank did ({str(exc).splitlines()[0][:160]})",
                   file=sys.stderr, flush=True)
             return runtime.EXIT_PEER_FAILED
+        # Under NTP the session has told this rank's own error from a peer's failure (which it absorbs).
+        return errors.report(store, env.rank, exc)
+    if not cfg.ntp.enabled:
         dist.destroy_process_group()
-        return 0
-    from ntp_megatron.training.reform import Retired
-
-    trainer = build_elastic_trainer(env, cfg, device)
-    try:
-        # A rank (re)starting joins the newest generation that has its slot; a failure before training began is
-        # handled like any other (the next generation), since the initial weights depend on the seed alone.
-        trainer.reformer.start(trainer, joining=env.joining)
-        trainer.run()
-    except Retired as retired:
-        print(retired.code, flush=True)
-        trainer.elastic.park_held()
-        return 0
-    trainer.elastic.leave(trainer.generation, ended=False)
-    trainer.elastic.park_held()
-    trainer.elastic.heartbeat.stop()
     return 0
 
 
-def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> Trainer:
+def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> tuple[Trainer, dist.Store]:
     """NTP off: Megatron's own dense grid, built once. A function of its own so that nothing of the setup stays
     referenced from ``main``."""
     p, t = cfg.parallel, cfg.training
@@ -97,10 +97,9 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-    trainer = Trainer(
-        cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
-        failures=_trigger(env, control), comm_stats=CommStats().install() if cfg.logging.comm_stats else None,
-    )
+    _install_failures(env, control)
+    trainer = Trainer(cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
+                      session=NullSession(env.rank), comm_stats=_comm_stats(cfg))
     # A restart resumes from the newest checkpoint of this run, if any; else from checkpoint.load (which the launcher
     # pinned to one complete checkpoint).
     ck = cfg.checkpoint
@@ -110,15 +109,16 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
         progress = checkpoint.load_checkpoint(Path(load), parts.model, parts.optimizer, parts.scheduler,
                                               trainer.coords)
         trainer.iteration, trainer.consumed_samples = progress.iteration, progress.samples(t.global_batch_size)
-    return trainer
+    return trainer, control
 
 
-def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> Trainer:
+def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> tuple[Trainer, dist.Store]:
     """NTP on: everything but the layout-dependent objects, which the first (re-)formation builds."""
     from ntp_megatron.elastic.generation import ElasticRank
+    from ntp_megatron.elastic.session import ElasticSession
     from ntp_megatron.elastic.watchdog import store_factory
     from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups
-    from ntp_megatron.training.reform import Reformer
+    from ntp_megatron.training.builder import RankBuilder
 
     set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
     p = cfg.parallel
@@ -127,17 +127,15 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
     datasets = _dataset(env, cfg)
+    _install_failures(env, elastic.ctl)
+    session = ElasticSession(cfg, elastic, RankBuilder(cfg, device), joining=env.joining)
+    trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank, session=session,
+                      comm_stats=_comm_stats(cfg), joining=env.joining)
+    return trainer, elastic.ctl
 
-    def build(setup, initialize: bool):
-        torch.manual_seed(cfg.training.seed)  # initial weights are a function of the seed alone
-        tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
-        return build_components(cfg, setup, device, initialize=initialize)
 
-    trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank,
-                      failures=_trigger(env, elastic.ctl),
-                      comm_stats=CommStats().install() if cfg.logging.comm_stats else None, elastic=elastic)
-    trainer.reformer = Reformer(cfg, elastic, elastic.topology(0), build=build)
-    return trainer
+def _comm_stats(cfg: JobConfig) -> Optional[CommStats]:
+    return CommStats().install() if cfg.logging.comm_stats else None
 
 
 _PREBUILT_DATASET = None
@@ -164,11 +162,12 @@ def _build_dataset(run_dir: Path, cfg: JobConfig):
     return data.build_datasets(cfg, tokenizer, cache_dir)
 
 
-def _trigger(env: runtime.RankEnv, store) -> faults.FailureTrigger:
-    trigger = faults.FailureTrigger(env.rank, faults.from_env(), on_fire=_record_failure(store, env.rank),
-                                    fired=lambda spec: store.check([keys.fired(str(spec))]))
-    faults.install(trigger)
-    return trigger
+def _install_failures(env: runtime.RankEnv, store) -> None:
+    """This rank's injected failures (``--inject-failure``), plugged into the phases the training code names."""
+    specs = faults.from_env()
+    if specs:
+        faults.install(faults.FailureTrigger(env.rank, specs, on_fire=_record_failure(store, env.rank),
+                                             fired=lambda spec: store.check([keys.fired(str(spec))])))
 
 
 def _record_failure(store, launch_rank: int):

@@ -40,9 +40,6 @@ ENV_RESTART = "NTP_RESTART"
 EXIT_PEER_FAILED = 3
 """Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
 not its cause. The launcher names the cause."""
-_PEER_FAILURE_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                         "NCCL communicator was aborted", "remote process exited or there was a network error")
-"""Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
 
 TOPOLOGY_KEY = "topology/gen{generation}"
 """Store key under which the launcher publishes each generation's topology (JSON)."""
@@ -80,12 +77,6 @@ class RankEnv:
             restart=int(os.environ.get(ENV_RESTART, "0")),
             joining=os.environ.get(ENV_JOINING) == "1",
         )
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
-    return isinstance(exc, dist.DistError) or (
-        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _PEER_FAILURE_MARKERS))
 
 
 def quiet_optional_dependency_warnings() -> None:

@@ -12,7 +12,11 @@
 5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
    middle of it leaves every rank on its old layout, and the controller bases the next generation on that).
 
-A failure at any step sends the rank back to 1 for the newest generation. Every wait is bounded.
+A peer's failure at any step sends the rank back to 1 for the newest generation; the rank's own error ends it
+(:mod:`ntp_megatron.elastic.errors`). Every wait is bounded. The rank's objects are made by the training code
+through :class:`ntp_megatron.elastic.host.Builder`; the loop's state is read and set through
+:class:`ntp_megatron.elastic.host.Training`. After adopting each generation every rank emits a ``reform_rank``
+record: whether it rebuilt its objects or kept them (and that the kept ones are the same objects).
 """
 
 from __future__ import annotations
@@ -23,21 +27,18 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from ntp_megatron import faults, metrics
+from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE
-from ntp_megatron.elastic.generation import ElasticRank
-from ntp_megatron.groups import rebind_process_groups
+from ntp_megatron.elastic.errors import GenerationEnded, caused_by_peer
+from ntp_megatron.elastic.generation import ElasticRank, Generation
+from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
     lower_bound_bytes, plan_transfers, set_step, state_keys
-from ntp_megatron.training import checkpoint
-from ntp_megatron.training.components import Components, attach_grad_sync
-from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -47,46 +48,52 @@ class Retired(SystemExit):
 
 
 class Reformer:
-    def __init__(self, cfg: JobConfig, elastic: ElasticRank, completed: Topology,
-                 build: Callable[[ParallelSetup, bool], Components]) -> None:
-        """``build(setup, initialize)``: this rank's objects for a layout; ``initialize`` draws the initial
-        weights (a function of the seed alone), else the caller fills them."""
+    def __init__(self, cfg: JobConfig, elastic: ElasticRank, builder: Builder) -> None:
         self.cfg = cfg
         self.elastic = elastic
-        self.completed = completed
+        self.builder = builder
+        self.completed: Topology = elastic.topology(0)
         """The layout this process holds: the newest generation whose re-formation completed."""
-        self.build = build
+        self.generation: Optional[Generation] = None
+        """The generation this process is in (None between two)."""
         self._start_iteration: Optional[int] = None
         self.joining = False
         """A replacement process, waiting to be admitted (rather than a rank of the launch)."""
 
     # -- the four ways into a generation -------------------------------------------------------------------------
-    def start(self, trainer, joining: bool) -> None:
+    def start(self, training: Training, joining: bool) -> None:
         """This process's first generation: at launch, the newest published one (generation 0 unless ranks
         failed before this one got here); for a replacement process, the one that admits it."""
         self.joining = joining
         if joining:
             self.elastic.aware_upto = self.elastic.latest()  # generations before this process are not its own
             self.elastic.announce()
-            self._advance(trainer)
+            self._advance(training)
             return
         latest = self.elastic.latest()
-        self._advance(trainer, first=(self.elastic.topology(latest), self.elastic.info(latest)))
+        self._advance(training, first=(self.elastic.topology(latest), self.elastic.info(latest)))
 
-    def recover(self, trainer) -> None:
+    def recover(self, training: Training) -> None:
         """After a failure: settle the iteration in flight, then re-form in the newest generation."""
-        self._try(lambda: self.elastic.note_aware(trainer.generation.number))
-        self._settle(trainer, trainer.generation)
-        self._advance(trainer)
+        failed = self.generation
+        _try(lambda: self.elastic.note_aware(failed.number))
+        self._settle(training, failed)
+        self._advance(training)
 
-    def move(self, trainer) -> None:
+    def move(self, training: Training) -> None:
         """At an admission boundary (decision ``commit+reform``): every rank finished the generation's work
         (the caller passed a barrier), so end it and re-form in the one the controller published."""
-        self.elastic.end_generation(trainer.generation.number)
-        self._advance(trainer)
+        self.elastic.end_generation(self.generation.number)
+        self._advance(training)
 
-    def _advance(self, trainer, first: Optional[tuple[Topology, dict]] = None) -> None:
-        seen = trainer.generation.number if trainer.generation is not None else -1
+    def leave(self) -> None:
+        """At the end of the run: leave the generation without marking it over (nobody needs to)."""
+        if self.generation is not None:
+            self.elastic.leave(self.generation, ended=False)
+            self.generation = None
+
+    def _advance(self, training: Training, first: Optional[tuple[Topology, dict]] = None) -> None:
+        seen = self.generation.number if self.generation is not None else -1
         offered = False
         while True:
             if first is not None:
@@ -94,12 +101,12 @@ class Reformer:
             else:
                 topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
             seen = topology.generation
-            if trainer.generation is not None:
-                self.elastic.leave(trainer.generation)
-                trainer.generation = None
-            self._try(lambda: self.elastic.note_aware(topology.generation - 1))
+            if self.generation is not None:
+                self.elastic.leave(self.generation)
+                self.generation = None
+            _try(lambda: self.elastic.note_aware(topology.generation - 1))
             if self.elastic.rank_in(topology) is None:
-                if trainer.parts is None and self.joining:
+                if training.parts is None and self.joining:
                     if offered:  # admitted, but a failure cut the admission short: ask again
                         self.elastic.announce()
                         offered = False
@@ -107,43 +114,36 @@ class Reformer:
                 raise Retired(f"launch rank {self.elastic.launch_rank}: replica {self.elastic.identity[0]} "
                               f"was dropped in generation {topology.generation}; this process ends")
             offered = True
-            if trainer.parts is None:
+            if training.parts is None:
                 self.completed = self.elastic.topology(info["base"])
             try:
-                staged = self._reform(trainer, topology, info)
+                staged = self._reform(training, topology, info)
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again
+            except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again, unless our own
+                if not caused_by_peer(exc, lambda s: self.elastic.marked_over(topology.generation, s)):
+                    raise
                 logger.info("forming generation %d interrupted (%s: %s); waiting for the next",
                             topology.generation, type(exc).__name__, str(exc)[:200])
                 staged = None
             if staged is not None:
                 break
             gc.collect()
-        self._adopt(trainer, staged)
+        self._adopt(training, staged)
 
-    @staticmethod
-    def _try(action: Callable[[], None]) -> None:
-        try:
-            action()
-        except Exception:  # noqa: BLE001 - reporting only
-            pass
-
-    def _settle(self, trainer, failed) -> None:
+    def _settle(self, training: Training, failed: Generation) -> None:
         """Step a committed iteration this rank voted for; drop an aborted one."""
-        if trainer.pending is None:
+        iteration = training.pending_iteration()
+        if iteration is None:
             return
-        iteration = trainer.pending["iteration"]
         self.elastic.await_newer(failed.number)  # the controller decides before it publishes
-        if failed.commit.decision(iteration) in COMMITTED_DECISIONS:
-            record = trainer._step()
-            trainer.report(record)
+        committed = failed.commit.decision(iteration) in COMMITTED_DECISIONS
+        training.settle(committed)
+        if committed:
             logger.info("iteration %d was committed before the failure: stepped it", iteration)
-        else:
-            trainer.pending = None
 
     # -- forming one generation ------------------------------------------------------------------------------
-    def _reform(self, trainer, topology: Topology, info: dict) -> "_Staged":
+    def _reform(self, training: Training, topology: Topology, info: dict) -> "_Staged":
         """Join ``topology``'s generation and build (or keep) this rank's objects for it; returns them once every
         rank finished, without adopting them yet. Raises if the formation did not complete.
 
@@ -152,6 +152,7 @@ class Reformer:
         this generation's layout whatever it is (the load is collective, so every rank rebuilds and reads).
         After it, a rank keeps what it holds and receives the rest from peers."""
         started = time.time()
+        phases.enter("reform")
         cfg, elastic = self.cfg, self.elastic
         base = self.completed
         if info["base"] != base.generation:
@@ -159,18 +160,17 @@ class Reformer:
                                f"process holds generation {base.generation}")
         dead = [base.rank_of(r, s) for r, s in info["dead"] if base.rank_of(r, s) is not None]
         generation = elastic.join(topology)
-        trainer.generation = generation
+        self.generation = generation
         with elastic.scope(generation):
-            setup = ntp_parallel(cfg, topology, generation.rank)
-        old: Optional[Components] = trainer.parts
+            setup = self.builder.setup(topology, generation.rank)
+        old: Optional[RankObjects] = training.parts
         if old is None:  # a fresh process resumes after the newest committed iteration
-            trainer.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
-            trainer.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
-            if trainer.failures is not None:
-                trainer.failures.iteration = trainer.iteration + 1
-        fresh = trainer.iteration == self.start_iteration
+            training.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
+            training.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
+            phases.at_iteration(training.iteration + 1)
+        fresh = training.iteration == self.start_iteration
         from_checkpoint = fresh and cfg.checkpoint.load is not None
-        faults.point("reform")
+        phases.point("reform")
         old_rank = base.rank_of(*elastic.identity)
         changed = from_checkpoint or old is None or old_rank is None or any(
             base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units)
@@ -180,22 +180,22 @@ class Reformer:
         received = 0
         try:
             if changed:
-                new_parts = self.build(setup, fresh and not from_checkpoint)
+                new_parts = self.builder.build(setup, fresh and not from_checkpoint)
                 if from_checkpoint:
-                    self._load_start(trainer, new_parts)
+                    self._load_start(training, new_parts)
                 new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, not fresh)
                 if not fresh:
                     init_state(new_parts.model.module, new_tensors)
                     if old is not None:
                         copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
                     elif cfg.training.optimizer == "adam":
-                        set_step(new_tensors, trainer.iteration)  # every committed iteration was one Adam step
+                        set_step(new_tensors, training.iteration)  # every committed iteration was one Adam step
             if not fresh:
                 transfers = plan_transfers(base, topology, dead)
                 received = exchange(transfers, generation.rank, old_tensors, new_tensors)
             elastic.ctl.add(keys.moved(topology.generation), received)
             if generation.commit.form() != COMPLETE:
-                raise RuntimeError(f"forming generation {topology.generation} did not complete")
+                raise GenerationEnded(f"forming generation {topology.generation} did not complete")
         except BaseException:
             if new_parts is not None:
                 new_parts.release()
@@ -212,44 +212,52 @@ class Reformer:
             self._start_iteration = int(self.elastic.ctl.get(keys.START).decode())
         return self._start_iteration
 
-    def _load_start(self, trainer, parts: Components) -> None:
+    def _load_start(self, training: Training, parts: RankObjects) -> None:
         """Read the checkpoint the run resumes from into ``parts`` (this generation's layout)."""
-        coords = checkpoint.ParallelCoords.of(parts.setup, self.cfg.parallel)
-        iteration = checkpoint.load_checkpoint(Path(self.cfg.checkpoint.load), parts.model, parts.optimizer,
-                                               parts.scheduler, coords).iteration
-        if iteration != trainer.iteration:
+        iteration = self.builder.load_start(parts)
+        if iteration != training.iteration:
             raise SystemExit(f"checkpoint.load: {self.cfg.checkpoint.load} holds iteration {iteration}, but the "
-                             f"launcher started the run at iteration {trainer.iteration}")
+                             f"launcher started the run at iteration {training.iteration}")
 
-    def _adopt(self, trainer, staged: "_Staged") -> None:
+    def _adopt(self, training: Training, staged: "_Staged") -> None:
         """Switch to the new generation's objects (local only: nothing here can be interrupted by a peer)."""
-        old: Optional[Components] = trainer.parts
+        old: Optional[RankObjects] = training.parts
         if staged.new_parts is not None:
             if old is not None:
                 if not staged.loaded:
                     staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
                 old.release()
-            elif trainer.iteration and not staged.loaded:
-                staged.new_parts.scheduler.step(increment=trainer.iteration * self.cfg.training.global_batch_size)
-            trainer.parts = staged.new_parts
+            elif training.iteration and not staged.loaded:
+                staged.new_parts.scheduler.step(increment=training.iteration * self.cfg.training.global_batch_size)
+            training.parts = staged.new_parts
         else:
-            rebind_process_groups([old.model, old.optimizer], old.setup.groups, staged.setup.groups)
-            old.setup.grad_sync.close()
-            old.setup = staged.setup
-            attach_grad_sync(self.cfg, old)
+            self.builder.rebind(old, staged.setup)
+        self._report_rank(old, training.parts, staged)
         del old
         self.completed = staged.topology
         gc.collect()
-        if trainer.is_reporting_rank and (staged.info.get("deaths") or staged.info.get("joined")):
-            self._report(trainer, staged)
+        if self.generation.rank == 0 and (staged.info.get("deaths") or staged.info.get("joined")):
+            self._report(training, staged)
 
-    def _report(self, trainer, staged: "_Staged") -> None:
+    def _report_rank(self, old: Optional[RankObjects], new: RankObjects, staged: "_Staged") -> None:
+        """Every rank, every generation adopted: whether it rebuilt its objects, and whether the model, its DDP
+        wrapper and the optimizer it trains with now are the very objects it held before."""
+        topology, rank = staged.topology, self.generation.rank
+        metrics.emit({"kind": "reform_rank", "launch_rank": self.elastic.launch_rank,
+                      "generation": topology.generation, "replica": topology.replica_of(rank).index,
+                      "tp_rank": topology.local_rank(rank), "rebuilt": staged.new_parts is not None,
+                      "same_model": old is not None and new.model.module is old.model.module,
+                      "same_ddp": old is not None and new.model is old.model,
+                      "same_optimizer": old is not None and new.optimizer is old.optimizer,
+                      "time": time.time()}, sys.stdout)
+
+    def _report(self, training: Training, staged: "_Staged") -> None:
         topology, info = staged.topology, staged.info
         moved = int(self.elastic.ctl.add(keys.moved(topology.generation), 0))
         joined = [tuple(slot) for slot in info.get("joined", [])]
         if staged.fresh:
             bound = 0  # before the first step every rank draws its initial weights: nothing has to move
-        elif joined:  # the new processes' canonical blocks, and the replicated parameters they have none of
+        elif joined:  # the new processes' units, and the replicated parameters they have none of
             bound = (join_lower_bound_bytes(topology, joined, staged.unit_numel)
                      + len(joined) * staged.replicated_bytes)
         else:
@@ -257,18 +265,25 @@ class Reformer:
         settled = info.get("settled") or {}
         redone = 1 if settled.get("decision") == "abort" and settled.get("started") else 0
         recovery_s = time.time() - info["failure_time"]
-        widths = trainer.setup.tp_per_replica
+        widths = tp_per_replica(topology, self.cfg.parallel.data_parallel_size)
+        resume = training.iteration + 1
         event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
-                 "iterations_redone": redone, "resume_iteration": trainer.iteration + 1, "time": time.time(),
+                 "iterations_redone": redone, "resume_iteration": resume, "time": time.time(),
                  "reform_s": time.time() - staged.started, "joined": [list(j) for j in joined]}
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         what = ("rejoined: " + ", ".join(f"replica {r} slot {s}" for r, s in joined)) if joined else (
             f"recovered in {recovery_s:.2f} s")
-        redo = f"iteration {trainer.iteration + 1} redone" if redone else f"resuming at iteration {trainer.iteration + 1}"
+        redo = f"iteration {resume} redone" if redone else f"resuming at iteration {resume}"
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
               f"moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |", flush=True)
+
+
+def tp_per_replica(topology: Topology, num_replicas: int) -> list[int]:
+    """The TP width of every replica index of the launch (0 for a dropped replica)."""
+    widths = {rep.index: rep.width for rep in topology.replicas}
+    return [widths.get(r, 0) for r in range(num_replicas)]
 
 
 @dataclass
@@ -277,8 +292,9 @@ class _Staged:
 
     topology: Topology
     info: dict
-    setup: ParallelSetup
-    new_parts: Optional[Components]
+    setup: Any
+    """The parallel setup the builder made for the new generation (opaque here)."""
+    new_parts: Optional[RankObjects]
     """Rebuilt objects for a rank whose units changed; None for a rank that keeps its own."""
     base: Topology
     dead: list[int]
@@ -291,7 +307,14 @@ class _Staged:
     """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
 
 
-def _size(n: int) -> str:
+def _try(action: Callable[[], None]) -> None:
+    try:
+        action()
+    except Exception:  # noqa: BLE001 - reporting only
+        pass
+
+
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -1,0 +1,103 @@
+"""A rank's own error versus a peer's failure (rank side), and the report of an own error.
+
+The rule. An exception raised while a rank works in a generation is a *peer's failure*, absorbed by re-forming in
+the next generation, when
+
+1. it is a transport error — a collective or the store failed because a peer went away (torch's ``DistError``,
+   gloo's connection errors, a wait given up because the generation ended) — or the controller's verdict (an
+   aborted iteration, an incomplete formation); or
+2. the generation is marked over (its abort key, or the job's stop key) within :data:`PEER_GRACE_S` of the
+   exception. This covers an error that a peer's death causes indirectly, e.g. a library that wraps the broken
+   connection in an exception of its own: the controller marks the generation over as soon as the launcher reaps
+   the dead process, well under a second after the death.
+
+Anything else is the rank's *own* error: a failed write, a full disk, out of memory, a bug of ours. No new
+generation would come for it, so the rank does not wait for one: it writes ``keys.rank_error(launch_rank)`` with
+the error's type and message, where it happened (iteration, phase: :mod:`ntp_megatron.phases`) and when, prints one
+line naming it (with the traceback when it is a bug rather than a condition of the machine), and exits non-zero.
+The controller then stops the job naming the error (:func:`reported_error`), instead of re-forming around it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ntp_megatron import phases
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import IterationAborted
+from ntp_megatron.patches.torch_distributed_work import CollectiveAbandoned
+
+PEER_GRACE_S = 5.0
+"""How long a rank waits for its generation to be marked over before it calls an exception its own. Bounds the
+time from a rank's own error to the stop of the job; far above the controller's reaction to a death."""
+
+EXIT_RANK_ERROR = 1
+"""Exit code of a rank whose own code failed (after it reported the error)."""
+
+_TRANSPORT_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                      "NCCL communicator was aborted", "remote process exited or there was a network error")
+"""Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
+
+_CONDITIONS = (OSError, MemoryError, torch.OutOfMemoryError)
+"""Errors of the machine's state (a write refused, a full disk, memory exhausted): the message says it all. Any
+other exception is a bug somewhere, and its traceback is printed too."""
+
+
+class GenerationEnded(RuntimeError):
+    """The controller's verdict ended the generation this rank was working in (e.g. its formation incomplete)."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
+    return isinstance(exc, dist.DistError) or (
+        isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
+
+
+def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> bool:
+    """The rule of the module docstring. ``marked_over(within_s)``: whether the rank's generation is (or, within
+    ``within_s`` seconds, becomes) marked over, or the job stopped."""
+    if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_peer_failure(exc):
+        return True
+    return marked_over(PEER_GRACE_S)
+
+
+def describe(exc: BaseException) -> str:
+    """``<Type>: <message>`` (first 500 characters), the form of the report and of the controller's reason."""
+    if isinstance(exc, SystemExit):  # our own clear stop, e.g. a checkpoint of another model
+        return str(exc.code)[:500]
+    return f"{type(exc).__name__}: {str(exc)[:500]}"
+
+
+def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) -> int:
+    """Report this rank's own error: the store record the controller reads, one line on stderr (and the traceback
+    of a bug); returns the exit code."""
+    iteration, phase = phases.current()
+    error = describe(exc)
+    if store is not None:
+        try:
+            store.set(keys.rank_error(launch_rank), json.dumps(
+                {"error": error, "iteration": iteration, "phase": phase, "time": time.time()}))
+        except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
+            pass
+    if not isinstance(exc, (SystemExit, *_CONDITIONS)):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(f"error: launch rank {launch_rank}, iteration {iteration}, phase {phase}: {error}", file=sys.stderr,
+          flush=True)
+    return EXIT_RANK_ERROR
+
+
+def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
+    """Controller side: what a dead rank reported of its own error (:func:`report`), if it did."""
+    try:
+        if store.check([keys.rank_error(launch_rank)]):
+            return json.loads(store.get(keys.rank_error(launch_rank)).decode())
+    except Exception:  # noqa: BLE001 - unreadable: treat as not reported
+        pass
+    return None

@@ -1,0 +1,52 @@
+"""Where a rank is in its work, as named points, and the one hook that failure injection plugs into.
+
+The training loop, the gradient sync, checkpoint saving and the re-formation call :func:`point` where a failure
+may be injected (the phases of ``--inject-failure``, :data:`ntp_megatron.faults.PHASES`), and :func:`enter`
+where an activity begins that has no such point at its start. Neither knows who listens: a rank with injected
+failures installs one hook (:func:`install`, done by :mod:`ntp_megatron.faults`), and nothing else in the
+package imports the injection code. :func:`current` tells a report of the rank's own error where it happened.
+
+Pure Python, no imports of the package: any module may call it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+Hook = Callable[[str, int], None]
+"""Called with (phase, 1-based iteration) at every :func:`point`."""
+
+_hook: Optional[Hook] = None
+_iteration = 0
+_phase = "start"
+
+
+def install(hook: Optional[Hook]) -> None:
+    """Make ``hook`` the one :func:`point` calls (None: no hook). One per rank process."""
+    global _hook
+    _hook = hook
+
+
+def at_iteration(iteration: int) -> None:
+    """The 1-based iteration in progress (an evaluation after iteration k, and a re-formation after a failure in
+    k, count as k; a process that joins after the committed iteration k counts as k + 1)."""
+    global _iteration
+    _iteration = iteration
+
+
+def enter(phase: str) -> None:
+    """An activity begins (a checkpoint save, an evaluation, a re-formation): where the rank is, for a report."""
+    global _phase
+    _phase = phase
+
+
+def point(phase: str) -> None:
+    """The rank reached ``phase`` of the iteration in progress: the installed hook may fail it here."""
+    enter(phase)
+    if _hook is not None:
+        _hook(phase, _iteration)
+
+
+def current() -> tuple[int, str]:
+    """(iteration, phase): the last iteration set and the last phase entered or reached."""
+    return _iteration, _phase

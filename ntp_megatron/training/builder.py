@@ -1,0 +1,43 @@
+"""How a rank's Megatron-Core objects are made for a layout under NTP: the training side of
+:class:`ntp_megatron.elastic.host.Builder`, which the re-formation calls for every generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from megatron.core import tensor_parallel
+
+from ntp_megatron.config import JobConfig
+from ntp_megatron.groups import rebind_process_groups
+from ntp_megatron.layout import Topology
+from ntp_megatron.training import checkpoint
+from ntp_megatron.training.components import Components, attach_grad_sync, build_components
+from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
+
+
+class RankBuilder:
+    def __init__(self, cfg: JobConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+
+    def setup(self, topology: Topology, rank: int) -> ParallelSetup:
+        return ntp_parallel(self.cfg, topology, rank)
+
+    def build(self, setup: ParallelSetup, initialize: bool) -> Components:
+        seed = self.cfg.training.seed
+        torch.manual_seed(seed)  # initial weights are a function of the seed alone
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return build_components(self.cfg, setup, self.device, initialize=initialize)
+
+    def load_start(self, objects: Components) -> int:
+        coords = checkpoint.ParallelCoords.of(objects.setup, self.cfg.parallel)
+        return checkpoint.load_checkpoint(Path(self.cfg.checkpoint.load), objects.model, objects.optimizer,
+                                          objects.scheduler, coords).iteration
+
+    def rebind(self, objects: Components, setup: ParallelSetup) -> None:
+        """Every reference to an old process group in the model and the optimizer is pointed at the new one; the
+        grad sync is made anew for the new groups."""
+        rebind_process_groups([objects.model, objects.optimizer], objects.setup.groups, setup.groups)
+        objects.setup.grad_sync.close()
+        objects.setup = setup
+        attach_grad_sync(self.cfg, objects)

@@ -1,0 +1,66 @@
+"""A healthy replica keeps its model, DDP wrapper and optimizer at a re-formation — only its process groups change —
+and says so: after adopting each generation every rank emits a ``reform_rank`` record (rebuilt or not, and
+whether the objects it trains with are the very objects it held before).
+
+Which ranks must have kept their objects is worked out from the published topologies, not from the ranks'
+claims: every rank whose units are the same in the generation a re-formation built on and in the one it formed
+(every rank of a healthy replica, and of a degraded one the failure did not touch); every other rank rebuilds.
+"""
+
+from __future__ import annotations
+
+from ntp_megatron.layout import Topology
+from tests.harness import run_job
+from tests.jobs.test_live_failure import assert_replicas_agree, leftover_processes, ntp_args
+from tests.jobs.test_state_checks import assert_every_rank_reported, published
+
+ITERS = 150  # long enough for the replacement processes to start (a fresh interpreter: several seconds each)
+
+
+def units(topology: Topology, slot: tuple[int, int]) -> dict[str, list[int]]:
+    rank = topology.rank_of(*slot)
+    return {f: topology.units_of(rank, f) for f in topology.units} if rank is not None else {}
+
+
+def test_healthy_replicas_keep_their_objects_at_every_re_formation(tmp_path):
+    """TP2 x 3: replica 1 loses slot 1, then replica 2 loses slot 1 (replica 1 degraded and untouched then);
+    replacements for both come back while training goes on."""
+    args = ntp_args(2, 3, iters=ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=1"))
+    args += ["--inject-failure", "kill:rank=3,iter=3,phase=backward", "--inject-failure", "kill:rank=5,iter=6,phase=start"]
+    result = run_job(tmp_path / "run", args, timeout=400)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert leftover_processes(result) == []
+    generations = published(result)
+    base_of = {e["generation"]: e["base"] for e in result.events("generation_published")}
+    start = generations[0][0]
+    launch_rank = {start.slot_of(lr): lr for lr in range(start.world_size)}
+    records = {(r["generation"], r["launch_rank"]): r for r in result.records if r.get("kind") == "reform_rank"}
+    reformed = result.events("reformed")
+    assert len(reformed) >= 2, "the two failures re-formed the job"
+    checked = {"kept": 0, "healthy": 0, "rebuilt": 0}
+    for event in reformed:
+        g = event["generation"]
+        base, new = generations[base_of[g]][0], generations[g][0]
+        for rep in new.replicas:
+            for slot in rep.slots:
+                lr = launch_rank[(rep.index, slot)]
+                record = records.get((g, lr))
+                assert record is not None, f"generation {g}: no reform_rank record from launch rank {lr}"
+                assert (record["replica"], record["tp_rank"]) == (rep.index, new.local_rank(new.rank_of(rep.index,
+                                                                                                          slot)))
+                kept = units(base, (rep.index, slot)) == units(new, (rep.index, slot))
+                if kept:
+                    what = (record["rebuilt"], record["same_model"], record["same_ddp"], record["same_optimizer"])
+                    assert what == (False, True, True, True), (
+                        f"generation {g}: launch rank {lr} (replica {rep.index}, slot {slot}) kept its units but "
+                        f"reports rebuilt/same model/DDP/optimizer = {what}")
+                    checked["kept"] += 1
+                    in_base = any(b.index == rep.index for b in base.replicas)
+                    checked["healthy"] += in_base and base.is_healthy(rep.index) and new.is_healthy(rep.index)
+                else:
+                    assert record["rebuilt"] and not record["same_optimizer"], (g, lr, record)
+                    checked["rebuilt"] += 1
+    # Both failures leave a healthy replica 0 and rebuild one rank each; a degraded, untouched replica keeps too.
+    assert checked["healthy"] >= 4 and checked["rebuilt"] >= 2 and checked["kept"] > checked["healthy"], checked
+    assert_every_rank_reported(result, ITERS)
+    assert_replicas_agree(result, ITERS)

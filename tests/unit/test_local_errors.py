@@ -1,0 +1,139 @@
+"""A rank's own error versus a peer's failure (ntp_megatron.elastic.errors), and the controller's answer to a death
+whose rank reported an error of its own: the job stops naming it, with no new generation. Over a HashStore, in one
+process."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from ntp_megatron import faults, phases
+from ntp_megatron.elastic import errors, keys
+from ntp_megatron.elastic.commit import IterationAborted
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.layout import make_topology
+
+UNITS = {"heads": 4, "ffn": 8, "vocab": 8}
+GRACE_S = 0.3
+
+
+@pytest.fixture(autouse=True)
+def short_grace(monkeypatch):
+    monkeypatch.setattr(errors, "PEER_GRACE_S", GRACE_S)
+    yield
+    phases.install(None)
+
+
+def marked_over(store: dist.Store, generation: int):
+    """What ElasticRank.marked_over does, on a bare store."""
+    def check(within_s: float) -> bool:
+        deadline = time.monotonic() + within_s
+        while not store.check([keys.abort(generation)]) and not store.check([keys.STOP]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    return check
+
+
+@pytest.mark.parametrize("exc", [
+    dist.DistError("store timeout"),
+    RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"),
+    IterationAborted("iteration 4 aborted by the controller"),
+    errors.GenerationEnded("forming generation 2 did not complete"),
+])
+def test_transport_errors_and_verdicts_are_a_peers_failure_at_once(exc):
+    store = dist.HashStore()
+    start = time.monotonic()
+    assert errors.caused_by_peer(exc, marked_over(store, 0))
+    assert time.monotonic() - start < GRACE_S / 2  # no wait for the generation's end
+
+
+@pytest.mark.parametrize("exc", [FileExistsError(17, "File exists", "/ckpt"), MemoryError(), KeyError("bug"),
+                                 faults.InjectedError("injected error")])
+def test_any_other_exception_is_own_unless_the_generation_ends_within_the_grace(exc):
+    store = dist.HashStore()
+    start = time.monotonic()
+    assert not errors.caused_by_peer(exc, marked_over(store, 3))
+    assert GRACE_S <= time.monotonic() - start < GRACE_S + 1.0  # bounded
+    # The same exception while the controller marks the generation over (a peer's death behind it): a peer's.
+    timer = threading.Timer(GRACE_S / 3, lambda: store.set(keys.abort(3), "1"))
+    timer.start()
+    try:
+        assert errors.caused_by_peer(exc, marked_over(store, 3))
+    finally:
+        timer.join()
+    assert not errors.caused_by_peer(exc, marked_over(store, 4))  # another generation's end says nothing
+
+
+def test_the_report_names_the_error_where_it_happened(capsys):
+    store = dist.HashStore()
+    phases.at_iteration(7)
+    phases.enter("checkpoint")
+    code = errors.report(store, 2, PermissionError(13, "Permission denied", "/ckpt/iter_0000007"))
+    assert code != 0
+    record = json.loads(store.get(keys.rank_error(2)))
+    assert record["error"] == "PermissionError: [Errno 13] Permission denied: '/ckpt/iter_0000007'"
+    assert (record["iteration"], record["phase"]) == (7, "checkpoint") and record["time"] > 0
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [  # a condition of the machine: one line, no traceback
+        "error: launch rank 2, iteration 7, phase checkpoint: " + record["error"]]
+    assert errors.reported_error(store, 2) == record and errors.reported_error(store, 1) is None
+
+
+def test_a_bug_is_reported_with_its_traceback(capsys):
+    try:
+        {}["missing"]
+    except KeyError as exc:
+        errors.report(None, 0, exc)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].endswith("KeyError: 'missing'")
+
+
+def test_an_injected_error_raises_at_its_phase_and_iteration():
+    spec = faults.parse_failure_spec("error:rank=1,iter=3,phase=optimizer", world_size=4, train_iters=5)
+    assert str(spec) == "error:rank=1,iter=3,phase=optimizer"
+    fired = []
+    faults.install(faults.FailureTrigger(1, [spec], on_fire=fired.append))
+    for k in (1, 2, 3):
+        phases.at_iteration(k)
+        for phase in ("start", "forward", "backward", "grad_sync"):
+            phases.point(phase)
+    assert fired == []
+    with pytest.raises(faults.InjectedError, match=r"error:rank=1,iter=3,phase=optimizer"):
+        phases.point("optimizer")
+    assert fired == [spec] and phases.current() == (3, "optimizer")
+    phases.point("optimizer")  # fires once
+
+
+def controller(store: dist.Store) -> Controller:
+    return Controller(store, make_topology(2, 2, UNITS), min_tp=1, policy="drop_replica", say=lambda line: None,
+                      emit=lambda record: None)
+
+
+def test_a_death_with_a_reported_error_stops_the_job_naming_it():
+    store = dist.HashStore()
+    ctl = controller(store)
+    store.set(keys.COMPLETED, "0")
+    phases.at_iteration(30)
+    phases.enter("checkpoint")
+    errors.report(store, 0, FileExistsError(17, "File exists", "/runs/ckpt"))
+    reason = ctl.handle([Death(0, time.time(), "exited with code 1")])
+    assert reason is not None and "launch rank 0" in reason and "/runs/ckpt" in reason and "checkpoint" in reason
+    assert store.get(keys.STOP).decode() == reason
+    assert store.check([keys.abort(0)])  # every rank's watchdog gets it out of its collectives now
+    assert store.get(keys.LATEST).decode() == "0"  # no generation re-formed around the error
+
+
+def test_a_death_without_a_report_is_re_formed_around():
+    store = dist.HashStore()
+    ctl = controller(store)
+    store.set(keys.COMPLETED, "0")
+    assert ctl.handle([Death(3, time.time(), "was killed by signal SIGKILL")]) is None
+    assert store.get(keys.LATEST).decode() == "1" and not store.check([keys.STOP])
+    ctl.close()
