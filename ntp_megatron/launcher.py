@@ -34,7 +34,8 @@ from ntp_megatron.launch.cli import build_parser, resolve_config
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.forkserver import ForkServer
 from ntp_megatron.launch.nodes import Nodes, host_store, write_address
-from ntp_megatron.launch.policy import DeathPolicy, choose, tp_per_replica
+from ntp_megatron.launch.modes import choose
+from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
 from ntp_megatron.placement import Placement, launch_slots
 from ntp_megatron.training import runtime

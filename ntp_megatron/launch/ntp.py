@@ -175,10 +175,10 @@ class RestartSurvivorsPolicy(ControllerPolicy):
         for spec in fired:
             host.store.set(keys.fired(str(spec)), "1")
         self.controller = self._controller()
-        self.rejoins.reset()
         host.finished.clear()
         self.training_done = False
         host.respawn()
+        self.rejoins.reset()
         if host.agent is not None:
             host.agent.restart(host.store)
         host.console.emit({"kind": "event", "event": "restarted", "restart": host.restarts, "time": time.time(),

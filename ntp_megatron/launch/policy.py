@@ -1,16 +1,10 @@
-"""What a rank's death means to this launcher: one policy per run mode, chosen once at start (:func:`choose`).
+"""What a rank's death means to this launcher: the policy interface, and the policies of a run without NTP.
 
-- NTP, node 0 (:class:`~ntp_megatron.launch.ntp.ControllerPolicy`): the controller absorbs the death into a new
-  generation; what it cannot absorb ends the job (``ntp.on_unrecoverable: drop_replica`` or ``stop``) or restarts
-  it on the surviving slots (``restart``: :class:`~ntp_megatron.launch.ntp.RestartSurvivorsPolicy`).
-- NTP, another node (:class:`~ntp_megatron.launch.ntp.WorkerNodePolicy`): deaths go to node 0's controller through
-  the store.
-- NTP off: the job restarts from the last checkpoint (:class:`RestartFromCheckpoint`, with ``checkpoint.save`` on
-  one node) or stops (:class:`StopOnFailure`); either names the failed rank, not the ranks that stopped because
-  of it.
-
-Every policy also replaces failed ranks where it may (NTP), and on several nodes stops when another node aborted
-the job. The launcher's monitor only calls :meth:`DeathPolicy.step` with the deaths it reaped.
+A policy is chosen once at start (:func:`ntp_megatron.launch.modes.choose`). The launcher's monitor only calls
+:meth:`DeathPolicy.step` with the deaths it reaped; the policy absorbs them, restarts the job or ends it, starts
+replacements where it may (NTP: :mod:`ntp_megatron.launch.ntp`), and on several nodes stops when another node
+aborted the job. Without NTP the job restarts from the last checkpoint (:class:`RestartFromCheckpoint`) or stops
+(:class:`StopOnFailure`); either names the failed rank, not the ranks that stopped because of it.
 """
 
 from __future__ import annotations
@@ -200,19 +194,3 @@ def tp_per_replica(cfg: JobConfig) -> list[int]:
         widths = {replica.index: replica.width for replica in cfg.topology().replicas}
         return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
     return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
-
-
-def choose(host: Host) -> DeathPolicy:
-    """The policy of this run: by whether NTP is on, which node this is, and what the config says."""
-    from ntp_megatron.launch import ntp
-
-    cfg = host.cfg
-    if cfg.ntp.enabled:
-        if host.args.node_rank != 0:
-            return ntp.WorkerNodePolicy(host)
-        if cfg.ntp.on_unrecoverable == "restart":
-            return ntp.RestartSurvivorsPolicy(host)
-        return ntp.ControllerPolicy(host)
-    if cfg.checkpoint.save is not None and not host.nodes.multi:
-        return RestartFromCheckpoint(host)
-    return StopOnFailure(host)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ntp_megatron.config import load_job_config
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Death
-from ntp_megatron.launch import policy
+from ntp_megatron.launch import modes
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.forkserver import Child
 from ntp_megatron.launch.nodes import Nodes
@@ -108,7 +108,7 @@ def _aware(host: _Host, generation: int) -> None:
 
 def test_a_slot_that_fails_four_times_gets_its_fourth_replacement():
     host = _Host("ntp.max_rejoin_attempts=3")
-    ntp = policy.choose(host)
+    ntp = modes.choose(host)
     assert isinstance(ntp, ControllerPolicy)
     ntp.begin()
     generation = 0
@@ -135,7 +135,7 @@ def test_a_slot_that_fails_four_times_gets_its_fourth_replacement():
 def test_replacements_that_die_before_their_admission_are_bounded():
     """The bound itself: three replacements in a row that die before they are admitted, then none."""
     host = _Host("ntp.max_rejoin_attempts=3")
-    ntp = policy.choose(host)
+    ntp = modes.choose(host)
     ntp.begin()
     _formed(host, 0)
     ntp.step([host.processes.ranks[3].die()])
