@@ -135,6 +135,7 @@ class Launcher:
     def respawn(self) -> None:
         """A fresh process for every local rank (a restart of the job), watched."""
         self.processes.restart = self.restarts
+        self.processes.ranks = {}  # the old job's launch ranks are not this one's
         for rank in self.local_ranks:
             self.processes.start(rank, self.rank_env(rank), fresh=True)
         self.processes.record_pids()

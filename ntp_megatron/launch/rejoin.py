@@ -18,7 +18,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.launch.nodes import try_check
 from ntp_megatron.launch.processes import describe_exit, signal_group
 from ntp_megatron.layout import Topology
 
@@ -34,6 +33,9 @@ class Rejoins:
         self.attempts: dict[int, int] = {}
         """Launch rank -> replacements started since its slot last completed an admission (a key for every rank
         this node ever started a replacement for)."""
+        self.started_after: dict[int, int] = {}
+        """Launch rank -> the newest generation published when its current replacement started (the one that
+        admits it comes later)."""
         self.spare_deaths = 0
 
     @property
@@ -81,6 +83,7 @@ class Rejoins:
     def _start(self, rank: int, now: float) -> None:
         host, processes = self.host, self.host.processes
         self.attempts[rank] = self.attempts.get(rank, 0) + 1
+        self.started_after[rank] = _generation(host.store, keys.LATEST)
         if host.agent is not None:
             host.agent.forget(rank)
         spare = processes.idle_spare()
@@ -116,20 +119,33 @@ class Rejoins:
         """The job restarted on fresh processes: nothing is due, no attempt counts."""
         self.due.clear()
         self.attempts.clear()
+        self.started_after.clear()
         self.fill_spares()
 
     def _formed_with(self, launch_rank: int) -> bool:
-        """Whether the newest completed generation has ``launch_rank``'s slot: its admission completed."""
-        return slot_live(self.host.store, keys.COMPLETED, self.host.launch_slots[launch_rank])
+        """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a
+        completed generation from before the replacement started may have the slot too: its dead process's)."""
+        store = self.host.store
+        return (_generation(store, keys.COMPLETED) > self.started_after.get(launch_rank, -1)
+                and slot_live(store, keys.COMPLETED, self.host.launch_slots[launch_rank]))
+
+
+def _generation(store: dist.Store, key: str) -> int:
+    """The generation number under ``key`` (:data:`~ntp_megatron.elastic.keys.LATEST` or ``COMPLETED``), -1 if
+    there is none (or the store cannot say)."""
+    try:
+        return int(store.get(key).decode()) if store.check([key]) else -1
+    except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+        return -1
 
 
 def slot_live(store: dist.Store, generation_key: str, slot: tuple[int, int]) -> bool:
     """Whether the generation named by ``generation_key`` (:data:`~ntp_megatron.elastic.keys.LATEST`,
     :data:`~ntp_megatron.elastic.keys.COMPLETED`) has ``slot`` live (False if the store cannot say)."""
-    if not try_check(store, generation_key):  # a get would wait for it
+    generation = _generation(store, generation_key)
+    if generation < 0:
         return False
     try:
-        generation = int(store.get(generation_key).decode())
         topology = Topology.from_json(json.loads(store.get(keys.topology(generation)).decode()))
     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
         return False
