@@ -1,4 +1,6 @@
-"""Launcher: a failing rank is reported by rank and cause, and no process of the job is left behind."""
+"""Launcher: a failing rank is reported by rank and cause, and no process of the job is left behind — not after a
+failure, not after SIGTERM (exit 143), not after the launcher itself is SIGKILLed while a replacement boots; and
+failures injected at random times count from the first iteration."""
 
 from __future__ import annotations
 
