@@ -31,7 +31,7 @@ from ntp_megatron.config import JobConfig
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.launch.cli import build_parser, resolve_config
-from ntp_megatron.launch.console import Console
+from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
 from ntp_megatron.launch.nodes import Nodes, host_store, write_address
 from ntp_megatron.launch.modes import choose
@@ -292,19 +292,6 @@ class Launcher:
         except Exception as exc:  # noqa: BLE001 - a plot must never fail a run
             self.console.say(f"could not draw the run plot: {exc}")
 
-
-
-def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
-    """The metrics file (default ``<run_dir>/metrics.jsonl``, appended to) and this run's TensorBoard directory
-    (default ``<run_dir>/tensorboard/<start time>``: each run its own series, so two runs in one run dir do not
-    merge into one whose steps restart); the empty string switches either off."""
-    lg = cfg.logging
-    metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
-    tb_dir = None
-    if lg.tensorboard_dir != "":
-        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
-            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
-    return metrics_file, tb_dir
 
 
 def _spans(numbers: Sequence[int]) -> str:

@@ -1,4 +1,5 @@
-"""The launcher's output: its own lines, the ranks' relayed lines, and the records that go to the metrics sink.
+"""The launcher's output: its own lines, the ranks' relayed lines, and the records that go to the metrics sink (and
+where that is: :func:`run_outputs`).
 
 Everything goes through one lock, so lines never interleave. While a failure report is pending (the controller
 waits for the survivors to notice before it prints the "rank failed" line), rank output is held back and released
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
+from pathlib import Path
 from typing import IO, Optional
 
 from ntp_megatron import metrics
+from ntp_megatron.config import JobConfig
 
 
 class Console:
@@ -60,3 +64,16 @@ class Console:
         else:
             out.write(item)
             out.flush()
+
+
+def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
+    """The metrics file (default ``<run_dir>/metrics.jsonl``, appended to) and this run's TensorBoard directory
+    (default ``<run_dir>/tensorboard/<start time>``: each run its own series, so two runs in one run dir do not
+    merge into one whose steps restart); the empty string switches either off."""
+    lg = cfg.logging
+    metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
+    tb_dir = None
+    if lg.tensorboard_dir != "":
+        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
+            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
+    return metrics_file, tb_dir
