@@ -103,6 +103,7 @@ def test_a_launcher_killed_while_a_replacement_boots_leaves_no_process(tmp_path)
     args = ntp_args(2, 2, iters=100000, extra=("--set", "ntp.rejoin_after_s=0")) + [
         "--inject-failure", "kill:rank=3,iter=3,phase=backward"]
     launcher = _launch(run_dir, args)
+    started: list[psutil.Process] = []
     try:
         found = _wait_for_line(launcher, run_dir / "launcher.stderr",
                                r"ntp-launch: starting a replacement for launch rank 3 \(pid (\d+)", timeout=240)
@@ -114,10 +115,13 @@ def test_a_launcher_killed_while_a_replacement_boots_leaves_no_process(tmp_path)
         deadline = time.monotonic() + 10
         while _alive(started) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _alive(started) == [], [(p.pid, p.name()) for p in _alive(started)]
+        left = _alive(started)
+        assert left == [], [(p.pid, p.name()) for p in left]
     finally:
-        for p in _alive(psutil.Process(os.getpid()).children(recursive=True)):
+        for p in _alive(started):  # a broken build leaves them
             p.kill()
+        if launcher.poll() is None:
+            launcher.kill()
 
 
 def test_sigterm_stops_the_job_with_exit_143(tmp_path):
