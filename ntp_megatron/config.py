@@ -253,7 +253,14 @@ class NTPSection(_Section):
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""
     max_rejoin_attempts: int = Field(3, ge=1)
-    """Replacements that die while starting or being admitted are retried this many times per slot."""
+    """Replacements that die while starting or being admitted are retried this many times in a row per slot (the
+    count starts over once one is admitted)."""
+    warm_spares: int = Field(0, ge=0)
+    """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
+    device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh
+    interpreter to boot (seconds on CPU, more with CUDA). A replacement is a spare of the failed rank's own node
+    when one is idle, else a fresh process; each spare used is replaced by a new one for the next failure. 0: every
+    replacement is a fresh process."""
 
 
 class CheckpointSection(_Section):

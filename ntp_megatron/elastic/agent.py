@@ -6,7 +6,9 @@ stuck so hard that even its heartbeat thread cannot run — is SIGKILLed before 
 never come back and write; the reaper then reports it dead like any other. The heartbeat is a Python thread,
 which long GIL-holding work (unpickling, building a dataset index) can delay by seconds: its timeout must stay
 well above that. *Injected failures from outside*: ``kill:rank=R,after=S`` and
-``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started.
+``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
+``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
+iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Agent:
         """Ranks this agent hung itself (``random:...,action=hang``): never picked again."""
         self.notes: dict[int, tuple[float, str]] = {}
         """Launch rank -> (when, what) for ranks this agent killed: their death time and cause."""
+        self.training_started: Optional[float] = None
+        """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
         self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
@@ -72,6 +76,11 @@ class Agent:
         if inject:
             self._fire_timed(now)
             self._fire_random(now)
+
+    def begin_training(self, at: float) -> None:
+        """The run's first iteration was reported at ``at``: ``random:`` failures count from there."""
+        if self.training_started is None:
+            self.training_started = at
 
     def restart(self, store: dist.Store) -> None:
         """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``): nothing
@@ -129,9 +138,11 @@ class Agent:
             self._inject(rank, "kill", f"kill:rank={rank},after={after:g}")
 
     def _fire_random(self, now: float) -> None:
+        if self.training_started is None:
+            return
         updated = []
         for spec, due, gen in self._next_random:
-            while due is not None and now - self.started >= due[0]:
+            while due is not None and now - self.training_started >= due[0]:
                 local = self.processes()
                 candidates = sorted(r for r in self.live() if r in local and local[r].poll() is None
                                     and r not in self.notes and r not in self.hung)

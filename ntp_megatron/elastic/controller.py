@@ -51,9 +51,12 @@ class Controller:
     def __init__(self, store: dist.Store, topology: Topology, min_tp: int, policy: str,
                  say: Callable[[str], None], emit: Callable[[dict], None],
                  dump_stacks: Callable[[list[int]], None] = lambda ranks: None,
+                 hold: Callable[[], None] = lambda: None, release: Callable[[], None] = lambda: None,
                  start_iteration: int = 0, start_consumed: int = 0) -> None:
         """``start_iteration`` / ``start_consumed``: where a run resumed from a checkpoint begins (the store's
-        committed iteration starts there, so settling and re-forming after a resume work as in a fresh run)."""
+        committed iteration starts there, so settling and re-forming after a resume work as in a fresh run).
+        ``hold`` / ``release``: hold the ranks' output back while a failure's report waits for the survivors, so
+        that what they print about the failure (a re-formation) comes after its "rank failed" line."""
         self.store = store
         self.latest = topology
         self.completed = topology
@@ -61,6 +64,7 @@ class Controller:
         self.min_tp, self.policy = min_tp, policy
         self.say, self.emit = say, emit
         self.dump_stacks = dump_stacks
+        self.hold, self.release = hold, release
         self.identity = {rank: topology.slot_of(rank) for rank in range(topology.world_size)}
         """Launch rank -> (replica, slot), fixed for the run (generation 0's ranks are the launch ranks)."""
         self.dead_since_completed: dict[int, tuple[int, int]] = {}
@@ -209,7 +213,15 @@ class Controller:
         detection latency is known); from a thread, so the controller moves on at once."""
         survivors = [lr for lr, slot in self.identity.items()
                      if old.rank_of(*slot) is not None and lr not in self.dead]
-        thread = threading.Thread(target=self._report, args=(deaths, old, settled, survivors), daemon=True)
+
+        def report() -> None:
+            try:
+                self._report(deaths, old, settled, survivors)
+            finally:
+                self.release()
+
+        self.hold()
+        thread = threading.Thread(target=report, daemon=True)
         thread.start()
         self._threads.append(thread)
 
@@ -241,6 +253,11 @@ class Controller:
             replica, slot = self.identity[d.launch_rank]
             record = injected_failure(self.store, d.launch_rank)
             failed_at = record["time"] if record else d.time
+            if aware:
+                # The failure happened no later than the first survivor noticed it. A death known only from its
+                # exit is stamped when the launcher reaped it, which can be after its direct peers saw their
+                # connections close (and clocks of other nodes differ).
+                failed_at = min(failed_at, min(aware))
             detect_s = (max(aware) - failed_at) if aware else None
             iteration = record["iteration"] if record else (settled or {}).get("iteration")
             phase = record["phase"] if record else "unknown"

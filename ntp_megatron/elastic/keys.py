@@ -1,4 +1,4 @@
-"""Names of the store keys the controller and the ranks share (all in the launcher's TCPStore).
+"""Names of the store keys the controller, the ranks and the launchers share (all in node 0's TCPStore).
 
 A *generation* is one process-group epoch: its topology, its own store prefix for torch.distributed
 (``gen<g>/``), and its own keys below. Generations only grow; the job starts at generation 0.
@@ -80,12 +80,26 @@ def rank_error(launch_rank: int) -> str:
     names it and stops the job instead of re-forming around it."""
     return f"{PREFIX}error/{launch_rank}"
 
+
+# -- between the launchers of a job's nodes (ntp_megatron.launch.nodes) ---------------------------------------------
+LAUNCHER_PREFIX = "launcher/"
+ABORT = LAUNCHER_PREFIX + "abort"
+"""JSON ``{"reason", "death"}``: a node's launcher ended the job; every other node stops its ranks and names the
+same failure."""
+
+
+def node(node_rank: int) -> str:
+    """Set (to its pid) by node ``node_rank``'s launcher once it has connected to node 0's store."""
+    return f"{LAUNCHER_PREFIX}node{node_rank}"
+
+
 DEATHS = PREFIX + "deaths"
-"""How many rank deaths other nodes' launchers have reported (node 0's controller reads them in order)."""
+"""How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
+every node reads them to name the same failure)."""
 
 
 def death(n: int) -> str:
-    """JSON of the ``n``-th death reported by a launcher that does not run the controller (1-based)."""
+    """JSON of the ``n``-th death a launcher published (1-based)."""
     return f"{PREFIX}death/{n}"
 
 

@@ -34,6 +34,8 @@ ENV_RUN_DIR = "NTP_RUN_DIR"
 ENV_CONFIG = "NTP_RESOLVED_CONFIG"
 ENV_JOINING = "NTP_JOINING"
 """Set for a replacement process that the launcher started for a failed rank of a running NTP job."""
+ENV_SPARE_FD = "NTP_SPARE_FD"
+"""A warm spare's end of its assignment pipe (:mod:`ntp_megatron.training.spare`)."""
 ENV_RESTART = "NTP_RESTART"
 """How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
 
@@ -193,15 +195,36 @@ def init_process_group(
     )
 
 
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+_libc: Optional[ctypes.CDLL] = None
+
+
 def _prctl(option: int, arg) -> None:
+    global _libc
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg)
-    except OSError:  # not Linux: no parent-death signal, no process name
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        _libc.prctl(option, arg)
+    except (OSError, AttributeError):  # not Linux: no parent-death signal, no process name
         pass
 
 
+def die_with_parent(parent: int) -> None:
+    """Arm ``SIGKILL`` for when the thread that started this process ends (``PR_SET_PDEATHSIG``; it survives
+    ``exec``), then exit at once if ``parent`` is already gone: it died before the signal was armed, and nobody
+    would send it. Called first thing in every process the launcher starts
+    (:mod:`ntp_megatron.launch.forkserver`)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps`` and ``top`` show (15 bytes at most; ``exec`` resets it)."""
+    _prctl(_PR_SET_NAME, ctypes.create_string_buffer(name.encode()[:15]))
+
+
 def become_rank_process(rank: int) -> None:
-    """In a rank process: die with the launcher however it dies (``PR_SET_PDEATHSIG``), and show as
-    ``ntp-rankN`` in ``ps``/``top``."""
-    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    _prctl(15, ctypes.create_string_buffer(f"ntp-rank{rank}".encode()[:15]))  # PR_SET_NAME
+    """Show as ``ntp-rankN`` in ``ps``/``top`` (the process already dies with the launcher: its start armed that)."""
+    set_process_name(f"ntp-rank{rank}")

@@ -1,13 +1,14 @@
 """Two launchers on one host, as the README describes multi-node runs: a failure on either node is reported by
 every node as the rank that failed (not a rank that stopped because of it), node 0's metrics file records it,
-and a node that never comes is named in one line."""
+and a node that never comes is named in one line. Node 0's store takes a port of its own choosing
+(``--store-port 0``) and node 0 says which; node 1 starts once it has."""
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,27 +19,45 @@ JOB = ["--nnodes", "2", "--tensor-model-parallel-size", "2", "--data-parallel-si
        *TINY[:6], "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def store_port(run_dir: Path, node0: subprocess.Popen, timeout: float = 240) -> int:
+    """The port node 0's store took (``--store-port 0``), once node 0 wrote it to ``run_dir/store.json``."""
+    path = run_dir / "store.json"
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert node0.poll() is None, f"node 0 ended ({node0.returncode}) before its store was up"
+        assert time.monotonic() < deadline, f"node 0 wrote no {path} within {timeout} s"
+        time.sleep(0.05)
+    return json.loads(path.read_text())["port"]
+
+
+def launch_node(node: int, run_dir: Path, args: list[str]) -> subprocess.Popen:
+    """One node's ``ntp-launch`` (a process of its own; output to ``node<n>.stdout/.stderr`` in ``run_dir``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / f"node{node}.stdout", "w") as out, open(run_dir / f"node{node}.stderr", "w") as err:
+        return subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--node-rank", str(node),
+                                 "--run-dir", str(run_dir), *args], cwd=REPO, stdout=out, stderr=err,
+                                start_new_session=True)
 
 
 def _two_nodes(tmp_path: Path, extra: list[str]) -> tuple[tuple[int, str], tuple[int, str], list[dict]]:
-    """Node 1 as its own process, node 0 from the test zygote; (exit code, stderr) of each, node 0's records."""
-    args = [*JOB, "--store-port", str(_port()), "--run-dir", str(tmp_path / "run"), *extra]
-    node1 = subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--node-rank", "1", *args], cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """Node 0 as its own process on a port its store picks, node 1 from the test zygote once node 0 says which;
+    (exit code, stderr) of each, node 0's records."""
+    run_dir = tmp_path / "run"
+    # The zygote's own start (its imports) must not count against node 0's wait for node 1: it is up first.
+    assert run_module("ntp_megatron.launcher", ["--help"], tmp_path / "zygote")[0] == 0
+    node0 = launch_node(0, run_dir, [*JOB, "--store-port", "0", *extra])
     try:
-        first = node1.stderr.readline()  # node 1 has started (imports done) and waits for node 0's store
-        assert first.startswith("ntp-launch: waiting for node 0 of 2 at 127.0.0.1:"), first
-        node0 = run_module("ntp_megatron.launcher", ["--node-rank", "0", *args], tmp_path / "node0", timeout=240)
-        _, err1 = node1.communicate(timeout=120)
-        err1 = first + err1
+        port = store_port(run_dir, node0)
+        node1 = run_module("ntp_megatron.launcher", ["--node-rank", "1", "--store-port", str(port),
+                                                     "--run-dir", str(run_dir), *JOB, *extra],
+                           tmp_path / "node1", timeout=240)
+        node0.wait(timeout=120)
     finally:
-        node1.kill()
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    return node0, (node1.returncode, err1), records
+        if node0.poll() is None:
+            node0.kill()
+            node0.wait()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return (node0.returncode, (run_dir / "node0.stderr").read_text()), node1, records
 
 
 @pytest.mark.parametrize("action, failed_rank, cause", [
@@ -64,11 +83,12 @@ def test_every_node_names_the_rank_that_failed(tmp_path, action, failed_rank, ca
 
 
 def test_a_node_that_never_comes_is_named_in_one_line(tmp_path):
-    port = _port()
-    code, err = run_module("ntp_megatron.launcher", [*JOB, "--node-rank", "0", "--store-port", str(port),
+    code, err = run_module("ntp_megatron.launcher", [*JOB, "--node-rank", "0", "--store-port", "0",
                                                      "--run-dir", str(tmp_path / "run"), "--set", "parallel.timeout_s=5"],
                            tmp_path / "node0", timeout=120)
     assert code == 1
+    port = json.loads((tmp_path / "run" / "store.json").read_text())["port"]
+    assert f"ntp-launch: node 0 of 2: store at 127.0.0.1:{port} " in err
     assert f"ntp-launch: waiting for node 1 of 2 at 127.0.0.1:{port}" in err
     assert f"ntp-launch: node 1 of 2 did not join within 4 s: start ntp-launch with the same config and --nnodes 2 " \
            f"--node-rank 1" in err

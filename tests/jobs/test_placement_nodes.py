@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from ntp_megatron import launcher
-from tests.harness import REPO, TINY
-
-
-
-def _launch_node(node: int, run_dir: Path, args: list[str]) -> subprocess.Popen:
-    """One node's ``ntp-launch`` (a process of its own; output to ``node<n>.stdout/.stderr`` in ``run_dir``)."""
-    out, err = (open(run_dir / f"node{node}.{name}", "w") for name in ("stdout", "stderr"))
-    with out, err:
-        return subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--node-rank", str(node),
-                                 "--run-dir", str(run_dir), *args], cwd=REPO, stdout=out, stderr=err,
-                                start_new_session=True)
+from tests.harness import TINY
+from tests.jobs.test_multi_node import launch_node, store_port
 
 
 def test_two_launchers_on_one_host_with_a_dead_slot_and_a_rejoin(tmp_path):
@@ -30,21 +17,21 @@ def test_two_launchers_on_one_host_with_a_dead_slot_and_a_rejoin(tmp_path):
     node 1's launcher starts its replacement, node 0's controller admits it, and replica 1 trains at TP2 again.
     The run is long; once it trains rejoined, Ctrl-C stops both nodes (no wait on a replacement's boot time)."""
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
     metrics = run_dir / "metrics.jsonl"
-    common = ["--nnodes", "2", "--store-port", str(launcher._free_port("127.0.0.1")), *TINY,
+    common = ["--nnodes", "2", *TINY,
               "--set", "ntp.enabled=true", "--set", "parallel.tensor_model_parallel_size=2",
               "--set", "parallel.data_parallel_size=2", "--set", "ntp.dead_slots=[0:1]",
               "--set", "training.train_iters=100000", "--set", "ntp.rejoin_after_s=0", "--set", "parallel.timeout_s=60",
               "--inject-failure", "kill:rank=2,iter=3,phase=backward"]
-    nodes = [_launch_node(0, run_dir, [*common, "--metrics-file", str(metrics)]), _launch_node(1, run_dir, common)]
+    nodes = [launch_node(0, run_dir, [*common, "--store-port", "0", "--metrics-file", str(metrics)])]
     try:
+        nodes.append(launch_node(1, run_dir, [*common, "--store-port", str(store_port(run_dir, nodes[0]))]))
         deadline = time.monotonic() + 240
         records: list[dict] = []
         while not any(r.get("kind") == "iteration" and r["generation"] == 2 for r in records):
             assert time.monotonic() < deadline, "replica 1 did not train rejoined within 240 s"
             assert all(n.poll() is None for n in nodes), (run_dir / "node0.stderr").read_text()[-3000:]
-            time.sleep(0.5)
+            time.sleep(0.1)  # the poll of a file another process appends to
             if metrics.exists():
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.endswith("}")]
     finally:

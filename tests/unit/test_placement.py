@@ -120,9 +120,9 @@ def test_launcher_gives_each_rank_its_slots_device(tmp_path):
     0, 2, 3; device 1 idle. A replacement for a rank gets the same environment, so the same device."""
     node1 = _launcher(tmp_path, 2, 1, "ntp.enabled=true", "parallel.tensor_model_parallel_size=2",
                       "parallel.data_parallel_size=4", "ntp.dead_slots=[2:1]")
-    node1.run_dir = tmp_path
     assert node1.local_ranks == [4, 5, 6]
-    assert [node1._rank_env(r, 1)[runtime.ENV_LOCAL_RANK] for r in node1.local_ranks] == ["0", "2", "3"]
+    assert [node1.rank_env(r)[runtime.ENV_LOCAL_RANK] for r in node1.local_ranks] == ["0", "2", "3"]
+    assert [node1.rank_env(r, joining=True)[runtime.ENV_LOCAL_RANK] for r in node1.local_ranks] == ["0", "2", "3"]
     assert node1._where() == " on node 1, devices 0, 2..3 (device 1 idle)"
     node0 = _launcher(tmp_path, 2, 0, "ntp.enabled=true", "parallel.tensor_model_parallel_size=2",
                       "parallel.data_parallel_size=4", "ntp.dead_slots=[2:1]")

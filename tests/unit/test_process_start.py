@@ -1,17 +1,22 @@
 """Process start and device choice on GPU machines, checked without a GPU (CUDA mocked).
 
-Ranks are forked from the launcher only where no CUDA can be involved; where a GPU is present (or the CUDA check
-itself fails) they start as fresh interpreters. ``training.device: auto`` on a machine whose CUDA is broken stops
+Ranks are forked from the launcher's imports only where no CUDA can be involved; where a GPU is present (or the
+CUDA check itself fails) they start as fresh interpreters. ``training.device: auto`` on a machine whose CUDA is broken stops
 the rank with a message instead of training on CPU unnoticed.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
 
 from ntp_megatron import launcher
 from ntp_megatron.config import load_job_config
+from ntp_megatron.launch.console import Console
+from ntp_megatron.launch.forkserver import Child
+from ntp_megatron.launch.processes import RankProcesses
 from ntp_megatron.training import runtime
 
 
@@ -41,23 +46,44 @@ def test_start_method_spawns_where_the_environment_names_gpus(monkeypatch, no_gp
     assert runtime.rank_start_method("auto") == "spawn"
 
 
+class _RecordingServer:
+    """Stands in for the fork server: records what it is asked to start (each child "runs" nothing)."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+
+    def start(self, env, stdout, stderr, title, argv=None, target=None, pass_fd=None) -> Child:
+        self.requests.append({"title": title, "argv": argv, "target": target, "pass_fd": pass_fd})
+        return Child(10_000 + len(self.requests))
+
+
 @pytest.mark.parametrize("cuda, method", [(True, "spawn"), (False, "fork")])
 def test_launcher_spawns_ranks_when_cuda_is_present(tmp_path, monkeypatch, no_gpu_evidence, cuda, method):
-    """The launcher's start of its ranks takes the spawn path (every local rank, fresh) with CUDA present, and the
-    fork path without."""
+    """The launcher starts its ranks and its warm spares as fresh interpreters with CUDA present, as forks of its
+    imports without; restarts and cold replacements are fresh interpreters in any case."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     args = launcher.build_parser().parse_args([])
     cfg = load_job_config(None, [f"logging.run_dir={tmp_path}", "parallel.tensor_model_parallel_size=2",
                                  "parallel.data_parallel_size=2"])
     job = launcher.Launcher(cfg, tmp_path / "config.json", args, [])
-    calls = []
-    monkeypatch.setattr(job, "_spawn_rank", lambda rank, port: calls.append(("spawn", rank, port)) or rank)
-    monkeypatch.setattr(job, "_fork_ranks", lambda port: calls.append(("fork", port)) or {})
-    started = job._start_ranks(1234)
+    assert job.start_method == method
+    server = _RecordingServer()
+    job.processes = RankProcesses(server, Console(), job.start_method, tmp_path, 0)
+    job._start_ranks()
+    job.processes.start_spare(job.spare_env())
+    job.processes.start(3, job.rank_env(3, joining=True), fresh=True)
+    fresh = [sys.executable, "-m", "ntp_megatron.training.pretrain"]
+    ranks, (spare, replacement) = server.requests[:4], server.requests[4:]
+    assert [r["title"] for r in ranks] == [f"ntp-rank{r}" for r in range(4)] and spare["title"] == "ntp-spare"
     if method == "spawn":
-        assert calls == [("spawn", r, 1234) for r in range(4)] and started == {r: r for r in range(4)}
+        assert all(r["argv"] == fresh and r["target"] is None for r in ranks)
+        assert spare["argv"] == [sys.executable, "-m", "ntp_megatron.training.spare"]
     else:
-        assert calls == [("fork", 1234)]
+        assert all(r["argv"] is None and r["target"] == "ntp_megatron.training.pretrain:main" for r in ranks)
+        assert spare["target"] == "ntp_megatron.training.spare:serve"
+    assert spare["pass_fd"][0] == runtime.ENV_SPARE_FD
+    assert replacement["argv"] == fresh
+    assert sorted(job.processes.ranks) == [0, 1, 2, 3] and len(job.processes.spares) == 1
 
 
 def test_auto_fails_loudly_when_the_cuda_check_raises(monkeypatch, no_gpu_evidence):

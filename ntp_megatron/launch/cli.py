@@ -1,0 +1,49 @@
+"""``ntp-launch``'s command line: its own flags, and Megatron-style flags translated into config keys."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ntp_megatron import faults, megatron_flags
+from ntp_megatron.config import JobConfig, load_job_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ntp-launch",
+        description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Other --flags are "
+                    "Megatron-style: --train-iters 20 is --set training.train_iters=20 (list below). Paths are "
+                    "relative to the current directory.",
+        epilog=megatron_flags.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, default=None, help="YAML job config (default: configs/tiny_cpu.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set parallel.tensor_model_parallel_size=2")
+    p.add_argument("--metrics-file", type=Path, default=None, help="JSON lines: one per iteration and event")
+    p.add_argument("--inject-failure", dest="failures", action="append", default=[], metavar="SPEC",
+                   help="ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
+                        + ", ".join(faults.PHASES) + "), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M]"
+                        "[,action=kill|hang]; R is a launch rank; repeatable; replaces faults.inject of the config")
+    p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes in the job: run one ntp-launch per node, all with the same config, --nnodes, "
+                        "--store-host and node 0's --store-port (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index, 0..NNODES-1; node 0 hosts the store, the metrics and the controller")
+    p.add_argument("--store-host", default="127.0.0.1", help="host of node 0, which hosts the store")
+    p.add_argument("--store-port", type=int, default=0,
+                   help="node 0: the port its store listens on (default 0: a free one, which node 0 says and writes "
+                        "to <run dir>/store.json); other nodes: node 0's port")
+    return p
+
+
+def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
+    overrides = list(args.overrides) + megatron_flags.translate(extra)
+    if args.metrics_file is not None:
+        overrides.append(f"logging.metrics_file={json.dumps(str(args.metrics_file))}")
+    if args.run_dir is not None:
+        overrides.append(f"logging.run_dir={json.dumps(str(args.run_dir))}")
+    return load_job_config(args.config, overrides)

@@ -1,0 +1,79 @@
+"""The launcher's output: its own lines, the ranks' relayed lines, and the records that go to the metrics sink (and
+where that is: :func:`run_outputs`).
+
+Everything goes through one lock, so lines never interleave. While a failure report is pending (the controller
+waits for the survivors to notice before it prints the "rank failed" line), rank output is held back and released
+after the report, so that a rank's line about the failure ("re-formed ...") never comes before the failure it
+answers.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Optional
+
+from ntp_megatron import metrics
+from ntp_megatron.config import JobConfig
+
+
+class Console:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sink: Optional[metrics.MetricsSink] = None
+        self._holds = 0
+        self._held: list[tuple[Optional[IO[str]], object]] = []
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            print(f"ntp-launch: {message}", file=sys.stderr, flush=True)
+
+    def emit(self, record: dict) -> None:
+        """A record of the launcher's own (an event): to the metrics sink, if this node has one."""
+        with self.lock:
+            if self.sink is not None:
+                self.sink.write(record)
+
+    def relayed(self, out: Optional[IO[str]], item) -> None:
+        """A rank's line (``out``: where it goes) or record (``out`` None), unless rank output is held."""
+        with self.lock:
+            if self._holds:
+                self._held.append((out, item))
+            else:
+                self._write(out, item)
+
+    def hold(self) -> None:
+        """Hold rank output back until :meth:`release` (calls nest)."""
+        with self.lock:
+            self._holds += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self._holds -= 1
+            if not self._holds:
+                for out, item in self._held:
+                    self._write(out, item)
+                self._held.clear()
+
+    def _write(self, out: Optional[IO[str]], item) -> None:
+        if out is None:
+            if self.sink is not None:
+                self.sink.write(item)
+        else:
+            out.write(item)
+            out.flush()
+
+
+def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:
+    """The metrics file (default ``<run_dir>/metrics.jsonl``, appended to) and this run's TensorBoard directory
+    (default ``<run_dir>/tensorboard/<start time>``: each run its own series, so two runs in one run dir do not
+    merge into one whose steps restart); the empty string switches either off."""
+    lg = cfg.logging
+    metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
+    tb_dir = None
+    if lg.tensorboard_dir != "":
+        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
+            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
+    return metrics_file, tb_dir

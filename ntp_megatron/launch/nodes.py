@@ -1,0 +1,180 @@
+"""The launchers of a job's nodes, and what they tell each other through node 0's store.
+
+Node 0 hosts the ``TCPStore`` (on ``--store-port``, or one the store picks when that is 0: it says which, and
+writes it to ``<run dir>/store.json`` for the other nodes' ``--store-port``); every other node connects to it and
+announces itself (:func:`~ntp_megatron.elastic.keys.node`). What a node's launcher sees of its own ranks it
+publishes there: a death (:func:`publish_death`, read by node 0's controller under NTP, by every node without),
+and when the job must end everywhere, the abort key with the reason and the failure it named.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.controller import Death
+from ntp_megatron.elastic.watchdog import wait_for_port
+
+NODE_WAIT_FRACTION = 0.8
+"""Node 0 waits this fraction of ``parallel.timeout_s`` for the other nodes, so that its message comes before
+its ranks' rendezvous times out."""
+NODE_WAIT_QUIET_S = 1.0
+"""Nodes that connect within this long after node 0 started are not worth a "waiting for" line."""
+POLL_S = 0.1
+ADDRESS_FILE = "store.json"
+
+
+def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """Host a store on ``port`` (0: a free port the store binds itself; ``store.port`` says which)."""
+    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+class Nodes:
+    """This launcher's node: ``node_rank`` of ``nnodes``, node 0's store at ``host:port``."""
+
+    def __init__(self, nnodes: int, node_rank: int, host: str, port: int, timeout_s: float,
+                 say: Callable[[str], None]) -> None:
+        self.nnodes, self.node_rank = nnodes, node_rank
+        self.host, self.port = host, port
+        """``port``: as given (0: node 0 lets the store choose); the store's own once :meth:`join` returned."""
+        self.timeout_s = timeout_s
+        self.say = say
+        self._remote_deaths_seen = 0
+
+    @property
+    def multi(self) -> bool:
+        return self.nnodes > 1
+
+    def join(self, run_dir: Path) -> dist.TCPStore:
+        """Host the store (node 0: its address then goes to ``run_dir/store.json``) or connect to node 0's, saying so
+        while it waits; then announce this node."""
+        if self.node_rank == 0:
+            store = host_store(self.host, self.port, self.timeout_s)
+            self.port = store.port
+            write_address(run_dir, self.host, self.port)
+            if self.multi:
+                self.say(f"node 0 of {self.nnodes}: store at {self.host}:{self.port} (also in "
+                         f"{run_dir / ADDRESS_FILE}); start the other nodes with --store-port {self.port}")
+        else:
+            try:
+                wait_for_port(self.host, self.port, 0.0)
+            except TimeoutError:
+                self.say(f"waiting for node 0 of {self.nnodes} at {self.host}:{self.port}")
+                wait_for_port(self.host, self.port, self.timeout_s)
+            store = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
+                                  wait_for_workers=False)
+        store.set(keys.node(self.node_rank), str(os.getpid()))
+        return store
+
+    def wait_for_nodes(self, store: dist.Store, started: float) -> bool:
+        """Node 0: wait until every other node's launcher has connected, saying which ones it waits for; at
+        ``NODE_WAIT_FRACTION`` of the timeout (before the ranks' own rendezvous gives up) one line, the abort key
+        set, and False."""
+        if self.node_rank != 0 or not self.multi:
+            return True
+        limit = NODE_WAIT_FRACTION * self.timeout_s
+        waiting_for: set[int] = set()
+        while True:
+            missing = [i for i in range(1, self.nnodes) if not try_check(store, keys.node(i))]
+            if not missing:
+                return True
+            waited = time.time() - started
+            if waited > limit:
+                self.say(f"node {missing[0]} of {self.nnodes} did not join within {limit:.0f} s: start ntp-launch "
+                         f"with the same config and --nnodes {self.nnodes} --node-rank {missing[0]} --store-host "
+                         f"<this host> --store-port {self.port} there")
+                set_abort(store, f"node {missing[0]} did not join")
+                return False
+            for i in missing:
+                if i not in waiting_for and waited > NODE_WAIT_QUIET_S:
+                    self.say(f"waiting for node {i} of {self.nnodes} at {self.host}:{self.port}")
+                    waiting_for.add(i)
+            time.sleep(POLL_S)
+
+    def remote_deaths(self, store: dist.Store) -> list[Death]:
+        """Deaths other nodes' launchers published since the last call (node 0), each said as a node report."""
+        out = []
+        reported = int(store.add(keys.DEATHS, 0))
+        while self._remote_deaths_seen < reported:
+            self._remote_deaths_seen += 1
+            death = published_death(store, self._remote_deaths_seen)
+            self.say(f"node report: launch rank {death.launch_rank} {death.cause}")
+            out.append(death)
+        return out
+
+    def restart(self) -> None:
+        """A fresh store (a restarted job): no death of it was read yet."""
+        self._remote_deaths_seen = 0
+
+
+def write_address(run_dir: Path, host: str, port: int) -> None:
+    """``run_dir/store.json``: node 0's store, for the other nodes' ``--store-host`` and ``--store-port``."""
+    path = run_dir / ADDRESS_FILE
+    tmp = path.with_name(f".{ADDRESS_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps({"host": host, "port": port}) + "\n")
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def publish_death(store: dist.Store, death: Death) -> None:
+    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off)."""
+    try:
+        n = store.add(keys.DEATHS, 1)
+        store.set(keys.death(n), json.dumps(dataclasses.asdict(death)))
+    except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
+        pass
+
+
+def published_death(store: dist.Store, n: int) -> Death:
+    """The ``n``-th death (1-based) any node published (:func:`publish_death`)."""
+    return Death(**json.loads(store.get(keys.death(n))))
+
+
+def published_deaths(store: dist.Store) -> list[Death]:
+    """Every death any node has published so far (raises if the store is unreachable)."""
+    return [published_death(store, n) for n in range(1, int(store.add(keys.DEATHS, 0)) + 1)]
+
+
+def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:
+    """Tell every node to stop: why, and the failure this node named (so they all name the same one)."""
+    try_set(store, keys.ABORT, json.dumps({"reason": reason,
+                                           "death": dataclasses.asdict(death) if death is not None else None}))
+
+
+def read_abort(store: dist.Store) -> tuple[Optional[str], Optional[Death]]:
+    """(reason, the named failure or None) if a node has aborted the job, else (None, None)."""
+    if not try_check(store, keys.ABORT):
+        return None, None
+    try:
+        record = json.loads(store.get(keys.ABORT).decode())
+    except Exception:  # noqa: BLE001
+        return "unknown", None
+    return record["reason"], Death(**record["death"]) if record.get("death") else None
+
+
+def try_set(store: dist.Store, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
+        pass
+
+
+def try_delete(store: dist.Store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def try_check(store: dist.Store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,212 @@
+"""The NTP policies: a death becomes a new generation (node 0's controller), and the failed slot gets a replacement
+process (:mod:`ntp_megatron.launch.rejoin`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from ntp_megatron.config import JobConfig
+from ntp_megatron.config_io import ConfigError
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
+from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
+from ntp_megatron.launch.rejoin import Rejoins, slot_live
+from ntp_megatron.preflight import pin_checkpoint_load
+
+
+class NTPPolicy(DeathPolicy):
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self.rejoins = Rejoins(host, self.admitted)
+
+    def begin(self) -> None:
+        self.rejoins.fill_spares()
+
+    def admitted(self, launch_rank: int) -> bool:
+        """Whether ``launch_rank``'s slot is live in the newest published generation."""
+        raise NotImplementedError
+
+    def rank_finished(self, launch_rank: int) -> None:
+        # A rank of the running generation completed the run (a retired one, of a dropped replica, exits 0 too).
+        if self.admitted(launch_rank):
+            self.training_done = True
+
+    def idle(self) -> bool:
+        return not self.rejoins.due
+
+    def after(self) -> None:
+        self.rejoins.step(self.training_done)
+
+    def failed_replacements(self, deaths: list[Death]) -> list[Death]:
+        """Handle the deaths of replacements (this node's, or on node 0 any node's) that died before they were
+        admitted — the job never relied on them — and return the other deaths."""
+        host = self.host
+        booting = [d for d in deaths
+                   if (self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
+                   and not self.admitted(d.launch_rank)]
+        for d in booting:
+            try_delete(host.store, keys.joining(d.launch_rank))  # so that it is never admitted
+            self.replacement_died(d)
+            if self.training_done:
+                continue  # stopped by us: the run completed before it was admitted
+            host.console.say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
+                             f"admitted; the job goes on without it")
+            self.rejoins.schedule(d.launch_rank)
+        return [d for d in deaths if d not in booting]
+
+    def replacement_died(self, death: Death) -> None:
+        """A replacement died before it was admitted (its death is handled above)."""
+
+
+class ControllerPolicy(NTPPolicy):
+    """Node 0: the controller absorbs deaths into new generations and admits replacements;
+    ``ntp.on_unrecoverable: drop_replica`` or ``stop`` decides (in the controller) what it cannot absorb."""
+
+    controller: Controller
+
+    def begin(self) -> None:
+        self.controller = self._controller()
+        super().begin()
+
+    def _controller(self) -> Controller:
+        host, ntp = self.host, self.host.cfg.ntp
+        start = host.start
+        resume = {} if start is None else {"start_iteration": start.iteration,
+                                           "start_consumed": start.samples(host.cfg.training.global_batch_size)}
+        return Controller(host.store, host.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable, host.console.say,
+                          host.console.emit, dump_stacks=host.processes.dump_stacks, hold=host.console.hold,
+                          release=host.console.release, **resume)
+
+    def admitted(self, launch_rank: int) -> bool:
+        c = self.controller
+        return c.latest.rank_of(*c.identity[launch_rank]) is not None
+
+    def live_launch_ranks(self) -> list[int]:
+        return self.controller.live_launch_ranks()
+
+    def news(self, deaths: list[Death]) -> Optional[int]:
+        if self.host.nodes.multi:
+            deaths += self.host.nodes.remote_deaths(self.host.store)
+        return None
+
+    def handle(self, deaths: list[Death]) -> Optional[int]:
+        deaths = self.failed_replacements(deaths)
+        if not deaths:
+            return None
+        say = self.host.console.say
+        for d in deaths:
+            say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
+        reason = self.controller.handle(deaths)
+        if reason is None:
+            for d in deaths:
+                self.rejoins.schedule(d.launch_rank)
+            return None
+        say(reason)
+        return self.unrecoverable(reason, deaths)
+
+    def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
+        """NTP cannot absorb ``deaths`` and the controller stopped the job."""
+        self.host.console.emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
+        return self.stop_job(deaths)
+
+    def after(self) -> None:
+        super().after()
+        if self.host.cfg.ntp.rejoin_after_s is None or self.training_done:
+            return
+        # Any node's replacements: each announces itself in the store.
+        store, c = self.host.store, self.controller
+        ready = [lr for lr in c.identity if not self.admitted(lr) and try_check(store, keys.joining(lr))]
+        if ready and c.admit(ready):
+            for lr in ready:
+                store.delete_key(keys.joining(lr))
+
+    def close(self) -> None:
+        self.controller.close()
+
+
+class RestartSurvivorsPolicy(ControllerPolicy):
+    """``ntp.on_unrecoverable: restart`` (one node): what NTP cannot absorb restarts the job from the newest
+    checkpoint on fresh processes for the slots that survived."""
+
+    def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
+        host, ck = self.host, self.host.cfg.checkpoint
+        if ck.save is not None and host.restarts < ck.max_restarts and self._restart():
+            return None
+        host.console.say(f"no restart left ({host.restarts} of at most {ck.max_restarts} done)"
+                         if host.restarts >= ck.max_restarts else "the job cannot restart")
+        return super().unrecoverable(reason, deaths)
+
+    def _restart(self) -> bool:
+        """Stop every rank and start the job again from the newest checkpoint, on fresh processes for the slots
+        that survived: each replica with its live slots, replicas below ``ntp.min_tp`` dropped
+        (:func:`ntp_megatron.layout.restart_layout`), the global batch and data order unchanged. The restarted
+        job has its own launch ranks (0..), store and controller; injected failures that fired stay fired. False
+        if no layout or configuration is possible (the caller stops the job)."""
+        from ntp_megatron.layout import TopologyError, restart_layout
+        from ntp_megatron.training import checkpoint
+
+        host, c, p = self.host, self.controller, self.host.cfg.parallel
+        live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]
+        try:
+            dropped, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
+                                                 host.cfg.ntp.min_tp)
+            data = host.cfg.model_dump()
+            data["ntp"]["dropped_replicas"] = dropped
+            data["ntp"]["dead_slots"] = [f"{r}:{s}" for r, s in dead_slots]
+            if checkpoint.resolve_load_dir(Path(host.cfg.checkpoint.save)) is not None:
+                data["checkpoint"]["load"] = host.cfg.checkpoint.save
+            cfg = JobConfig.model_validate(data)
+            start = pin_checkpoint_load(cfg)
+        except (TopologyError, ValueError, ConfigError) as exc:
+            host.console.say(f"cannot restart on the surviving processes: {exc}")
+            return False
+        host.restarts += 1
+        at = f"checkpoint {start.path} (iteration {start.iteration})" if start else "the start (no checkpoint yet)"
+        host.console.say(f"restarting from {at} with {cfg.world_size} fresh processes for the surviving slots: TP "
+                         f"per replica {tp_per_replica(cfg)} (restart {host.restarts} of at most "
+                         f"{cfg.checkpoint.max_restarts})")
+        host.processes.stop_all()
+        c.close()
+        fired = [spec for spec in host.failures if try_check(host.store, keys.fired(str(spec)))]
+        host.relaunch(cfg, start)  # a fresh store; every surviving slot keeps its device (one node)
+        for spec in fired:
+            host.store.set(keys.fired(str(spec)), "1")
+        self.controller = self._controller()
+        host.finished.clear()
+        self.training_done = False
+        host.respawn()
+        self.rejoins.reset()
+        if host.agent is not None:
+            host.agent.restart(host.store)
+        host.console.emit({"kind": "event", "event": "restarted", "restart": host.restarts, "time": time.time(),
+                           "iteration": start.iteration if start else 0, "tp_per_replica": tp_per_replica(cfg)})
+        return True
+
+
+class WorkerNodePolicy(NTPPolicy):
+    """A node other than 0: deaths go to node 0's controller through the store; replacements start here, on the
+    dead slots' own devices, and node 0 admits them; node 0's stop ends the job here too."""
+
+    def admitted(self, launch_rank: int) -> bool:
+        return slot_live(self.host.store, keys.LATEST, self.host.launch_slots[launch_rank])
+
+    def news(self, deaths: list[Death]) -> Optional[int]:
+        store = self.host.store
+        if try_check(store, keys.STOP):
+            self.host.console.say(f"the job was stopped: {store.get(keys.STOP).decode()}")
+            self.host.processes.stop_all()
+            return 1
+        return None
+
+    def handle(self, deaths: list[Death]) -> Optional[int]:
+        for d in self.failed_replacements(deaths):
+            self.host.console.say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
+            publish_death(self.host.store, d)
+            self.rejoins.schedule(d.launch_rank)
+        return None
+
+    def replacement_died(self, death: Death) -> None:
+        publish_death(self.host.store, death)  # node 0 may have admitted it meanwhile: it decides

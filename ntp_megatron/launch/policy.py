@@ -1,0 +1,196 @@
+"""What a rank's death means to this launcher: the policy interface, and the policies of a run without NTP.
+
+A policy is chosen once at start (:func:`ntp_megatron.launch.modes.choose`). The launcher's monitor only calls
+:meth:`DeathPolicy.step` with the deaths it reaped; the policy absorbs them, restarts the job or ends it, starts
+replacements where it may (NTP: :mod:`ntp_megatron.launch.ntp`), and on several nodes stops when another node
+aborted the job. Without NTP the job restarts from the last checkpoint (:class:`RestartFromCheckpoint`) or stops
+(:class:`StopOnFailure`); either names the failed rank, not the ranks that stopped because of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Optional, Protocol
+
+import torch.distributed as dist
+
+from ntp_megatron.config import JobConfig
+from ntp_megatron.elastic.controller import Death, injected_failure
+from ntp_megatron.launch.console import Console
+from ntp_megatron.launch.nodes import Nodes, publish_death, published_deaths, read_abort, set_abort
+from ntp_megatron.launch.processes import RankProcesses, is_echo
+
+SETTLE_S = 2.0
+"""NTP off, several nodes: how long a launcher waits for the other nodes' reports of a failure before it names
+the failed rank from what it has (the first death that is not an echo of another)."""
+POLL_S = 0.02
+
+
+class Host(Protocol):
+    """What a policy uses of the launcher."""
+
+    cfg: JobConfig
+    start: object
+    args: argparse.Namespace
+    store: dist.Store
+    nodes: Nodes
+    console: Console
+    processes: RankProcesses
+    agent: Optional[object]
+    local_ranks: list[int]
+    launch_slots: list[tuple[int, int]]
+    world_size: int
+    run_dir: Path
+    failures: list
+    restarts: int
+    finished: set[int]
+
+    def rank_env(self, rank: int, joining: bool = False) -> dict[str, str]: ...
+
+    def spare_env(self) -> dict[str, str]: ...
+
+    def respawn(self) -> None: ...
+
+    def relaunch(self, cfg: JobConfig, start) -> None: ...
+
+
+class DeathPolicy:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.training_done = False
+        """A rank of the running job completed the run."""
+
+    def begin(self) -> None:
+        """The ranks have started and node 0's metrics sink exists."""
+
+    def step(self, deaths: list[Death]) -> Optional[int]:
+        """One pass of the launcher's monitor with this node's new deaths: None to go on, or the exit code."""
+        outcome = self.news(deaths)
+        if outcome is not None:
+            return outcome
+        if self.host.nodes.multi:
+            reason, death = read_abort(self.host.store)
+            if reason is not None:
+                if death is not None:
+                    self.report_failure(death)  # the failure the aborting node named
+                else:
+                    self.host.console.say(f"another node aborted the job: {reason}")
+                self.host.processes.stop_all()
+                return 1
+        if deaths:
+            outcome = self.handle(deaths)
+            if outcome is not None:
+                return outcome
+        self.after()
+        return None
+
+    def news(self, deaths: list[Death]) -> Optional[int]:
+        """What other nodes said since the last pass (added to ``deaths``), or an exit code."""
+        return None
+
+    def handle(self, deaths: list[Death]) -> Optional[int]:
+        raise NotImplementedError
+
+    def after(self) -> None:
+        """The rest of a pass (replacements)."""
+
+    def rank_finished(self, launch_rank: int) -> None:
+        """``launch_rank``'s process exited 0."""
+        self.training_done = True
+
+    def idle(self) -> bool:
+        """Nothing is left to start (once every rank has ended, the launcher is done)."""
+        return True
+
+    def live_launch_ranks(self) -> list[int]:
+        """The launch ranks the job runs now (for failures injected from outside)."""
+        return [r for r, p in self.host.processes.ranks.items() if p.poll() is None]
+
+    def close(self) -> None:
+        """The run is over."""
+
+    # -- shared by the policies ------------------------------------------------------------------------------
+    def report_failure(self, death: Death) -> None:
+        """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
+        host = self.host
+        where = "" if death.launch_rank in host.local_ranks else "another node aborted the job: "
+        host.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
+        record = injected_failure(host.store, death.launch_rank) or {}
+        host.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
+                           "cause": death.cause, "time": record.get("time", death.time),
+                           "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
+
+    def stop_job(self, deaths: list[Death]) -> int:
+        """End the job on every node, naming ``deaths``; the launcher's exit code."""
+        host = self.host
+        set_abort(host.store, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths),
+                  deaths[0] if len(deaths) == 1 else None)
+        live = sum(p.poll() is None for p in host.processes.ranks.values())
+        host.console.say(f"stopping the other {live} local rank(s)")
+        host.processes.stop_all()
+        host.console.say("all ranks stopped")
+        return 1
+
+
+class StopOnFailure(DeathPolicy):
+    """NTP off: a failure ends the job. Its peers stop right after it; the failure is named, not its echoes."""
+
+    def handle(self, deaths: list[Death]) -> Optional[int]:
+        failed = self.failure_behind(deaths)
+        self.report_failure(failed)
+        return self.after_failure(failed)
+
+    def after_failure(self, failed: Death) -> Optional[int]:
+        return self.stop_job([failed])
+
+    def failure_behind(self, local: list[Death]) -> Death:
+        """The death the others echo — an injected failure's, else one that is not an echo (:func:`is_echo`),
+        else the earliest. With several nodes every launcher publishes its deaths in the store and waits up to
+        ``SETTLE_S`` for one that is not an echo, so each names the same rank whichever node's deaths it saw
+        first."""
+        host, store = self.host, self.host.store
+        deaths = list(local)
+        if all(is_echo(d) for d in deaths):
+            deaths += [Death(p.rank, time.time(), "is stopped (hung): its peers' collectives timed out", p.pid)
+                       for p in host.processes.stalled()]
+        if host.nodes.multi:
+            for d in deaths:
+                publish_death(store, d)
+            deadline = time.monotonic() + SETTLE_S
+            while not any(not is_echo(d) for d in deaths) and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                _, decided = read_abort(store)
+                if decided is not None:  # another node has named the failure already
+                    return decided
+                try:
+                    deaths = published_deaths(store) or deaths
+                except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
+                    break
+        return min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, is_echo(d), d.time))
+
+
+class RestartFromCheckpoint(StopOnFailure):
+    """NTP off with ``checkpoint.save``, one node: the baseline every benchmark compares against. Stop every rank,
+    start them all again (fresh processes) from the newest checkpoint, at most ``checkpoint.max_restarts`` times."""
+
+    def after_failure(self, failed: Death) -> Optional[int]:
+        host, ck = self.host, self.host.cfg.checkpoint
+        if host.restarts >= ck.max_restarts:
+            return super().after_failure(failed)
+        host.restarts += 1
+        host.console.say(f"restarting all {host.world_size} ranks from the last checkpoint in {ck.save} (restart "
+                         f"{host.restarts} of at most {ck.max_restarts})")
+        host.processes.stop_all()
+        host.console.emit({"kind": "event", "event": "restarted", "restart": host.restarts, "time": time.time()})
+        host.respawn()
+        return None
+
+
+def tp_per_replica(cfg: JobConfig) -> list[int]:
+    """TP degree per replica index (0: a dropped replica), as the iteration records give it."""
+    if cfg.ntp.enabled:
+        widths = {replica.index: replica.width for replica in cfg.topology().replicas}
+        return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
+    return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size

@@ -1,0 +1,152 @@
+"""Replacement processes for this node's failed launch ranks (NTP with ``ntp.rejoin_after_s``).
+
+A replacement is due ``ntp.rejoin_after_s`` after its rank's failure (the repair delay). It is a warm spare when
+this node has one (``ntp.warm_spares``: started with the ranks, imports done, so its admission does not wait for an
+interpreter to boot; a new one is started for the next failure), else a fresh interpreter. Either announces
+itself in the store and node 0's controller admits it at an iteration boundary. One that dies before its admission
+completed counts as an attempt (at most ``ntp.max_rejoin_attempts`` in a row); once the generation that admits it
+has formed, its rank's count starts over, so every later failure of the slot gets its replacements again.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.launch.processes import describe_exit, signal_group
+from ntp_megatron.layout import Topology
+
+
+class Rejoins:
+    def __init__(self, host, admitted: Callable[[int], bool]) -> None:
+        """``host``: the launcher (:class:`ntp_megatron.launch.policy.Host`); ``admitted(launch_rank)``: whether
+        the newest published generation has the rank's slot."""
+        self.host = host
+        self.admitted = admitted
+        self.due: dict[int, float] = {}
+        """Launch rank -> when to start a replacement process for it."""
+        self.attempts: dict[int, int] = {}
+        """Launch rank -> replacements started since its slot last completed an admission (a key for every rank
+        this node ever started a replacement for)."""
+        self.started_after: dict[int, int] = {}
+        """Launch rank -> the newest generation published when its current replacement started (the one that
+        admits it comes later)."""
+        self.spare_deaths = 0
+
+    @property
+    def ntp(self):
+        return self.host.cfg.ntp
+
+    def is_replacement(self, launch_rank: int) -> bool:
+        """This node started a replacement for ``launch_rank`` at some point."""
+        return launch_rank in self.attempts
+
+    def schedule(self, launch_rank: int) -> None:
+        """Plan a replacement for a failed rank after the repair delay, a bounded number of times in a row."""
+        after = self.ntp.rejoin_after_s
+        if after is None or launch_rank not in self.host.local_ranks:
+            return
+        attempts = self.attempts.get(launch_rank, 0)
+        if attempts >= self.ntp.max_rejoin_attempts:
+            self.host.console.say(f"launch rank {launch_rank}: {attempts} replacements failed; its replica stays "
+                                  "degraded")
+            return
+        self.due[launch_rank] = time.time() + after
+
+    def step(self, training_done: bool) -> None:
+        """Start the replacements that are due; count completed admissions. Once the run is complete, replacements
+        still waiting to be admitted are stopped: there is nothing left to join."""
+        processes = self.host.processes
+        if training_done:
+            self.due.clear()
+            for rank in self.attempts:
+                proc = processes.ranks.get(rank)
+                if proc is not None and proc.poll() is None and not self.admitted(rank):
+                    signal_group(proc.pid, signal.SIGTERM)
+            return
+        for rank, count in self.attempts.items():
+            proc = processes.ranks.get(rank)
+            if count and proc is not None and proc.poll() is None and self._formed_with(rank):
+                self.attempts[rank] = 0
+        now = time.time()
+        for rank, due in list(self.due.items()):
+            if now >= due:
+                del self.due[rank]
+                self._start(rank, now)
+        self.fill_spares()
+
+    def _start(self, rank: int, now: float) -> None:
+        host, processes = self.host, self.host.processes
+        self.attempts[rank] = self.attempts.get(rank, 0) + 1
+        self.started_after[rank] = _generation(host.store, keys.LATEST)
+        if host.agent is not None:
+            host.agent.forget(rank)
+        spare = processes.idle_spare()
+        env = host.rank_env(rank, joining=True)
+        if spare is not None:
+            processes.assign(spare, rank, env)
+            proc = spare
+        else:
+            proc = processes.start(rank, env, fresh=True)
+        processes.record_pids()
+        host.console.emit({"kind": "event", "event": "replacement_started", "launch_rank": rank, "pid": proc.pid,
+                           "attempt": self.attempts[rank], "warm": spare is not None, "time": now})
+        how = ", a warm spare" if spare is not None else ""
+        host.console.say(f"starting a replacement for launch rank {rank} (pid {proc.pid}{how}, attempt "
+                         f"{self.attempts[rank]} of {self.ntp.max_rejoin_attempts})")
+
+    def fill_spares(self) -> None:
+        """Keep ``ntp.warm_spares`` spares on this node (none without ``ntp.rejoin_after_s``). A spare that dies
+        unassigned is replaced, ``ntp.max_rejoin_attempts`` times at most; after that replacements start cold."""
+        ntp, processes, say = self.ntp, self.host.processes, self.host.console.say
+        if ntp.rejoin_after_s is None or not ntp.warm_spares:
+            return
+        for dead in processes.dead_spares():
+            self.spare_deaths += 1
+            say(f"warm spare (pid {dead.pid}) {describe_exit(dead.returncode)} before it was needed"
+                + ("; replacements start cold from now on" if self.spare_deaths == ntp.max_rejoin_attempts else ""))
+        if self.spare_deaths >= ntp.max_rejoin_attempts:
+            return
+        while len(processes.spares) < ntp.warm_spares:
+            processes.start_spare(self.host.spare_env())
+
+    def reset(self) -> None:
+        """The job restarted on fresh processes: nothing is due, no attempt counts."""
+        self.due.clear()
+        self.attempts.clear()
+        self.started_after.clear()
+        self.fill_spares()
+
+    def _formed_with(self, launch_rank: int) -> bool:
+        """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a
+        completed generation from before the replacement started may have the slot too: its dead process's)."""
+        store = self.host.store
+        return (_generation(store, keys.COMPLETED) > self.started_after.get(launch_rank, -1)
+                and slot_live(store, keys.COMPLETED, self.host.launch_slots[launch_rank]))
+
+
+def _generation(store: dist.Store, key: str) -> int:
+    """The generation number under ``key`` (:data:`~ntp_megatron.elastic.keys.LATEST` or ``COMPLETED``), -1 if
+    there is none (or the store cannot say)."""
+    try:
+        return int(store.get(key).decode()) if store.check([key]) else -1
+    except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+        return -1
+
+
+def slot_live(store: dist.Store, generation_key: str, slot: tuple[int, int]) -> bool:
+    """Whether the generation named by ``generation_key`` (:data:`~ntp_megatron.elastic.keys.LATEST`,
+    :data:`~ntp_megatron.elastic.keys.COMPLETED`) has ``slot`` live (False if the store cannot say)."""
+    generation = _generation(store, generation_key)
+    if generation < 0:
+        return False
+    try:
+        topology = Topology.from_json(json.loads(store.get(keys.topology(generation)).decode()))
+    except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+        return False
+    return topology.rank_of(*slot) is not None

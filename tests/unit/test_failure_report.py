@@ -1,0 +1,70 @@
+"""The controller's report of a failure, over an in-memory store: the "rank failed" line, the ``rank_failed`` event,
+and where they come among the ranks' relayed output.
+
+- Survivors that noticed a death before the launcher reaped it (a direct peer sees its connection close within
+  milliseconds, and a death known only from its exit is stamped when it was reaped): the detection latency is
+  never negative.
+- The line comes before anything a rank prints about the failure (rank 0's "re-formed" line), although the
+  report waits for every survivor to notice while rank output is relayed at once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import time
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.launch.console import Console
+from ntp_megatron.layout import make_topology
+
+UNITS = {"heads": 8, "ffn": 16, "vocab": 32}
+
+
+def _controller(console: Console, records: list[dict]) -> tuple[dist.Store, Controller]:
+    store = dist.HashStore()
+    controller = Controller(store, make_topology(2, 2, UNITS), 1, "drop_replica", console.say, records.append,
+                            hold=console.hold, release=console.release)
+    store.set(keys.COMPLETED, "0")  # generation 0 formed: its ranks train
+    return store, controller
+
+
+def _aware(store: dist.Store, at: float) -> None:
+    for rank in (0, 1, 2):
+        store.set(keys.aware(0, rank), repr(at))
+
+
+def test_survivors_that_noticed_before_the_reap_give_no_negative_latency(capsys):
+    records: list[dict] = []
+    store, controller = _controller(Console(), records)
+    reaped = time.time()
+    _aware(store, reaped - 0.017)  # its peers' connections closed before the launcher reaped it
+    assert controller.handle([Death(3, reaped, "was killed by signal SIGKILL", 4242)]) is None
+    controller.close()
+    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    assert failed["detect_s"] is not None and failed["detect_s"] >= 0, failed
+    assert failed["time"] <= reaped - 0.017 + 1e-6
+    line = next(l for l in capsys.readouterr().err.splitlines() if "rank failed" in l)
+    assert re.search(r"3 survivors aware in \d+\.\d{3} s$", line), line
+
+
+def test_the_failure_line_comes_before_the_ranks_lines_about_it(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stderr", out)
+    console = Console()
+    store, controller = _controller(console, [])
+    assert controller.handle([Death(3, time.time(), "was killed by signal SIGKILL", 4242)]) is None
+    # Rank 0 re-formed and says so while the report still waits for a survivor to notice.
+    console.relayed(out, "[rank 0]  re-formed | generation 1 | tp per replica: [2, 1] |\n")
+    console.relayed(None, {"kind": "event", "event": "reformed", "generation": 1})
+    _aware(store, time.time())
+    controller.close()
+    lines = out.getvalue().splitlines()
+    failed = next(i for i, l in enumerate(lines) if "rank failed | launch rank 3" in l)
+    reformed = next(i for i, l in enumerate(lines) if "re-formed | generation 1" in l)
+    assert failed < reformed, lines
+    assert json.loads(store.get(keys.info(1)))["dead"] == [[1, 1]]

@@ -1,0 +1,155 @@
+"""Node 0's NTP policy over the real controller on an in-memory store: the ranks' side of each generation (forming
+it, a replacement announcing itself) is played by the test, processes are stand-ins.
+
+A slot that fails again after its replacement was admitted gets a replacement again, however often: the
+``ntp.max_rejoin_attempts`` bound is on failed attempts in a row, and an admission ends the row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch.distributed as dist
+
+from ntp_megatron.config import load_job_config
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.controller import Death
+from ntp_megatron.launch import modes
+from ntp_megatron.launch.console import Console
+from ntp_megatron.launch.forkserver import Child
+from ntp_megatron.launch.nodes import Nodes
+from ntp_megatron.launch.ntp import ControllerPolicy
+from ntp_megatron.placement import launch_slots
+
+
+class _Proc:
+    def __init__(self, rank: int, pid: int) -> None:
+        self.rank, self.child = rank, Child(pid)
+        self.pid = pid
+
+    def poll(self):
+        return self.child.returncode
+
+    def die(self) -> Death:
+        self.child._exited(-9, time.time())
+        return Death(self.rank, time.time(), "was killed by signal SIGKILL", self.pid)
+
+
+class _Processes:
+    """What the policy asks of a node's processes; ``start`` makes a stand-in process."""
+
+    def __init__(self) -> None:
+        self.ranks = {rank: _Proc(rank, 100 + rank) for rank in range(4)}
+        self.spares: list = []
+        self.started: list[int] = []
+
+    def start(self, rank: int, env: dict, fresh: bool = False) -> _Proc:
+        self.started.append(rank)
+        self.ranks[rank] = _Proc(rank, 1000 + len(self.started))
+        return self.ranks[rank]
+
+    def idle_spare(self):
+        return None
+
+    def dead_spares(self) -> list:
+        return []
+
+    def record_pids(self) -> None:
+        pass
+
+    def dump_stacks(self, ranks: list[int]) -> None:
+        pass
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+
+class _Host:
+    def __init__(self, *overrides: str) -> None:
+        self.cfg = load_job_config(None, ["ntp.enabled=true", "ntp.rejoin_after_s=0", *overrides])
+        self.args = argparse.Namespace(nnodes=1, node_rank=0)
+        self.start = None
+        self.store = dist.HashStore()
+        self.console = Console()
+        self.console.sink = _Sink()
+        self.nodes = Nodes(1, 0, "127.0.0.1", 0, 60.0, self.console.say)
+        self.processes = _Processes()
+        self.agent = None
+        self.local_ranks = [0, 1, 2, 3]
+        self.launch_slots = launch_slots(2, 2, self.cfg.topology())
+        self.world_size, self.failures, self.restarts, self.finished = 4, [], 0, set()
+
+    def rank_env(self, rank: int, joining: bool = False) -> dict:
+        return {}
+
+    def spare_env(self) -> dict:
+        return {}
+
+    def events(self, name: str) -> list[dict]:
+        return [r for r in self.console.sink.records if r.get("event") == name]
+
+
+def _formed(host: _Host, generation: int) -> None:
+    """The ranks of ``generation`` finished forming it (as the last ready rank records)."""
+    host.store.set(keys.COMPLETED, str(generation))
+
+
+def _aware(host: _Host, generation: int) -> None:
+    """The survivors noticed that ``generation`` is over."""
+    for rank in (0, 1, 2):
+        host.store.set(keys.aware(generation, rank), repr(time.time()))
+
+
+def test_a_slot_that_fails_four_times_gets_its_fourth_replacement():
+    host = _Host("ntp.max_rejoin_attempts=3")
+    ntp = modes.choose(host)
+    assert isinstance(ntp, ControllerPolicy)
+    ntp.begin()
+    generation = 0
+    _formed(host, generation)
+    for failure in range(1, 5):
+        death = host.processes.ranks[3].die()
+        assert ntp.step([death]) is None  # absorbed: generation + 1 without launch rank 3
+        _aware(host, generation)
+        generation += 1
+        _formed(host, generation)
+        assert ntp.step([]) is None  # the replacement is due at once (rejoin_after_s 0)
+        assert host.processes.started == [3] * failure, f"failure {failure}: no replacement started"
+        host.store.set(keys.joining(3), "{}")  # the replacement announces itself ...
+        assert ntp.step([]) is None  # ... and is admitted: generation + 1 with launch rank 3
+        generation += 1
+        assert ntp.controller.latest.generation == generation
+        _formed(host, generation)
+        assert ntp.step([]) is None
+    ntp.close()
+    assert [e["attempt"] for e in host.events("replacement_started")] == [1, 1, 1, 1]
+    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3, 3, 3, 3]
+
+
+def test_replacements_that_die_before_their_admission_are_bounded():
+    """The bound itself: replacements in a row that die before they are admitted — the first one started while
+    the degraded generation still forms (the completed one before it has the slot: its dead process's) — then
+    none."""
+    host = _Host("ntp.max_rejoin_attempts=3")
+    ntp = modes.choose(host)
+    ntp.begin()
+    _formed(host, 0)
+    ntp.step([host.processes.ranks[3].die()])
+    for attempt in range(1, 4):
+        ntp.step([])
+        assert host.processes.started == [3] * attempt
+        if attempt == 1:
+            _aware(host, 0)
+            _formed(host, 1)
+            ntp.step([])
+        ntp.step([host.processes.ranks[3].die()])  # dies while booting: never admitted
+    ntp.step([])
+    ntp.close()
+    assert host.processes.started == [3, 3, 3]
+    assert [e["attempt"] for e in host.events("replacement_started")] == [1, 2, 3]
