@@ -27,6 +27,7 @@ _UNIT_DIR = Path(__file__).resolve().parent / "unit"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    config._fresh_cases = any(item.name.startswith("test_fresh_cases") for item in items)
     for item in items:
         unit = _UNIT_DIR in Path(str(item.fspath)).resolve().parents
         item.add_marker(pytest.mark.unit if unit else pytest.mark.job)
@@ -34,9 +35,18 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S if unit else JOB_TIMEOUT_S))
 
 
+def _seed_line() -> str:
+    seed = equivalence_cases.FRESH_SEED
+    return f"fresh equivalence cases: seed {seed} (replay with NTP_EQUIVALENCE_SEED={seed})"
+
+
 def pytest_report_header(config) -> str:
-    return (f"fresh equivalence cases: seed {equivalence_cases.FRESH_SEED} "
-            f"(replay with NTP_EQUIVALENCE_SEED={equivalence_cases.FRESH_SEED})")
+    return _seed_line()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if getattr(config, "_fresh_cases", False):  # at the end too, where a failure is read (and under -q)
+        terminalreporter.write_line(_seed_line())
 
 
 @pytest.fixture(autouse=True)
