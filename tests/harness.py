@@ -273,19 +273,21 @@ def _widths(topology: dict, dp: int) -> list[int]:
 
 
 def interrupted_iterations(segment: Segment) -> dict[int, str]:
-    """Iterations whose checksum rows may be incomplete, each with why: the last iteration committed in a generation
-    that a death ended. Its checksum gather is collective; a rank that died after the iteration's commit (in
-    the optimizer step, or just after) leaves its replica unable to gather. The next iteration's rows cover the
-    same state, and those are checked in full."""
-    published, iterations = segment.published(), segment.iterations()
+    """Iterations whose checksum rows may be incomplete, each with why: the last iteration recorded in a
+    generation in which a rank died (its ``rank_failed`` event), whatever followed (a re-formation, a restart, a
+    stop). The rows of an iteration are gathered and sent after its step, while the next iteration starts: a rank
+    that dies then can leave its replica without them, or the job's stop can cut them off. The rows of every
+    other iteration are checked in full, and they cover the same state one step later."""
+    iterations = segment.iterations()
     out = {}
-    for g, event in published.items():
-        if not event["dead_ranks"]:
+    for event in segment.records:
+        if event.get("event") != "rank_failed":
             continue
-        in_base = [i for i, r in iterations.items() if r.get("generation", 0) == event["base"]]
-        if in_base:
-            out[max(in_base)] = (f"the last iteration of generation {event['base']}, which the death of its "
-                                 f"ranks {event['dead_ranks']} ended (generation {g})")
+        g = event.get("generation")
+        in_generation = [i for i, r in iterations.items() if g is None or r.get("generation", 0) == g]
+        if in_generation:
+            out[max(in_generation)] = (f"the last iteration of generation {g}, in which launch rank "
+                                       f"{event['launch_rank']} died")
     return out
 
 
@@ -325,6 +327,7 @@ def assert_replicas_agree(result: JobResult, iters: Optional[int] = None) -> Non
                     f"iteration {iteration} (generation {generation}): no state checksums from (replica, TP rank) "
                     f"{missing}; only the rows of {interrupted or 'no iteration'} may be missing")
                 if not reports:
+                    checked.add(iteration)  # nothing to compare, for the reason interrupted_iterations gives
                     continue
             assert all(r["generation"] == generation for r in reports.values()), (
                 f"iteration {iteration}: checksums of another generation than the iteration's {generation}")
