@@ -171,8 +171,12 @@ def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOU
                                             timeout)
     records = read_records(metrics_file)
     result = JobResult(returncode, out, err, records, run_dir)
-    result.reformations = check_reformations(records, run_dir, unbounded_reformations)
     CHECKED_METRICS.add(metrics_file.resolve())
+    try:
+        result.reformations = check_reformations(records, run_dir, unbounded_reformations)
+    except ReformationBoundError as exc:
+        exc.result = result
+        raise
     return result
 
 
@@ -441,6 +445,13 @@ def reformation_lower_bound(model: dict, optimizer: str, base: dict, new: dict, 
     return elements * BYTES_PER_ELEMENT * (1 + _STATE_TENSORS[optimizer])
 
 
+class ReformationBoundError(AssertionError):
+    """A re-formation moved other bytes than the units that had to move, or a rank reported another lower bound;
+    ``result``: the job (every re-formation of it was checked)."""
+
+    result: Optional[JobResult] = None
+
+
 CHECKED_METRICS: set[Path] = set()
 """Metrics files already checked by :func:`run_job` (the conftest check skips them)."""
 
@@ -454,9 +465,10 @@ def job_config(run_dir: Path) -> dict:
 
 def check_reformations(records: list[dict], run_dir: Path, unbounded: Mapping[int, str] = {}) -> list[dict]:
     """Every ``reformed`` event moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
-    dimensions and the topologies in the ``generation_published`` events, and reported that bound; the unit counts
-    the controller published are the model's. ``unbounded``: generation -> why it is exempt."""
-    found = []
+    dimensions and the topologies in the ``generation_published`` events, and reported that bound (else
+    :class:`ReformationBoundError`, once every re-formation is checked); the unit counts the controller published
+    are the model's. ``unbounded``: generation -> why it is exempt."""
+    found, wrong = [], []
     for segment in segments(records):
         reformed = [r for r in segment.records if r.get("event") == "reformed"]
         if not reformed:
@@ -477,10 +489,13 @@ def check_reformations(records: list[dict], run_dir: Path, unbounded: Mapping[in
             bound = reformation_lower_bound(model, optimizer, base["topology"], new["topology"], new["dead_ranks"],
                                             fresh)
             found.append({"generation": g, "moved_bytes": event["moved_bytes"], "bound": bound, "fresh": fresh})
-            assert event["moved_bytes"] == bound, (
-                f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined {new['joined']}): moved "
-                f"{event['moved_bytes']} bytes, but the units that had to move are {bound} bytes")
-            assert event["lower_bound_bytes"] == bound, (
-                f"generation {g}: the rank reported a lower bound of {event['lower_bound_bytes']} bytes; the units "
-                f"that had to move are {bound} bytes")
+            if event["moved_bytes"] != bound:
+                wrong.append(f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined "
+                             f"{new['joined']}): moved {event['moved_bytes']} bytes, but the units that had to move "
+                             f"are {bound} bytes")
+            if event["lower_bound_bytes"] != bound:
+                wrong.append(f"generation {g}: the rank reported a lower bound of {event['lower_bound_bytes']} bytes; "
+                             f"the units that had to move are {bound} bytes")
+    if wrong:
+        raise ReformationBoundError("; ".join(wrong))
     return found
