@@ -48,6 +48,8 @@ class Sizes:
     warmup: int = 3
     rounds: int = 2
     comm_iters: int = 3
+    comm_tp: int = 4
+    """The communication jobs: TP ``comm_tp`` x 2, healthy, and with replica 1's last slot dead."""
     fail_iters: int = 16
     fail_at: int = 11
     ckpt_interval: int = 4
@@ -60,8 +62,8 @@ class Sizes:
 
 
 FULL = Sizes()
-SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, fail_iters=4, fail_at=3, ckpt_interval=2, stall_iters=5,
-              stall_interval=2, stall_warmup=1,
+SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4, fail_at=3, ckpt_interval=2,
+              stall_iters=5, stall_interval=2, stall_warmup=1,
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
                           "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
               init_tps=(1, 2))
@@ -107,7 +109,8 @@ RATIOS = [
 
 # Communication of a healthy replica's ranks, in a job with one degraded replica and in the same job with none:
 # NTP's promise is that the healthy ranks' steps do not change (same collectives, same payload bytes).
-COMM_JOBS = {"no degraded replica": _layout(4, 2, True), "one degraded replica": _layout(4, 2, True, ["1:3"])}
+def comm_jobs(tp: int) -> dict[str, tuple[str, ...]]:
+    return {"no degraded replica": _layout(tp, 2, True), "one degraded replica": _layout(tp, 2, True, [f"1:{tp - 1}"])}
 
 
 def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModule, name: str) -> list[dict]:
@@ -123,7 +126,8 @@ def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModu
 def measure_comm(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
     """Per-iteration torch.distributed calls and payload bytes of replica 0's ranks (healthy in both jobs)."""
     per_job = {}
-    for name, args in COMM_JOBS.items():
+    jobs = comm_jobs(sizes.comm_tp)
+    for name, args in jobs.items():
         records = run_job_records([*args, "--set", "logging.comm_stats=true"], sizes.comm_iters, workdir, run, name)
         stats: dict[int, list[dict]] = {}
         for r in records:
@@ -140,15 +144,15 @@ def measure_comm(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
             "per_iteration": {"no degraded replica": a[-1], "one degraded replica": b[-1] if b else None},
             "iterations_compared": len(a),
         })
-    return {"jobs": {name: " ".join(args) for name, args in COMM_JOBS.items()}, "ranks": ranks}
+    return {"tp": sizes.comm_tp, "jobs": {name: " ".join(args) for name, args in jobs.items()}, "ranks": ranks}
 
 
 # A failure in the same job, absorbed by NTP and by the restart-from-checkpoint baseline (NTP off).
 def failure_jobs(sizes: Sizes) -> dict[str, list[str]]:
     failure = ["--inject-failure", f"kill:rank=3,iter={sizes.fail_at},phase=backward"]
     return {"ntp": [*_layout(2, 2, True), *failure],
-            "restart from checkpoint": [*_layout(2, 2, False), "--set", f"checkpoint.save_interval={sizes.ckpt_interval}",
-                                        *failure]}
+            "restart from checkpoint": [*_layout(2, 2, False),
+                                        "--set", f"checkpoint.save_interval={sizes.ckpt_interval}", *failure]}
 
 
 def _failure_figures(records: list[dict], fail_at: int) -> dict:
@@ -320,7 +324,8 @@ def init_probe(tp: int, init: str, model: Sequence[str] = FULL.init_model) -> di
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"tp": tp, "init": init, "build_s": seconds, "peak_rss_mb": peak_mb,
-            "peak_over_start_mb": peak_mb - rss_start_mb, "local_params": params, "local_param_mb": params * 4 / 2 ** 20}
+            "peak_over_start_mb": peak_mb - rss_start_mb, "local_params": params,
+            "local_param_mb": params * 4 / 2 ** 20}
 
 
 def _ratio(a: float, b: float) -> Optional[float]:
@@ -334,8 +339,8 @@ def measure_init(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
         for tp in sizes.init_tps:
             for init in INIT_KINDS:
                 out = Path(tempfile.mkdtemp(prefix=f"init-{init}-tp{tp}", dir=workdir))
-                code, stdout, err = run("ntp_megatron.bench", ["--probe", str(tp), init,
-                                                               *(f"--probe-model={kv}" for kv in sizes.init_model)], out)
+                probe = ["--probe", str(tp), init, *(f"--probe-model={kv}" for kv in sizes.init_model)]
+                code, stdout, err = run("ntp_megatron.bench", probe, out)
                 if code != 0:
                     raise SystemExit(f"bench: init probe tp{tp} {init} failed:\n{err[-3000:]}")
                 runs[f"{init} tp{tp}"].append(json.loads(stdout.strip().splitlines()[-1]))
@@ -390,7 +395,9 @@ def table(result: dict) -> str:
         lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
     comm = result.get("communication")
     if comm:
-        lines += ["", "Per iteration, replica 0 (healthy) of TP4 x 2, without and with replica 1 degraded to TP3:", "",
+        tp = comm["tp"]
+        lines += ["", f"Per iteration, replica 0 (healthy) of TP{tp} x 2, without and with replica 1 degraded to "
+                  f"TP{tp - 1}:", "",
                   "| rank | collectives (none degraded) | collectives (one degraded) | payload bytes (none) | "
                   "payload bytes (one) | equal |", "|---|---|---|---|---|---|"]
         for r in comm["ranks"]:

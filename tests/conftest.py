@@ -27,7 +27,6 @@ _UNIT_DIR = Path(__file__).resolve().parent / "unit"
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    config._fresh_cases = any(item.name.startswith("test_fresh_cases") for item in items)
     for item in items:
         unit = _UNIT_DIR in Path(str(item.fspath)).resolve().parents
         item.add_marker(pytest.mark.unit if unit else pytest.mark.job)
@@ -42,6 +41,10 @@ def _seed_line() -> str:
 
 def pytest_report_header(config) -> str:
     return _seed_line()
+
+
+def pytest_collection_finish(session) -> None:
+    session.config._fresh_cases = any(item.name.startswith("test_fresh_cases") for item in session.items)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

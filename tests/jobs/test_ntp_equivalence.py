@@ -95,7 +95,8 @@ def test_fresh_cases(tmp_path_factory, case: Case):
     one fails, hypothesis prints it (``Failing test case: test_fresh_cases(..., case=Case(tp_base=...))``):
     copy that ``Case(...)`` into ``EXAMPLES`` in ``tests/equivalence_cases.py`` with the fix, so that every
     later run checks it. (Hypothesis draws
-    its simplest case first, a single TP1 rank, which has nothing of NTP to check: it is skipped.)"""
+    its simplest case first, a single TP1 rank; the derandomized draw above checks that one on every run, so it
+    is skipped here.)"""
     assume(case.tp_base * case.dp > 1)
     note(f"fresh equivalence cases: seed {FRESH_SEED} (replay with NTP_EQUIVALENCE_SEED={FRESH_SEED})")
     check_case(tmp_path_factory, case)
