@@ -7,6 +7,8 @@ iterations after warm-up, pooled over rounds. Output: a table on stdout and JSON
 communication of healthy ranks, a failure absorbed by NTP against a restart from checkpoint, and the training
 stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs that part alone), and the time and
 peak memory of initialising one rank's model, Megatron replay against the layout-free initialiser (``--only init``).
+``--smoke`` runs every part once at its smallest size (``SMOKE``): what the test suite runs, so that the harness
+cannot break unnoticed; its figures mean nothing.
 
 On a CPU machine with fewer cores than ranks, ranks time-share cores: ratios between jobs with different
 rank counts then measure total work rather than per-GPU speed. The comparisons below are arranged so that
@@ -24,7 +26,47 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+RunModule = Callable[[str, Sequence[str], Path], tuple[int, str, str]]
+"""``run(module, args, out_dir)``: ``python -m module args`` (its output files go under ``out_dir``); returns
+(exit code, stdout, stderr)."""
+
+
+def run_in_subprocess(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:
+    """A fresh interpreter per run, as a user's job starts."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How long every part runs: ``FULL`` for the figures, ``SMOKE`` to run every part once at its smallest
+    (``--smoke``; the suite's test of this harness, not a measurement)."""
+
+    iters: int = 12
+    warmup: int = 3
+    rounds: int = 2
+    comm_iters: int = 3
+    comm_tp: int = 4
+    """The communication jobs: TP ``comm_tp`` x 2, healthy, and with replica 1's last slot dead."""
+    fail_iters: int = 16
+    fail_at: int = 11
+    ckpt_interval: int = 4
+    stall_iters: int = 14
+    stall_interval: int = 3
+    stall_warmup: int = 2
+    init_model: tuple[str, ...] = ("model.num_layers=4", "model.hidden_size=2048", "model.num_attention_heads=16",
+                                   "model.ffn_hidden_size=8192", "model.vocab_size=32768", "model.seq_length=1024")
+    init_tps: tuple[int, ...] = (1, 2, 4, 8)
+
+
+FULL = Sizes()
+SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4, fail_at=3, ckpt_interval=2,
+              stall_iters=5, stall_interval=2, stall_warmup=1,
+              init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
+                          "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
+              init_tps=(1, 2))
 
 MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
          "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
@@ -67,26 +109,26 @@ RATIOS = [
 
 # Communication of a healthy replica's ranks, in a job with one degraded replica and in the same job with none:
 # NTP's promise is that the healthy ranks' steps do not change (same collectives, same payload bytes).
-COMM_JOBS = {"no degraded replica": _layout(4, 2, True), "one degraded replica": _layout(4, 2, True, ["1:3"])}
-COMM_ITERS = 3
+def comm_jobs(tp: int) -> dict[str, tuple[str, ...]]:
+    return {"no degraded replica": _layout(tp, 2, True), "one degraded replica": _layout(tp, 2, True, [f"1:{tp - 1}"])}
 
 
-def run_job_records(args: Sequence[str], iters: int, workdir: Path, launcher: Sequence[str], name: str) -> list[dict]:
-    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_"), dir=workdir))
+def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModule, name: str) -> list[dict]:
+    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_").replace("(", "").replace(")", ""), dir=workdir))
     metrics = run_dir / "metrics.jsonl"
-    cmd = [*launcher, "--run-dir", str(run_dir), "--metrics-file", str(metrics), *MODEL,
-           "--set", f"training.train_iters={iters}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench: case {name!r} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    code, _, err = run("ntp_megatron.launcher", ["--run-dir", str(run_dir), "--metrics-file", str(metrics), *MODEL,
+                                                 "--set", f"training.train_iters={iters}", *args], run_dir)
+    if code != 0:
+        raise SystemExit(f"bench: case {name!r} failed ({code}):\n{err[-3000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def measure_comm(launcher: Sequence[str], workdir: Path) -> dict:
+def measure_comm(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
     """Per-iteration torch.distributed calls and payload bytes of replica 0's ranks (healthy in both jobs)."""
     per_job = {}
-    for name, args in COMM_JOBS.items():
-        records = run_job_records([*args, "--set", "logging.comm_stats=true"], COMM_ITERS, workdir, launcher, name)
+    jobs = comm_jobs(sizes.comm_tp)
+    for name, args in jobs.items():
+        records = run_job_records([*args, "--set", "logging.comm_stats=true"], sizes.comm_iters, workdir, run, name)
         stats: dict[int, list[dict]] = {}
         for r in records:
             if r.get("kind") == "comm_stats" and r["replica"] == 0:
@@ -102,19 +144,18 @@ def measure_comm(launcher: Sequence[str], workdir: Path) -> dict:
             "per_iteration": {"no degraded replica": a[-1], "one degraded replica": b[-1] if b else None},
             "iterations_compared": len(a),
         })
-    return {"jobs": {name: " ".join(args) for name, args in COMM_JOBS.items()}, "ranks": ranks}
+    return {"tp": sizes.comm_tp, "jobs": {name: " ".join(args) for name, args in jobs.items()}, "ranks": ranks}
 
 
 # A failure in the same job, absorbed by NTP and by the restart-from-checkpoint baseline (NTP off).
-FAIL_ITERS, FAIL_AT, CKPT_INTERVAL = 16, 11, 4
-FAILURE = ["--inject-failure", f"kill:rank=3,iter={FAIL_AT},phase=backward"]
-FAILURE_JOBS = {
-    "ntp": [*_layout(2, 2, True), *FAILURE],
-    "restart from checkpoint": [*_layout(2, 2, False), "--set", f"checkpoint.save_interval={CKPT_INTERVAL}", *FAILURE],
-}
+def failure_jobs(sizes: Sizes) -> dict[str, list[str]]:
+    failure = ["--inject-failure", f"kill:rank=3,iter={sizes.fail_at},phase=backward"]
+    return {"ntp": [*_layout(2, 2, True), *failure],
+            "restart from checkpoint": [*_layout(2, 2, False),
+                                        "--set", f"checkpoint.save_interval={sizes.ckpt_interval}", *failure]}
 
 
-def _failure_figures(records: list[dict]) -> dict:
+def _failure_figures(records: list[dict], fail_at: int) -> dict:
     """From one failed run: kill to the next completed iteration, and to completing the iteration that was in
     flight (the first one that is progress again); iterations lost; detection; bytes moved."""
     failed = next(r for r in records if r.get("event") == "rank_failed")
@@ -124,7 +165,7 @@ def _failure_figures(records: list[dict]) -> dict:
     reformed = [r for r in records if r.get("event") == "reformed"]
     return {
         "kill_to_next_iteration_s": after[0]["time"] - killed_at,
-        "kill_to_progress_s": next(r for r in after if r["iteration"] >= FAIL_AT)["time"] - killed_at,
+        "kill_to_progress_s": next(r for r in after if r["iteration"] >= fail_at)["time"] - killed_at,
         "iterations_lost": summary["iterations_lost"],
         "iterations_rolled_back": summary["iterations_rolled_back"],
         "detect_s": failed.get("detect_s"),
@@ -134,25 +175,26 @@ def _failure_figures(records: list[dict]) -> dict:
     }
 
 
-def measure_failures(rounds: int, launcher: Sequence[str], workdir: Path) -> dict:
-    """NTP against the restart baseline, interleaved over ``rounds``; medians per figure."""
-    samples: dict[str, list[dict]] = {name: [] for name in FAILURE_JOBS}
-    for round_index in range(rounds):
-        for name, args in FAILURE_JOBS.items():
+def measure_failures(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
+    """NTP against the restart baseline, interleaved over ``sizes.rounds``; medians per figure."""
+    jobs = failure_jobs(sizes)
+    samples: dict[str, list[dict]] = {name: [] for name in jobs}
+    for round_index in range(sizes.rounds):
+        for name, args in jobs.items():
             extra = []
             if name != "ntp":
                 extra = ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
-            records = run_job_records([*args, *extra], FAIL_ITERS, workdir, launcher, name)
-            samples[name].append(_failure_figures(records))
-            print(f"failure round {round_index + 1}/{rounds} {name:<24} done", file=sys.stderr)
+            records = run_job_records([*args, *extra], sizes.fail_iters, workdir, run, name)
+            samples[name].append(_failure_figures(records, sizes.fail_at))
+            print(f"failure round {round_index + 1}/{sizes.rounds} {name:<24} done", file=sys.stderr)
     medians = {}
     for name, runs in samples.items():
         medians[name] = {key: (statistics.median(v[key] for v in runs) if runs[0][key] is not None else None)
                          for key in runs[0]}
     ntp, restart = medians["ntp"], medians["restart from checkpoint"]
     return {
-        "job": f"TP2 x DP2, {FAIL_ITERS} iterations, SIGKILL of launch rank 3 in the backward pass of iteration "
-               f"{FAIL_AT}; the baseline checkpoints every {CKPT_INTERVAL} iterations",
+        "job": f"TP2 x DP2, {sizes.fail_iters} iterations, SIGKILL of launch rank 3 in the backward pass of iteration "
+               f"{sizes.fail_at}; the baseline checkpoints every {sizes.ckpt_interval} iterations",
         "runs": samples, "median": medians,
         "ratio_kill_to_next_iteration": ntp["kill_to_next_iteration_s"] / restart["kill_to_next_iteration_s"],
         "ratio_kill_to_progress": ntp["kill_to_progress_s"] / restart["kill_to_progress_s"],
@@ -162,50 +204,51 @@ def measure_failures(rounds: int, launcher: Sequence[str], workdir: Path) -> dic
 
 # The training stall of a checkpoint save, sync against async (Megatron-Core's async path), on one job: plain
 # Megatron (NTP off; async saves need it), TP2 x DP1, a larger model so that a save writes tens of MB.
-STALL_ITERS, STALL_INTERVAL, STALL_WARMUP = 14, 3, 2
 STALL_MODEL = ["--set", "model.num_layers=4", "--set", "model.hidden_size=256", "--set", "model.vocab_size=4096",
                "--set", "model.seq_length=64", "--set", "training.micro_batch_size=2",
                "--set", "training.global_batch_size=4"]
-STALL_JOBS = {
-    "no saves": [],
-    "sync saves": ["--set", f"checkpoint.save_interval={STALL_INTERVAL}"],
-    "async saves": ["--set", f"checkpoint.save_interval={STALL_INTERVAL}", "--set", "checkpoint.async_save=true"],
-}
 
 
-def _stall_figures(records: list[dict]) -> dict:
-    """From one run: the wall time from the end of iteration STALL_WARMUP to the end of the last iteration (the
-    saves of iterations STALL_INTERVAL, 2·STALL_INTERVAL, … below the last happen inside it; the final
-    checkpoint after the last iteration is outside), and the gaps between consecutive iterations' ends, split
-    into those that follow a save iteration and the others."""
+def stall_jobs(sizes: Sizes) -> dict[str, list[str]]:
+    every = ["--set", f"checkpoint.save_interval={sizes.stall_interval}"]
+    return {"no saves": [], "sync saves": every, "async saves": [*every, "--set", "checkpoint.async_save=true"]}
+
+
+def _stall_figures(records: list[dict], sizes: Sizes) -> dict:
+    """From one run: the wall time from the end of iteration ``stall_warmup`` to the end of the last iteration
+    (the saves of iterations ``stall_interval``, 2·``stall_interval``, … below the last happen inside it; the
+    final checkpoint after the last iteration is outside), and the gaps between consecutive iterations' ends,
+    split into those that follow a save iteration and the others."""
+    warmup, interval, last = sizes.stall_warmup, sizes.stall_interval, sizes.stall_iters
     end = {r["iteration"]: r["time"] for r in records if r.get("kind") == "iteration"}
-    gaps = {k: end[k] - end[k - 1] for k in end if k - 1 in end and k - 1 >= STALL_WARMUP}
-    after_save = [gaps[k] for k in gaps if (k - 1) % STALL_INTERVAL == 0]
-    others = [gaps[k] for k in gaps if (k - 1) % STALL_INTERVAL != 0]
-    in_window = {k for k in end if STALL_WARMUP < k < STALL_ITERS and k % STALL_INTERVAL == 0}
+    gaps = {k: end[k] - end[k - 1] for k in end if k - 1 in end and k - 1 >= warmup}
+    after_save = [gaps[k] for k in gaps if (k - 1) % interval == 0]
+    others = [gaps[k] for k in gaps if (k - 1) % interval != 0]
+    in_window = {k for k in end if warmup < k < last and k % interval == 0}
     blocked = sum(r["seconds"] for r in records if r.get("kind") == "checkpoint_stall" and r["iteration"] in in_window)
-    return {"window_s": end[STALL_ITERS] - end[STALL_WARMUP], "after_save_gap_s": after_save, "other_gap_s": others,
+    return {"window_s": end[last] - end[warmup], "after_save_gap_s": after_save, "other_gap_s": others,
             "saves_in_window": len(after_save), "blocked_per_save_s": blocked / len(in_window),
             "step_s": statistics.median(r["elapsed_ms"] for r in records if r.get("kind") == "iteration") / 1e3}
 
 
-def measure_checkpoint_stall(rounds: int, launcher: Sequence[str], workdir: Path) -> dict:
-    """The same job without saves, with sync saves and with async saves every STALL_INTERVAL iterations,
-    interleaved over ``rounds``. Extra wall time per save = (window of the case − window without saves) / saves
+def measure_checkpoint_stall(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
+    """The same job without saves, with sync saves and with async saves every ``stall_interval`` iterations,
+    interleaved over ``sizes.rounds``. Extra wall time per save = (window of the case − window without saves) / saves
     in the window (medians over rounds); also, per case, the median gap after a save iteration minus the median
     of the other gaps (the stall seen by the iteration right after a save; an async save's finalization and its
     writer's CPU use may land later). Also measured in the rank (``checkpoint_stall`` records of the reporting
     rank): training blocked per save = the time inside the save call plus, for async saves, the checks and the
     finalization attributed to it — the least noisy figure on a shared machine."""
-    runs: dict[str, list[dict]] = {name: [] for name in STALL_JOBS}
+    rounds = sizes.rounds
+    runs: dict[str, list[dict]] = {name: [] for name in stall_jobs(sizes)}
     for round_index in range(rounds):
-        for name, args in STALL_JOBS.items():
+        for name, args in stall_jobs(sizes).items():
             extra = list(args)
             if args:
                 extra += ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
-            records = run_job_records([*_layout(2, 1, False), *STALL_MODEL, *extra], STALL_ITERS, workdir, launcher,
+            records = run_job_records([*_layout(2, 1, False), *STALL_MODEL, *extra], sizes.stall_iters, workdir, run,
                                       name)
-            runs[name].append(_stall_figures(records))
+            runs[name].append(_stall_figures(records, sizes))
             print(f"checkpoint stall round {round_index + 1}/{rounds} {name:<12} done", file=sys.stderr)
     window = {name: statistics.median(r["window_s"] for r in rs) for name, rs in runs.items()}
     saves = runs["sync saves"][0]["saves_in_window"]
@@ -223,9 +266,9 @@ def measure_checkpoint_stall(rounds: int, launcher: Sequence[str], workdir: Path
         }
     sync, asyn = cases["sync saves"], cases["async saves"]
     return {
-        "job": f"plain Megatron TP2 x DP1, {' '.join(STALL_MODEL[1::2])}, {STALL_ITERS} iterations, a save every "
-               f"{STALL_INTERVAL} ({saves} in the window from the end of iteration {STALL_WARMUP} to the end of "
-               f"iteration {STALL_ITERS}), {rounds} rounds",
+        "job": f"plain Megatron TP2 x DP1, {' '.join(STALL_MODEL[1::2])}, {sizes.stall_iters} iterations, a save "
+               f"every {sizes.stall_interval} ({saves} in the window from the end of iteration {sizes.stall_warmup} "
+               f"to the end of iteration {sizes.stall_iters}), {rounds} rounds",
         "runs": runs, "cases": cases,
         "async_over_sync_extra_per_save": (asyn["extra_per_save_s"] / sync["extra_per_save_s"]
                                            if sync["extra_per_save_s"] else None),
@@ -235,24 +278,22 @@ def measure_checkpoint_stall(rounds: int, launcher: Sequence[str], workdir: Path
 
 # Initialisation cost of one rank's model, Megatron replay (every full-size master weight drawn on every rank, then
 # the rank's units kept) against the layout-free initialiser (only the rank's units computed), at TP 1, 2, 4, 8:
-# a wider model, built in a fresh process per measurement (rank 0's canonical block) so that its peak RSS is its own.
-INIT_MODEL = ["model.num_layers=4", "model.hidden_size=2048", "model.num_attention_heads=16",
-              "model.ffn_hidden_size=8192", "model.vocab_size=32768", "model.seq_length=1024"]
-INIT_TPS = (1, 2, 4, 8)
+# a wider model (``Sizes.init_model``), built in a fresh process per measurement (rank 0's canonical block) so
+# that its peak RSS is its own.
 INIT_KINDS = ("megatron", "layout_free")
 
 
-def init_probe(tp: int, init: str) -> dict:
+def init_probe(tp: int, init: str, model: Sequence[str] = FULL.init_model) -> dict:
     """In a fresh process: build rank 0's NTP model of a TP ``tp`` replica with ``init``; time and peak RSS."""
     import os
     import resource
-    import socket
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
     from ntp_megatron.config import load_job_config
+    from ntp_megatron.groups import dense_groups
     from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.patches import apply_patches
     from ntp_megatron.patches import parallel_state as ps_patch
@@ -260,14 +301,9 @@ def init_probe(tp: int, init: str) -> dict:
 
     torch.set_num_threads(1)  # as a rank runs (the launcher's default OMP_NUM_THREADS=1)
     apply_patches(cpu=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps_patch.initialize_trivial_groups(timedelta(seconds=60))
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    cfg = load_job_config(None, [*INIT_MODEL, f"parallel.tensor_model_parallel_size={tp}",
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
+    pg_collection = ps_patch.install(dense_groups(1, 0, 1, timedelta(seconds=60)))  # Megatron's groups of one rank
+    cfg = load_job_config(None, [*model, f"parallel.tensor_model_parallel_size={tp}",
                                  "parallel.data_parallel_size=1", f"model.init={init}"])
     m = cfg.model
     units = RankUnits(*(tuple(cfg.topology().units_of(0, f)) for f in ("heads", "ffn", "vocab")))
@@ -279,49 +315,58 @@ def init_probe(tp: int, init: str) -> dict:
     model = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, init=init, seed=cfg.training.seed,
                           max_sequence_length=m.seq_length, pre_process=True, post_process=True,
                           share_embeddings_and_output_weights=True, position_embedding_type=m.position_embedding_type,
-                          pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                          pg_collection=pg_collection)
     seconds = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     params = sum(p.numel() for p in model.parameters())
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"tp": tp, "init": init, "build_s": seconds, "peak_rss_mb": peak_mb,
-            "peak_over_start_mb": peak_mb - rss_start_mb, "local_params": params, "local_param_mb": params * 4 / 2 ** 20}
+            "peak_over_start_mb": peak_mb - rss_start_mb, "local_params": params,
+            "local_param_mb": params * 4 / 2 ** 20}
 
 
-def measure_init(rounds: int) -> dict:
-    """Every (TP, initialiser) pair in its own process, interleaved over ``rounds``; medians."""
-    runs: dict[str, list[dict]] = {f"{init} tp{tp}": [] for tp in INIT_TPS for init in INIT_KINDS}
-    for round_index in range(rounds):
-        for tp in INIT_TPS:
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if b > 0 else None
+
+
+def measure_init(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
+    """Every (TP, initialiser) pair in its own process, interleaved over ``sizes.rounds``; medians."""
+    runs: dict[str, list[dict]] = {f"{init} tp{tp}": [] for tp in sizes.init_tps for init in INIT_KINDS}
+    for round_index in range(sizes.rounds):
+        for tp in sizes.init_tps:
             for init in INIT_KINDS:
-                code = ("import json; from ntp_megatron.bench import init_probe; "
-                        f"print(json.dumps(init_probe({tp}, {init!r})))")
-                proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise SystemExit(f"bench: init probe tp{tp} {init} failed:\n{proc.stderr[-3000:]}")
-                runs[f"{init} tp{tp}"].append(json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(f"init round {round_index + 1}/{rounds} {init:<12} tp{tp} done", file=sys.stderr)
+                out = Path(tempfile.mkdtemp(prefix=f"init-{init}-tp{tp}", dir=workdir))
+                probe = ["--probe", str(tp), init, *(f"--probe-model={kv}" for kv in sizes.init_model)]
+                code, stdout, err = run("ntp_megatron.bench", probe, out)
+                if code != 0:
+                    raise SystemExit(f"bench: init probe tp{tp} {init} failed:\n{err[-3000:]}")
+                runs[f"{init} tp{tp}"].append(json.loads(stdout.strip().splitlines()[-1]))
+                print(f"init round {round_index + 1}/{sizes.rounds} {init:<12} tp{tp} done", file=sys.stderr)
     keys = ("build_s", "peak_rss_mb", "peak_over_start_mb", "local_param_mb")
     cases = {name: {key: statistics.median(r[key] for r in rs) for key in keys} for name, rs in runs.items()}
     for name, c in cases.items():
         c["best_build_s"] = min(r["build_s"] for r in runs[name])  # the least disturbed by other load
         base = cases[name.rsplit(" ", 1)[0] + " tp1"]
-        c["best_build_s_over_tp1"] = c["best_build_s"] / base["best_build_s"]
-        c["peak_over_start_over_tp1"] = c["peak_over_start_mb"] / base["peak_over_start_mb"]
-    return {"model": " ".join(INIT_MODEL), "rounds": rounds, "runs": runs, "cases": cases}
+        c["best_build_s_over_tp1"] = _ratio(c["best_build_s"], base["best_build_s"])
+        c["peak_over_start_over_tp1"] = _ratio(c["peak_over_start_mb"], base["peak_over_start_mb"])
+    return {"model": " ".join(sizes.init_model), "rounds": sizes.rounds, "runs": runs, "cases": cases}
 
 
-def run_case(case: Case, iters: int, workdir: Path, launcher: Sequence[str]) -> list[float]:
-    rows = run_job_records(case.args, iters, workdir, launcher, case.name.replace("(", "").replace(")", ""))
+def run_case(case: Case, iters: int, workdir: Path, run: RunModule) -> list[float]:
+    rows = run_job_records(case.args, iters, workdir, run, case.name)
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
 
 
-def measure(iters: int, rounds: int, warmup: int, launcher: Sequence[str], workdir: Path) -> dict:
+def measure(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
+    iters, rounds, warmup = sizes.iters, sizes.rounds, sizes.warmup
     samples: dict[str, list[float]] = {c.name: [] for c in CASES}
     for round_index in range(rounds):
         for case in CASES:
             started = time.monotonic()
-            times = run_case(case, iters, workdir, launcher)
+            times = run_case(case, iters, workdir, run)
             samples[case.name].extend(times[warmup:])
             print(f"round {round_index + 1}/{rounds} {case.name:<18} {time.monotonic() - started:6.1f} s", file=sys.stderr)
     step_ms = {name: statistics.median(values) for name, values in samples.items()}
@@ -337,6 +382,10 @@ def measure(iters: int, rounds: int, warmup: int, launcher: Sequence[str], workd
     }
 
 
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
 def table(result: dict) -> str:
     lines = []
     if result["cases"]:
@@ -346,7 +395,9 @@ def table(result: dict) -> str:
         lines += [f"| {r['comparison']} | {r['ratio']:.3f} | {r['note']} |" for r in result["ratios"]]
     comm = result.get("communication")
     if comm:
-        lines += ["", "Per iteration, replica 0 (healthy) of TP4 x 2, without and with replica 1 degraded to TP3:", "",
+        tp = comm["tp"]
+        lines += ["", f"Per iteration, replica 0 (healthy) of TP{tp} x 2, without and with replica 1 degraded to "
+                  f"TP{tp - 1}:", "",
                   "| rank | collectives (none degraded) | collectives (one degraded) | payload bytes (none) | "
                   "payload bytes (one) | equal |", "|---|---|---|---|---|---|"]
         for r in comm["ranks"]:
@@ -379,8 +430,9 @@ def table(result: dict) -> str:
         for name, c in init["cases"].items():
             kind, tp = name.rsplit(" ", 1)
             lines.append(f"| {kind} | {tp[2:]} | {c['local_param_mb']:.0f} | {c['best_build_s']:.2f} | "
-                         f"{c['best_build_s_over_tp1']:.2f} | {c['build_s']:.2f} | {c['peak_over_start_mb']:.0f} | "
-                         f"{c['peak_over_start_over_tp1']:.2f} | {c['peak_rss_mb']:.0f} |")
+                         f"{_fmt(c['best_build_s_over_tp1'], '.2f')} | {c['build_s']:.2f} | "
+                         f"{c['peak_over_start_mb']:.0f} | {_fmt(c['peak_over_start_over_tp1'], '.2f')} | "
+                         f"{c['peak_rss_mb']:.0f} |")
     stall = result.get("checkpoint_stall")
     if stall:
         lines += ["", f"Checkpoint stall, sync against async save ({stall['job']}), medians:", "",
@@ -395,37 +447,45 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subprocess) -> int:
+    """``run``: how each job and probe process is started (the suite's smoke test forks them from its zygote)."""
     p = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=12, help="iterations per job")
-    p.add_argument("--warmup", type=int, default=3, help="iterations dropped from the start of each job")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds over all cases")
+    p.add_argument("--iters", type=int, default=FULL.iters, help="iterations per job")
+    p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
+    p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
     p.add_argument("--only", choices=["checkpoint-stall", "init"], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
+    p.add_argument("--smoke", action="store_true",
+                   help="every part once at its smallest size: a check that the harness runs, not a measurement")
+    p.add_argument("--probe", nargs=2, metavar=("TP", "INIT"), help=argparse.SUPPRESS)  # one init measurement
+    p.add_argument("--probe-model", action="append", default=[], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.warmup >= args.iters:
+    if args.probe:
+        print(json.dumps(init_probe(int(args.probe[0]), args.probe[1], args.probe_model or FULL.init_model)))
+        return 0
+    sizes = SMOKE if args.smoke else Sizes(iters=args.iters, warmup=args.warmup, rounds=args.rounds)
+    if sizes.warmup >= sizes.iters:
         print("bench: --warmup must be below --iters", file=sys.stderr)
         return 2
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="ntp-bench-") as workdir:
-        launcher = [sys.executable, "-m", "ntp_megatron.launcher"]
+    with tempfile.TemporaryDirectory(prefix="ntp-bench-") as tmp:
+        workdir = Path(tmp)
         if args.only == "init":
-            result = {"machine": "CPU", "cases": {}, "ratios": [], "init": measure_init(args.rounds)}
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-            print(table(result))
-            print(f"\nwrote {args.out}")
-            return 0
-        if args.only == "checkpoint-stall":
-            result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
+            result = {"machine": "CPU", "cases": {}, "ratios": [], "init": measure_init(sizes, run, workdir)}
         else:
-            result = measure(args.iters, args.rounds, args.warmup, launcher, Path(workdir))
-            result["communication"] = measure_comm(launcher, Path(workdir))
-            result["failure_recovery"] = measure_failures(args.rounds, launcher, Path(workdir))
-            # Calibration for the goodput simulator: measured seconds from a failure to training again.
-            result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
-            result["init"] = measure_init(args.rounds)
-        result["checkpoint_stall"] = measure_checkpoint_stall(args.rounds, launcher, Path(workdir))
+            if args.only == "checkpoint-stall":
+                result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
+            else:
+                result = measure(sizes, run, workdir)
+                result["communication"] = measure_comm(sizes, run, workdir)
+                result["failure_recovery"] = measure_failures(sizes, run, workdir)
+                # Calibration for the goodput simulator: measured seconds from a failure to training again.
+                result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
+                result["init"] = measure_init(sizes, run, workdir)
+            result["checkpoint_stall"] = measure_checkpoint_stall(sizes, run, workdir)
+    if args.smoke:
+        result["smoke"] = "every part once at its smallest size: not a measurement"
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     print(f"\nwrote {args.out}")

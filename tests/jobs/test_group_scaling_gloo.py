@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ntp_megatron.layout import make_topology
+from tests.harness import store_client, store_server
 
 
 # -- the same builder in real gloo processes, across generations -------------------------------------------------
@@ -20,12 +20,6 @@ UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
 GENERATIONS = [[], [(1, 1)], [(1, 1), (0, 1)], []]
 """Dead slots of each generation of TP2 × 2: healthy; replica 1 at TP1 (its rank is the proxy of block 1);
 both at TP1 (the two sync groups have the same ranks); healthy again (the two processes come back)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
@@ -37,8 +31,7 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
 
         from ntp_megatron.groups import build_groups
 
-        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = store_client(port, timeout_s)
         for generation, dead in enumerate(GENERATIONS):
             topology = make_topology(2, 2, UNITS, dead_slots=dead, generation=generation)
             rank = topology.rank_of(replica, slot)
@@ -69,12 +62,10 @@ def test_groups_work_in_gloo_across_generations():
     """Four forked gloo processes build their groups in four generations of one store (healthy, one replica at
     TP1, both at TP1 with identical sync groups, healthy again): every group works, and a process holds no
     group besides the default one and its replica, itself and its sync groups."""
-    port = _free_port()
     timeout_s = 30.0
-    master = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
-                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    master = store_server(timeout_s)  # on a port the OS picks; the processes connect to master.port
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_slot_process, args=(r, s, port, timeout_s)) for r in range(2) for s in range(2)]
+    procs = [ctx.Process(target=_slot_process, args=(r, s, master.port, timeout_s)) for r in range(2) for s in range(2)]
     for proc in procs:
         proc.start()
     for proc in procs:

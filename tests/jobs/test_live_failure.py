@@ -2,8 +2,10 @@
 lower TP degree, the others keep going, and the loss curve is the failure-free run's.
 
 Every case asserts: the run reaches its last iteration; lm loss per iteration equals the failure-free run's
-(relative ≤ 1e-5, dropout 0), the redone iteration included; every rank of every replica reports the same
-state checksums after every iteration, across re-formations; no process of the job is left behind.
+(relative ≤ 1e-5, dropout 0), the redone iteration included; every live rank of every replica reports the same
+state checksums after every iteration, across re-formations (``tests.harness.assert_replicas_agree``); no process
+of the job is left behind. Every re-formation moved exactly the units that had to move (``run_job`` checks it
+against a bound computed from the two topologies).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections import defaultdict
 import psutil
 import pytest
 
-from tests.harness import TINY, JobResult, relative_difference, run_job
+from tests.harness import TINY, JobResult, assert_replicas_agree, relative_difference, run_job
 
 ITERS = 10
 TOL = 1e-5
@@ -49,24 +51,6 @@ def assert_same_run(result: JobResult, reference: JobResult, iters: int = ITERS)
     assert leftover_processes(result) == []
 
 
-def assert_replicas_agree(result: JobResult, iters: int = ITERS, unchecked: tuple[int, ...] = ()) -> None:
-    """Every TP rank of every replica, every iteration, every generation: the same checksums. ``unchecked``:
-    iterations committed just as a rank died, whose checksum gather (itself collective) could not run; the
-    next iteration's checksums cover their state."""
-    by_iteration: dict[int, list[dict]] = defaultdict(list)
-    for r in result.records:
-        if r.get("kind") == "state_checksums":
-            by_iteration[r["iteration"]].append(r)
-    assert set(by_iteration) >= {i for i in range(1, iters + 1) if i not in unchecked}
-    for iteration, reports in by_iteration.items():
-        first = reports[0]
-        for other in reports[1:]:
-            differing = [k for k in first["checksums"] if first["checksums"][k] != other["checksums"].get(k)]
-            assert not differing, (f"iteration {iteration}: replica {other['replica']} TP rank {other['tp_rank']} "
-                                   f"differs in {differing[:3]}")
-            assert other["grad_norm"] == first["grad_norm"], f"iteration {iteration}: grad-norm bits differ"
-
-
 def launcher_lines(result: JobResult) -> str:
     """The launcher's own lines (failures, re-formations, stacks of ranks that missed a failure): for messages."""
     return "\n".join(line for line in (result.stdout + result.stderr).splitlines()
@@ -91,13 +75,13 @@ def reference_tp4(jobs):
 def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
     result = run_job(tmp_path / "run", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
     assert_same_run(result, reference_tp2)
-    assert_replicas_agree(result, unchecked=(5,) if phase == "optimizer" else ())
+    assert_replicas_agree(result, ITERS)
     [failed] = result.events("rank_failed")
     assert (failed["launch_rank"], failed["replica"], failed["slot"], failed["phase"]) == (3, 1, 1, phase)
     assert failed["detect_s"] is not None and failed["detect_s"] < 1.0, launcher_lines(result)
     [reformed] = result.events("reformed")
     assert reformed["tp_per_replica"] == [2, 1] and reformed["generation"] == 1
-    assert reformed["moved_bytes"] == reformed["lower_bound_bytes"] > 0
+    assert reformed["moved_bytes"] > 0  # equal to the bound: run_job checks every re-formation
     # The iteration in flight is redone. After the dead rank voted it committed and survivors stepped it; the
     # next one is aborted, and counts as redone only if a rank had begun it.
     assert reformed["resume_iteration"] == (6 if phase == "optimizer" else 5)
@@ -116,9 +100,9 @@ def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, refer
     args = ntp_args(4, 2) + [arg for k in kills for arg in ("--inject-failure", k)]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp4)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     assert [e["tp_per_replica"] for e in result.events("reformed")] == [[4, 3], [4, 2], [4, 1]]
-    assert all(e["moved_bytes"] == e["lower_bound_bytes"] for e in result.events("reformed"))
+    assert all(e["moved_bytes"] > 0 for e in result.events("reformed"))
     by_rank: dict[int, dict[int, dict]] = defaultdict(dict)
     for r in result.records:
         if r.get("kind") == "resources":
@@ -152,7 +136,7 @@ def test_kills_in_two_replicas_in_the_same_iteration(tmp_path, reference_tp4):
                              "--inject-failure", "kill:rank=6,iter=5,phase=backward"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp4)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     assert widths_by_iteration(result)[ITERS] == [3, 3]
     assert sorted(e["launch_rank"] for e in result.events("rank_failed")) == [1, 6], launcher_lines(result)
 
@@ -164,16 +148,16 @@ def test_kill_while_a_reformation_is_in_progress(tmp_path, reference_tp4):
                              "--inject-failure", "kill:rank=2,iter=4,phase=reform"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp4)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     reformed = result.events("reformed")
     assert [e["generation"] for e in reformed] == [2] and reformed[0]["tp_per_replica"] == [3, 3]
-    assert reformed[0]["moved_bytes"] == reformed[0]["lower_bound_bytes"]
+    assert reformed[0]["moved_bytes"] > 0
 
 
 def test_launch_rank_0_killed(tmp_path, reference_tp4):
     result = run_job(tmp_path / "run", ntp_args(4, 2) + ["--inject-failure", "kill:rank=0,iter=5,phase=grad_sync"])
     assert_same_run(result, reference_tp4)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     assert widths_by_iteration(result)[ITERS] == [3, 4]
     assert "[rank 1]" in next(l for l in result.stdout.splitlines() if "re-formed" in l)
 
@@ -182,7 +166,7 @@ def test_hung_rank_is_fenced(tmp_path, reference_tp2):
     args = ntp_args(2, 2) + ["--inject-failure", "hang:rank=2,iter=4,phase=backward"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     [failed] = result.events("rank_failed")
     assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
     assert "stopped responding" in result.stderr
@@ -195,7 +179,7 @@ def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):
     args = ntp_args(2, 2, extra=("--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=drop_replica"))
     result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward"])
     assert_same_run(result, reference_tp2)
-    assert_replicas_agree(result)
+    assert_replicas_agree(result, ITERS)
     records = {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
     assert records[ITERS]["tp_per_replica"] == [2, 0] and records[ITERS]["global_batch_size"] == 12
     assert "replica 1 was dropped" in result.stdout
@@ -207,6 +191,7 @@ def test_stop_below_min_tp(tmp_path):
     assert result.returncode == 1
     assert "NTP cannot absorb the failure: replica 1 fell below ntp.min_tp (2)" in result.stderr
     assert result.events("job_stopped") and max(result.losses()) == 4
+    assert_replicas_agree(result, 4)
     assert leftover_processes(result) == []
 
 
@@ -223,6 +208,7 @@ def test_restart_below_min_tp(tmp_path, jobs, dp, micro_batch):
                    "--set", "checkpoint.save_interval=3", "--inject-failure", "kill:rank=3,iter=5,phase=backward"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference)
+    assert_replicas_agree(result, ITERS)  # both runs: before the restart and after it
     full, after = [2] * dp, [2, 0] + [2] * (dp - 2)
     [restarted] = result.events("restarted")
     assert restarted["iteration"] == 3 and restarted["tp_per_replica"] == after

@@ -1,52 +1,21 @@
 """Every live (replica, TP rank) reports its state checksums at every iteration, across failures: a failure that
 cut a rank's check short (the check of iteration k runs after k's step, and a death anywhere ends every
-collective of the generation) is made up in the generation that follows.
-
-Which ranks must have reported iteration k is worked out from what the job published, not from the ranks'
-reports: the ranks of the generation in which the state after k was last trained on (the generation of
-iteration k + 1's record; of k's own for the last iteration), except processes that generation admitted (they
-joined with the state after k and never stepped k). A rank reports an iteration only if it stepped it itself.
-"""
+collective of the generation) is made up in the generation that follows. Which ranks must have reported is worked
+out from what the job published (``tests.harness.assert_replicas_agree``), not from the ranks' reports."""
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import pytest
 
 from ntp_megatron.layout import Topology
-from tests.harness import JobResult, run_job
-from tests.jobs.test_live_failure import ITERS, assert_replicas_agree, assert_same_run, ntp_args
+from tests.harness import JobResult, assert_replicas_agree, run_job
+from tests.jobs.test_live_failure import assert_same_run, ntp_args
 
 
 def published(result: JobResult) -> dict[int, tuple[Topology, list]]:
     """Generation -> (its topology, the slots it admitted)."""
     return {e["generation"]: (Topology.from_json(e["topology"]), [tuple(s) for s in e["joined"]])
             for e in result.events("generation_published")}
-
-
-def expected_reporters(result: JobResult, iters: int) -> dict[int, set[tuple[int, int]]]:
-    """Iteration -> the (replica, TP rank) pairs that must have reported its checksums (module docstring)."""
-    generations = published(result)
-    trained_in = {r["iteration"]: r["generation"] for r in result.records if r.get("kind") == "iteration"}
-    out = {}
-    for k in range(1, iters + 1):
-        topology, joined = generations[trained_in[k + 1] if k < iters else trained_in[k]]
-        newcomers = {topology.rank_of(*slot) for slot in joined} if k < iters and trained_in[k + 1] != \
-            trained_in[k] else set()
-        out[k] = {(rep.index, topology.local_rank(rank)) for rep in topology.replicas for rank in rep.ranks
-                  if rank not in newcomers}
-    return out
-
-
-def assert_every_rank_reported(result: JobResult, iters: int = ITERS) -> None:
-    reported: dict[int, set[tuple[int, int]]] = defaultdict(set)
-    for r in result.records:
-        if r.get("kind") == "state_checksums":
-            reported[r["iteration"]].add((r["replica"], r["tp_rank"]))
-    for k, want in expected_reporters(result, iters).items():
-        missing = want - reported[k]
-        assert not missing, f"iteration {k}: no checksums from (replica, TP rank) {sorted(missing)}"
 
 
 @pytest.mark.parametrize("phase", ["start", "optimizer"])
@@ -57,7 +26,6 @@ def test_checksums_from_every_rank_at_every_iteration(tmp_path, jobs, phase):
     reference = jobs.run("live-ref-tp2x2", ntp_args(2, 2))
     result = run_job(tmp_path / "run", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
     assert_same_run(result, reference)
-    assert_every_rank_reported(result)
     assert_replicas_agree(result)  # the checks made up in generation 1 agree with those of generation 0
 
 
@@ -68,5 +36,4 @@ def test_checksums_after_a_second_failure_in_the_re_formation(tmp_path, jobs):
                              "--inject-failure", "kill:rank=2,iter=4,phase=reform"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference)
-    assert_every_rank_reported(result)
     assert_replicas_agree(result)

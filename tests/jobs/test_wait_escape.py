@@ -4,6 +4,10 @@ gloo wakes no one waiting on a message in mid-transfer when its pair fails. Made
 posts a receive of 64 MB and stops (SIGSTOP), rank 0 sends — the kernel takes a few MB, the rest stays in
 gloo's send queue — then rank 0's generation ends and its watchdog shuts the sockets down. Upstream's wait
 then sleeps until the collective timeout; with the escape the rank is out within a fraction of a second.
+
+Nothing here waits a fixed time: each step waits (bounded) for the state the next one needs — a small message
+behind the receive's notice on the same socket, the receiver stopped, the sender's socket holding unsent bytes,
+a given number of wait slices — and the processes meet on a store the test hosts on a port the OS picks.
 """
 
 from __future__ import annotations
@@ -11,31 +15,36 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
+from tests.harness import store_client as _client
+from tests.harness import store_server, wait_until
+
 NUMEL = 16 * 1024 * 1024  # 64 MB of float32: far more than loopback's socket buffers hold
 GROUP_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _client(port: int, timeout_s: float = 60.0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+STEP_S = 20.0  # bound on each wait for a state
 
 
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _unsent_bytes(sockets: dict[int, str]) -> int:
+    """Bytes the kernel holds in the send queues of ``sockets`` (``/proc/net/tcp``'s tx_queue, by inode)."""
+    inodes = {ident[len("socket:["):-1] for ident in sockets.values()}
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                fields = row.split()
+                if fields[9] in inodes:
+                    total += int(fields[4].split(":")[0], 16)
+    return total
 
 
 def _receiver(port: int) -> None:
@@ -46,10 +55,13 @@ def _receiver(port: int) -> None:
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     buffer = torch.empty(NUMEL)
     dist.irecv(buffer, src=0)
-    time.sleep(0.2)  # the "ready to receive" notice reaches rank 0
+    # A small message on the same socket, behind the receive's "ready to receive" notice: once rank 0 has it,
+    # it has the notice too.
+    dist.send(torch.zeros(1), dst=0)
     store.set("receiver", str(os.getpid()))
     os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, gloo's threads included, stops reading
-    time.sleep(3600)
+    while True:  # stopped; the test kills it
+        signal.pause()
 
 
 def _sender(port: int, escape: bool) -> None:
@@ -64,14 +76,16 @@ def _sender(port: int, escape: bool) -> None:
     with SocketScope() as scope:
         dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", _client(port)), rank=0, world_size=2,
                                 timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.recv(torch.empty(1), src=1)  # behind the receiver's notice: rank 1 is ready to receive
     watchdog = GenerationWatchdog(store_factory("127.0.0.1", port), 0, scope.sockets, 60.0)
     if escape:
         torch_distributed_work.set_escape(watchdog)
     receiver = int(store.get("receiver").decode())
-    while not _stopped(receiver):
-        time.sleep(0.01)
+    wait_until(lambda: _stopped(receiver), STEP_S, "the receiver stopping")
     work = dist.isend(torch.ones(NUMEL), dst=1)
-    time.sleep(0.2)  # the kernel's buffers fill; the rest of the message waits in gloo's send queue
+    # The message is in mid-transfer once the kernel holds unsent bytes of it (the stopped receiver's buffer is
+    # full); the rest of its 64 MB waits in gloo's send queue.
+    wait_until(lambda: _unsent_bytes(scope.sockets) > 0, STEP_S, "the sender's socket holding unsent bytes")
     store.set(keys.abort(0), "test")  # the generation ends: the watchdog shuts its sockets down
     start = time.monotonic()
     if escape:
@@ -100,12 +114,10 @@ def _swallow(action) -> None:
 
 
 def _run(escape: bool) -> list[str]:
-    port = _free_port()
-    master = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, timeout=timedelta(seconds=60),
-                           wait_for_workers=False)
+    master = store_server()
     ctx = multiprocessing.get_context("spawn")
-    receiver = ctx.Process(target=_receiver, args=(port,), daemon=True)
-    sender = ctx.Process(target=_sender, args=(port, escape), daemon=True)
+    receiver = ctx.Process(target=_receiver, args=(master.port,), daemon=True)
+    sender = ctx.Process(target=_sender, args=(master.port, escape), daemon=True)
     receiver.start()
     sender.start()
     try:
@@ -133,11 +145,9 @@ def test_escape_gets_the_rank_out_at_once():
 def test_collective_waits_in_slices_and_keeps_its_own_outcome():
     """With an escape installed and no reason to give up, a collective returns its result and a failed one
     raises its own error; once the escape gives a reason, a collective a peer never joins is given up."""
-    port = _free_port()
-    master = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=True, timeout=timedelta(seconds=60),
-                           wait_for_workers=False)
+    master = store_server()
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_collective_rank, args=(port, rank), daemon=True) for rank in (0, 1)]
+    procs = [ctx.Process(target=_collective_rank, args=(master.port, rank), daemon=True) for rank in (0, 1)]
     for proc in procs:
         proc.start()
     try:
@@ -147,18 +157,32 @@ def test_collective_waits_in_slices_and_keeps_its_own_outcome():
         for proc in procs:
             proc.kill()
             proc.join(10)
-    summed, abandoned_after, error = result.split("|")
+    summed, slices, abandoned_after, error = result.split("|")
     assert summed == "3.0"
+    assert int(slices) >= SLICES, slices  # the first all-reduce was waited on in slices until rank 1 joined
     assert float(abandoned_after) < 0.5, abandoned_after
-    assert "CollectiveAbandoned" not in error and error, error
+    # gloo's own error for a peer that is gone, raised from a wait in slices: neither given up nor swallowed.
+    assert error.split(":")[0] in ("RuntimeError", "DistBackendError", "DistNetworkError"), error
+
+
+SLICES = 3
+"""Wait slices rank 0 spends in the first all-reduce before rank 1 joins it."""
 
 
 class _SwitchEscape:
-    def __init__(self) -> None:
+    """Gives a reason to give up once ``over``; counts the slices waited and, after ``SLICES`` of them, lets the
+    peer know (``on_slices``)."""
+
+    def __init__(self, on_slices=lambda: None) -> None:
         self.over: bool = False
         self.waits: list = []
+        self.slices = 0
+        self.on_slices = on_slices
 
     def reason(self):
+        self.slices += 1
+        if self.slices == SLICES:
+            self.on_slices()
         return "test: generation over" if self.over else None
 
     def abandoned(self, wait) -> None:
@@ -174,11 +198,13 @@ def _collective_rank(port: int, rank: int) -> None:
     store = _client(port)
     dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    escape = _SwitchEscape()
+    escape = _SwitchEscape(lambda: store.set("sliced", "1"))
     torch_distributed_work.set_escape(escape)
     t = torch.full((4,), float(rank + 1))
-    time.sleep(0.3 * rank)  # rank 0 waits several slices for rank 1
+    if rank == 1:
+        store.wait(["sliced"])  # rank 0 has waited SLICES slices for this all-reduce
     dist.all_reduce(t)
+    slices = escape.slices
     if rank == 1:
         store.wait(["abandoned"])
         os._exit(0)  # never joins the next collective; dies after rank 0 gave up on it
@@ -196,7 +222,7 @@ def _collective_rank(port: int, rank: int) -> None:
         error = "no error"
     except Exception as exc:  # noqa: BLE001
         error = f"{type(exc).__name__}: {str(exc)[:80]}"
-    store.set("result", f"{t[0].item()}|{abandoned_after}|{error}")
+    store.set("result", f"{t[0].item()}|{slices}|{abandoned_after}|{error}")
     os._exit(0)
 
 

@@ -1,0 +1,44 @@
+"""``scripts/bench.sh`` runs to the end: every part of the benchmark once at its smallest size (``--smoke``), its
+table and its JSON. A test of the harness, not a measurement: no figure is compared with another."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from ntp_megatron import bench
+from tests.harness import check_reformations, read_records, run_module
+
+
+def _from_the_zygote(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:
+    """Each job and probe forked from the test zygote (no imports to pay); a job's re-formations are checked
+    like every other job's."""
+    code, err = run_module(module, list(args), out_dir)
+    if module == "ntp_megatron.launcher" and code == 0:
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        check_reformations(read_records(Path(args[args.index("--metrics-file") + 1])), run_dir)
+    return code, (out_dir / f"{module}.stdout").read_text(), err
+
+
+def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert bench.main(["--smoke", "--out", str(out)], run=_from_the_zygote) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["smoke"]
+    assert set(result["cases"]) == {c.name for c in bench.CASES}
+    assert all(c["samples"] == bench.SMOKE.iters - bench.SMOKE.warmup for c in result["cases"].values())
+    assert [r["comparison"] for r in result["ratios"]] == [label for label, *_ in bench.RATIOS]
+    assert [r["tp_rank"] for r in result["communication"]["ranks"]] == list(range(bench.SMOKE.comm_tp))
+    failures = result["failure_recovery"]
+    assert set(failures["median"]) == {"ntp", "restart from checkpoint"}
+    assert failures["moved_over_lower_bound"] == 1.0
+    assert failures["median"]["restart from checkpoint"]["iterations_rolled_back"] >= 0
+    assert set(result["init"]["cases"]) == {f"{init} tp{tp}" for tp in bench.SMOKE.init_tps
+                                            for init in bench.INIT_KINDS}
+    assert set(result["checkpoint_stall"]["cases"]) == {"no saves", "sync saves", "async saves"}
+    for heading in ("| case | ranks | median step (ms) |", "| comparison | ratio | note |",
+                    "Per iteration, replica 0 (healthy)", "A failure, same job", "Building one rank's model",
+                    "Checkpoint stall, sync against async save", f"wrote {out}"):
+        assert heading in printed, heading
