@@ -61,13 +61,15 @@ def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) 
     for move in transition_plan(old, new, dead):
         source = move.src if move.src is not None else move.peer
         grouped[(survivors[source], move.dst)].append((move.family, move.unit))
-    # A process new to the job (a replacement) also needs the replicated parameters: from the survivor that
-    # sends it units, else the first survivor.
+    # A process new to the job (a replacement) also needs the replicated parameters, once: from the first survivor
+    # that sends it units, else the first survivor.
     fresh = sorted(set(range(new.world_size)) - set(survivors.values()))
+    replicated_from: set[tuple[int, int]] = set()
     for dst in fresh:
         src = next((s for (s, d) in sorted(grouped) if d == dst), min(survivors.values()))
         grouped.setdefault((src, dst), [])
-    return [Transfer(src, dst, tuple(sorted(units)), replicated=dst in fresh)
+        replicated_from.add((src, dst))
+    return [Transfer(src, dst, tuple(sorted(units)), replicated=(src, dst) in replicated_from)
             for (src, dst), units in sorted(grouped.items())]
 
 

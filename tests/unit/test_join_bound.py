@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ntp_megatron.layout import join_topology, make_topology, next_topology, transition_plan
-from ntp_megatron.reshard import join_lower_bound_bytes
+from ntp_megatron.reshard import join_lower_bound_bytes, plan_transfers
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 16}
 PER_UNIT = {"heads": 3, "ffn": 5, "vocab": 7}  # elements per unit of each family (any positive numbers)
@@ -45,3 +45,22 @@ def test_joiners_into_a_live_replica(tp, dead, joined):
     assert bound == delivered_bytes(degraded, new, joined)
     blocks = sum(len(new.block(f, slot)) * PER_UNIT[f] * 4 for _, slot in joined for f in UNITS)
     assert bound >= blocks
+
+
+@pytest.mark.parametrize("tp, dead, joined", [
+    (2, [(1, 0), (1, 1)], [(1, 1)]),            # a dropped replica rebuilt alone: units from both of replica 0's ranks
+    (4, [(1, 2), (1, 3)], [(1, 2), (1, 3)]),    # two joiners at once
+    (2, [(1, 1)], [(1, 1)]),
+])
+def test_a_joiner_gets_the_replicated_parameters_once(tp, dead, joined):
+    """A process new to the job holds no replicated parameter (norms, biases, position embeddings): exactly one of
+    the messages it receives carries them, whichever number of ranks send it units."""
+    start = make_topology(tp, 2, UNITS)
+    degraded = next_topology(start, [start.rank_of(*slot) for slot in dead], min_tp=1)
+    new = join_topology(degraded, joined, min_tp=1)
+    transfers = plan_transfers(degraded, new, [])
+    for slot in joined:
+        rank = new.rank_of(*slot)
+        to_joiner = [t for t in transfers if t.dst == rank]
+        assert sum(t.replicated for t in to_joiner) == 1, to_joiner
+    assert not any(t.replicated for t in transfers if t.dst not in {new.rank_of(*s) for s in joined})
