@@ -135,7 +135,7 @@ def cases(draw) -> Case:
 
 # -- the fixed examples -----------------------------------------------------------------------------------------
 
-# The design's worked example (TP4 + TP4, replica 1 lost slot 3) with overlap and small, layout-dependent
+# The worked example of docs/ntp.md (TP4 + TP4, replica 1 lost slot 3) with overlap and small, layout-dependent
 # buckets; and a case that loses two slots of one replica with an uneven head split and GQA.
 WORKED = Case(tp_base=4, dp=2, dead=((1, 3),), num_layers=2, query_groups=8, heads_per_group=1, kv_channels=8,
               hidden_size=32, ffn_hidden_size=64, vocab_size=263, position="learned_absolute",

@@ -2,7 +2,7 @@
 
 Datasets come from ``BlendedMegatronDatasetBuilder``: ``MockGPTDataset`` by default, or ``GPTDataset`` over
 indexed ``.bin/.idx`` files built by ``ntp-preprocess``. Which samples a replica reads depends only on
-(iteration, replica index), never on the TP layout (DESIGN invariant 4): iteration ``k`` consumes global
+(iteration, replica index), never on the TP layout: iteration ``k`` consumes global
 samples ``[k·G, (k+1)·G)`` and replica ``r`` of ``D`` takes the ``r``-th contiguous ``G/D`` of them.
 
 Evaluation reads the validation and test splits the same way, one ``G``-sample batch after another, each share

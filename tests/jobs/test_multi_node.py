@@ -1,4 +1,4 @@
-"""Two launchers on one host, as the README describes multi-node runs: a failure on either node is reported by
+"""Two launchers on one host, as docs/usage.md describes multi-node runs: a failure on either node is reported by
 every node as the rank that failed (not a rank that stopped because of it), node 0's metrics file records it,
 and a node that never comes is named in one line. Node 0's store takes a port of its own choosing
 (``--store-port 0``) and node 0 says which; node 1 starts once it has."""

@@ -117,7 +117,7 @@ def cases(draw):
 @settings(max_examples=25, deadline=None)
 @given(cases())
 def test_fragments_cover_every_tensor_exactly_once(case):
-    """Must-show 4: main replicas tile each tensor once (whichever replicas are degraded or dropped), and
+    """main replicas tile each tensor once (whichever replicas are degraded or dropped), and
     each replica on its own tiles it once (so any replica can load it)."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
@@ -398,7 +398,7 @@ def degraded_run(tmp_path_factory):
 
 
 def test_degraded_checkpoint_continues_under_tp2_tp2_tp2_and_absorbs_a_failure(degraded_run, tmp_path):
-    """Must-show 1: saved under TP4 + TP3 at iteration 3, loaded under TP2 + TP2 + TP2 (another tp_base and DP),
+    """saved under TP4 + TP3 at iteration 3, loaded under TP2 + TP2 + TP2 (another tp_base and DP),
     which runs iteration 4. Launch rank 5 is killed in iteration 5 after its vote: the controller (whose
     committed iteration started at the checkpoint's) settles 5 as committed, the survivors roll it forward,
     re-form at TP2 + TP2 + TP1 from peers and save iteration 5's checkpoint in the new layout. Iterations 4..6
@@ -424,7 +424,7 @@ def test_degraded_checkpoint_continues_under_tp2_tp2_tp2_and_absorbs_a_failure(d
 
 
 def test_degraded_checkpoint_continues_under_uniform_tp1(degraded_run, tmp_path):
-    """Must-show 1: the TP4 + TP3 checkpoint continues under plain uniform TP1 (NTP off)."""
+    """the TP4 + TP3 checkpoint continues under plain uniform TP1 (NTP off)."""
     load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
     result = run_job(tmp_path / "run", [*TINY, "--set", "parallel.tensor_model_parallel_size=1",
                                         "--set", "parallel.data_parallel_size=1",
@@ -441,7 +441,7 @@ def _python(out_dir: Path, module: str, *args: str) -> None:
 
 
 def test_plain_megatron_checkpoint_continues_under_ntp(tmp_path):
-    """Must-show 2: plain Megatron-Core (TP2, its own initialisation) saves at iteration 3; NTP TP2 + TP1
+    """plain Megatron-Core (TP2, its own initialisation) saves at iteration 3; NTP TP2 + TP1
     loads it and iterations 4..6 match the plain script's own."""
     ckpt, out = tmp_path / "plain-ckpt", tmp_path / "plain-losses.json"
     _python(tmp_path, "tests.plain_megatron", "train", "--tp", "2", "--iters", str(ITERS),
@@ -455,7 +455,7 @@ def test_plain_megatron_checkpoint_continues_under_ntp(tmp_path):
 
 
 def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
-    """Must-show 3: the TP4 + TP3 run's final checkpoint, and one re-saved by a degraded TP3 replica as the only
+    """the TP4 + TP3 run's final checkpoint, and one re-saved by a degraded TP3 replica as the only
     replica (non-contiguous units written), load into plain Megatron-Core at TP1 and TP2 and give the logits
     the NTP models (both replicas of TP4 + TP3, and the TP3) compute on the same batch."""
     import torch
@@ -484,7 +484,7 @@ SAVE_KILL = ["--inject-failure", "kill:rank=3,iter=4,phase=checkpoint"]
 
 
 def test_kill_during_a_save_is_absorbed_live(degraded_run, tmp_path):
-    """Must-show 4: TP2 + TP2 saving every 2 iterations; launch rank 3 is killed in the middle of iteration 4's
+    """TP2 + TP2 saving every 2 iterations; launch rank 3 is killed in the middle of iteration 4's
     save. The job re-forms at TP2 + TP1 and saves iteration 4 again in its new layout; every iteration is the
     uninterrupted run's, replicas agree, nothing is left behind."""
     ckpt = tmp_path / "ckpt"
@@ -505,7 +505,7 @@ def test_kill_during_a_save_is_absorbed_live(degraded_run, tmp_path):
 
 
 def test_a_save_cut_short_leaves_the_last_good_checkpoint_to_resume_from(degraded_run, tmp_path):
-    """Must-show 4, the other half: the same kill, where NTP may not absorb it (``ntp.min_tp`` 2, policy
+    """the same kill, where NTP may not absorb it (``ntp.min_tp`` 2, policy
     ``stop``): the job ends in the middle of iteration 4's save. ``latest`` still names iteration 2, the
     partial iteration-4 directory is not loadable; a new job resuming from the directory starts at iteration 2
     — in a degraded layout, as a rank dies before its first generation has formed — and iterations 3..6 are the

@@ -1,4 +1,4 @@
-"""A Megatron user's first hour (issue 10): paths from the user's directory, resume with one directory, refusals
+"""A Megatron user's first hour: paths from the user's directory, resume with one directory, refusals
 before any rank starts, Megatron's flags, JSON-lines preprocessing, and what a run tells its user."""
 
 from __future__ import annotations
