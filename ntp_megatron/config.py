@@ -253,8 +253,8 @@ class NTPSection(_Section):
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""
     max_rejoin_attempts: int = Field(3, ge=1)
-    """Replacements that die while starting or being admitted are retried this many times in a row per slot (the
-    count starts over once one is admitted)."""
+    """At most this many replacements in a row per slot: one that dies while starting or being admitted is followed
+    by another until this many have been started (the count starts over once one is admitted)."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh
