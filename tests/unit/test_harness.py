@@ -107,9 +107,10 @@ def test_unit_elements_count_every_parameter_of_megatrons_gpt(megatron, override
     assert other == replicated
 
 
-def _records(rows: list[tuple[int, int, int]], iters: int = 3, kill_after: int = 0) -> list[dict]:
-    """Generation 0 TP2 x 2 (and, with ``kill_after`` k, generation 1 at TP2 + TP1 from iteration k + 1)
-    with checksum rows (iteration, replica, tp_rank) all alike but for their iteration."""
+def _records(rows: list[tuple], iters: int = 3, kill_after: int = 0, stopped: bool = False) -> list[dict]:
+    """Generation 0 TP2 x 2 (and, with ``kill_after`` k, generation 1 at TP2 + TP1 from iteration k + 1; with
+    ``stopped``, the job stopped after its last iteration instead) with checksum rows (iteration, replica, tp_rank
+    [, generation]) all alike but for their iteration; a row's generation is its iteration's unless it says."""
     out = [{"kind": "event", "event": "generation_published", "generation": 0, "base": None, "dead_ranks": [],
             "joined": [], "topology": HEALTHY}]
     if kill_after:
@@ -119,10 +120,14 @@ def _records(rows: list[tuple[int, int, int]], iters: int = 3, kill_after: int =
     for i in range(1, iters + 1):
         g = 1 if kill_after and i > kill_after else 0
         out.append({"kind": "iteration", "iteration": i, "generation": g, "tp_per_replica": [2, 1] if g else [2, 2]})
-    for i, rep, tp in rows:
-        g = 1 if kill_after and i > kill_after else 0
+    for row in rows:
+        i, rep, tp = row[:3]
+        g = row[3] if len(row) > 3 else (1 if kill_after and i > kill_after else 0)
         out.append({"kind": "state_checksums", "iteration": i, "replica": rep, "tp_rank": tp, "generation": g,
                     "checksums": {"w": f"state-{i}"}, "grad_norm": 0.5})
+    if stopped:
+        out.append({"kind": "event", "event": "rank_failed", "launch_rank": 3, "generation": 0})
+        out.append({"kind": "event", "event": "job_stopped", "reason": "test"})
     return out
 
 
@@ -135,22 +140,43 @@ ALL = [(i, rep, tp) for i in (1, 2, 3) for rep in (0, 1) for tp in (0, 1)]
 
 def test_every_live_rank_must_report_every_iteration():
     assert_replicas_agree(_result(_records(ALL)), 3)
-    with pytest.raises(AssertionError, match=r"iteration 2 \(generation 0\): no state checksums from .*\(1, 1\)"):
+    with pytest.raises(AssertionError, match=r"iteration 2: no state checksums from .*\[\(1, 1\)\] in generation 0"):
         assert_replicas_agree(_result(_records([r for r in ALL if r != (2, 1, 1)])), 3)
     with pytest.raises(AssertionError, match="iterations without checksums"):
         assert_replicas_agree(_result(_records(ALL)), 4)
 
 
-def test_only_the_last_iteration_of_a_generation_a_death_ended_may_lack_rows():
-    degraded = [(i, rep, tp) for i, rep, tp in ALL if not (i == 3 and (rep, tp) == (1, 1))]
-    assert_replicas_agree(_result(_records(degraded, kill_after=2)), 3)
-    lacking_2 = [r for r in degraded if r[0] != 2 or r[1] == 0]  # iteration 2 (the last of generation 0): allowed
-    assert_replicas_agree(_result(_records(lacking_2, kill_after=2)), 3)
-    lacking_1 = [r for r in degraded if r[0] != 1 or r[1] == 0]
-    with pytest.raises(AssertionError, match=r"iteration 1 \(generation 0\): no state checksums"):
-        assert_replicas_agree(_result(_records(lacking_1, kill_after=2)), 3)
-    with pytest.raises(AssertionError, match=r"iteration 3: reports from \[\(1, 1\)\], which are not live"):
-        assert_replicas_agree(_result(_records(ALL, kill_after=2)), 3)
+def test_a_check_a_failure_cut_short_is_made_up_in_the_next_generation():
+    """Launch rank 3 (replica 1, TP rank 1) dies after iteration 2: generation 1 (TP2 + TP1) trains iteration 3
+    from the state after 2, so its three ranks must have checked that state too."""
+    live_after = [(0, 0), (0, 1), (1, 0)]
+    first = [(1, rep, tp) for rep in (0, 1) for tp in (0, 1)]
+    cut_short = [(2, 0, 0), (2, 0, 1)]  # replica 1's check of iteration 2 never ran in generation 0
+    made_up = [(2, rep, tp, 1) for rep, tp in live_after]
+    third = [(3, rep, tp) for rep, tp in live_after]
+    assert_replicas_agree(_result(_records(first + cut_short + made_up + third, kill_after=2)), 3)
+    with pytest.raises(AssertionError, match=r"iteration 2: no state checksums .* in generation 1"):
+        assert_replicas_agree(_result(_records(first + cut_short + third, kill_after=2)), 3)
+    with pytest.raises(AssertionError, match=r"iteration 3: a report from \(1, 1\), which is not live in generation 1"):
+        assert_replicas_agree(_result(_records(first + cut_short + made_up + third + [(3, 1, 1)], kill_after=2)), 3)
+    records = _records(first + cut_short + made_up + third, kill_after=2)
+    next(r for r in records if r.get("kind") == "state_checksums" and r["iteration"] == 2
+         and r["generation"] == 1)["checksums"]["w"] = "x"
+    with pytest.raises(AssertionError, match="iteration 2: .* differs"):
+        assert_replicas_agree(_result(records), 3)
+
+
+def test_only_the_last_iteration_before_a_stop_may_lack_rows():
+    lacking_3 = [r for r in ALL if r[0] != 3 or r[1] == 0]
+    assert_replicas_agree(_result(_records(lacking_3, stopped=True)), 3)
+    with pytest.raises(AssertionError, match=r"iteration 3: no state checksums"):
+        assert_replicas_agree(_result(_records(lacking_3)), 3)  # no stop: nothing excuses them
+    died = _records(lacking_3) + [{"kind": "event", "event": "rank_failed", "launch_rank": 3, "generation": 0}]
+    with pytest.raises(AssertionError, match=r"iteration 3: no state checksums"):
+        assert_replicas_agree(_result(died), 3)  # a death the job went on from: the next generation checks
+    lacking_2 = [r for r in ALL if r[0] != 2 or r[1] == 0]
+    with pytest.raises(AssertionError, match=r"iteration 2: no state checksums"):
+        assert_replicas_agree(_result(_records(lacking_2, stopped=True)), 3)
 
 
 def test_reports_must_agree():
