@@ -45,6 +45,9 @@ class Death:
     cause: str
     """How it ended, e.g. "was killed by signal SIGKILL", "hung: fenced after 3.0 s without a heartbeat"."""
     pid: int = 0
+    error: Optional[str] = None
+    """What the rank reported of an error of its own before it exited (``keys.rank_error``), if it did: no
+    re-formation or restart gets past it, so every policy stops the job naming it."""
 
 
 class Controller:

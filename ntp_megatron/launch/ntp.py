@@ -133,6 +133,9 @@ class RestartSurvivorsPolicy(ControllerPolicy):
 
     def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
         host, ck = self.host, self.host.cfg.checkpoint
+        if any(d.error is not None for d in deaths):
+            host.console.say("not restarting: the rank's own error would stop the restarted job again")
+            return super().unrecoverable(reason, deaths)
         if ck.save is not None and host.restarts < ck.max_restarts and self._restart():
             return None
         host.console.say(f"no restart left ({host.restarts} of at most {ck.max_restarts} done)"

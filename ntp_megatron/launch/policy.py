@@ -168,7 +168,8 @@ class StopOnFailure(DeathPolicy):
                     deaths = published_deaths(store) or deaths
                 except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
                     break
-        return min(deaths, key=lambda d: (injected_failure(store, d.launch_rank) is None, is_echo(d), d.time))
+        return min(deaths, key=lambda d: (d.error is None, injected_failure(store, d.launch_rank) is None,
+                                          is_echo(d), d.time))
 
 
 class RestartFromCheckpoint(StopOnFailure):
@@ -177,6 +178,9 @@ class RestartFromCheckpoint(StopOnFailure):
 
     def after_failure(self, failed: Death) -> Optional[int]:
         host, ck = self.host, self.host.cfg.checkpoint
+        if failed.error is not None:
+            host.console.say("not restarting: the rank's own error would stop the restarted job again")
+            return super().after_failure(failed)
         if host.restarts >= ck.max_restarts:
             return super().after_failure(failed)
         host.restarts += 1

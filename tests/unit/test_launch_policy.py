@@ -153,3 +153,56 @@ def test_replacements_that_die_before_their_admission_are_bounded():
     ntp.close()
     assert host.processes.started == [3, 3, 3]
     assert [e["attempt"] for e in host.events("replacement_started")] == [1, 2, 3]
+
+
+# -- a rank's own error stops the job in every mode ------------------------------------------------------------------
+
+class _StoppingProcesses(_Processes):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stopped = 0
+
+    def stop_all(self) -> None:
+        self.stopped += 1
+
+    def live(self) -> list:
+        return []
+
+    def stalled(self) -> list:
+        return []
+
+
+def _error_death(host: _Host, rank: int) -> Death:
+    """What the launcher makes of a rank that reported an error of its own and exited 1."""
+    host.processes.ranks[rank].child._exited(1, time.time())
+    return Death(rank, time.time(), "failed with an error of its own (iteration 3, phase checkpoint): OSError: x",
+                 100 + rank, error="OSError: [Errno 30] Read-only file system: '/ck'")
+
+
+def test_a_rank_error_is_not_restarted_from_a_checkpoint_without_ntp(tmp_path):
+    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    host.processes = _StoppingProcesses()
+    respawned = []
+    host.respawn = lambda: respawned.append(True)
+    policy = modes.choose(host)
+    assert type(policy).__name__ == "RestartFromCheckpoint"
+    policy.begin()
+    echo = Death(1, time.time() - 1, "stopped after another rank's failure broke its collectives (exit code 3)", 101)
+    assert policy.step([echo, _error_death(host, 2)]) == 1  # the job ends: no restart
+    assert respawned == [] and host.restarts == 0 and host.processes.stopped >= 1
+    failed = host.events("rank_failed")
+    assert [e["launch_rank"] for e in failed] == [2], failed  # the error, not the echo, is named
+
+
+def test_a_rank_error_is_not_restarted_by_ntp_on_unrecoverable_restart(tmp_path):
+    host = _Host("ntp.on_unrecoverable=restart", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    host.processes = _StoppingProcesses()
+    host.relaunch = lambda cfg, start: (_ for _ in ()).throw(AssertionError("restarted"))
+    policy = modes.choose(host)
+    assert type(policy).__name__ == "RestartSurvivorsPolicy"
+    policy.begin()
+    _formed(host, 0)
+    host.store.set(keys.rank_error(2), '{"error": "OSError: x", "iteration": 3, "phase": "checkpoint", "time": 0}')
+    assert policy.step([_error_death(host, 2)]) == 1
+    assert host.restarts == 0 and host.store.check([keys.STOP])
+    assert "error of its own" in host.store.get(keys.STOP).decode()
