@@ -102,7 +102,7 @@ class Rejoins:
 
     def fill_spares(self) -> None:
         """Keep ``ntp.warm_spares`` spares on this node (none without ``ntp.rejoin_after_s``). A spare that dies
-        unassigned is replaced, ``ntp.max_rejoin_attempts`` times at most; after that replacements start cold."""
+        unassigned is replaced until ``ntp.max_rejoin_attempts`` spares have died; after that replacements start cold."""
         ntp, processes, say = self.ntp, self.host.processes, self.host.console.say
         if ntp.rejoin_after_s is None or not ntp.warm_spares:
             return
