@@ -108,7 +108,7 @@ class ElasticRank:
             _reset_group_names()
             with self.scope(generation):
                 dist.init_process_group(backend=self.backend, rank=rank, world_size=topology.world_size,
-                                        store=dist.PrefixStore(f"gen{topology.generation}/", store),
+                                        store=dist.PrefixStore(keys.process_group_prefix(topology.generation), store),
                                         timeout=timedelta(seconds=self.timeout_s))
         except BaseException:
             self.leave(generation)

@@ -23,7 +23,13 @@ STOP = PREFIX + "stop"
 """Set by the controller when the job must end (a failure NTP cannot absorb); the value says why."""
 
 
+def process_group_prefix(generation: int) -> str:
+    """The store prefix under which generation ``generation``'s process groups rendezvous."""
+    return f"gen{generation}/"
+
+
 def topology(generation: int) -> str:
+    """JSON: generation ``generation``'s topology, published by the controller."""
     return f"topology/gen{generation}"
 
 

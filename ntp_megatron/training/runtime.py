@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.watchdog import wait_for_port
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,6 @@ ENV_RESTART = "NTP_RESTART"
 EXIT_PEER_FAILED = 3
 """Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
 not its cause. The launcher names the cause."""
-
-TOPOLOGY_KEY = "topology/gen{generation}"
-"""Store key under which the launcher publishes each generation's topology (JSON)."""
-
 
 @dataclass(frozen=True)
 class RankEnv:
@@ -188,7 +185,7 @@ def init_process_group(
     """Join generation ``generation`` of the job's default process group on its own store prefix."""
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"gen{generation}/", store),
+        store=dist.PrefixStore(keys.process_group_prefix(generation), store),
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
