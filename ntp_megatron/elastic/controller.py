@@ -100,6 +100,10 @@ class Controller:
             d, error = errors[0]
             reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "
                       f"phase {error['phase']}): {error['error']}")
+            replica, slot = self.identity[d.launch_rank]
+            self.emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank, "replica": replica,
+                       "slot": slot, "generation": self.latest.generation, "iteration": error["iteration"],
+                       "phase": error["phase"], "cause": d.cause, "detect_s": None, "time": d.time})
             self._refresh_completed()
             self.store.set(keys.STOP, reason)
             for g in {self.completed.generation, self.latest.generation}:

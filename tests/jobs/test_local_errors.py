@@ -74,7 +74,7 @@ def events(result: JobResult, name: str) -> list[dict]:
 
 def assert_stopped_naming(result: JobResult, failed_iteration: int, *named: str) -> str:
     """The job ended non-zero, within STOP_WITHIN_S of the iteration the error came after, with one reason that
-    names everything in ``named``; no re-formation, no rank left behind."""
+    names everything in ``named``; one failure recorded, no re-formation, no rank left behind."""
     assert result.returncode != 0, result.stderr[-3000:]
     [stopped] = events(result, "job_stopped")
     reason = stopped["reason"]
@@ -86,7 +86,9 @@ def assert_stopped_naming(result: JobResult, failed_iteration: int, *named: str)
     assert max(iterations) == failed_iteration
     took = ended["time"] - iterations[failed_iteration]["time"]
     assert took < STOP_WITHIN_S, f"the job took {took:.1f} s to stop after the error"
-    assert not events(result, "reformed") and not events(result, "rank_failed")
+    assert not events(result, "reformed")
+    [failed] = events(result, "rank_failed")  # the run's records count the error once, as the rank it named
+    assert f"launch rank {failed['launch_rank']} " in reason and failed["iteration"] is not None
     assert "no surviving holder" not in result.stderr
     assert leftover_processes(result) == []
     return reason

@@ -111,14 +111,15 @@ def test_an_injected_error_raises_at_its_phase_and_iteration():
     phases.point("optimizer")  # fires once
 
 
-def controller(store: dist.Store) -> Controller:
+def controller(store: dist.Store, emit=lambda record: None) -> Controller:
     return Controller(store, make_topology(2, 2, UNITS), min_tp=1, policy="drop_replica", say=lambda line: None,
-                      emit=lambda record: None)
+                      emit=emit)
 
 
 def test_a_death_with_a_reported_error_stops_the_job_naming_it():
     store = dist.HashStore()
-    ctl = controller(store)
+    records: list[dict] = []
+    ctl = controller(store, emit=records.append)
     store.set(keys.COMPLETED, "0")
     phases.at_iteration(30)
     phases.enter("checkpoint")
@@ -128,6 +129,9 @@ def test_a_death_with_a_reported_error_stops_the_job_naming_it():
     assert store.get(keys.STOP).decode() == reason
     assert store.check([keys.abort(0)])  # every rank's watchdog gets it out of its collectives now
     assert store.get(keys.LATEST).decode() == "0"  # no generation re-formed around the error
+    # ... and the run's records count it as the failure it was, where it happened
+    failed = [r for r in records if r.get("event") == "rank_failed"]
+    assert [(r["launch_rank"], r["iteration"], r["phase"]) for r in failed] == [(0, 30, "checkpoint")]
 
 
 def test_a_death_without_a_report_is_re_formed_around():
