@@ -20,11 +20,11 @@ from ntp_megatron.training import runtime
 runtime.quiet_optional_dependency_warnings()
 import ntp_megatron.training.pretrain  # noqa: E402,F401 - the imports every job then skips
 from ntp_megatron import launcher  # noqa: E402
+from ntp_megatron.launch.forkserver import run_forked_child  # noqa: E402
 
 
 def _child(request: dict) -> None:
-    code = 1
-    try:
+    def start() -> object:
         os.setsid()
         os.chdir(request["cwd"])
         for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
@@ -40,20 +40,9 @@ def _child(request: dict) -> None:
             # As under ``python -m module``: processes it spawns (multiprocessing) re-import it, not this zygote.
             sys.modules["__main__"] = importlib.import_module(module)
             main = sys.modules["__main__"].main
-        code = main(request["args"])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001
-        import traceback
+        return main(request["args"])
 
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
-        os._exit(code)
+    run_forked_child(start)
 
 
 def main() -> None:

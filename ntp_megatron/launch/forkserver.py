@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 from ntp_megatron.training.runtime import die_with_parent, set_process_name
 
@@ -215,8 +215,8 @@ def _reap(sock: socket.socket) -> None:
 
 def _child(request: dict, fds: list[int], server: int) -> None:
     """A new child of the server: die with it, take the output descriptors, then ``exec`` or run the target."""
-    code = 1
-    try:
+
+    def start() -> object:
         die_with_parent(server)
         os.setsid()  # its own process group: the launcher stops it (and what it starts) as one
         set_process_name(request["title"])
@@ -240,7 +240,20 @@ def _child(request: dict, fds: list[int], server: int) -> None:
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         module, _, function = request["target"].partition(":")
-        result = getattr(importlib.import_module(module), function)()
+        return getattr(importlib.import_module(module), function)()
+
+    run_forked_child(start)
+
+
+def run_forked_child(main: Callable[[], object]) -> NoReturn:
+    """End a forked child with ``main``'s outcome as its exit code, never returning into the parent's code.
+
+    An int return or ``SystemExit`` code is the exit code (a string one is printed, exit 1); any other exception
+    prints its traceback and exits 1. The streams are flushed first, then ``os._exit`` (no cleanup handlers the
+    child inherited from its parent run)."""
+    code = 1
+    try:
+        result = main()
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         if isinstance(exc.code, str):
