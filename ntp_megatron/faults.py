@@ -17,10 +17,14 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
+- ``checkpoint_write``: in a checkpoint save, as Megatron-Core collects this rank's write results (for an async
+  save: where it is finalized). ``error`` here is a failed write, as a full disk or an I/O error makes it: it takes
+  upstream's own path (the write results are gathered, every rank's save raises), not an exception of ours;
 - ``eval``: in the evaluation after iteration N, before its middle batch (N must be an evaluation iteration: a
   multiple of ``training.eval_interval``, or ``train_iters`` for the final one);
-- ``reform``: in the first re-formation this process takes part in at iteration N or later (NTP only: after
-  joining the new generation, before units move) — a second failure in the middle of a re-formation after
+- ``reform``: in the first re-formation this process takes part in at iteration N or later (a re-formation
+  counts as the iteration it resumes at, in every rank alike; NTP only: after joining the new generation, before
+  units move) — a second failure in the middle of a re-formation after
   another rank's failure, or a replacement process dying while it is being admitted.
 
 Controller-side (the launcher does it from outside)::
@@ -50,7 +54,8 @@ from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit", "error")
-PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "eval", "reform")
+PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "checkpoint_write", "eval",
+          "reform")
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
@@ -175,8 +180,8 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
         raise ConfigError(f"--inject-failure {text!r}: phase must be one of {', '.join(PHASES)}, got {phase!r}")
     if phase == "reform" and not ntp:
         raise ConfigError(f"--inject-failure {text!r}: phase reform needs ntp.enabled (only NTP re-forms)")
-    if phase == "checkpoint" and not checkpoints:
-        raise ConfigError(f"--inject-failure {text!r}: phase checkpoint needs checkpoints to be saved "
+    if phase in ("checkpoint", "checkpoint_write") and not checkpoints:
+        raise ConfigError(f"--inject-failure {text!r}: phase {phase} needs checkpoints to be saved "
                           "(set checkpoint.save and checkpoint.save_interval)")
     if phase == "eval":
         if eval_interval is None:

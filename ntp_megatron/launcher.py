@@ -275,7 +275,7 @@ class Launcher:
             if error is not None:
                 cause = (f"failed with an error of its own (iteration {reported['iteration']}, phase "
                          f"{reported['phase']}): {error}")
-            deaths.append(Death(proc.rank, when, cause, proc.pid, error))
+            deaths.append(Death(proc.rank, when, cause, proc.pid, error, bool(reported and reported.get("echo"))))
             timeout = DEBOUNCE_S
 
     def _summarize(self, exit_code: int) -> None:

@@ -29,8 +29,9 @@ def install(hook: Optional[Hook]) -> None:
 
 
 def at_iteration(iteration: int) -> None:
-    """The 1-based iteration in progress (an evaluation after iteration k, and a re-formation after a failure in
-    k, count as k; a process that joins after the committed iteration k counts as k + 1)."""
+    """The 1-based iteration in progress (an evaluation after iteration k counts as k; a re-formation counts as
+    the iteration it resumes at: k after a failure in k that aborted it, k + 1 for a process that joins after the
+    committed iteration k)."""
     global _iteration
     _iteration = iteration
 

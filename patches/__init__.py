@@ -52,6 +52,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     from ntp_megatron.patches import (
         datasets_gpt_dataset,
         dist_checkpointing_checkpointable,
+        dist_checkpointing_filesystem_async,
         dist_checkpointing_validation,
         distributed_data_parallel,
         distributed_param_and_grad_buffer,
@@ -72,13 +73,14 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     dist_checkpointing_validation.apply()
     # Waits an ended elastic generation can cut short (gloo); upstream's wait until an escape is installed.
     torch_distributed_work.apply()
+    # Where a rank collects its checkpoint writes: the phase checkpoint_write of --inject-failure.
+    dist_checkpointing_filesystem_async.apply_write_point()
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
                      "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation",
-                     "torch_distributed_work"])
+                     "torch_distributed_work", "dist_checkpointing_filesystem_async (write point)"])
     if cpu:
         from ntp_megatron.patches import (
             cpu_shim,
-            dist_checkpointing_filesystem_async,
             optimizer_clip_grads,
             optimizer_distrib_optimizer,
             optimizer_grad_scaler,

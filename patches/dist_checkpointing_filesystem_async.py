@@ -13,6 +13,11 @@ Also ``FileSystemWriterAsync.write_preloaded_data``, the worker processes that w
 the rank in a sync save, by its async writer in an async one): they die with the process that forked them.
 Upstream's outlive a killed rank and can go on writing into a checkpoint directory that a restarted job
 removes and writes again.
+
+On every device (:func:`apply_write_point`): ``FileSystemWriterAsync.retrieve_write_results``, where a rank
+collects its writers' results, names the phase ``checkpoint_write`` (:mod:`ntp_megatron.phases`). An injected
+error there becomes a failed write the way upstream reports a writer's own (a wrapped exception in place of the
+results), so it goes through upstream's gather and every rank's save raises, as with a full disk.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from multiprocessing.managers import SyncManager
 from typing import Optional
 
 from megatron.core.dist_checkpointing.strategies import filesystem_async as upstream
+from torch.distributed.checkpoint.api import _wrap_exception
+
+from ntp_megatron import phases
 
 _manager: Optional[SyncManager] = None
 
@@ -58,6 +66,25 @@ def _get_write_results_queue():
         _manager.start(initializer=die_with_parent)
         upstream._results_queue = _manager.Queue()
     return upstream._results_queue
+
+
+_upstream_retrieve_write_results = upstream.FileSystemWriterAsync.retrieve_write_results
+
+
+@functools.wraps(_upstream_retrieve_write_results)
+def _retrieve_write_results(self):
+    results = _upstream_retrieve_write_results(self)
+    try:
+        phases.point("checkpoint_write")
+    except Exception as exc:  # noqa: BLE001 - an injected failed write, reported as upstream reports a writer's
+        return _wrap_exception(exc)
+    return results
+
+
+def apply_write_point() -> None:
+    if not callable(getattr(upstream.FileSystemWriterAsync, "retrieve_write_results", None)):
+        raise RuntimeError("dist_checkpointing_filesystem_async: upstream changed; patch written for 0.16.x")
+    upstream.FileSystemWriterAsync.retrieve_write_results = _retrieve_write_results
 
 
 def apply() -> None:

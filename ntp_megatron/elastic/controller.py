@@ -48,6 +48,8 @@ class Death:
     error: Optional[str] = None
     """What the rank reported of an error of its own before it exited (``keys.rank_error``), if it did: no
     re-formation or restart gets past it, so every policy stops the job naming it."""
+    echo: bool = False
+    """The reported error only echoes another rank's (:func:`ntp_megatron.elastic.errors.reported_error`)."""
 
 
 class Controller:
@@ -96,6 +98,7 @@ class Controller:
         if not deaths:
             return None
         errors = [(d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank)) is not None]
+        errors.sort(key=lambda de: bool(de[1].get("echo")))  # name the cause, not a rank that only echoes it
         if errors:  # the rank's own error (ntp_megatron.elastic.errors): no re-formation gets past it
             d, error = errors[0]
             reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "

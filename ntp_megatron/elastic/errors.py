@@ -3,13 +3,15 @@
 The rule. An exception raised while a rank works in a generation is a *peer's failure*, absorbed by re-forming in
 the next generation, when
 
-1. it is a transport error — a collective or the store failed because a peer went away (torch's ``DistError``,
-   gloo's connection errors, a wait given up because the generation ended) — or the controller's verdict (an
-   aborted iteration, an incomplete formation); or
+1. it is a transport error — a collective or the store failed because a peer went away (torch's
+   ``DistNetworkError``, gloo's and NCCL's connection errors, a wait given up because the generation ended) — or
+   the controller's verdict (an aborted iteration, an incomplete formation); or
 2. the generation is marked over (its abort key, or the job's stop key) within :data:`PEER_GRACE_S` of the
    exception. This covers an error that a peer's death causes indirectly, e.g. a library that wraps the broken
-   connection in an exception of its own: the controller marks the generation over as soon as the launcher reaps
-   the dead process, well under a second after the death.
+   connection in an exception of its own, or a collective timed out: the controller marks the generation over as
+   soon as the launcher reaps the dead process, well under a second after the death. Other torch.distributed
+   errors are judged by this rule, not by their type: ``DistBackendError`` is also what a rank's own CUDA or NCCL
+   failure raises, ``DistStoreError`` a store wait of ours that timed out.
 
 Anything else is the rank's *own* error: a failed write, a full disk, out of memory, a bug of ours. No new
 generation would come for it, so the rank does not wait for one: it writes ``keys.rank_error(launch_rank)`` with
@@ -28,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
 from ntp_megatron.elastic import keys
@@ -50,13 +53,19 @@ _CONDITIONS = (OSError, MemoryError, torch.OutOfMemoryError)
 other exception is a bug somewhere, and its traceback is printed too."""
 
 
+OWN_OR_PEER = (Exception, CheckpointException)
+"""What a rank's work can raise that is either kind. torch's ``CheckpointException`` (a checkpoint read or write
+that failed on some rank) derives from ``BaseException``: an ``except Exception`` alone would let it end the
+process with no report."""
+
+
 class GenerationEnded(RuntimeError):
     """The controller's verdict ended the generation this rank was working in (e.g. its formation incomplete)."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
-    return isinstance(exc, dist.DistError) or (
+    return isinstance(exc, dist.DistNetworkError) or (
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
 
 
@@ -83,7 +92,8 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
     if store is not None:
         try:
             store.set(keys.rank_error(launch_rank), json.dumps(
-                {"error": error, "iteration": iteration, "phase": phase, "time": time.time()}))
+                {"error": error, "iteration": iteration, "phase": phase, "time": time.time(),
+                 "echo": bool(getattr(exc, "echo", False))}))
         except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
             pass
     if not isinstance(exc, (SystemExit, *_CONDITIONS)):
@@ -94,7 +104,8 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
 
 
 def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
-    """Controller side: what a dead rank reported of its own error (:func:`report`), if it did."""
+    """Controller side: what a dead rank reported of its own error (:func:`report`), if it did. ``echo``: the
+    error only echoes another rank's (e.g. a checkpoint write that failed there), whose report names the cause."""
     try:
         if store.check([keys.rank_error(launch_rank)]):
             return json.loads(store.get(keys.rank_error(launch_rank)).decode())

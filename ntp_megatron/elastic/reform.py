@@ -33,7 +33,7 @@ from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE
-from ntp_megatron.elastic.errors import GenerationEnded, caused_by_peer
+from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
@@ -120,7 +120,7 @@ class Reformer:
                 staged = self._reform(training, topology, info)
             except (KeyboardInterrupt, SystemExit):
                 raise
-            except Exception as exc:  # noqa: BLE001 - another failure while re-forming: go again, unless our own
+            except OWN_OR_PEER as exc:  # noqa: BLE001 - another failure while re-forming: go again, unless our own
                 if not caused_by_peer(exc, lambda s: self.elastic.marked_over(topology.generation, s)):
                     raise
                 logger.info("forming generation %d interrupted (%s: %s); waiting for the next",
@@ -167,7 +167,9 @@ class Reformer:
         if old is None:  # a fresh process resumes after the newest committed iteration
             training.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
             training.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
-            phases.at_iteration(training.iteration + 1)
+        # The re-formation counts as the iteration it resumes at, in every rank alike: a rank that had not begun
+        # the failed iteration yet (still stepping the one before when the failure came) counts it too.
+        phases.at_iteration(training.iteration + 1)
         fresh = training.iteration == self.start_iteration
         from_checkpoint = fresh and cfg.checkpoint.load is not None
         phases.point("reform")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
-from ntp_megatron.elastic.errors import caused_by_peer
+from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank
 from ntp_megatron.elastic.host import Builder, Training
 from ntp_megatron.elastic.reform import Reformer
@@ -182,7 +182,7 @@ class ElasticSession(Session):
         generation = self.reformer.generation.number
         try:
             return action()
-        except Exception as exc:  # noqa: BLE001
+        except OWN_OR_PEER as exc:  # noqa: BLE001
             if not caused_by_peer(exc, lambda s: self.elastic.marked_over(generation, s)):
                 raise
             cause = f"{type(exc).__name__}: {str(exc)[:300]}"  # text only: the exception would pin the frames

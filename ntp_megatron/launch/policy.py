@@ -168,7 +168,7 @@ class StopOnFailure(DeathPolicy):
                     deaths = published_deaths(store) or deaths
                 except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
                     break
-        return min(deaths, key=lambda d: (d.error is None, injected_failure(store, d.launch_rank) is None,
+        return min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank) is None,
                                           is_echo(d), d.time))
 
 

@@ -79,7 +79,11 @@ SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read; the message names it and, where that can be known, the file."""
+    """A checkpoint that cannot be read or written; the message names it and, where that can be known, the file.
+
+    ``echo``: raised on a rank only because another rank's part failed (that rank's error names the cause)."""
+
+    echo: bool = False
 
 
 READ_FAILURES = (CheckpointException, CheckpointingException, OSError, EOFError, pickle.UnpicklingError)

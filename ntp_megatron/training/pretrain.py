@@ -71,7 +71,7 @@ def main() -> int:
         if not isinstance(exc.code, str):
             raise
         return errors.report(store, env.rank, exc)  # our own clear stop (e.g. a checkpoint of another model)
-    except Exception as exc:  # noqa: BLE001
+    except errors.OWN_OR_PEER as exc:  # noqa: BLE001
         if not cfg.ntp.enabled and errors.is_peer_failure(exc):
             # One line, not a traceback per rank: the launcher reports the rank whose failure this echoes.
             print(f"stopped: a collective failed because another rank did ({str(exc).splitlines()[0][:160]})",

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from ntp_megatron import metrics, phases
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.loop_state import LoopState
@@ -65,8 +67,8 @@ class Checkpoints:
         try:
             path = checkpoint.save_checkpoint(root, iteration, p.model, p.optimizer, p.scheduler, trainer.coords,
                                               trainer.consumed_samples, async_queue=queue, on_finalized=saved)
-        except OSError as exc:  # a write refused, a full disk: say which save (the error may not name a path)
-            raise _naming(exc, f"saving the checkpoint of iteration {iteration} to {root}") from exc
+        except (OSError, CheckpointException) as exc:  # a write refused, a full disk: say which save
+            raise _save_failure(exc, f"saving the checkpoint of iteration {iteration} to {root}") from None
         if queue is not None:
             self.pending.append(iteration)
         self._report_stall(iteration, "save", time.perf_counter() - clock)
@@ -86,7 +88,11 @@ class Checkpoints:
         if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
             phases.enter("checkpoint")
             clock, oldest = time.perf_counter(), self.pending[0]
-            done = self.async_saves.maybe_finalize_async_calls(blocking=blocking)
+            try:
+                done = self.async_saves.maybe_finalize_async_calls(blocking=blocking)
+            except (OSError, CheckpointException) as exc:  # its writer's write failed
+                root = self.trainer.cfg.checkpoint.save
+                raise _save_failure(exc, f"saving the checkpoint of iteration {oldest} to {root}") from None
             del self.pending[:len(done)]
             self._report_stall(oldest, "finalize", time.perf_counter() - clock)
 
@@ -101,6 +107,26 @@ class Checkpoints:
         while self.last_saved != trainer.iteration:
             if trainer.session.guarded(self.save) is not None or trainer.session.saved_elsewhere(trainer.iteration):
                 self.last_saved = trainer.iteration
+
+
+def _save_failure(exc: BaseException, what: str) -> Exception:
+    """The error a failed save raises, named by ``what``: an ``OSError`` of this rank again, or for a write that
+    failed in Megatron-Core's writers the first failure its ``CheckpointException`` carries. That exception reaches
+    every rank of the save, with the failures only on the one that gathered them; the others raise an
+    :class:`~ntp_megatron.training.checkpoint.CheckpointError` marked ``echo``, so the report names the cause.
+    (``CheckpointException`` is a ``BaseException``: it would slip past every ``except Exception``.)"""
+    if isinstance(exc, OSError):
+        return _naming(exc, what)
+    failures = getattr(exc, "failures", None) or {}
+    if not failures:
+        error = checkpoint.CheckpointError(f"{what}: a write failed on another rank of the save, which names it")
+        error.echo = True
+        return error
+    rank = min(failures)
+    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+    lines = str(cause).strip().splitlines()
+    return checkpoint.CheckpointError(f"{what}: a write failed (rank {rank} of the saving group): "
+                                      f"{type(cause).__name__}: {lines[0][:300] if lines else ''}")
 
 
 def _naming(exc: OSError, what: str) -> OSError:

@@ -194,6 +194,20 @@ def test_a_rank_error_is_not_restarted_from_a_checkpoint_without_ntp(tmp_path):
     assert [e["launch_rank"] for e in failed] == [2], failed  # the error, not the echo, is named
 
 
+def test_without_ntp_the_error_a_rank_only_echoed_is_not_the_one_named(tmp_path):
+    """A failed checkpoint write reaches every rank of the save; the one that gathered the results names the
+    cause, the others report an echo of it, earlier or not."""
+    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    host.processes = _StoppingProcesses()
+    policy = modes.choose(host)
+    policy.begin()
+    echo = _error_death(host, 1)
+    echo = Death(1, echo.time - 1, echo.cause, echo.pid, error="CheckpointError: a write failed on another rank",
+                 echo=True)
+    assert policy.step([echo, _error_death(host, 2)]) == 1
+    assert [e["launch_rank"] for e in host.events("rank_failed")] == [2]
+
+
 def test_a_rank_error_is_not_restarted_by_ntp_on_unrecoverable_restart(tmp_path):
     host = _Host("ntp.on_unrecoverable=restart", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
     host.processes = _StoppingProcesses()

@@ -16,6 +16,7 @@ from ntp_megatron.elastic import errors, keys
 from ntp_megatron.elastic.commit import IterationAborted
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.layout import make_topology
+from ntp_megatron.training.checkpoint import CheckpointError
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 8}
 GRACE_S = 0.3
@@ -42,7 +43,7 @@ def marked_over(store: dist.Store, generation: int):
 
 
 @pytest.mark.parametrize("exc", [
-    dist.DistError("store timeout"),
+    dist.DistNetworkError("Connection reset by peer"),
     RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"),
     IterationAborted("iteration 4 aborted by the controller"),
     errors.GenerationEnded("forming generation 2 did not complete"),
@@ -54,8 +55,13 @@ def test_transport_errors_and_verdicts_are_a_peers_failure_at_once(exc):
     assert time.monotonic() - start < GRACE_S / 2  # no wait for the generation's end
 
 
-@pytest.mark.parametrize("exc", [FileExistsError(17, "File exists", "/ckpt"), MemoryError(), KeyError("bug"),
-                                 faults.InjectedError("injected error")])
+@pytest.mark.parametrize("exc", [
+    FileExistsError(17, "File exists", "/ckpt"), MemoryError(), KeyError("bug"), faults.InjectedError("injected error"),
+    # A rank's own CUDA / NCCL failure and a store wait of ours that timed out: torch.distributed errors, not a
+    # peer's death (unless the generation ends).
+    dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error"),
+    dist.DistStoreError("wait timeout after 60000ms, keys: /elastic/gen1/ready"),
+])
 def test_any_other_exception_is_own_unless_the_generation_ends_within_the_grace(exc):
     store = dist.HashStore()
     start = time.monotonic()
@@ -132,6 +138,21 @@ def test_a_death_with_a_reported_error_stops_the_job_naming_it():
     # ... and the run's records count it as the failure it was, where it happened
     failed = [r for r in records if r.get("event") == "rank_failed"]
     assert [(r["launch_rank"], r["iteration"], r["phase"]) for r in failed] == [(0, 30, "checkpoint")]
+
+
+def test_the_stop_names_the_error_a_rank_only_echoed():
+    """A failed checkpoint write reaches every rank of the save; only the rank that gathered the results knows
+    the cause, the others raise an echo. Whatever the order of the deaths, the reason names the cause."""
+    store = dist.HashStore()
+    ctl = controller(store)
+    store.set(keys.COMPLETED, "0")
+    echo = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: a write failed on another rank")
+    echo.echo = True
+    errors.report(store, 0, echo)
+    errors.report(store, 2, CheckpointError("saving the checkpoint of iteration 3 to /ckpt: a write failed "
+                                            "(rank 1 of the saving group): OSError: No space left on device"))
+    reason = ctl.handle([Death(0, time.time(), "exited with code 1"), Death(2, time.time(), "exited with code 1")])
+    assert reason is not None and "launch rank 2" in reason and "No space left on device" in reason
 
 
 def test_a_death_without_a_report_is_re_formed_around():
