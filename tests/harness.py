@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 300
@@ -152,13 +152,9 @@ def _run_process(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, s
     return proc.returncode, out, err
 
 
-def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOUT_S,
-            unbounded_reformations: Mapping[int, str] = {}) -> JobResult:
+def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOUT_S) -> JobResult:
     """``ntp-launch`` with ``args`` in a fresh run dir; the metrics file is read back as records, and every
-    re-formation's moved bytes are checked against the lower bound (:func:`check_reformations`).
-
-    ``unbounded_reformations``: generation -> why its ``reformed`` event is exempt from that check (a test that
-    needs this must say why; none does today)."""
+    re-formation's moved bytes are checked against the lower bound (:func:`check_reformations`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = run_dir / "metrics.jsonl"
     launcher_args = ["--run-dir", str(run_dir), "--metrics-file", str(metrics_file), *args]
@@ -173,7 +169,7 @@ def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOU
     result = JobResult(returncode, out, err, records, run_dir)
     CHECKED_METRICS.add(metrics_file.resolve())
     try:
-        result.reformations = check_reformations(records, run_dir, unbounded_reformations)
+        result.reformations = check_reformations(records, run_dir)
     except ReformationBoundError as exc:
         exc.result = result
         raise
@@ -486,11 +482,11 @@ def job_config(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def check_reformations(records: list[dict], run_dir: Path, unbounded: Mapping[int, str] = {}) -> list[dict]:
+def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
     """Every ``reformed`` event moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
     dimensions and the topologies in the ``generation_published`` events, and reported that bound (else
     :class:`ReformationBoundError`, once every re-formation is checked); the unit counts the controller published
-    are the model's. ``unbounded``: generation -> why it is exempt."""
+    are the model's."""
     found, wrong = [], []
     for segment in segments(records):
         reformed = [r for r in segment.records if r.get("event") == "reformed"]
@@ -501,8 +497,6 @@ def check_reformations(records: list[dict], run_dir: Path, unbounded: Mapping[in
         published, iterations = segment.published(), segment.iterations()
         for event in reformed:
             g = event["generation"]
-            if g in unbounded:
-                continue
             assert g in published, f"re-formed into generation {g}, which the controller never published"
             new = published[g]
             base = published[new["base"]]

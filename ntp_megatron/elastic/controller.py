@@ -237,8 +237,9 @@ class Controller:
 
     def close(self) -> None:
         """Wait (bounded) for the failure reports still waiting on survivors, before the store goes away."""
+        deadline = time.monotonic() + AWARE_WAIT_S
         for thread in self._threads:
-            thread.join(timeout=AWARE_WAIT_S)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int],
                 wait_s: float = AWARE_WAIT_S) -> None:

@@ -1,4 +1,4 @@
-"""The one process that starts every process of a launcher: single-threaded, forked before the launcher has a thread.
+"""The one process that starts every process of a launcher: single-threaded, forked before the launcher's threads.
 
 Why a server: every process the launcher starts must die with it, from its first instruction, however it starts
 (a fork that runs a rank in place, or a fresh interpreter) and however the launcher dies (SIGKILL included). The
@@ -8,9 +8,10 @@ store's loop, the controller's reports) cannot arm it safely: between ``fork`` a
 process may only make async-signal-safe calls, so subprocess's ``preexec_fn`` (Python code there) can deadlock on
 a lock some other thread held at the fork, and arming it after ``exec`` leaves the whole interpreter start-up (the
 torch and Megatron-Core imports, up to ~25 s under load) unprotected. This server is forked from the launcher's main
-thread before any thread exists and stays single-threaded, so its children may run Python between ``fork`` and
-``exec``: each arms the signal first thing, and exits at once if its parent died before that (``getppid``). The
-server arms it for itself the same way, so a launcher that dies takes the server with it, and the server its
+thread before it starts any thread of its own (a native library's worker pool, e.g. OpenMP's in the dataset build
+before it, holds no lock the child's Python code takes) and stays single-threaded, so its children may run Python
+between ``fork`` and ``exec``: each arms the signal first thing, and exits at once if its parent died before that
+(``getppid``). The server arms it for itself the same way, so a launcher that dies takes the server with it, and the server its
 children.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object per message, descriptors passed alongside):

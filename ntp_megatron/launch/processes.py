@@ -239,7 +239,10 @@ class RankProcesses:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         for proc in [*self.ranks.values(), *self.spares]:
             signal_group(proc.pid, signal.SIGKILL)  # also takes any grandchildren left in the group
-            proc.wait()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in [*self.ranks.values(), *self.spares]:
+            if not proc.wait(timeout=max(0.0, deadline - time.monotonic())):  # in the kernel (D state): say so
+                self.console.say(f"process {proc.pid} has not exited {STOP_GRACE_S:.0f} s after SIGKILL")
 
     def stalled(self) -> list[RankProcess]:
         """Live ranks that are stopped (SIGSTOP, a hang)."""
