@@ -17,8 +17,8 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
-- ``checkpoint_write``: in a checkpoint save, as Megatron-Core collects this rank's write results (for an async
-  save: where it is finalized). ``error`` here is a failed write, as a full disk or an I/O error makes it: it takes
+- ``checkpoint_write``: in the checkpoint save after iteration N, as Megatron-Core collects this rank's write
+  results (an async save: where it is finalized, later; N is still the save's iteration). ``error`` here is a failed write, as a full disk or an I/O error makes it: it takes
   upstream's own path (the write results are gathered, every rank's save raises), not an exception of ours;
 - ``eval``: in the evaluation after iteration N, before its middle batch (N must be an evaluation iteration: a
   multiple of ``training.eval_interval``, or ``train_iters`` for the final one);

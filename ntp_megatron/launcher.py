@@ -30,7 +30,7 @@ from ntp_megatron import faults, metrics, preflight
 from ntp_megatron.config import JobConfig
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.elastic.controller import Death
-from ntp_megatron.elastic.errors import reported_error
+from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import build_parser, resolve_config
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
@@ -273,8 +273,7 @@ class Launcher:
             reported = reported_error(self.store, proc.rank)
             error = reported["error"] if reported is not None else None
             if error is not None:
-                cause = (f"failed with an error of its own (iteration {reported['iteration']}, phase "
-                         f"{reported['phase']}): {error}")
+                cause = own_error_cause(reported)
             deaths.append(Death(proc.rank, when, cause, proc.pid, error, bool(reported and reported.get("echo"))))
             timeout = DEBOUNCE_S
 

@@ -31,7 +31,7 @@ from multiprocessing.managers import SyncManager
 from typing import Optional
 
 from megatron.core.dist_checkpointing.strategies import filesystem_async as upstream
-from torch.distributed.checkpoint.api import _wrap_exception
+from torch.distributed.checkpoint.api import _is_wrapped_exception, _wrap_exception
 
 from ntp_megatron import phases
 
@@ -69,16 +69,27 @@ def _get_write_results_queue():
 
 
 _upstream_retrieve_write_results = upstream.FileSystemWriterAsync.retrieve_write_results
+_local_write_failure: Optional[BaseException] = None
 
 
 @functools.wraps(_upstream_retrieve_write_results)
 def _retrieve_write_results(self):
+    global _local_write_failure
     results = _upstream_retrieve_write_results(self)
     try:
         phases.point("checkpoint_write")
     except Exception as exc:  # noqa: BLE001 - an injected failed write, reported as upstream reports a writer's
-        return _wrap_exception(exc)
+        results = _wrap_exception(exc)
+    phases.enter("checkpoint")  # the rest of the save (gather, metadata) is the save's
+    _local_write_failure = results[0] if _is_wrapped_exception(results) else None
     return results
+
+
+def local_write_failure() -> Optional[BaseException]:
+    """Why this rank's own writes failed in its last checkpoint save, if they did. Upstream raises the failure
+    only on the rank that gathers every rank's results (and a bare ``CheckpointException`` on the others), so the
+    rank whose write failed learns it here."""
+    return _local_write_failure
 
 
 def apply_write_point() -> None:

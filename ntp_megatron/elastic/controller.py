@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
-from ntp_megatron.elastic.errors import reported_error
+from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
 
 AWARE_WAIT_S = 10.0
@@ -99,6 +99,12 @@ class Controller:
             return None
         errors = [(d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank)) is not None]
         errors.sort(key=lambda de: bool(de[1].get("echo")))  # name the cause, not a rank that only echoes it
+        if errors and errors[0][1].get("echo"):  # the rank with the cause may exit a moment later
+            others = [lr for lr in self.identity if lr not in self.dead and lr not in {d.launch_rank for d in deaths}]
+            found = cause_behind_echoes(self.store, others)
+            if found is not None:
+                errors.insert(0, (Death(found[0], found[1]["time"], own_error_cause(found[1]),
+                                        error=found[1]["error"]), found[1]))
         if errors:  # the rank's own error (ntp_megatron.elastic.errors): no re-formation gets past it
             d, error = errors[0]
             reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "

@@ -49,8 +49,8 @@ _TRANSPORT_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection 
 """Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
 
 _CONDITIONS = (OSError, MemoryError, torch.OutOfMemoryError)
-"""Errors of the machine's state (a write refused, a full disk, memory exhausted): the message says it all. Any
-other exception is a bug somewhere, and its traceback is printed too."""
+"""Errors of the machine's state (a write refused, a full disk, memory exhausted): the message says it all, as an
+:class:`OwnError`'s does. Any other exception is a bug somewhere, and its traceback is printed too."""
 
 
 OWN_OR_PEER = (Exception, CheckpointException)
@@ -59,12 +59,28 @@ that failed on some rank) derives from ``BaseException``: an ``except Exception`
 process with no report."""
 
 
+ECHO_WAIT_S = 2.0
+"""How long the controller (or the launcher, NTP off) waits for the report that names the cause when every death
+it has is a rank that only echoed another's error (:class:`OwnError` ``echo``): the ranks of one failed save all
+raise at the same moment, but exit some milliseconds apart."""
+
+
+class OwnError(RuntimeError):
+    """An error this rank's code knows to be its own (e.g. a checkpoint it cannot read or write): never taken for a
+    peer's failure, whatever its message quotes. ``echo``: raised here only because another rank's part failed;
+    that rank's report names the cause."""
+
+    echo: bool = False
+
+
 class GenerationEnded(RuntimeError):
     """The controller's verdict ended the generation this rank was working in (e.g. its formation incomplete)."""
 
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
+    if isinstance(exc, OwnError):  # its message may quote a transport error of its own (a broken pipe of a write)
+        return False
     return isinstance(exc, dist.DistNetworkError) or (
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
 
@@ -72,6 +88,8 @@ def is_peer_failure(exc: BaseException) -> bool:
 def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> bool:
     """The rule of the module docstring. ``marked_over(within_s)``: whether the rank's generation is (or, within
     ``within_s`` seconds, becomes) marked over, or the job stopped."""
+    if isinstance(exc, OwnError):
+        return False
     if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_peer_failure(exc):
         return True
     return marked_over(PEER_GRACE_S)
@@ -93,10 +111,10 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
         try:
             store.set(keys.rank_error(launch_rank), json.dumps(
                 {"error": error, "iteration": iteration, "phase": phase, "time": time.time(),
-                 "echo": bool(getattr(exc, "echo", False))}))
+                 "echo": isinstance(exc, OwnError) and exc.echo}))
         except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
             pass
-    if not isinstance(exc, (SystemExit, *_CONDITIONS)):
+    if not isinstance(exc, (SystemExit, OwnError, *_CONDITIONS)):
         traceback.print_exception(exc, file=sys.stderr)
     print(f"error: launch rank {launch_rank}, iteration {iteration}, phase {phase}: {error}", file=sys.stderr,
           flush=True)
@@ -112,3 +130,23 @@ def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
     except Exception:  # noqa: BLE001 - unreadable: treat as not reported
         pass
     return None
+
+
+def cause_behind_echoes(store: dist.Store, launch_ranks: list[int]) -> Optional[tuple[int, dict]]:
+    """Launcher side, when every reported error at hand is an echo: the first of ``launch_ranks`` to report an
+    error that is not, within :data:`ECHO_WAIT_S`; None if none does (the echoes are all there is)."""
+    deadline = time.monotonic() + ECHO_WAIT_S
+    while True:
+        for launch_rank in launch_ranks:
+            report = reported_error(store, launch_rank)
+            if report is not None and not report.get("echo"):
+                return launch_rank, report
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.01)
+
+
+def own_error_cause(report: dict) -> str:
+    """How a death whose rank reported an error of its own (:func:`report`) is described."""
+    return f"failed with an error of its own (iteration {report['iteration']}, phase {report['phase']}): " \
+           f"{report['error']}"

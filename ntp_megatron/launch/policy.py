@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic.controller import Death, injected_failure
+from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.nodes import Nodes, publish_death, published_deaths, read_abort, set_abort
 from ntp_megatron.launch.processes import RankProcesses, is_echo
@@ -117,7 +118,7 @@ class DeathPolicy:
         host = self.host
         where = "" if death.launch_rank in host.local_ranks else "another node aborted the job: "
         host.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
-        record = injected_failure(host.store, death.launch_rank) or {}
+        record = injected_failure(host.store, death.launch_rank) or reported_error(host.store, death.launch_rank) or {}
         host.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
                            "cause": death.cause, "time": record.get("time", death.time),
                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
@@ -159,7 +160,7 @@ class StopOnFailure(DeathPolicy):
             for d in deaths:
                 publish_death(store, d)
             deadline = time.monotonic() + SETTLE_S
-            while not any(not is_echo(d) for d in deaths) and time.monotonic() < deadline:
+            while all(is_echo(d) or d.echo for d in deaths) and time.monotonic() < deadline:
                 time.sleep(POLL_S)
                 _, decided = read_abort(store)
                 if decided is not None:  # another node has named the failure already
@@ -168,8 +169,16 @@ class StopOnFailure(DeathPolicy):
                     deaths = published_deaths(store) or deaths
                 except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
                     break
-        return min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank) is None,
-                                          is_echo(d), d.time))
+        failed = min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank) is None,
+                                            is_echo(d), d.time))
+        if failed.echo:  # the rank whose error it echoes may exit a moment later: name that one
+            others = [r for r in range(host.world_size) if r not in {d.launch_rank for d in deaths}]
+            found = cause_behind_echoes(store, others)
+            if found is not None:
+                rank, report = found
+                proc = host.processes.ranks.get(rank)  # None: a rank of another node
+                failed = Death(rank, report["time"], own_error_cause(report), proc.pid if proc else 0, report["error"])
+        return failed
 
 
 class RestartFromCheckpoint(StopOnFailure):

@@ -68,6 +68,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
+from ntp_megatron.elastic.errors import OwnError
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
 from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFactory, checkpoint_roles
 
@@ -78,12 +79,9 @@ SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 """Where the scheduler state may be: ours, or Megatron-LM's name for it."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(OwnError):
     """A checkpoint that cannot be read or written; the message names it and, where that can be known, the file.
-
-    ``echo``: raised on a rank only because another rank's part failed (that rank's error names the cause)."""
-
-    echo: bool = False
+    Always the rank's own error (``echo``: only because another rank's part failed)."""
 
 
 READ_FAILURES = (CheckpointException, CheckpointingException, OSError, EOFError, pickle.UnpicklingError)

@@ -72,7 +72,10 @@ def main() -> int:
             raise
         return errors.report(store, env.rank, exc)  # our own clear stop (e.g. a checkpoint of another model)
     except errors.OWN_OR_PEER as exc:  # noqa: BLE001
-        if not cfg.ntp.enabled and errors.is_peer_failure(exc):
+        # NTP off, any torch.distributed error counts as an echo (a peer's death on NCCL often reads like a
+        # backend error of one's own): a misread own error still ends or restarts the job, a misread echo would
+        # stop the restart the real failure deserves.
+        if not cfg.ntp.enabled and (isinstance(exc, dist.DistError) or errors.is_peer_failure(exc)):
             # One line, not a traceback per rank: the launcher reports the rank whose failure this echoes.
             print(f"stopped: a collective failed because another rank did ({str(exc).splitlines()[0][:160]})",
                   file=sys.stderr, flush=True)

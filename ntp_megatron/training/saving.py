@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import metrics, phases
+from ntp_megatron.patches import dist_checkpointing_filesystem_async
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.loop_state import LoopState
 
@@ -41,6 +42,7 @@ class Checkpoints:
         trainer = self.trainer
         p, session = trainer.parts, trainer.session
         iteration, started, clock = trainer.iteration, time.time(), time.perf_counter()
+        phases.at_iteration(iteration)  # also when a re-formation moved this rank on before the save is redone
         phases.enter("checkpoint")
         queue = None
         if trainer.cfg.checkpoint.async_save:
@@ -86,13 +88,17 @@ class Checkpoints:
         them): upstream's metadata, then ``latest`` (collective; only while a save is pending, so the same on
         every rank)."""
         if self.async_saves is not None and self.async_saves.get_num_unfinalized_calls():
-            phases.enter("checkpoint")
+            now = phases.current()
             clock, oldest = time.perf_counter(), self.pending[0]
+            phases.at_iteration(oldest)  # what is finalized is that save's: its checkpoint_write fires here
+            phases.enter("checkpoint")
             try:
                 done = self.async_saves.maybe_finalize_async_calls(blocking=blocking)
             except (OSError, CheckpointException) as exc:  # its writer's write failed
                 root = self.trainer.cfg.checkpoint.save
                 raise _save_failure(exc, f"saving the checkpoint of iteration {oldest} to {root}") from None
+            phases.at_iteration(now[0])
+            phases.enter(now[1])
             del self.pending[:len(done)]
             self._report_stall(oldest, "finalize", time.perf_counter() - clock)
 
@@ -110,23 +116,30 @@ class Checkpoints:
 
 
 def _save_failure(exc: BaseException, what: str) -> Exception:
-    """The error a failed save raises, named by ``what``: an ``OSError`` of this rank again, or for a write that
-    failed in Megatron-Core's writers the first failure its ``CheckpointException`` carries. That exception reaches
-    every rank of the save, with the failures only on the one that gathered them; the others raise an
-    :class:`~ntp_megatron.training.checkpoint.CheckpointError` marked ``echo``, so the report names the cause.
+    """The error a failed save raises, named by ``what``: an ``OSError`` of this rank again, or for a save that
+    failed in Megatron-Core's writers (its ``CheckpointException`` reaches every rank of the save) a
+    :class:`~ntp_megatron.training.checkpoint.CheckpointError`: this rank's own failed write if it had one, else an
+    ``echo`` that quotes what the exception carries (only the rank that gathered the results gets the failures).
     (``CheckpointException`` is a ``BaseException``: it would slip past every ``except Exception``.)"""
     if isinstance(exc, OSError):
         return _naming(exc, what)
+    local = dist_checkpointing_filesystem_async.local_write_failure()
+    if local is not None:
+        return checkpoint.CheckpointError(f"{what}: this rank's write failed: {_first_line(local)}")
     failures = getattr(exc, "failures", None) or {}
-    if not failures:
-        error = checkpoint.CheckpointError(f"{what}: a write failed on another rank of the save, which names it")
-        error.echo = True
-        return error
-    rank = min(failures)
-    cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-    lines = str(cause).strip().splitlines()
-    return checkpoint.CheckpointError(f"{what}: a write failed (rank {rank} of the saving group): "
-                                      f"{type(cause).__name__}: {lines[0][:300] if lines else ''}")
+    if failures:
+        rank = min(failures)
+        cause = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        error = checkpoint.CheckpointError(f"{what}: rank {rank} of the saving group failed: {_first_line(cause)}")
+    else:
+        error = checkpoint.CheckpointError(f"{what}: another rank of the saving group failed (its report names it)")
+    error.echo = True
+    return error
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
 
 
 def _naming(exc: OSError, what: str) -> OSError:

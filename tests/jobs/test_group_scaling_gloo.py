@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from ntp_megatron.elastic import keys
 from ntp_megatron.layout import make_topology
 from tests.harness import store_client, store_server
 
@@ -37,7 +38,7 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
             rank = topology.rank_of(replica, slot)
             if rank is None:
                 continue
-            dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}/", store), rank=rank,
+            dist.init_process_group("gloo", store=dist.PrefixStore(keys.process_group_prefix(generation), store), rank=rank,
                                     world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
             groups = build_groups(topology, rank, timeout_s)
             used = [groups.tp, groups.pg_collection.pp, *groups.sync.values()]

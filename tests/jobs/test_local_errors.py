@@ -107,25 +107,30 @@ def test_a_save_that_fails_mid_run_stops_the_job_naming_the_path(tmp_path):
     assert f"error: launch rank 0, iteration {SAVE_AT}, phase checkpoint" in result.stderr, reason
 
 
-@pytest.mark.parametrize("ntp", [True, False])
-def test_a_write_that_fails_in_megatrons_checkpoint_writer_stops_the_job_naming_it(tmp_path, ntp):
+@pytest.mark.parametrize("ntp, async_save", [(True, False), (False, False), (False, True)])
+def test_a_write_that_fails_in_megatrons_checkpoint_writer_stops_the_job_naming_it(tmp_path, ntp, async_save):
     """A failed write in Megatron-Core's writer (a full disk, an I/O error) reaches every rank of the save as
-    torch's CheckpointException, a BaseException: the job stops naming the save, the path and the failed write,
-    whichever rank it reached first; no rank is taken for lost, and NTP off does not restart into it again."""
+    torch's CheckpointException, a BaseException: the job stops naming the rank whose write failed, the save, the
+    path and the failure, whichever rank exits first; no rank is taken for lost, and NTP off does not restart
+    into it again. An async save (NTP off only) fails where it is finalized, still as the save of iteration 3."""
     ckpt = tmp_path / "ckpt"
     spec = "error:rank=1,iter=3,phase=checkpoint_write"
     args = ntp_args(2, 2, iters=5) + ["--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=3",
                                       "--inject-failure", spec]
     if not ntp:
         args += ["--set", "ntp.enabled=false"]
+    if async_save:
+        args += ["--set", "checkpoint.async_save=true"]
     result = run_job(tmp_path / "run", args)
-    named = [str(ckpt), "iteration 3", "a write failed (rank 1 of the saving group)", "InjectedError", spec]
+    named = ["launch rank 1 ", str(ckpt), "iteration 3", "this rank's write failed", "InjectedError", spec]
     if ntp:
         assert_stopped_naming(result, 3, *named)
     else:
         assert result.returncode != 0 and "restarting all" not in result.stderr, result.stderr[-3000:]
-        for text in named:
-            assert text in result.stderr, result.stderr[-3000:]
+        [failed] = events(result, "rank_failed")
+        assert failed["launch_rank"] == 1 and failed["iteration"] == 3, failed  # async: finalized in a later one
+        for text in named[1:]:
+            assert text in failed["cause"], failed
         assert leftover_processes(result) == []
     assert "no replica survives" not in result.stderr and "CheckpointException" not in result.stderr
     assert not events(result, "checkpoint_saved")

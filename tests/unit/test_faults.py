@@ -55,6 +55,13 @@ def test_reform_phase_needs_ntp():
         parse_failure_spec("kill:rank=1,iter=2,phase=reform", ntp=False)
 
 
+@pytest.mark.parametrize("phase", ["checkpoint", "checkpoint_write"])
+def test_checkpoint_phases_need_checkpoints_to_be_saved(phase):
+    parse_failure_spec(f"error:rank=1,iter=2,phase={phase}", checkpoints=True)
+    with pytest.raises(ConfigError, match=f"phase {phase} needs checkpoints to be saved"):
+        parse_failure_spec(f"error:rank=1,iter=2,phase={phase}", checkpoints=False)
+
+
 def test_trigger_fires_once_in_its_rank_iteration_and_phase(monkeypatch):
     exits, fired_log = [], []
     monkeypatch.setattr("os._exit", lambda code: exits.append(code))

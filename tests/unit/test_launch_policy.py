@@ -8,6 +8,7 @@ A slot that fails again after its replacement was admitted gets a replacement ag
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import torch.distributed as dist
@@ -206,6 +207,25 @@ def test_without_ntp_the_error_a_rank_only_echoed_is_not_the_one_named(tmp_path)
                  echo=True)
     assert policy.step([echo, _error_death(host, 2)]) == 1
     assert [e["launch_rank"] for e in host.events("rank_failed")] == [2]
+
+
+def test_without_ntp_an_echo_that_dies_first_waits_for_the_report_of_the_cause(tmp_path):
+    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    host.processes = _StoppingProcesses()
+    policy = modes.choose(host)
+    policy.begin()
+    echo = _error_death(host, 1)
+    echo = Death(1, echo.time, echo.cause, echo.pid, error="CheckpointError: another rank failed", echo=True)
+    report = ('{"error": "CheckpointError: this rank\'s write failed: OSError: [Errno 28] No space left on device", '
+              '"iteration": 2, "phase": "checkpoint", "time": 0, "echo": false}')
+    timer = threading.Timer(0.3, lambda: host.store.set(keys.rank_error(3), report))
+    timer.start()
+    try:
+        assert policy.step([echo]) == 1
+    finally:
+        timer.join()
+    [failed] = host.events("rank_failed")
+    assert failed["launch_rank"] == 3 and "No space left" in failed["cause"] and failed["iteration"] == 2
 
 
 def test_a_rank_error_is_not_restarted_by_ntp_on_unrecoverable_restart(tmp_path):

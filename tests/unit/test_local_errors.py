@@ -43,7 +43,7 @@ def marked_over(store: dist.Store, generation: int):
 
 
 @pytest.mark.parametrize("exc", [
-    dist.DistNetworkError("Connection reset by peer"),
+    dist.DistNetworkError("Socket Timeout"),
     RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"),
     IterationAborted("iteration 4 aborted by the controller"),
     errors.GenerationEnded("forming generation 2 did not complete"),
@@ -75,6 +75,17 @@ def test_any_other_exception_is_own_unless_the_generation_ends_within_the_grace(
     finally:
         timer.join()
     assert not errors.caused_by_peer(exc, marked_over(store, 4))  # another generation's end says nothing
+
+
+def test_an_error_of_ours_is_own_at_once_whatever_it_quotes():
+    """A save whose write broke a pipe is this rank's failed save, not a transport error; no grace either."""
+    exc = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: this rank's write failed: BrokenPipeError: "
+                          "[Errno 32] Broken pipe")
+    store = dist.HashStore()
+    store.set(keys.abort(3), "1")  # even while the generation ends
+    start = time.monotonic()
+    assert not errors.is_peer_failure(exc) and not errors.caused_by_peer(exc, marked_over(store, 3))
+    assert time.monotonic() - start < GRACE_S / 2
 
 
 def test_the_report_names_the_error_where_it_happened(capsys):
@@ -153,6 +164,28 @@ def test_the_stop_names_the_error_a_rank_only_echoed():
                                             "(rank 1 of the saving group): OSError: No space left on device"))
     reason = ctl.handle([Death(0, time.time(), "exited with code 1"), Death(2, time.time(), "exited with code 1")])
     assert reason is not None and "launch rank 2" in reason and "No space left on device" in reason
+
+
+def test_an_echo_that_dies_first_waits_for_the_report_of_the_cause():
+    """The echo's rank exits alone, the rank with the cause reports a moment later (still alive when the
+    controller acts): the stop names the cause, and it is the one failure recorded."""
+    store = dist.HashStore()
+    records: list[dict] = []
+    ctl = controller(store, emit=records.append)
+    store.set(keys.COMPLETED, "0")
+    echo = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: another rank of the saving group failed")
+    echo.echo = True
+    errors.report(store, 0, echo)
+    cause = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: this rank's write failed: OSError: "
+                            "[Errno 28] No space left on device")
+    timer = threading.Timer(0.3, lambda: errors.report(store, 3, cause))
+    timer.start()
+    try:
+        reason = ctl.handle([Death(0, time.time(), "exited with code 1")])
+    finally:
+        timer.join()
+    assert reason is not None and "launch rank 3" in reason and "No space left on device" in reason, reason
+    assert [r["launch_rank"] for r in records if r.get("event") == "rank_failed"] == [3]
 
 
 def test_a_death_without_a_report_is_re_formed_around():
