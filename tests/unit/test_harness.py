@@ -3,12 +3,14 @@ re-formation, and that every live (replica, TP rank) reports agreeing state chec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import JobResult, assert_replicas_agree, reformation_lower_bound, unit_counts, unit_elements
+from tests.harness import (JobResult, ReformationBoundError, assert_replicas_agree, check_reformations,
+                           reformation_lower_bound, unit_counts, unit_elements)
 from tests.unit.test_grad_sync import megatron  # noqa: F401  (the one-rank gloo world fixture)
 
 TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": None,
@@ -52,6 +54,29 @@ def test_bound_of_a_dropped_replica_rebuilt_by_one_joiner():
     dropped = topology(2, replica(0, [0, 1], [0, 1]))
     rebuilt = topology(3, replica(0, [0, 1], [0, 1]), replica(1, [0], [2], {1: 0}))
     assert reformation_lower_bound(TINY_MODEL, "adam", dropped, rebuilt, [], fresh=False) == 2 * 693504 + 59904
+
+
+def _main_job_records(moved: int, reported: int) -> list[dict]:
+    """The records of the main job's failure, as the launcher and rank 0 write them, with the figures given."""
+    published = [{"kind": "event", "event": "generation_published", "generation": g, "base": base, "dead_ranks": dead,
+                  "joined": [], "topology": topo} for g, base, dead, topo in ((0, None, [], HEALTHY),
+                                                                            (1, 0, [3], DEGRADED))]
+    iterations = [{"kind": "iteration", "iteration": k} for k in range(1, 15)]
+    reformed = {"kind": "event", "event": "reformed", "generation": 1, "moved_bytes": moved,
+                "lower_bound_bytes": reported, "resume_iteration": 15}
+    return [*published, *iterations, reformed]
+
+
+def test_every_reformation_is_held_to_the_tests_own_bound_not_the_ranks(tmp_path):
+    """``check_reformations`` computes the bound from the published topologies: a rank that moved too much and
+    reported that figure as its bound fails it; the exact figure passes."""
+    (tmp_path / "config.node0.json").write_text(json.dumps({"model": TINY_MODEL, "training": {"optimizer": "adam"}}))
+    [found] = check_reformations(_main_job_records(693504, 693504), tmp_path)
+    assert found["bound"] == 693504 and not found["fresh"]
+    with pytest.raises(ReformationBoundError, match="moved 693508 bytes, but the units that had to move are 693504"):
+        check_reformations(_main_job_records(693508, 693508), tmp_path)
+    with pytest.raises(ReformationBoundError, match="reported a lower bound of 600000 bytes"):
+        check_reformations(_main_job_records(693504, 600000), tmp_path)
 
 
 def test_a_dead_proxy_moves_its_own_block_and_the_dead_block_it_held():
