@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE
+from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
 from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
@@ -45,6 +45,20 @@ logger = logging.getLogger(__name__)
 
 class Retired(SystemExit):
     """This process has no slot in the new generation (its replica was dropped): it ends cleanly."""
+
+
+def settle_voted(training: Training, commit: CommitProtocol, await_newer: Callable[[], object]) -> None:
+    """After a failure: step the iteration this rank voted for if it was committed (roll forward), drop it if it
+    was aborted. The decision is read once the next generation is published (``await_newer``): the controller
+    decides the iteration in flight before it publishes, so every survivor reads the same."""
+    iteration = training.pending_iteration()
+    if iteration is None:
+        return
+    await_newer()
+    committed = commit.decision(iteration) in COMMITTED_DECISIONS
+    training.settle(committed)
+    if committed:
+        logger.info("iteration %d was committed before the failure: stepped it", iteration)
 
 
 class Reformer:
@@ -77,7 +91,7 @@ class Reformer:
         """After a failure: settle the iteration in flight, then re-form in the newest generation."""
         failed = self.generation
         _try(lambda: self.elastic.note_aware(failed.number))
-        self._settle(training, failed)
+        settle_voted(training, failed.commit, lambda: self.elastic.await_newer(failed.number))
         self._advance(training)
 
     def move(self, training: Training) -> None:
@@ -130,17 +144,6 @@ class Reformer:
                 break
             gc.collect()
         self._adopt(training, staged)
-
-    def _settle(self, training: Training, failed: Generation) -> None:
-        """Step a committed iteration this rank voted for; drop an aborted one."""
-        iteration = training.pending_iteration()
-        if iteration is None:
-            return
-        self.elastic.await_newer(failed.number)  # the controller decides before it publishes
-        committed = failed.commit.decision(iteration) in COMMITTED_DECISIONS
-        training.settle(committed)
-        if committed:
-            logger.info("iteration %d was committed before the failure: stepped it", iteration)
 
     # -- forming one generation ------------------------------------------------------------------------------
     def _reform(self, training: Training, topology: Topology, info: dict) -> "_Staged":

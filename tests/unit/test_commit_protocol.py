@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Optional
 
 import pytest
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, CommitProtocol, settle
+from ntp_megatron.elastic.reform import settle_voted
 from tests.unit.elastic_job import Job, admission_pending, death, voter
 from tests.unit.interleavings import Interleaving, Killed, every_order, hash_store
 
@@ -185,6 +187,41 @@ def test_a_rank_that_voted_rolls_forward_when_its_iteration_committed():
     assert job.latest() == 1
     assert job.protocol(0).decision(1) == COMMIT
     assert job.info(1)["settled"]["iteration"] == 2
+
+
+class _Voted:
+    """A rank's training state as the re-formation sees it: it voted for ``iteration`` and has not stepped."""
+
+    def __init__(self, iteration: int) -> None:
+        self.pending: Optional[int] = iteration
+        self.stepped: list[int] = []
+
+    def pending_iteration(self) -> Optional[int]:
+        return self.pending
+
+    def settle(self, committed: bool) -> None:
+        if committed:
+            self.stepped.append(self.pending)
+        self.pending = None
+
+
+def test_a_survivor_steps_the_committed_iteration_it_voted_for_and_drops_an_aborted_one():
+    """The re-forming rank's side (``reform.settle_voted``) over the real protocol: it reads the decision only
+    once the next generation is published, steps iteration 1 (committed before the death) and drops iteration 2
+    (aborted by the controller)."""
+    store = hash_store()
+    job = Job(store, 1, 3)
+    job.form(0)
+    job.commit(0, 1)
+    voted_2 = [voter(job.protocol(0), 2) for _ in range(2)]  # rank 2 dies before its vote: 2 never commits
+    published: list[int] = []
+    assert job.die(2) is None
+    rolled, dropped = _Voted(1), _Voted(2)
+    settle_voted(rolled, job.protocol(0), lambda: published.append(job.latest()))
+    settle_voted(dropped, job.protocol(0), lambda: published.append(job.latest()))
+    assert rolled.stepped == [1] and dropped.stepped == [] and dropped.pending is None
+    assert published == [1, 1]
+    assert [v.outcome() for v in voted_2] == [ABORT, ABORT]
 
 
 def test_a_rank_that_voted_drops_its_iteration_when_it_was_aborted():
