@@ -18,8 +18,9 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
 - ``checkpoint_write``: in the checkpoint save after iteration N, as Megatron-Core collects this rank's write
-  results (an async save: where it is finalized, later; N is still the save's iteration). ``error`` here is a failed write, as a full disk or an I/O error makes it: it takes
-  upstream's own path (the write results are gathered, every rank's save raises), not an exception of ours;
+  results (an async save: where it is finalized, later; N is still the save's iteration). ``error`` here is a
+  failed write, as a full disk or an I/O error makes it: it takes upstream's own path (the write results are
+  gathered, every rank's save raises), not an exception of ours;
 - ``eval``: in the evaluation after iteration N, before its middle batch (N must be an evaluation iteration: a
   multiple of ``training.eval_interval``, or ``train_iters`` for the final one);
 - ``reform``: in the first re-formation this process takes part in at iteration N or later (a re-formation

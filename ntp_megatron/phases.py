@@ -5,7 +5,8 @@ may be injected (the phases of ``--inject-failure``, :data:`ntp_megatron.faults.
 where an activity begins that has no such point at its start. Neither knows who listens: a rank with injected
 failures installs one hook (:func:`install`, done by :mod:`ntp_megatron.faults`): the modules that compute
 (training loop, gradient sync, checkpoints, re-formation) never import the injection code; only the processes'
-entry points (the rank's start, the launcher and its agent) do. :func:`current` tells a report of the rank's own error where it happened.
+entry points (the rank's start, the launcher and its agent) do. :func:`current` tells a report of the rank's own
+error where it happened.
 
 Pure Python, no imports of the package: any module may call it.
 """

@@ -11,8 +11,8 @@ torch and Megatron-Core imports, up to ~25 s under load) unprotected. This serve
 thread before it starts any thread of its own (a native library's worker pool, e.g. OpenMP's in the dataset build
 before it, holds no lock the child's Python code takes) and stays single-threaded, so its children may run Python
 between ``fork`` and ``exec``: each arms the signal first thing, and exits at once if its parent died before that
-(``getppid``). The server arms it for itself the same way, so a launcher that dies takes the server with it, and the server its
-children.
+(``getppid``). The server arms it for itself the same way, so a launcher that dies takes the server with it, and
+the server its children.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (one JSON object per message, descriptors passed alongside):
 the launcher sends ``{"env", "title", "argv" | "target", "pass_fd_env"}`` with the child's stdout and stderr write

@@ -38,8 +38,8 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
             rank = topology.rank_of(replica, slot)
             if rank is None:
                 continue
-            dist.init_process_group("gloo", store=dist.PrefixStore(keys.process_group_prefix(generation), store), rank=rank,
-                                    world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("gloo", store=dist.PrefixStore(keys.process_group_prefix(generation), store),
+                                    rank=rank, world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
             groups = build_groups(topology, rank, timeout_s)
             used = [groups.tp, groups.pg_collection.pp, *groups.sync.values()]
             held = [g for g in distributed_c10d._world.pg_names if g is not distributed_c10d._get_default_group()]
