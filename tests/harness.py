@@ -22,6 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 300
 
@@ -150,6 +152,18 @@ def _run_process(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, s
         proc.communicate(timeout=_Zygote.START_S)
         raise
     return proc.returncode, out, err
+
+
+def alive(pids: Sequence[int]) -> list[int]:
+    """The processes of ``pids`` that still run (a zombie has ended: only its exit status is left to reap)."""
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOUT_S) -> JobResult:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-import psutil
 import pytest
 
-from tests.harness import TINY, JobResult, assert_replicas_agree, relative_difference, run_job
+from tests.harness import TINY, JobResult, alive, assert_replicas_agree, relative_difference, run_job
 
 ITERS = 10
 TOL = 1e-5
@@ -30,15 +29,7 @@ def ntp_args(tp: int, dp: int, iters: int = ITERS, extra: tuple[str, ...] = ()) 
 
 def leftover_processes(result: JobResult) -> list[int]:
     pids = json.loads((result.run_dir / "ranks.node0.json").read_text())
-    alive = []
-    for history in pids.values():
-        for pid in history:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-    return alive
+    return alive([pid for history in pids.values() for pid in history])
 
 
 def assert_same_run(result: JobResult, reference: JobResult, iters: int = ITERS) -> None:

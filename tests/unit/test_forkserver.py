@@ -19,6 +19,7 @@ import pytest
 
 from ntp_megatron.launch.forkserver import ForkServer
 from ntp_megatron.training import runtime
+from tests.harness import alive
 
 SLEEPER = ["/bin/sleep", "600"]
 
@@ -33,22 +34,11 @@ def exits_7() -> int:
     return 7
 
 
-def _alive(pids: list[int]) -> list[int]:
-    out = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
-    while _alive(pids) and time.monotonic() < deadline:
+    while alive(pids) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return _alive(pids)
+    return alive(pids)
 
 
 def _start(server: ForkServer, **how):
@@ -93,7 +83,7 @@ def test_every_process_dies_with_a_sigkilled_launcher(how):
         ready, _, _ = select.select([read], [], [], 30)
         assert ready, "the launcher did not start its children"
         pids = json.loads(os.read(read, 4096))  # one small write: whole (the server holds the pipe open)
-        assert _alive([pids["server"], pids["child"]]) == [pids["server"], pids["child"]]
+        assert alive([pids["server"], pids["child"]]) == [pids["server"], pids["child"]]
         assert psutil.Process(pids["child"]).ppid() == pids["server"]
     finally:
         os.close(read)
