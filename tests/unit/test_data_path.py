@@ -8,7 +8,6 @@ import torch
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.training import data
-from tests.unit.test_grad_sync import megatron  # noqa: F401  (the one-rank gloo world fixture)
 
 SEQ = 16
 

@@ -3,12 +3,7 @@ parameters that carry Megatron's TP attributes, and creation-order dispatch of b
 
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
-
-import pytest
-import torch
-import torch.distributed as dist
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.layout import make_topology
@@ -19,28 +14,11 @@ MODEL = ["model.num_attention_heads=12", "model.num_query_groups=6", "model.kv_c
          "parallel.data_parallel_size=1", "parallel.overlap_grad_reduce=true", "parallel.ddp_bucket_size=900"]
 
 
-@pytest.fixture(scope="module")
-def megatron():
-    """A one-rank gloo world with Megatron-Core's groups and this package's patches (in this process)."""
-    from ntp_megatron.patches import apply_patches
-    from ntp_megatron.patches import parallel_state as ps_patch
-    from datetime import timedelta
-
-    apply_patches(cpu=True)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port at all
-    from ntp_megatron.groups import dense_groups
-
-    yield ps_patch.install(dense_groups(1, 0, 1, timedelta(seconds=60)))
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
 def _ntp_model(cfg, units):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import transformer_config
-    from megatron.core.process_groups_config import ProcessGroupCollection
 
     m = cfg.model
     return build_ntp_gpt(transformer_config(cfg), RankUnits(*units), m.normalization, m.vocab_size,

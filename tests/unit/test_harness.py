@@ -11,7 +11,6 @@ import torch
 
 from tests.harness import (JobResult, ReformationBoundError, assert_replicas_agree, check_reformations,
                            reformation_lower_bound, unit_counts, unit_elements)
-from tests.unit.test_grad_sync import megatron  # noqa: F401  (the one-rank gloo world fixture)
 
 TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "num_query_groups": None,
               "kv_channels": None, "ffn_hidden_size": None, "vocab_size": 256, "gated_linear_unit": False,

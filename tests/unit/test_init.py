@@ -11,7 +11,7 @@ import torch
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.layout import make_topology
-from tests.unit.test_grad_sync import MODEL, megatron  # noqa: F401  (the one-rank gloo world fixture)
+from tests.unit.test_grad_sync import MODEL
 
 FAMILIES = ("heads", "ffn", "vocab")
 GATED = [*MODEL, "model.gated_linear_unit=true", "model.activation=swiglu", "model.normalization=RMSNorm",
