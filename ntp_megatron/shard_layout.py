@@ -1,0 +1,191 @@
+"""Geometry of Megatron-Core's flat parameter/gradient buffers and of the distributed optimizer's shards.
+
+Pure Python, no torch: every rank (and the controller, and a memory planner) can compute where a parameter sits in
+a DDP buffer, how the buffer is cut into buckets, and which element range of each bucket a data-parallel position
+owns under the distributed optimizer, without building a model. The rules mirror Megatron-Core 0.16.1:
+
+- ``megatron.core.distributed.param_and_grad_buffer._ParamAndGradBuffer.__init__`` (buffer and bucket layout);
+- ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_gbuf_range`` and
+  ``_build_model_gbuf_param_range_map`` (shards and the parameter pieces inside them).
+
+``tests/unit/test_shard_layout.py`` pins every function here to the real Megatron-Core objects.
+
+One :class:`BufferLayout` describes one ``_ParamAndGradBuffer``: Megatron builds one per (param dtype, grad dtype)
+pair, over the parameters with ``requires_grad`` in ``named_parameters()`` order, and keeps expert-parallel
+parameters in separate buffers. ``dp_size`` below is the size of the buffer's data-parallel group, which is the
+*intra-instance* data-parallel (× context-parallel) group: with several distributed-optimizer instances it is the
+number of ranks one instance shards over, not the whole data-parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+PARAM_ALIGN = 64
+"""Distributed optimizer only: parameter starts are padded to 64 elements (128-byte aligned at >= 16 bits)."""
+BUCKET_ALIGN = 128
+"""Distributed optimizer only: bucket ends are padded to lcm(dp_size, 128) (256-byte aligned at >= 16 bits)."""
+HIGH_BUSBW_ALIGN = 2**16
+"""With ``pad_buckets_for_high_nccl_busbw`` bucket ends are also padded to a multiple of 2**16."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as a rank's DDP sees it (only the facts Megatron's buffer layout reads)."""
+
+    name: str
+    numel: int
+    shared_embedding: bool = False
+    """Megatron's ``param.shared_embedding`` (set on a tied word embedding when PP > 1): with the distributed
+    optimizer it gets a bucket of its own, so first and last stages shard it alike."""
+
+
+class ParamPlace(NamedTuple):
+    """Where a parameter sits: ``[start, end)`` of the whole buffer, and its bucket (Megatron's
+    ``param_index_map`` entry)."""
+
+    name: str
+    start: int
+    end: int
+    bucket: int
+
+
+class Bucket(NamedTuple):
+    """A bucket: its offset in the buffer, its (padded) number of elements, and the elements up to its last
+    parameter's end (Megatron's ``numel_unpadded``; it includes the start padding between parameters)."""
+
+    offset: int
+    numel: int
+    numel_unpadded: int
+
+
+class ShardPiece(NamedTuple):
+    """The part ``[start, end)`` of parameter ``name`` (flat, in its own elements) that one data-parallel
+    position owns, and where that part begins in the buffer (``buffer_start``)."""
+
+    name: str
+    bucket: int
+    start: int
+    end: int
+    buffer_start: int
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One flat parameter/gradient buffer: parameters in buffer order (reverse of ``named_parameters()``)."""
+
+    params: tuple[ParamPlace, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements in the buffer, padding included (Megatron's ``_ParamAndGradBuffer.numel``)."""
+        last = self.buckets[-1]
+        return last.offset + last.numel
+
+
+def _pad(n: int, divisor: int) -> int:
+    return -(-n // divisor) * divisor
+
+
+def bucket_divisor(dp_size: int, pad_buckets_for_high_nccl_busbw: bool = False) -> int:
+    """What a bucket's end is padded to with the distributed optimizer, so that it splits evenly over dp_size."""
+    if pad_buckets_for_high_nccl_busbw:
+        return math.lcm(dp_size, BUCKET_ALIGN, HIGH_BUSBW_ALIGN)
+    return math.lcm(dp_size, BUCKET_ALIGN)
+
+
+def buffer_layout(
+    specs: Sequence[ParamSpec],
+    bucket_size: int | None,
+    dp_size: int,
+    use_distributed_optimizer: bool,
+    pad_buckets_for_high_nccl_busbw: bool = False,
+) -> BufferLayout:
+    """The layout Megatron's ``_ParamAndGradBuffer`` gives ``specs`` (in ``named_parameters()`` order).
+
+    ``bucket_size`` is the value the buffer receives, not the config field: DDP passes ``None`` (one bucket)
+    when ``overlap_grad_reduce`` is off, on pipeline stages after the first, and with ``disable_bucketing``;
+    and it fills a ``None`` config field with ``max(40_000_000, 1_000_000 * dp group size)`` first.
+
+    The rules, as upstream applies them while walking the parameters in reverse order:
+    - with the distributed optimizer, each parameter's start is padded to a multiple of 64;
+    - a bucket closes after the first parameter that brings it to ``bucket_size`` elements or more (measured
+      from the bucket's offset, so padding counts);
+    - with the distributed optimizer, a ``shared_embedding`` parameter closes the bucket before it (at its
+      already padded start) and its own bucket after it;
+    - with the distributed optimizer, a closed bucket's end is padded to :func:`bucket_divisor`, and the next
+      bucket starts there; without it there is no padding at all.
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if not specs:
+        raise ValueError("a buffer needs at least one parameter (Megatron builds none for an empty dtype)")
+    divisor = bucket_divisor(dp_size, pad_buckets_for_high_nccl_busbw)
+    places: list[ParamPlace] = []
+    buckets: list[Bucket] = []
+    bucket_start = 0
+    in_bucket = 0  # parameters placed in the open bucket
+
+    def close(param_end: int) -> int:
+        nonlocal bucket_start, in_bucket
+        end = _pad(param_end, divisor) if use_distributed_optimizer else param_end
+        buckets.append(Bucket(bucket_start, end - bucket_start, param_end - bucket_start))
+        bucket_start, in_bucket = end, 0
+        return end
+
+    start = 0
+    end = 0
+    for spec in reversed(specs):  # reverse order roughly follows backprop, so buckets fill in that order
+        if use_distributed_optimizer:
+            start = _pad(start, PARAM_ALIGN)
+        own_bucket = spec.shared_embedding and use_distributed_optimizer
+        if own_bucket and in_bucket:
+            start = close(start)
+        end = start + spec.numel
+        places.append(ParamPlace(spec.name, start, end, len(buckets)))
+        in_bucket += 1
+        if (bucket_size is not None and end - bucket_start >= bucket_size) or own_bucket:
+            start = close(end)
+        else:
+            start = end
+    if in_bucket:
+        close(end)
+    return BufferLayout(tuple(places), tuple(buckets))
+
+
+def shard_range(layout: BufferLayout, bucket: int, dp_size: int, j: int) -> tuple[int, int]:
+    """Buffer range ``[start, end)`` of data-parallel position ``j``'s shard of one bucket: the j-th of
+    ``dp_size`` equal contiguous parts, padding included (it ignores parameter boundaries)."""
+    if not 0 <= j < dp_size:
+        raise ValueError(f"position {j} is outside a data-parallel group of {dp_size}")
+    b = layout.buckets[bucket]
+    if b.numel % dp_size:
+        raise ValueError(f"bucket {bucket} ({b.numel} elements) does not split over {dp_size} positions; "
+                         "only a distributed-optimizer layout is padded for that")
+    size = b.numel // dp_size
+    return b.offset + j * size, b.offset + (j + 1) * size
+
+
+def shard_pieces(layout: BufferLayout, dp_size: int, j: int) -> list[ShardPiece]:
+    """Every parameter piece inside position ``j``'s shards, bucket by bucket and within a bucket in buffer
+    order: the order of Megatron's ``gbuf_ranges[...][bucket]['param_map']``, hence of the optimizer's
+    parameter groups and of its per-bucket checkpoint state."""
+    pieces: list[ShardPiece] = []
+    for bucket in range(len(layout.buckets)):
+        lo, hi = shard_range(layout, bucket, dp_size, j)
+        for place in layout.params:
+            if place.bucket != bucket:
+                continue
+            start, end = max(place.start, lo), min(place.end, hi)
+            if end > start:
+                pieces.append(ShardPiece(place.name, bucket, start - place.start, end - place.start, start))
+    return pieces
+
+
+def shard_numel(layout: BufferLayout, dp_size: int, j: int) -> int:
+    """Parameter elements in position ``j``'s shards: what its optimizer state covers (padding holds none)."""
+    return sum(p.end - p.start for p in shard_pieces(layout, dp_size, j))
