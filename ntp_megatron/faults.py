@@ -7,7 +7,10 @@ In-rank (the rank does it to itself, at a chosen point of a chosen iteration)::
 ``ACTION``: ``kill`` (SIGKILL: a dead GPU or host, no cleanup), ``hang`` (SIGSTOP: the process stops
 responding, as a hung GPU does; the launcher fences it), ``exit`` (exit code C, default 1, as a crashing
 program would), ``error`` (raise :class:`InjectedError` there, as a bug of ours or a failed write would: the
-rank reports an error of its own and the job stops naming it, with no re-formation). ``R`` is the *launch
+rank reports an error of its own and the job stops naming it, with no re-formation), ``oom`` (raise
+``torch.OutOfMemoryError`` there, as a device that ran out of memory does: under NTP, on a rank of a degraded
+replica — its layout does not fit — the controller drops that replica under ``ntp.on_unrecoverable:
+drop_replica`` and stops the job otherwise, at once; see :mod:`ntp_megatron.elastic.controller`). ``R`` is the *launch
 rank*: a process's identity for the whole run (process-group ranks are renumbered by every re-formation; launch
 ranks never are). ``N`` is the 1-based iteration. ``P``:
 
@@ -50,14 +53,16 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 
+import torch
+
 from ntp_megatron import phases
 from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
-ACTIONS = ("kill", "hang", "exit", "error")
+ACTIONS = ("kill", "hang", "exit", "error", "oom")
 PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "checkpoint_write", "eval",
           "reform")
-USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error; P in "
+USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
 
@@ -65,7 +70,7 @@ USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang
 class RankFailure:
     """A failure the rank triggers in itself."""
 
-    action: Literal["kill", "hang", "exit", "error"]
+    action: Literal["kill", "hang", "exit", "error", "oom"]
     rank: int
     iteration: int
     phase: str = "start"
@@ -262,6 +267,8 @@ class FailureTrigger:
             self._on_fire(spec)
         if spec.action == "error":
             raise InjectedError(f"injected error ({spec})")
+        if spec.action == "oom":
+            raise torch.OutOfMemoryError(f"injected out-of-memory error ({spec})")
         if spec.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.action == "hang":

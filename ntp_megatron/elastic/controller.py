@@ -75,6 +75,9 @@ class Controller:
         self.dead_since_completed: dict[int, tuple[int, int]] = {}
         self.dead: set[int] = set()
         self.failures = 0
+        self.unfit: set[int] = set()
+        """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
+        whole (every slot admitted at once: the launch layout, which fitted)."""
         self.settled: Optional[dict] = None
         self._threads: list[threading.Thread] = []
         store.set(keys.topology(0), json.dumps(topology.to_json()))
@@ -105,6 +108,11 @@ class Controller:
             if found is not None:
                 errors.insert(0, (Death(found[0], found[1]["time"], own_error_cause(found[1]),
                                         error=found[1]["error"]), found[1]))
+        retired: list[int] = []
+        if errors and errors[0][1].get("out_of_memory"):
+            dropping = self._out_of_memory(*errors[0])
+            if dropping is not None:  # absorbed: the replica whose layout did not fit is dropped below
+                errors, retired = [], dropping
         if errors:  # the rank's own error (ntp_megatron.elastic.errors): no re-formation gets past it
             d, error = errors[0]
             reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "
@@ -119,6 +127,7 @@ class Controller:
                 self.store.set(keys.abort(g), "stop")
             return reason
         self.dead.update(d.launch_rank for d in deaths)
+        self.dead.update(retired)
         self.failures += len(deaths)
         old = self.latest
         if self._completed_generation() != old.generation and not abandon_formation(self.store, old.generation):
@@ -135,8 +144,8 @@ class Controller:
             self.settled = {"generation": self.completed.generation, "iteration": in_flight[0],
                             "decision": in_flight[1], "started": in_flight[2]}
         settled = self.settled
-        for d in deaths:
-            self.dead_since_completed[d.launch_rank] = self.identity[d.launch_rank]
+        for launch_rank in [d.launch_rank for d in deaths] + retired:
+            self.dead_since_completed[launch_rank] = self.identity[launch_rank]
         base = self.completed
         dead_ranks = [base.rank_of(*slot) for slot in self.dead_since_completed.values()
                       if base.rank_of(*slot) is not None]
@@ -168,6 +177,30 @@ class Controller:
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
 
+    def _out_of_memory(self, death: Death, report: dict) -> Optional[list[int]]:
+        """A rank ran out of memory. On a rank of a degraded replica (re-forming into it, or training in it) its
+        layout does not fit that device: under policy ``drop_replica`` the replica is dropped — the launch ranks of
+        its other live slots are returned, to retire with it — and the job goes on; otherwise (None) (a healthy replica,
+        whose layout is the launch's own, or policy ``stop`` / ``restart``: a restart would meet the same layout)
+        the job stops naming the error. Either way an ``oom`` event says which policy was taken."""
+        replica, slot = self.identity[death.launch_rank]
+        rep = next((r for r in self.latest.replicas if r.index == replica), None)
+        degraded = rep is not None and rep.width < self.latest.tp_base
+        drop = degraded and self.policy == "drop_replica"
+        retired = [lr for lr, s in self.identity.items()
+                   if s[0] == replica and lr != death.launch_rank and lr not in self.dead
+                   and self.latest.rank_of(*s) is not None] if drop else []
+        self.emit({"kind": "event", "event": "oom", "launch_rank": death.launch_rank, "replica": replica,
+                   "slot": slot, "generation": self.latest.generation, "iteration": report["iteration"],
+                   "phase": report["phase"], "degraded": degraded, "policy": "drop_replica" if drop else "stop",
+                   "retired": retired, "time": time.time()})
+        if drop:
+            self.unfit.add(replica)
+            self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}) ran out of memory at "
+                     f"iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
+                     f"(TP{rep.width}): dropping replica {replica} (ntp.on_unrecoverable: drop_replica)")
+        return retired if drop else None
+
     def _refresh_completed(self) -> None:
         """Catch up with the newest completed generation: survivors hold its layout, and deaths before it are
         part of it."""
@@ -191,9 +224,13 @@ class Controller:
         if self.forming():
             return False
         old = self.latest
-        slots = [self.identity[lr] for lr in launch_ranks if old.rank_of(*self.identity[lr]) is None]
+        launch_ranks = [lr for lr in launch_ranks if old.rank_of(*self.identity[lr]) is None]
+        partial = {r for r in self.unfit if sum(self.identity[lr][0] == r for lr in launch_ranks) < old.tp_base}
+        launch_ranks = [lr for lr in launch_ranks if self.identity[lr][0] not in partial]  # they wait
+        slots = [self.identity[lr] for lr in launch_ranks]
         if not slots:
             return False
+        self.unfit.difference_update(s[0] for s in slots)
         try:
             new = join_topology(old, slots, min_tp=self.min_tp)
         except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet

@@ -18,6 +18,11 @@ generation would come for it, so the rank does not wait for one: it writes ``key
 the error's type and message, where it happened (iteration, phase: :mod:`ntp_megatron.phases`) and when, prints one
 line naming it (with the traceback when it is a bug rather than a condition of the machine), and exits non-zero.
 The controller then stops the job naming the error (:func:`reported_error`), instead of re-forming around it.
+
+Running out of memory is never a peer's failure and is reported at once, without waiting out
+:data:`PEER_GRACE_S`: peers blocked in a collective with this rank are released by the controller's verdict,
+which comes as soon as this rank has exited. Its report says ``out_of_memory``, so that the controller can take
+it for a layout that does not fit (a degraded replica) rather than for a bug.
 """
 
 from __future__ import annotations
@@ -85,10 +90,15 @@ def is_peer_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A device (``torch.OutOfMemoryError``) or the host (``MemoryError``) ran out of memory."""
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+
+
 def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> bool:
     """The rule of the module docstring. ``marked_over(within_s)``: whether the rank's generation is (or, within
     ``within_s`` seconds, becomes) marked over, or the job stopped."""
-    if isinstance(exc, OwnError):
+    if isinstance(exc, OwnError) or is_out_of_memory(exc):
         return False
     if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_peer_failure(exc):
         return True
@@ -111,7 +121,7 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
         try:
             store.set(keys.rank_error(launch_rank), json.dumps(
                 {"error": error, "iteration": iteration, "phase": phase, "time": time.time(),
-                 "echo": isinstance(exc, OwnError) and exc.echo}))
+                 "echo": isinstance(exc, OwnError) and exc.echo, "out_of_memory": is_out_of_memory(exc)}))
         except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
             pass
     if not isinstance(exc, (SystemExit, OwnError, *_CONDITIONS)):

@@ -102,7 +102,8 @@ class ControllerPolicy(NTPPolicy):
         reason = self.controller.handle(deaths)
         if reason is None:
             for d in deaths:
-                self.rejoins.schedule(d.launch_rank)
+                if self.controller.identity[d.launch_rank][0] not in self.controller.unfit:
+                    self.rejoins.schedule(d.launch_rank)  # a replica dropped for memory stays dropped
             return None
         say(reason)
         return self.unrecoverable(reason, deaths)
@@ -121,7 +122,8 @@ class ControllerPolicy(NTPPolicy):
         ready = [lr for lr in c.identity if not self.admitted(lr) and try_check(store, keys.joining(lr))]
         if ready and c.admit(ready):
             for lr in ready:
-                store.delete_key(keys.joining(lr))
+                if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
+                    store.delete_key(keys.joining(lr))
 
     def close(self) -> None:
         self.controller.close()

@@ -176,6 +176,40 @@ def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):
     assert "replica 1 was dropped" in result.stdout
 
 
+ACT_WITHIN_S = 2.0
+"""From a rank's out-of-memory error to the controller's decision (the ``oom`` event); ``parallel.timeout_s`` is 60 s."""
+
+
+@pytest.mark.parametrize("phase, policy", [("reform", "drop_replica"), ("forward", "stop")])
+def test_out_of_memory_in_a_degraded_replica(tmp_path, reference_tp2, phase, policy):
+    """Launch rank 3 dies at iteration 5; its replica re-forms at TP1 and the survivor, launch rank 2, runs out of
+    memory — while re-forming, or in the first iteration at TP1. ``drop_replica``: replica 1 is dropped at once, and
+    replica 0 trains on with the whole global batch (the loss curve unchanged). ``stop``: the job stops at once
+    naming the error. Either way no rank waits for a collective's timeout."""
+    spec = f"oom:rank=2,iter={5 if phase == 'reform' else 6},phase={phase}"
+    args = ntp_args(2, 2, extra=("--set", f"ntp.on_unrecoverable={policy}"))
+    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward",
+                                               "--inject-failure", spec])
+    [oom] = result.events("oom")
+    assert (oom["launch_rank"], oom["replica"], oom["phase"], oom["degraded"], oom["policy"]) == \
+        (2, 1, phase, True, policy)
+    [raised] = [r for r in result.events("rank_failed") if r["launch_rank"] == 2]
+    assert oom["time"] - raised["time"] < ACT_WITHIN_S, f"acted {oom['time'] - raised['time']:.2f} s after the error"
+    assert "Timeout" not in result.stderr and "timed out" not in result.stderr
+    if policy == "drop_replica":
+        assert_same_run(result, reference_tp2)
+        assert_replicas_agree(result, ITERS)
+        records = {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
+        assert records[ITERS]["tp_per_replica"] == [2, 0] and records[ITERS]["global_batch_size"] == 12
+        assert "dropping replica 1 (ntp.on_unrecoverable: drop_replica)" in result.stderr
+    else:
+        assert result.returncode == 1
+        [stopped] = result.events("job_stopped")
+        assert "OutOfMemoryError" in stopped["reason"] and "launch rank 2" in stopped["reason"]
+        assert result.events("job_ended")[0]["time"] - raised["time"] < 10.0
+        assert leftover_processes(result) == []
+
+
 def test_stop_below_min_tp(tmp_path):
     args = ntp_args(2, 2, extra=("--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=stop"))
     result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5"])

@@ -11,6 +11,9 @@ at one iteration boundary for every rank.
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 
 from ntp_megatron.elastic import keys
@@ -266,3 +269,79 @@ def test_a_resumed_run_starts_counting_at_its_checkpoint():
     assert job.commit(0, 11) == [COMMIT, COMMIT]
     assert job.die(1) is None
     assert job.info(1)["settled"]["iteration"] == 12
+
+
+# -- out of memory ----------------------------------------------------------------------------------------------
+
+def _run_out_of_memory(job: Job, launch_rank: int, phase: str = "reform", iteration: int = 3) -> None:
+    """``launch_rank`` reports ``torch.OutOfMemoryError`` as its own error (``errors.report``'s record)."""
+    job.store.set(keys.rank_error(launch_rank), json.dumps(
+        {"error": "OutOfMemoryError: injected", "iteration": iteration, "phase": phase, "time": time.time(),
+         "echo": False, "out_of_memory": True}))
+
+
+def _oom_event(job: Job) -> dict:
+    [event] = [e for e in job.events if e.get("event") == "oom"]
+    return event
+
+
+def test_out_of_memory_in_a_degraded_replica_drops_it_and_the_job_goes_on():
+    """Launch rank 1 of replica 0 (TP2 x 3) died; replica 0 re-forms at TP1 and its survivor runs out of memory
+    doing it: replica 0 is dropped and the next generation builds on generation 0 without both of its slots."""
+    job = _job(2, 3)
+    job.form(0)
+    job.commit(0, 1)
+    assert job.die(1) is None
+    assert [r.width for r in job.topology(1).replicas] == [1, 2, 2]
+    _run_out_of_memory(job, 0)
+    assert job.die(0) is None
+    assert [r.index for r in job.topology(2).replicas] == [1, 2]
+    assert job.info(2)["base"] == 0 and sorted(job.info(2)["dead"]) == _slots(job, 0, 1)
+    event = _oom_event(job)
+    assert (event["launch_rank"], event["replica"], event["phase"], event["policy"], event["degraded"]) == \
+        (0, 0, "reform", "drop_replica", True)
+    assert any("dropping replica 0" in line for line in job.said)
+
+
+def test_out_of_memory_retires_the_other_live_ranks_of_the_dropped_replica():
+    """TP3 x 2: launch rank 2 died, replica 0 re-formed at TP2 and trains; its rank 0 runs out of memory in the
+    first iteration: replica 0 goes, rank 1 (alive) with it, and no replacement brings it back but whole."""
+    job = _job(3, 2)
+    job.form(0)
+    job.commit(0, 1)
+    job.die(2)
+    job.form(1)
+    job.commit(1, 2)
+    _run_out_of_memory(job, 0, phase="forward", iteration=3)
+    assert job.die(0) is None
+    assert [r.index for r in job.topology(2).replicas] == [1]
+    assert _oom_event(job)["retired"] == [1]
+    assert 1 in job.controller.dead
+    job.form(2)
+    job.alive.update({0, 2})
+    assert not job.controller.admit([0, 2]), "two of replica 0's three slots: it stays dropped"
+    assert job.controller.admit([0, 1, 2]) and [r.width for r in job.topology(3).replicas] == [3, 3]
+
+
+@pytest.mark.parametrize("policy", ["stop", "restart"])
+def test_out_of_memory_in_a_degraded_replica_stops_the_job_under_another_policy(policy):
+    job = _job(2, 2, policy=policy)
+    job.form(0)
+    job.commit(0, 1)
+    job.die(1)
+    _run_out_of_memory(job, 0)
+    reason = job.die(0)
+    assert reason is not None and "OutOfMemoryError" in reason and "launch rank 0" in reason
+    assert _oom_event(job)["policy"] == "stop" and job.latest() == 1
+
+
+def test_out_of_memory_in_a_healthy_replica_stops_the_job():
+    """A healthy replica runs the launch's own layout: running out of memory there is no layout to drop."""
+    job = _job(2, 2)
+    job.form(0)
+    job.commit(0, 1)
+    _run_out_of_memory(job, 3, phase="backward", iteration=2)
+    reason = job.die(3)
+    assert reason is not None and "OutOfMemoryError" in reason
+    event = _oom_event(job)
+    assert event["policy"] == "stop" and not event["degraded"]

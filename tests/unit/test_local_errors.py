@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from ntp_megatron import faults, phases
@@ -56,7 +57,7 @@ def test_transport_errors_and_verdicts_are_a_peers_failure_at_once(exc):
 
 
 @pytest.mark.parametrize("exc", [
-    FileExistsError(17, "File exists", "/ckpt"), MemoryError(), KeyError("bug"), faults.InjectedError("injected error"),
+    FileExistsError(17, "File exists", "/ckpt"), KeyError("bug"), faults.InjectedError("injected error"),
     # A rank's own CUDA / NCCL failure and a store wait of ours that timed out: torch.distributed errors, not a
     # peer's death (unless the generation ends).
     dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error"),
@@ -86,6 +87,33 @@ def test_an_error_of_ours_is_own_at_once_whatever_it_quotes():
     start = time.monotonic()
     assert not errors.is_peer_failure(exc) and not errors.caused_by_peer(exc, marked_over(store, 3))
     assert time.monotonic() - start < GRACE_S / 2
+
+
+def test_out_of_memory_is_own_at_once_and_says_so_in_the_report(capsys):
+    """No grace: the peers blocked in a collective with this rank wait for the controller's verdict, which comes
+    once this rank has exited; the report tells the controller it ran out of memory."""
+    store = dist.HashStore()
+    for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()):
+        start = time.monotonic()
+        assert not errors.caused_by_peer(exc, marked_over(store, 3))
+        assert time.monotonic() - start < GRACE_S / 2
+    phases.at_iteration(4)
+    phases.enter("reform")
+    errors.report(store, 1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    record = json.loads(store.get(keys.rank_error(1)))
+    assert record["out_of_memory"] and (record["iteration"], record["phase"]) == (4, "reform")
+    assert "Traceback" not in capsys.readouterr().err  # a condition of the machine
+    errors.report(store, 2, ValueError("a bug"))
+    assert not json.loads(store.get(keys.rank_error(2)))["out_of_memory"]
+
+
+def test_an_injected_out_of_memory_error_raises_torchs_at_its_phase():
+    spec = faults.parse_failure_spec("oom:rank=0,iter=2,phase=reform", world_size=4, train_iters=5)
+    assert str(spec) == "oom:rank=0,iter=2,phase=reform"
+    faults.install(faults.FailureTrigger(0, [spec]))
+    phases.at_iteration(2)
+    with pytest.raises(torch.OutOfMemoryError, match=r"oom:rank=0,iter=2,phase=reform"):
+        phases.point("reform")
 
 
 def test_the_report_names_the_error_where_it_happened(capsys):
