@@ -116,8 +116,9 @@ class ParallelSection(_Section):
     ddp_bucket_size: Optional[int] = Field(None, ge=1)
     """Elements per DDP gradient bucket (Megatron's ``--ddp-bucket-size``); null: Megatron's default."""
     use_distributed_optimizer: bool = False
-    """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group); needs
-    ``ntp.enabled: false``."""
+    """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group). Under NTP it
+    shards each sync group's buckets over the replicas; only healthy replicas so far: no ``ntp.dead_slots``, and
+    a live failure that would leave a replica degraded stops the job."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs Transformer Engine or Apex norms); needs ``ntp.enabled: false``."""
 
@@ -325,16 +326,15 @@ class JobConfig(_Section):
     Rules between keys of different sections (each broken one is a one-line error):
 
     - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
-    - with ``ntp.enabled``: no ``parallel.use_distributed_optimizer``, ``parallel.sequence_parallel`` or
-      ``training.precision: fp16``; ``model.transformer_impl: local``; the starting topology is valid (dead slots
-      inside the grid, no replica below ``ntp.min_tp``, at least ``parallel.tensor_model_parallel_size`` units in
-      every family: query groups, FFN units, vocabulary rows); no ``checkpoint.async_save``;
+    - with ``ntp.enabled``: no ``parallel.sequence_parallel`` or ``training.precision: fp16``; no ``ntp.dead_slots``
+      with ``parallel.use_distributed_optimizer``; ``model.transformer_impl: local``; the starting topology is valid
+      (dead slots inside the grid, no replica below ``ntp.min_tp``, at least ``parallel.tensor_model_parallel_size``
+      units in every family: query groups, FFN units, vocabulary rows); no ``checkpoint.async_save``;
     - without NTP: no ``ntp.dead_slots`` or ``ntp.dropped_replicas``, and ``model.num_attention_heads`` and the
       query groups divisible by ``parallel.tensor_model_parallel_size``;
     - ``training.lr_warmup_iters`` below the decay length (``training.lr_decay_iters``, else ``train_iters``);
     - evaluation on indexed data needs a validation share in ``data.split``;
     - ``checkpoint.save_interval`` needs ``checkpoint.save``; ``ntp.on_unrecoverable: restart`` needs both;
-    - ``logging.state_checksums`` and ``logging.dump_state`` exclude ``parallel.use_distributed_optimizer``;
     - ``ntp.heartbeat_timeout_s`` above ``ntp.heartbeat_interval_s``; ``ntp.min_tp`` at most
       ``parallel.tensor_model_parallel_size``.
     """
@@ -394,10 +394,6 @@ class JobConfig(_Section):
                              "give it one (e.g. data.split: 98,2,0) or set training.eval_iters: 0")
         if self.checkpoint.save_interval and not self.checkpoint.save:
             raise ValueError("checkpoint.save_interval needs checkpoint.save (a directory)")
-        if self.parallel.use_distributed_optimizer and (self.logging.state_checksums or self.logging.dump_state):
-            key = "logging.state_checksums" if self.logging.state_checksums else "logging.dump_state"
-            raise ValueError(f"{key} does not cover parallel.use_distributed_optimizer's sharded optimizer state "
-                             "yet; switch one of them off")
         if self.checkpoint.async_save and self.ntp.enabled:
             raise ValueError("checkpoint.async_save is not supported with ntp.enabled yet (a re-formation cannot "
                              "drop a pending background save cleanly): set ntp.enabled: false or "
@@ -413,13 +409,12 @@ class JobConfig(_Section):
         return self
 
     def _check_ntp(self) -> None:
-        unsupported = {
-            "parallel.use_distributed_optimizer": self.parallel.use_distributed_optimizer,
-            "parallel.sequence_parallel": self.parallel.sequence_parallel,
-        }
-        for key, on in unsupported.items():
-            if on:
-                raise ValueError(f"{key} is not supported with ntp.enabled yet; switch one of them off")
+        if self.parallel.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel is not supported with ntp.enabled yet; switch one of them off")
+        if self.parallel.use_distributed_optimizer and self.ntp.dead_slots:
+            raise ValueError("ntp.dead_slots must be empty ([]) with parallel.use_distributed_optimizer: true: the "
+                             "distributed optimizer runs healthy replicas only so far (no degraded replica at "
+                             "launch); set parallel.use_distributed_optimizer: false to start degraded")
         if self.training.precision == "fp16":
             raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
                              "reduces over the replica inside the optimizer step, after the commit point): use "

@@ -31,6 +31,26 @@ Rules every member of a group follows, whatever its own layout:
   (parameter, block), each cell computed on a slot-shaped buffer that is bitwise the same in every replica,
   summed over the replica (one non-zero entry per cell, so the sum is exact) and finished with ``fsum``:
   bit-identical on every rank of every replica, hence so are clipping and the update.
+
+Under Megatron's distributed optimizer (``use_distributed_optimizer``) the same buckets are reduce-scattered over
+the sync group (the group each buffer shards over: upstream's ``intra_distributed_optimizer_instance_group``), so
+after the sync only this rank's shard of each bucket holds reduced gradients, and after the optimizer step only
+that shard of the parameters is updated:
+
+* The grad norm's table has a cell per (block, position in the group) for TP-split pieces, and one per position
+  for replicated pieces (block 0's only, so each is counted once), filled from the shards of ``grad_data``
+  (:func:`shard_square_sums`), summed over the replica and then over the group (again one non-zero entry per
+  cell) and finished with ``fsum``.
+* The optimizer's step is local (:func:`ntp_megatron.patches.optimizer_distrib_optimizer.defer_param_sync`); the
+  parameter all-gather that makes every rank's parameters whole again is :meth:`GradSync.param_gather`, a step
+  of its own after the optimizer's.
+* With uneven blocks a broadcast of replicated gradients would overwrite the receiver's reduced shard with the
+  sender's unreduced elements; instead block 0's member broadcasts the replicated *parameters* after the
+  gather. With fp32 parameters the optimizer's shard is a view of them, so every slot then steps from block 0's
+  values; the Adam moments (and bf16's fp32 main params) of replicated elements on other slots are summed in
+  their own order and may differ from block 0's in the last bits, but never reach the model: block 0's copy is
+  the state (:meth:`GradSync.replicated_state_source`). (A sum over two replicas is the same in any order, so
+  with two replicas even those agree.)
 """
 
 from __future__ import annotations
@@ -48,6 +68,7 @@ from ntp_megatron import phases
 from ntp_megatron.groups import NTPGroups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
+from ntp_megatron.shard_layout import Bucket, BufferLayout, ParamPlace, shard_pieces
 
 # Attributes Megatron's DDP and optimizer read from a parameter; a shadow parameter carries them too.
 _PARAM_ATTRS = ("allreduce", "shared_embedding", "tensor_model_parallel", "partition_dim", "partition_stride",
@@ -131,6 +152,32 @@ def _unit_view(tensor: torch.Tensor, shard: UnitShard, units: int) -> torch.Tens
     return tensor.view(shard.outer, units, shard.inner)
 
 
+def buffer_layout_of(buffer) -> tuple[BufferLayout, dict[str, torch.nn.Parameter]]:
+    """The geometry of one of Megatron's ``_ParamAndGradBuffer`` objects as :mod:`ntp_megatron.shard_layout`
+    describes it (parameters named by their place in the buffer), and those names' parameters."""
+    order = sorted(buffer.param_index_map.items(), key=lambda item: item[1][0])
+    params = {f"{start}": param for param, (start, _, _) in order}
+    places = tuple(ParamPlace(f"{start}", start, end, bucket) for _, (start, end, bucket) in order)
+    buckets = tuple(Bucket(b.offset, b.grad_data.numel(), b.numel_unpadded) for b in buffer.buckets)
+    return BufferLayout(places, buckets), params
+
+
+def shard_square_sums(buffers, split: set[int], position: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 sums of squared gradients in position ``position``'s shard (of ``size``) of every bucket of
+    ``buffers`` (Megatron's ``_ParamAndGradBuffer``): over the pieces of TP-split parameters (``split``: their
+    ids) and over those of replicated ones. Bucket by bucket, pieces in buffer order: the same order on every rank
+    that holds the same buffers."""
+    device = buffers[0].grad_data.device
+    sums = {True: torch.zeros((), dtype=torch.float64, device=device),
+            False: torch.zeros((), dtype=torch.float64, device=device)}
+    for buffer in buffers:
+        layout, params = buffer_layout_of(buffer)
+        for piece in shard_pieces(layout, size, position):
+            grad = buffer.grad_data[piece.buffer_start:piece.buffer_start + piece.end - piece.start]
+            sums[id(params[piece.name]) in split] += grad.double().pow(2).sum()
+    return sums[True], sums[False]
+
+
 class _Shadow:
     """Slot-shaped buckets of one block on a degraded rank: Megatron's DDP over a meta module."""
 
@@ -189,6 +236,12 @@ class GradSync:
             if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_shard"):
                 raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
         self._by_name = dict(self.params)
+        self.ddp = model
+        self.distributed_optimizer = bool(ddp_config.use_distributed_optimizer)
+        if self.distributed_optimizer and (ddp_config.overlap_param_gather or not groups.healthy):
+            # Refused by the config (degraded replicas) or not configurable (overlap_param_gather): a backstop.
+            raise ValueError("the distributed optimizer under NTP supports healthy replicas without "
+                             "overlap_param_gather only")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}
@@ -308,13 +361,39 @@ class GradSync:
             finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         else:
             self._sync_degraded(num_tokens)
-        if self.uneven and self.replicated and self.groups.tp.size() > 1:
-            flat = torch.cat([p.main_grad.reshape(-1) for _, p in self.replicated])
-            dist.broadcast(flat, src=self.block0_member, group=self.groups.tp)
-            offset = 0
-            for _, param in self.replicated:
-                param.main_grad.view(-1).copy_(flat[offset:offset + param.numel()])
-                offset += param.numel()
+        if self._replicated_from_block0 and not self.distributed_optimizer:
+            self._broadcast_from_block0([p.main_grad for _, p in self.replicated])
+
+    @property
+    def _replicated_from_block0(self) -> bool:
+        return self.uneven and bool(self.replicated) and self.groups.tp.size() > 1
+
+    def _broadcast_from_block0(self, tensors: list[torch.Tensor]) -> None:
+        """Block 0's member's values of ``tensors`` (one per replicated parameter) on every rank of the replica."""
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        dist.broadcast(flat, src=self.block0_member, group=self.groups.tp)
+        offset = 0
+        for tensor in tensors:
+            tensor.view(-1).copy_(flat[offset:offset + tensor.numel()])
+            offset += tensor.numel()
+
+    @torch.no_grad()
+    def param_gather(self) -> None:
+        """Under the distributed optimizer, after the (local) optimizer step: every member's updated shard of each
+        bucket to the other members of its group (upstream's synchronous all-gather, which the step left out),
+        then, with uneven blocks, the replicated parameters from block 0's member. Idempotent given the shards;
+        nothing to do without the distributed optimizer."""
+        if not self.distributed_optimizer:
+            return
+        self.ddp.start_param_sync(force_sync=True)
+        if self._replicated_from_block0:
+            self._broadcast_from_block0([p.data for _, p in self.replicated])
+
+    def replicated_state_source(self) -> Optional[int]:
+        """The rank whose optimizer state of replicated parameters is the replica's, where slots' copies may
+        differ in the last bits (uneven blocks under the distributed optimizer: see the module docstring);
+        None where every slot's copy is the same."""
+        return self.block0_member if self._replicated_from_block0 and self.distributed_optimizer else None
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over replicas of a value every rank of a replica holds alike (each replica counted once):
@@ -342,6 +421,8 @@ class GradSync:
     @torch.no_grad()
     def _grad_norm(self) -> float:
         """The global L2 norm of the synced gradients, bit-identical on every rank of every replica."""
+        if self.distributed_optimizer:
+            return self._shard_grad_norm()
         n_split = len(self.split)
         table = torch.zeros(n_split * self.tp_base + len(self.replicated), dtype=torch.float64,
                             device=self._device)
@@ -358,3 +439,30 @@ class GradSync:
                 table[n_split * self.tp_base + j] = param.main_grad.double().pow(2).sum()
         dist.all_reduce(table, group=self.groups.tp)
         return math.sqrt(math.fsum(table.tolist()))
+
+    def _shard_sources(self) -> list[tuple[int, list]]:
+        """(block, Megatron buffers holding that block's reduced shards) for every block this rank serves."""
+        return [(self.members[0], self.ddp.buffers)]
+
+    def _shard_grad_norm(self) -> float:
+        """The norm from the reduced shards (distributed optimizer): a cell per (block, position) of TP-split
+        pieces, and per position of replicated pieces of block 0; each cell filled by the one rank that holds
+        it, summed over the replica (TP group) and then over the sync group, which the buffers shard over."""
+        sources = self._shard_sources()
+        groups = [buffers[0].data_parallel_group for _, buffers in sources]
+        size = groups[0].size()
+        split = {id(p) for name, p in self.params if hasattr(p, "ntp_shard")}
+        table = torch.zeros(self.tp_base * size + size, dtype=torch.float64, device=self._device)
+        for (block, buffers), group in zip(sources, groups):
+            position = group.rank()
+            split_sq, replicated_sq = shard_square_sums(buffers, split, position, size)
+            table[block * size + position] = split_sq
+            if block == 0:
+                table[self.tp_base * size + position] = replicated_sq
+        dist.all_reduce(table, group=self.groups.tp)
+        summed = None
+        for group in groups:  # one per sync group this rank is a member of; all sums are equal
+            reduced = table.clone()
+            dist.all_reduce(reduced, group=group)
+            summed = reduced if summed is None else summed
+        return math.sqrt(math.fsum(summed.tolist()))

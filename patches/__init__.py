@@ -56,6 +56,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         dist_checkpointing_validation,
         distributed_data_parallel,
         distributed_param_and_grad_buffer,
+        optimizer_distrib_optimizer,
         optimizer_grad_norm,
         torch_distributed_work,
     )
@@ -65,6 +66,9 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     distributed_param_and_grad_buffer.apply()
     distributed_data_parallel.apply()
     optimizer_grad_norm.apply()
+    # The distributed optimizer's parameter all-gather can be left to the caller (NTP: after the commit point the
+    # step must be local); upstream's step for every optimizer that does not ask.
+    optimizer_distrib_optimizer.apply()
     # An upstream bug fix: loss masks must not depend on which sample a process read first.
     datasets_gpt_dataset.apply()
     # Checkpoints of uneven (NTP) shardings: chunks with a layer axis that DCP can store, and the exactly-once
@@ -76,13 +80,13 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     # Where a rank collects its checkpoint writes: the phase checkpoint_write of --inject-failure.
     dist_checkpointing_filesystem_async.apply_write_point()
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
-                     "datasets_gpt_dataset", "dist_checkpointing_checkpointable", "dist_checkpointing_validation",
-                     "torch_distributed_work", "dist_checkpointing_filesystem_async (write point)"])
+                     "optimizer_distrib_optimizer (deferrable param gather)", "datasets_gpt_dataset",
+                     "dist_checkpointing_checkpointable", "dist_checkpointing_validation", "torch_distributed_work",
+                     "dist_checkpointing_filesystem_async (write point)"])
     if cpu:
         from ntp_megatron.patches import (
             cpu_shim,
             optimizer_clip_grads,
-            optimizer_distrib_optimizer,
             optimizer_grad_scaler,
             optimizer_optimizer,
             tensor_parallel_random,
@@ -92,11 +96,11 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         tensor_parallel_random.apply()
         optimizer_clip_grads.apply()
         optimizer_optimizer.apply()  # bf16 / fp16: upstream accepts CUDA tensor types only
-        optimizer_distrib_optimizer.apply()
+        optimizer_distrib_optimizer.apply_cpu()
         optimizer_grad_scaler.apply()  # fp16 checkpoints: the loss scale restored without .cuda()
         dist_checkpointing_filesystem_async.apply()  # a forked, not spawned, results queue for checkpoint writes
         _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads", "optimizer_optimizer",
-                         "optimizer_distrib_optimizer", "optimizer_grad_scaler",
+                         "optimizer_distrib_optimizer (CPU types)", "optimizer_grad_scaler",
                          "dist_checkpointing_filesystem_async"])
     from ntp_megatron.patches import optimizer_param_groups
 

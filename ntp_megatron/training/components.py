@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron.config import JobConfig
 from ntp_megatron.grad_sync import GradSync, release_ddp
+from ntp_megatron.patches.optimizer_distrib_optimizer import defer_param_sync
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
 from ntp_megatron.training import model as model_lib
 from ntp_megatron.training.parallel import ParallelSetup
@@ -25,6 +26,13 @@ class Components:
     model: Any       # megatron.core.distributed.DistributedDataParallel
     optimizer: Any   # megatron.core.optimizer.MegatronOptimizer
     scheduler: OptimizerParamScheduler
+
+    def param_gather(self) -> None:
+        """The collective part of an optimizer step that NTP keeps out of ``optimizer.step()``: the parameter
+        all-gather of the distributed optimizer (nothing to do otherwise, and with NTP off upstream's step
+        gathers itself)."""
+        if self.setup.grad_sync is not None:
+            self.setup.grad_sync.param_gather()
 
     def release(self) -> None:
         """Drop what these objects hold beyond themselves (called on objects a re-formation replaced)."""
@@ -51,6 +59,9 @@ def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
         # The norm override returns the global norm; a chain of several would combine it several times.
         raise SystemExit("NTP's grad norm override expects a single optimizer (expert parameters?)")
     carry_ntp_attributes(optimizer)
+    if setup.topology is not None and p.use_distributed_optimizer:
+        # The step after the commit point must be local: the loop gathers the parameters itself (param_gather).
+        defer_param_sync(optimizer)
     # As Megatron-LM's training loop: the schedule scales the loss by the optimizer's loss scale (fp16's
     # dynamic scale; 1 otherwise), and the optimizer unscales the gradients by it.
     tf_config.grad_scale_func = optimizer.scale_loss

@@ -123,12 +123,16 @@ class Trainer:
         phases.point("optimizer")
         return self.complete_step()
 
-    def complete_step(self) -> dict[str, Any]:
-        """The local part of a committed iteration: the optimizer step; returns the iteration's record."""
+    def complete_step(self, gather: bool = True) -> dict[str, Any]:
+        """A committed iteration after its commit point: the optimizer step (local), then, as a step of its own,
+        the parameter all-gather the distributed optimizer needs under NTP (``gather=False``: left to the
+        re-formation that follows a roll-forward, in its new groups); returns the iteration's record."""
         record = self.pending
         self.pending = None
         parts = self.parts
         update_ok, grad_norm, _ = parts.optimizer.step()
+        if gather:
+            parts.param_gather()
         parts.scheduler.step(increment=self.cfg.training.global_batch_size)
         self.iteration = record["iteration"]
         self.consumed_samples += record["global_batch_size"]
@@ -147,7 +151,7 @@ class Trainer:
 
     def settle(self, committed: bool) -> None:
         if committed:
-            self.report(self.complete_step())
+            self.report(self.complete_step(gather=False))  # the old generation's groups are broken
         else:
             self.pending = None
 
