@@ -33,7 +33,7 @@ from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
-from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
+from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, OwnError, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
@@ -59,6 +59,23 @@ def settle_voted(training: Training, commit: CommitProtocol, await_newer: Callab
     training.settle(committed)
     if committed:
         logger.info("iteration %d was committed before the failure: stepped it", iteration)
+
+
+def distributed_optimizer_refusal(cfg: JobConfig, launch: Topology, topology: Topology) -> Optional[str]:
+    """Why this process cannot form ``topology`` under the distributed optimizer, or None. Only healthy replicas
+    train with it so far, and with one copy of each optimizer shard a replica that loses a rank (degraded) or
+    is dropped has lost state nothing else holds: such a generation stops the job, in one line, at once."""
+    if not cfg.parallel.use_distributed_optimizer:
+        return None
+    what = [f"replica {rep.index} at TP {rep.width} of {topology.tp_base}" for rep in topology.replicas
+            if rep.width < topology.tp_base]
+    kept = {rep.index for rep in topology.replicas}
+    what += [f"replica {rep.index} dropped" for rep in launch.replicas if rep.index not in kept]
+    if not what:
+        return None
+    return (f"generation {topology.generation} would leave {', '.join(what)}: parallel.use_distributed_optimizer "
+            "under NTP trains healthy replicas only so far (a degraded or dropped replica's optimizer shards are not "
+            "recovered live yet); the job stops: resume from a checkpoint (checkpoint.load)")
 
 
 class Reformer:
@@ -162,6 +179,9 @@ class Reformer:
             raise RuntimeError(f"generation {topology.generation} builds on generation {info['base']}, but this "
                                f"process holds generation {base.generation}")
         dead = [base.rank_of(r, s) for r, s in info["dead"] if base.rank_of(r, s) is not None]
+        refusal = distributed_optimizer_refusal(cfg, elastic.topology(0), topology)
+        if refusal is not None:
+            raise OwnError(refusal)
         generation = elastic.join(topology)
         self.generation = generation
         with elastic.scope(generation):

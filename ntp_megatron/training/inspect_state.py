@@ -3,6 +3,10 @@
 Every replica, whatever its layout, can rebuild each TP-split tensor in global unit order by gathering its
 ranks' units; comparing those tensors (or their checksums) across replicas and across runs is how the
 tests check that NTP computes the same model as uniform TP and TP1, and that replicas stay identical.
+
+Under Megatron's distributed optimizer a rank holds its shard of each bucket's optimizer state only: each
+bucket's state is first all-gathered over the group the buffer shards over (one bucket at a time), which gives
+every rank its slot's whole tensors, then gathered over TP as without it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.ntp_gpt import family_geometry
@@ -80,14 +85,82 @@ def covered_tensors(model, optimizer) -> dict[str, tuple[str, torch.Tensor, torc
     return out
 
 
-def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int) -> dict[str, torch.Tensor]:
+def _distributed_part(optimizer) -> Optional[DistributedOptimizer]:
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(isinstance(part, DistributedOptimizer) for part in parts):
+        return None
+    if len(parts) != 1:
+        raise UncoveredState("the state of a chain of distributed optimizers is not gathered")
+    return parts[0]
+
+
+def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str, ...]
+                         ) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
+    """What :func:`covered_tensors` returns, for Megatron's distributed optimizer: each parameter's optimizer
+    tensors (``name.main_param`` for bf16 / fp16, and ``name.<key>``) at the parameter's shape, every bucket's
+    shards all-gathered over the group its buffer shards over (collective over that group)."""
+    out: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
+    names = {param: name for name, param in model.module.named_parameters()}
+    has_state = bool(optimizer.optimizer.state)
+    sharded = {param for buffer in optimizer.buffers for param in buffer.param_index_map}
+    for name, param in model.module.named_parameters():
+        out[name] = (name, param.data, param)
+        if param.requires_grad and param not in sharded:  # the shards of a buffer tile it: every position's
+            raise UncoveredState(f"{name}: the optimizer does not step this parameter")
+    for gbuf_index, buffer in enumerate(optimizer.buffers):
+        group = buffer.data_parallel_group
+        size = group.size()
+        ranges = optimizer.gbuf_ranges[gbuf_index][(buffer.param_dtype, buffer.grad_dtype)]
+        main = buffer.param_dtype != torch.float32  # fp32: the optimizer steps views of the parameters themselves
+        wanted = (("param",) if main else ()) + (keys if has_state else ())
+        if not wanted:
+            continue
+        for bucket_index, bucket in enumerate(buffer.buckets):
+            shard = bucket.grad_data.numel() // size
+            local = torch.zeros(len(wanted), shard, dtype=torch.float32, device=bucket.grad_data.device)
+            for param, where in ranges[bucket_index]["param_map"].items():
+                tensors = optimizer._get_main_param_and_optimizer_states(param)
+                piece = where["gbuf_local"]
+                for i, key in enumerate(wanted):
+                    if key not in tensors:
+                        raise UncoveredState(f"{names[param]}: optimizer state {key!r} missing")
+                    local[i, piece.start:piece.end] = tensors[key].detach().reshape(-1)
+            parts = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(parts, local, group=group)
+            full = torch.cat(parts, dim=1)  # [key, bucket element]
+            for param in bucket.params_list:
+                start, end, _ = buffer.param_index_map[param]
+                start, end = start - bucket.offset, end - bucket.offset
+                name = names[param]
+                for i, key in enumerate(wanted):
+                    label = f"{name}.main_param" if key == "param" else f"{name}.{key}"
+                    out[label] = (name, full[i, start:end].reshape(param.shape), param)
+    return out
+
+
+def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int,
+               replicated_state_source: Optional[int] = None) -> dict[str, torch.Tensor]:
     """``name`` → full parameter, ``name.main_param`` → its full fp32 main param (bf16 / fp16), and
     ``name.exp_avg`` / ``name.exp_avg_sq`` → full Adam moments (all flattened). Collective over the replica's
-    TP group."""
+    TP group (and, under the distributed optimizer, over each buffer's data-parallel group).
+    ``replicated_state_source``: the rank of the TP group whose optimizer state of replicated parameters is the
+    replica's (where slots' copies may differ: :meth:`ntp_megatron.grad_sync.GradSync.replicated_state_source`);
+    the parameters themselves are always each rank's own."""
+    distributed = _distributed_part(optimizer)
+    if distributed is not None:
+        tensors = gathered_shard_state(model, distributed, state_keys(optimizer.config.optimizer))
+    else:
+        tensors = covered_tensors(model, optimizer)
     out: dict[str, torch.Tensor] = {}
-    for key, (name, tensor, owner) in covered_tensors(model, optimizer).items():
+    for key, (name, tensor, owner) in tensors.items():
         shard = shard_of(name, owner, tf_config, num_units, tp_rank, tp_group.size())
-        out[key] = tensor.detach().cpu().reshape(-1).clone() if shard is None else _gather_full(tensor, shard, tp_group)
+        if shard is not None:
+            out[key] = _gather_full(tensor, shard, tp_group)
+            continue
+        flat = tensor.detach().reshape(-1).clone()
+        if replicated_state_source is not None and key != name:
+            dist.broadcast(flat, src=replicated_state_source, group=tp_group)
+        out[key] = flat.cpu()
     return out
 
 

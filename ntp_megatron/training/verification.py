@@ -34,7 +34,9 @@ class StateChecks:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         p, s = self.trainer.parts, self.trainer.setup
-        return full_state(p.model, p.optimizer, p.tf_config, self.trainer.cfg.unit_counts(), s.pg.tp, s.tp_rank)
+        source = s.grad_sync.replicated_state_source() if s.grad_sync is not None else None
+        return full_state(p.model, p.optimizer, p.tf_config, self.trainer.cfg.unit_counts(), s.pg.tp, s.tp_rank,
+                          replicated_state_source=source)
 
     def step_done(self, record: dict[str, Any]) -> None:
         self.stepped = (record["iteration"], record["grad_norm"])
