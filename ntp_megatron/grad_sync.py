@@ -49,8 +49,8 @@ that shard of the parameters is updated:
   gather. With fp32 parameters the optimizer's shard is a view of them, so every slot then steps from block 0's
   values; the Adam moments (and bf16's fp32 main params) of replicated elements on other slots are summed in
   their own order and may differ from block 0's in the last bits, but never reach the model: block 0's copy is
-  the state (:meth:`GradSync.replicated_state_source`). (A sum over two replicas is the same in any order, so
-  with two replicas even those agree.)
+  the state (:meth:`GradSync.replicated_state_source`). A sum of two terms is the same in either order, so with
+  two replicas every slot's copy is exactly block 0's.
 """
 
 from __future__ import annotations
@@ -391,9 +391,12 @@ class GradSync:
 
     def replicated_state_source(self) -> Optional[int]:
         """The rank whose optimizer state of replicated parameters is the replica's, where slots' copies may
-        differ in the last bits (uneven blocks under the distributed optimizer: see the module docstring);
-        None where every slot's copy is the same."""
-        return self.block0_member if self._replicated_from_block0 and self.distributed_optimizer else None
+        differ in the last bits (uneven blocks under the distributed optimizer, more than two replicas: see the
+        module docstring); None where every slot's copy is the same."""
+        replicas = self.groups.sync[self.members[0]].size()
+        if self._replicated_from_block0 and self.distributed_optimizer and replicas > 2:
+            return self.block0_member
+        return None
 
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over replicas of a value every rank of a replica holds alike (each replica counted once):

@@ -52,6 +52,8 @@ class Case:
     bucket_size: Optional[int]
     clip_grad: float
     micro_batches: int
+    dist_opt: bool = False
+    """Megatron's distributed optimizer (healthy topologies only: no dead slots)."""
 
     @property
     def heads(self) -> int:
@@ -89,6 +91,8 @@ class Case:
         }
         if self.bucket_size is not None:
             sets["parallel.ddp_bucket_size"] = self.bucket_size
+        if self.dist_opt:
+            sets["parallel.use_distributed_optimizer"] = "true"
         if self.dead:
             sets["ntp.dead_slots"] = "[" + ",".join(f"{r}:{s}" for r, s in self.dead) + "]"
         return self.model_args() + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
@@ -121,6 +125,7 @@ def cases(draw) -> Case:
     overlap = draw(st.booleans())
     # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
     bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
+    dist_opt = draw(st.booleans()) if not dead else False
     return Case(
         tp_base=tp_base, dp=dp, dead=tuple(sorted(dead)),
         num_layers=draw(st.integers(1, 3)), query_groups=query_groups, heads_per_group=heads_per_group,
@@ -129,7 +134,7 @@ def cases(draw) -> Case:
         position=draw(st.sampled_from(["learned_absolute", "rope"])),
         normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])), untie=draw(st.booleans()),
         activation=activation, overlap=overlap, bucket_size=bucket_size,
-        clip_grad=draw(st.sampled_from([0.05, 1.0])), micro_batches=draw(st.integers(1, 2)),
+        clip_grad=draw(st.sampled_from([0.05, 1.0])), micro_batches=draw(st.integers(1, 2)), dist_opt=dist_opt,
     )
 
 

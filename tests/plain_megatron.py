@@ -18,7 +18,8 @@ each iteration's lm loss, grad norm and learning rate: the independent reference
 ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
 (``num_distributed_optimizer_instances``: reduce-scatter inside each of k instances of N/k replicas, all-reduce
 across them, so every optimizer shard lives on k ranks), ``--overlap`` (``overlap_grad_reduce``) and
-``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
+``--bucket-size``. ``--records FILE`` writes each iteration's lm loss, grad norm and learning rate at any TP
+(``--out`` holds only the losses unless ``--state`` is given). ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
 moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
 compared. With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
@@ -385,6 +386,8 @@ def run_train(rank: int, layout: Layout, args) -> None:
     moments = whole_moments(model, dist_opt, layout.dist_opt) if args.state else None
     if rank != 0:
         return
+    if args.records:
+        Path(args.records).write_text(json.dumps(records))
     if args.state:
         assert layout.tp == 1, "--state writes whole tensors: TP1 only"
         full = {}
@@ -481,6 +484,8 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", action="store_true", help="train: overlap_grad_reduce")
     parser.add_argument("--bucket-size", type=int, default=None, help="train: DDP bucket size (elements)")
     parser.add_argument("--micro-batch", type=int, default=MICRO, help="train: micro-batch size")
+    parser.add_argument("--records", default="",
+                        help="train: write each iteration's lm loss, grad norm and learning rate here (any TP)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
     args = parser.parse_args(argv)

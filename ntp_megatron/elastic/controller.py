@@ -289,9 +289,13 @@ class Controller:
         deadline = time.monotonic() + wait_s
         aware: list[float] = []
         missing = survivors
+        stopped = False
         while time.monotonic() < deadline:
             survivors = [lr for lr in survivors if lr not in self.dead]  # one that died meanwhile cannot notice
             try:
+                if self.store.check([keys.STOP]):  # the job stops: the survivors are being ended, not noticing
+                    stopped = True
+                    break
                 missing = [lr for lr in survivors if not self.store.check([keys.aware(old.generation, lr)])]
                 if not missing:
                     aware = [float(self.store.get(keys.aware(old.generation, lr)).decode()) for lr in survivors]
@@ -299,7 +303,7 @@ class Controller:
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return
             time.sleep(0.01)
-        if missing and wait_s > 0:
+        if missing and wait_s > 0 and not stopped:
             self.say(f"launch ranks {missing} did not notice the failure within {AWARE_WAIT_S:.0f} s; "
                      "their stacks follow")
             self.dump_stacks(missing)

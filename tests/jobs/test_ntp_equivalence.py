@@ -1,10 +1,10 @@
 """Nonuniform TP computes plain Megatron-Core's function: a property test over drawn topologies (1–3 replicas,
 tp_base 1–4, any dead slots, at most 8 ranks), GPT options (layers, uneven head and query-group counts, RoPE or
 learned positions, LayerNorm or RMSNorm, tied or untied embeddings, gelu/swiglu/squared_relu, vocab sizes no
-width divides), DDP bucket sizes and overlap on/off. Each case runs a real multi-process NTP job and Megatron-Core
-at TP1 (this project's stack, NTP off) on the same samples, and compares lm loss and grad norm at every
-iteration, all parameters and Adam moments at the end, and every TP rank's checksums of the replica state after
-every iteration.
+width divides), DDP bucket sizes and overlap on/off, Megatron's distributed optimizer on/off (healthy topologies).
+Each case runs a real multi-process NTP job and Megatron-Core at TP1 (this project's stack, NTP off) on the same
+samples, and compares lm loss and grad norm at every iteration, all parameters and Adam moments at the end, and
+every TP rank's checksums of the replica state after every iteration.
 
 That TP1 reference is anchored once against code that shares nothing with this project:
 :func:`test_ntp_equals_independent_plain_megatron_tp1` compares an NTP job with ``tests/plain_megatron.py``, plain
