@@ -18,13 +18,13 @@ each iteration's lm loss, grad norm and learning rate: the independent reference
 ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
 (``num_distributed_optimizer_instances``: reduce-scatter inside each of k instances of N/k replicas, all-reduce
 across them, so every optimizer shard lives on k ranks), ``--overlap`` (``overlap_grad_reduce``) and
-``--bucket-size``. ``--records FILE`` writes each iteration's lm loss, grad norm and learning rate at any TP
-(``--out`` holds only the losses unless ``--state`` is given). ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
+``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
 moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
 compared. With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
-all-gather.
+all-gather. ``--records FILE`` writes each iteration's lm loss, grad norm and learning rate at any TP (``--out``
+holds only the losses unless ``--state`` is given).
 
 Groups: ``parallel_state.initialize_model_parallel`` builds the one-instance grid (its k > 1 path imports
 einops); the partial groups of k > 1 are made here with ``new_group`` by Megatron's rule
