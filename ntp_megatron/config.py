@@ -117,8 +117,8 @@ class ParallelSection(_Section):
     """Elements per DDP gradient bucket (Megatron's ``--ddp-bucket-size``); null: Megatron's default."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group). Under NTP it
-    shards each sync group's buckets over the replicas; only healthy replicas so far: no ``ntp.dead_slots``, and
-    a live failure that would leave a replica degraded stops the job."""
+    shards each sync group's buckets over the replicas; only healthy replicas so far (no ``ntp.dead_slots``; a
+    live failure that would leave a replica degraded stops the job) and no checkpoints yet."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs Transformer Engine or Apex norms); needs ``ntp.enabled: false``."""
 
@@ -327,9 +327,10 @@ class JobConfig(_Section):
 
     - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
     - with ``ntp.enabled``: no ``parallel.sequence_parallel`` or ``training.precision: fp16``; no ``ntp.dead_slots``
-      with ``parallel.use_distributed_optimizer``; ``model.transformer_impl: local``; the starting topology is valid
-      (dead slots inside the grid, no replica below ``ntp.min_tp``, at least ``parallel.tensor_model_parallel_size``
-      units in every family: query groups, FFN units, vocabulary rows); no ``checkpoint.async_save``;
+      or ``checkpoint.save`` / ``load`` with ``parallel.use_distributed_optimizer``; ``model.transformer_impl:
+      local``; the starting topology is valid (dead slots inside the grid, no replica below ``ntp.min_tp``, at least
+      ``parallel.tensor_model_parallel_size`` units in every family: query groups, FFN units, vocabulary rows); no
+      ``checkpoint.async_save``;
     - without NTP: no ``ntp.dead_slots`` or ``ntp.dropped_replicas``, and ``model.num_attention_heads`` and the
       query groups divisible by ``parallel.tensor_model_parallel_size``;
     - ``training.lr_warmup_iters`` below the decay length (``training.lr_decay_iters``, else ``train_iters``);
@@ -415,6 +416,11 @@ class JobConfig(_Section):
             raise ValueError("ntp.dead_slots must be empty ([]) with parallel.use_distributed_optimizer: true: the "
                              "distributed optimizer runs healthy replicas only so far (no degraded replica at "
                              "launch); set parallel.use_distributed_optimizer: false to start degraded")
+        if self.parallel.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load):
+            key = "checkpoint.save" if self.checkpoint.save else "checkpoint.load"
+            raise ValueError(f"{key} is not supported with parallel.use_distributed_optimizer under ntp.enabled yet "
+                             "(its sharded optimizer state is not written or read): unset it, or set "
+                             "parallel.use_distributed_optimizer: false")
         if self.training.precision == "fp16":
             raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
                              "reduces over the replica inside the optimizer step, after the commit point): use "

@@ -75,7 +75,7 @@ def distributed_optimizer_refusal(cfg: JobConfig, launch: Topology, topology: To
         return None
     return (f"generation {topology.generation} would leave {', '.join(what)}: parallel.use_distributed_optimizer "
             "under NTP trains healthy replicas only so far (a degraded or dropped replica's optimizer shards are not "
-            "recovered live yet); the job stops: resume from a checkpoint (checkpoint.load)")
+            "recovered live yet); the job stops (parallel.use_distributed_optimizer: false survives failures live)")
 
 
 class Reformer:

@@ -144,14 +144,6 @@ def test_fp16_under_ntp_is_refused_and_plain_fp16_is_allowed():
     assert load_job_config(overrides=["training.precision=fp16", "ntp.enabled=false"]).training.precision == "fp16"
 
 
-def test_state_verification_refuses_the_distributed_optimizer():
-    """Its sharded state lives on other ranks than the parameters: refused rather than silently skipped."""
-    with pytest.raises(ConfigError) as err:
-        load_job_config(overrides=["ntp.enabled=false", "parallel.use_distributed_optimizer=true",
-                                   "logging.state_checksums=true"])
-    assert str(err.value).startswith("logging.state_checksums does not cover parallel.use_distributed_optimizer")
-
-
 def test_plain_fp16_trains_and_resumes_with_its_loss_scale(jobs, tmp_path_factory):
     """fp16 (NTP off) on CPU: Megatron's dynamic loss scale starts at 2^32, so the first iterations overflow and
     are skipped until it has come down; a checkpoint taken after that resumes with the same scale (the steps after
