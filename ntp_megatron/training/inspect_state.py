@@ -94,6 +94,15 @@ def _distributed_part(optimizer) -> Optional[DistributedOptimizer]:
     return parts[0]
 
 
+def _shard_tensors(optimizer: DistributedOptimizer, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """This rank's shard of ``param``: the tensor the optimizer steps (``param``) and its state, read without
+    adding an entry to the optimizer's state (upstream's ``_get_main_param_and_optimizer_states`` indexes the
+    state's defaultdict)."""
+    group_index, group_order = optimizer.model_param_group_index_map[param]
+    main = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+    return {"param": main, **optimizer.optimizer.state.get(main, {})}
+
+
 def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str, ...]
                          ) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
     """What :func:`covered_tensors` returns, for Megatron's distributed optimizer: each parameter's optimizer
@@ -101,7 +110,7 @@ def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str
     shards all-gathered over the group its buffer shards over (collective over that group)."""
     out: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
     names = {param: name for name, param in model.module.named_parameters()}
-    has_state = bool(optimizer.optimizer.state)
+    has_state = any(optimizer.optimizer.state.values())  # a defaultdict: entries can exist, empty
     sharded = {param for buffer in optimizer.buffers for param in buffer.param_index_map}
     for name, param in model.module.named_parameters():
         out[name] = (name, param.data, param)
@@ -119,7 +128,7 @@ def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str
             shard = bucket.grad_data.numel() // size
             local = torch.zeros(len(wanted), shard, dtype=torch.float32, device=bucket.grad_data.device)
             for param, where in ranges[bucket_index]["param_map"].items():
-                tensors = optimizer._get_main_param_and_optimizer_states(param)
+                tensors = _shard_tensors(optimizer, param)
                 piece = where["gbuf_local"]
                 for i, key in enumerate(wanted):
                     if key not in tensors:

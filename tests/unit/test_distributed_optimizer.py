@@ -164,3 +164,40 @@ def test_reformations_the_distributed_optimizer_cannot_survive_yet_are_named(dea
     assert reason is None if expected is None else reason.startswith(expected), reason
     assert reason is None or "\n" not in reason
     assert distributed_optimizer_refusal(off, launch, topology) is None
+
+
+def test_gathered_state_of_a_bf16_distributed_optimizer(megatron):
+    """The state checks' view of a distributed optimizer (one member here): before the first step only the
+    parameters and their fp32 main params, read without adding entries to the optimizer's state (a second look
+    finds it as empty); after a step every parameter's main param and Adam moments, at the parameter's shape."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from ntp_megatron.training.inspect_state import gathered_shard_state
+    from ntp_megatron.training.model import ddp_config, transformer_config
+
+    cfg = load_job_config(None, [*MODEL, "training.precision=bf16"])
+    counts = cfg.unit_counts()
+    model = _ntp_model(cfg, [tuple(range(counts[f])) for f in FAMILIES]).to(torch.bfloat16)
+    config = ddp_config(cfg)
+    config.use_distributed_optimizer = True
+    pg = copy.copy(megatron)
+    ddp = DistributedDataParallel(transformer_config(cfg), config, model, pg_collection=pg)
+    optimizer = DistributedOptimizer(torch.optim.AdamW(ddp.module.parameters(), lr=1e-2),
+                                     OptimizerConfig(lr=1e-2, clip_grad=0.0, bf16=True), None, None, [ddp],
+                                     {0: ddp.buffers}, megatron.dp, None, 0, 0)
+    names = [n for n, _ in ddp.module.named_parameters()]
+    for _ in range(2):
+        before = gathered_shard_state(ddp, optimizer, ("exp_avg", "exp_avg_sq"))
+        assert sorted(before) == sorted(names + [f"{n}.main_param" for n in names])
+        assert not optimizer.optimizer.state
+    for param in ddp.module.parameters():
+        param.main_grad.fill_(0.5)
+    optimizer.step()
+    after = gathered_shard_state(ddp, optimizer, ("exp_avg", "exp_avg_sq"))
+    assert sorted(after) == sorted(names + [f"{n}.{k}" for n in names for k in ("main_param", "exp_avg", "exp_avg_sq")])
+    for name, param in ddp.module.named_parameters():
+        assert after[f"{name}.exp_avg"][1].shape == param.shape
+        assert torch.equal(after[f"{name}.main_param"][1].to(torch.bfloat16), param.data)  # main rounded = param
