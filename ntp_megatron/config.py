@@ -255,6 +255,12 @@ class NTPSection(_Section):
     max_rejoin_attempts: int = Field(3, ge=1)
     """At most this many replacements in a row per slot: one that dies while starting or being admitted is followed
     by another until this many have been started (the count starts over once one is admitted)."""
+    memory_budget_gib: Optional[float] = Field(None, gt=0.0)
+    """Per-device budget, in GiB, for one rank's training state: parameters, gradient buffers, optimizer state, and
+    on a rank of a degraded replica the shadow buffers of the blocks it syncs (activations and caches are not
+    counted). A ``min_tp`` that would let a rank exceed it in some layout is refused before the start, naming the
+    lowest ``min_tp`` that fits (``ntp-launch --print-memory-plan`` prints every TP degree's figure). null: no
+    check."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh
@@ -410,6 +416,10 @@ class JobConfig(_Section):
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
+        if self.ntp.enabled:
+            from ntp_megatron.memory_plan import check_budget
+
+            check_budget(self)
         return self
 
     def _check_ntp(self) -> None:
