@@ -9,7 +9,10 @@ buffers are not state and are not counted. Byte sizes follow Megatron-Core: grad
 (``grad_reduce_in_fp32``); Adam keeps two fp32 moments, and under bf16 / fp16 an fp32 main copy of every
 parameter it steps; with the distributed optimizer both cover only this rank's shard of each bucket, and the
 parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.shard_layout`). ``tests/unit/test_memory_plan.py``
-pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core allocates.
+pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core and the grad sync
+allocate: for healthy ranks with and without the distributed optimizer, and for degraded ranks without it. A
+degraded rank under the distributed optimizer is counted as :mod:`ntp_megatron.grad_sync` is to hold it
+(slot-shaped shadows with parameters and gradients, the optimizer over their shards), not yet pinned.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of
