@@ -1,7 +1,11 @@
 """CPU shim for Megatron-Core call sites that hard-code CUDA (upstream: several modules, listed below).
 
 Megatron-Core allocates buffers with ``device=torch.cuda.current_device()`` or ``device='cuda'`` and calls
-``torch.cuda.synchronize()`` in code paths we need on CPU. Rather than change ``torch`` for the whole
+``torch.cuda.synchronize()`` in code paths we need on CPU. With more than one distributed-optimizer instance
+(``num_distributed_optimizer_instances``) DDP also makes a ``torch.cuda.Stream`` for the inter-instance
+all-reduce, even with overlap off, and its bucket groups run their collectives inside ``torch.cuda.stream(...)``
+and order them against ``torch.cuda.default_stream()``: the patched modules see a null stream instead (CPU ops
+and gloo collectives are synchronous, so there is nothing to order). Rather than change ``torch`` for the whole
 process (a global TorchFunctionMode would intercept every op), each listed module gets its own view of
 ``torch`` whose ``cuda`` namespace answers for the CPU and whose tensor factories map ``'cuda'`` to ``'cpu'``.
 Everything else is the real ``torch``. Apply only in processes without CUDA.
@@ -9,6 +13,7 @@ Everything else is the real ``torch``. Apply only in processes without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import types
@@ -55,6 +60,19 @@ def _cpu_device(device: Any) -> Any:
     return device
 
 
+class _NullStream:
+    """A CUDA stream on the CPU: nothing runs asynchronously there, so waits and synchronisation are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        """Nothing to wait for."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
 class _CpuCuda(types.ModuleType):
     """``torch.cuda`` as seen by a patched module: the current device is the CPU."""
 
@@ -79,6 +97,18 @@ class _CpuCuda(types.ModuleType):
     @staticmethod
     def empty_cache() -> None:
         """No caching allocator on CPU."""
+
+    Stream = _NullStream
+
+    @staticmethod
+    def stream(stream: Any = None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _NullStream:
+        return _NullStream()
+
+    current_stream = default_stream
 
 
 class _CpuTorch(types.ModuleType):

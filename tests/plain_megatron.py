@@ -1,6 +1,6 @@
 """Plain Megatron-Core, without ntp-megatron: GPTModel (local spec), DistributedDataParallel,
 get_megatron_optimizer, OptimizerParamScheduler, MockGPTDataset and ``dist_checkpointing``, on CPU/gloo with
-one forked process per TP rank (TP × DP1). The other side of the NTP checkpoint tests:
+one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of the NTP checkpoint tests:
 
     python -m tests.plain_megatron train  --tp 2 --iters 6 --save-at 3 --ckpt DIR --out losses.json
     python -m tests.plain_megatron logits --tp 1 --tp 2 --ckpt DIR [--ckpt DIR2] --out logits.pt
@@ -14,6 +14,31 @@ one forked process per TP rank (TP × DP1). The other side of the NTP checkpoint
 each iteration's lm loss, grad norm and learning rate: the independent reference of the NTP equivalence anchor
 (``tests/jobs/test_ntp_equivalence.py``), run in a fresh interpreter that never imports ntp-megatron.
 
+``train --dp N`` runs TP × N ranks in Megatron's order (TP fastest: rank = dp_rank · TP + tp_rank), with
+``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
+(``num_distributed_optimizer_instances``: reduce-scatter inside each of k instances of N/k replicas, all-reduce
+across them, so every optimizer shard lives on k ranks), ``--overlap`` (``overlap_grad_reduce``) and
+``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
+moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
+compared. With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
+``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
+writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
+all-gather.
+
+Groups: ``parallel_state.initialize_model_parallel`` builds the one-instance grid (its k > 1 path imports
+einops); the partial groups of k > 1 are made here with ``new_group`` by Megatron's rule
+(``parallel_state.initialize_model_parallel``): instance i is the contiguous block [i·N/k, (i+1)·N/k) of each
+data-parallel group, the inter-instance group joins the ranks at one position of every instance, and the
+instance group (the grad-norm group) is the TP groups of one instance's replicas. They go into an explicit
+``ProcessGroupCollection`` given to GPTModel, DDP, ``get_megatron_optimizer`` and the schedule.
+
+Data: Megatron-LM's pretraining sampler (``MegatronPretrainingSampler``) cuts the sample sequence into runs of
+micro_batch_size × N and gives DP rank r the r-th micro-batch of each run, so at iteration it the rank's m-th
+micro-batch is samples it·G + m·mbs·N + r·mbs + [0, mbs). ntp-megatron's jobs give replica r one contiguous share
+instead, it·G + r·G/N + [0, G/N) (``ntp_megatron.training.data.replica_sample_range``). Both read the same G
+samples of each iteration once each; with per-token loss the loss and the gradient are sums over those samples
+divided by their token total, so the two agree up to the order of summation (at N = 1 they are the same).
+
 The model, optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml),
 written out here with Megatron's own names. No ntp-megatron code runs here, not even its patches of upstream:
 Megatron-Core runs unmodified, and what it needs to run on a machine without CUDA is this module's own
@@ -23,6 +48,10 @@ Megatron-Core runs unmodified, and what it needs to run on a machine without CUD
   or ``device="cuda"``, moves tensors with ``.cuda()``, calls ``torch.cuda.synchronize()``, and its gradient
   clipping asserts ``grad.type() == "torch.cuda.FloatTensor"``: a torch function mode puts every such tensor on
   the CPU and answers CUDA's type names for CPU tensors.
+- With more than one distributed-optimizer instance DDP makes a ``torch.cuda.Stream`` for the inter-instance
+  all-reduce (even with overlap off), and its bucket groups enter ``torch.cuda.stream(...)`` and wait on
+  ``torch.cuda.default_stream()``: CPU collectives are synchronous, so a null stream whose waits do nothing
+  stands in.
 - Its RNG tracker keeps CUDA generator states; dropout is 0 here, so nothing is drawn inside a fork of it and
   the fork is a no-op (the weights come from the CPU generator: ``use_cpu_initialization``).
 - An upstream bug makes a sample's loss mask depend on the first sample a process read (the cached mask is
@@ -43,8 +72,10 @@ import os
 import queue
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -82,10 +113,24 @@ class CpuForCuda:
         return _Mode()
 
 
+class NullStream:
+    """A CUDA stream for a CPU process: CPU ops and gloo collectives are synchronous, so there is nothing to
+    order or wait for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 def run_without_cuda() -> None:
     """Everything this process needs to run Megatron-Core without CUDA, besides :class:`CpuForCuda` (which every
-    rank enters): CUDA's device queries answer for the CPU, the RNG tracker's fork is a no-op, and GPT datasets
-    build every sample's masks afresh."""
+    rank enters): CUDA's device queries answer for the CPU, its streams are :class:`NullStream`, the RNG
+    tracker's fork is a no-op, and GPT datasets build every sample's masks afresh."""
     import contextlib
 
     from megatron.core.datasets import gpt_dataset
@@ -93,6 +138,9 @@ def run_without_cuda() -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = NullStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.default_stream = torch.cuda.current_stream = lambda device=None: NullStream()
     random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
     build = gpt_dataset.GPTDataset.__init__
 
@@ -118,7 +166,49 @@ def transformer_config(tp: int):
     )
 
 
-def build(tp: int, train_iters: int):
+@dataclass(frozen=True)
+class Layout:
+    """How the job is laid out and synced: TP × DP ranks, the distributed optimizer and its instances."""
+
+    tp: int = 1
+    dp: int = 1
+    dist_opt: bool = False
+    instances: int = 1
+    overlap: bool = False
+    bucket_size: Optional[int] = None
+    micro_batch: int = MICRO
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+
+def process_groups(layout: Layout):
+    """The explicit collection every Megatron-Core object of this rank gets: parallel_state's one-instance groups,
+    and for k > 1 instances the partial groups (made by every rank, in one order) by Megatron's rule."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    k = layout.instances
+    if k == 1:
+        return pg
+    rank, tp, per_instance = dist.get_rank(), layout.tp, layout.dp // k
+    timeout = timedelta(seconds=120)
+
+    def mine(groups: list[list[int]]):
+        made = [(ranks, dist.new_group(ranks, timeout=timeout)) for ranks in groups]
+        [group] = [group for ranks, group in made if rank in ranks]
+        return group
+
+    dp_groups = [list(range(t, layout.world, tp)) for t in range(tp)]  # one per TP rank, in DP order
+    pg.intra_dp_cp = pg.intra_expt_dp = mine(
+        [ranks[i * per_instance:(i + 1) * per_instance] for ranks in dp_groups for i in range(k)])
+    pg.inter_dist_opt = mine([ranks[j::per_instance] for ranks in dp_groups for j in range(per_instance)])
+    pg.intra_dist_opt = mine([list(range(i * per_instance * tp, (i + 1) * per_instance * tp)) for i in range(k)])
+    return pg
+
+
+def build(layout: Layout, train_iters: int, pg):
     """GPTModel in DDP, optimizer, scheduler, as Megatron-Core builds them."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -127,18 +217,23 @@ def build(tp: int, train_iters: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     torch.manual_seed(SEED)  # Megatron's CPU initialisation draws from the CPU generator
-    config = transformer_config(tp)
+    config = transformer_config(layout.tp)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
                    vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True,
-                   share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False, check_for_nan_in_grad=False)
-    model = DistributedDataParallel(config, ddp_config, gpt)
+                   share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
+                   pg_collection=pg)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=layout.overlap, use_distributed_optimizer=layout.dist_opt,
+        num_distributed_optimizer_instances=layout.instances, bucket_size=layout.bucket_size,
+        check_for_nan_in_grad=False)
+    model = DistributedDataParallel(config, ddp_config, gpt, pg_collection=pg)
+    if layout.overlap:
+        config.no_sync_func = model.no_sync  # as Megatron-LM's training loop: sync after the last micro-batch
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
                         adam_eps=1e-8, clip_grad=1.0, bf16=False, fp16=False, params_dtype=torch.float32,
-                        use_distributed_optimizer=False),
-        [model], use_gloo_process_groups=False)
+                        use_distributed_optimizer=layout.dist_opt),
+        [model], use_gloo_process_groups=False, pg_collection=pg)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * GLOBAL_BATCH,
         lr_decay_steps=train_iters * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
@@ -159,16 +254,28 @@ def dataset(train_iters: int, cache: Path):
                                          config).build()[0]
 
 
-def train_step(model, optimizer, scheduler, data, iteration: int) -> dict[str, float]:
-    """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``: its lm loss, grad
-    norm (before clipping, as Megatron reports it) and the learning rate its step used."""
+def sampler_microbatches(iteration: int, dp_rank: int, layout: Layout) -> list[range]:
+    """The samples of each micro-batch DP rank ``dp_rank`` reads at 0-based ``iteration``, as Megatron-LM's
+    ``MegatronPretrainingSampler`` deals them: the ``dp_rank``-th micro-batch of every run of
+    micro_batch × dp consecutive samples of the global batch."""
+    mbs, dp = layout.micro_batch, layout.dp
+    if GLOBAL_BATCH % (mbs * dp):
+        raise ValueError(f"global batch {GLOBAL_BATCH} is not a multiple of micro batch {mbs} × dp {dp}")
+    first = iteration * GLOBAL_BATCH + dp_rank * mbs
+    return [range(first + m * mbs * dp, first + m * mbs * dp + mbs) for m in range(GLOBAL_BATCH // (mbs * dp))]
+
+
+def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout, pg) -> dict[str, float]:
+    """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``, this rank's part
+    of them (:func:`sampler_microbatches`): the global lm loss, grad norm (before clipping, as Megatron reports
+    it) and the learning rate its step used."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    samples = range(iteration * GLOBAL_BATCH, (iteration + 1) * GLOBAL_BATCH)
+    parts = sampler_microbatches(iteration, dist.get_rank() // layout.tp, layout)
 
     def batches():
-        for first in range(0, len(samples), MICRO):
-            items = [data[i] for i in samples[first:first + MICRO]]
+        for samples in parts:
+            items = [data[i] for i in samples]
             yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
 
     def forward_step(iterator, model):
@@ -187,8 +294,11 @@ def train_step(model, optimizer, scheduler, data, iteration: int) -> dict[str, f
     optimizer.zero_grad()
     reported = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=batches(), model=[model],
-        num_microbatches=GLOBAL_BATCH // MICRO, seq_length=SEQ, micro_batch_size=MICRO, forward_only=False)
+        num_microbatches=len(parts), seq_length=SEQ, micro_batch_size=layout.micro_batch, forward_only=False,
+        pg_collection=pg)
     total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+    if layout.dp > 1:  # the loss over the whole global batch, as Megatron-LM reports it
+        dist.all_reduce(total, group=pg.dp_cp)
     lr = optimizer.param_groups[0]["lr"]
     _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=GLOBAL_BATCH)
@@ -210,14 +320,57 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, positions, mask
 
 
-def run_train(rank: int, tp: int, args) -> None:
+def whole_moments(model, optimizer, dist_opt: bool) -> Optional[dict]:
+    """Every parameter's Adam moments, whole, on rank 0 (None elsewhere). With the distributed optimizer they
+    are gathered by Megatron's own ``get_parameter_state_dp_zero`` (a collective over the intra-instance
+    group: every rank calls it) and cut back into parameters by the buffer's ``param_index_map``; the world
+    tensors it returns hold each buffer's buckets back to back without their end padding."""
+    if not dist_opt:
+        state = optimizer.optimizer.state
+        return {param: {key: state[param][key] for key in ("exp_avg", "exp_avg_sq")}
+                for param in model.module.parameters()}
+    gathered = optimizer.get_parameter_state_dp_zero(use_gloo_comm=False)
+    if dist.get_rank() != 0:
+        return None
+    out = {}
+    for index, buffer in enumerate(optimizer.buffers):
+        [world] = gathered[index].values()
+        offsets, at = [], 0
+        for bucket in buffer.buckets:
+            offsets.append(at - bucket.offset)
+            at += bucket.numel_unpadded
+        assert at == world["numel_unpadded"]
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            first = start + offsets[bucket_id]
+            out[param] = {key: world[key][first:first + end - start].view(param.shape)
+                          for key in ("exp_avg", "exp_avg_sq")}
+    return out
+
+
+def write_shard(path: Path, optimizer, layout: Layout) -> None:
+    """This rank's distributed-optimizer shard: fp32 main params and Adam moments of every piece, bucket by
+    bucket in Megatron's order (``get_parameter_state_dp_reshardable``, no communication), with where the rank
+    sits (instance, position inside it) so that twins (one position, every instance) can be compared."""
+    state = optimizer.get_parameter_state_dp_reshardable()
+    pieces = [piece for index in range(len(optimizer.buffers)) for buckets in state[index].values()
+              for bucket in buckets for piece in bucket]
+    out = {key: torch.cat([piece[key].detach().reshape(-1) for piece in pieces]).clone()
+           for key in ("param", "exp_avg", "exp_avg_sq")}
+    out["step"] = float(pieces[0]["step"])
+    out.update(instance=optimizer.distributed_optimizer_instance_id,
+               position=optimizer.data_parallel_group.rank(), tp_rank=dist.get_rank() % layout.tp)
+    torch.save(out, path)
+
+
+def run_train(rank: int, layout: Layout, args) -> None:
     from megatron.core import dist_checkpointing
 
-    model, optimizer, scheduler = build(tp, args.iters)
+    pg = process_groups(layout)
+    model, optimizer, scheduler = build(layout, args.iters, pg)
     data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
     records = {}
     for iteration in range(args.iters):
-        records[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration)
+        records[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration, layout, pg)
         if iteration + 1 == args.save_at:
             state = sharded_state(model, optimizer, is_loading=False)
             state.update(scheduler=scheduler.state_dict(), iteration=iteration + 1)
@@ -226,26 +379,29 @@ def run_train(rank: int, tp: int, args) -> None:
                 path.mkdir(parents=True, exist_ok=True)
             dist.barrier()
             dist_checkpointing.save(state, str(path))
+    dist_opt = optimizer.chained_optimizers[0] if layout.dist_opt else optimizer
+    if args.shards:
+        write_shard(Path(args.shards) / f"rank{rank}.pt", dist_opt, layout)
+    moments = whole_moments(model, dist_opt, layout.dist_opt) if args.state else None
     if rank != 0:
         return
     if args.state:
-        assert tp == 1, "--state writes whole tensors: TP1 only"
-        state = optimizer.optimizer.state
+        assert layout.tp == 1, "--state writes whole tensors: TP1 only"
         full = {}
         for name, param in model.module.named_parameters():
             full[name] = param.detach().reshape(-1).clone()
             for key in ("exp_avg", "exp_avg_sq"):
-                full[f"{name}.{key}"] = state[param][key].reshape(-1).clone()
+                full[f"{name}.{key}"] = moments[param][key].reshape(-1).clone()
         torch.save(full, args.state)
         Path(args.out).write_text(json.dumps(records))
     else:
         Path(args.out).write_text(json.dumps({i: r["lm_loss"] for i, r in records.items()}))
 
 
-def run_logits(rank: int, tp: int, args) -> torch.Tensor:
+def run_logits(rank: int, layout: Layout, args) -> torch.Tensor:
     from megatron.core import dist_checkpointing, parallel_state
 
-    model, optimizer, scheduler = build(tp, args.iters)
+    model, optimizer, scheduler = build(layout, args.iters, process_groups(layout))
     state = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), args.load_dir)
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -258,19 +414,21 @@ def run_logits(rank: int, tp: int, args) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _worker(rank: int, world: int, port: int, args, results) -> None:
+def _worker(rank: int, layout: Layout, port: int, args, results) -> None:
     try:
         from megatron.core import parallel_state
 
         store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timedelta(seconds=120),
                               wait_for_workers=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world,
+                                timeout=timedelta(seconds=120))
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                                 create_gloo_process_groups=False)
         with CpuForCuda.make():
             if args.mode == "train":
-                run_train(rank, world, args)
+                run_train(rank, layout, args)
             else:
-                logits = run_logits(rank, world, args)
+                logits = run_logits(rank, layout, args)
                 if rank == 0:
                     results.put(logits.numpy())
         parallel_state.destroy_model_parallel()
@@ -281,14 +439,14 @@ def _worker(rank: int, world: int, port: int, args, results) -> None:
         os._exit(1)
 
 
-def launch(world: int, args):
-    """Fork ``world`` ranks of a TP-``world`` job (this process imported torch and Megatron once)."""
+def launch(layout: Layout, args):
+    """Fork the ranks of a TP × DP job (this process imported torch and Megatron once)."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
     # The ranks' store, hosted here on a port the OS picks (started before the fork, served by its own thread).
     store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
                           wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, args, results)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, layout, store.port, args, results)) for r in range(layout.world)]
     for p in procs:
         p.start()
     out = None
@@ -303,7 +461,7 @@ def launch(world: int, args):
         p.join(timeout=300)
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]
     if failed:
-        raise SystemExit(f"plain_megatron {args.mode} at TP{world}: ranks {failed} failed")
+        raise SystemExit(f"plain_megatron {args.mode} at {layout}: ranks {failed} failed")
     return out
 
 
@@ -316,7 +474,22 @@ def main(argv=None) -> int:
     parser.add_argument("--ckpt", action="append", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--state", default="", help="train, TP1: write the final parameters and Adam moments here")
+    parser.add_argument("--dp", type=int, default=1, help="train: data-parallel replicas (world = TP × DP)")
+    parser.add_argument("--dist-opt", action="store_true", help="train: Megatron's distributed optimizer")
+    parser.add_argument("--instances", type=int, default=1,
+                        help="train: num_distributed_optimizer_instances (with --dist-opt)")
+    parser.add_argument("--overlap", action="store_true", help="train: overlap_grad_reduce")
+    parser.add_argument("--bucket-size", type=int, default=None, help="train: DDP bucket size (elements)")
+    parser.add_argument("--micro-batch", type=int, default=MICRO, help="train: micro-batch size")
+    parser.add_argument("--shards", default="",
+                        help="train, --dist-opt: write every rank's optimizer shard into this directory")
     args = parser.parse_args(argv)
+    if args.instances > 1 and not args.dist_opt or args.dp % args.instances:
+        parser.error(f"--instances {args.instances} needs --dist-opt and divides --dp {args.dp}")
+    if args.dist_opt and args.save_at and args.mode == "train":
+        parser.error("--dist-opt: checkpoints are not written here (use --save-at 0)")
+    if args.shards and not args.dist_opt:
+        parser.error("--shards needs --dist-opt")
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -332,8 +505,11 @@ def main(argv=None) -> int:
 
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
+        if args.shards:
+            Path(args.shards).mkdir(parents=True, exist_ok=True)
         for tp in args.tp:
-            launch(tp, args)
+            launch(Layout(tp=tp, dp=args.dp, dist_opt=args.dist_opt, instances=args.instances, overlap=args.overlap,
+                          bucket_size=args.bucket_size, micro_batch=args.micro_batch), args)
         if args.state:  # the independent reference: nothing of ntp-megatron was imported, let alone run
             ours = sorted(name for name in sys.modules if name.split(".")[0] == "ntp_megatron")
             assert not ours, f"the plain Megatron-Core reference imported ntp-megatron modules: {ours[:5]}"
@@ -342,7 +518,7 @@ def main(argv=None) -> int:
     for ckpt in args.ckpt:
         args.load_dir = ckpt
         for tp in args.tp:
-            out[ckpt, tp] = torch.from_numpy(launch(tp, args))
+            out[ckpt, tp] = torch.from_numpy(launch(Layout(tp=tp), args))
     torch.save(out, args.out)
     return 0
 
