@@ -379,6 +379,7 @@ def read_progress(load: Path, asked: LoadPlan = FULL) -> Progress:
     if path is not None and (path / "metadata.json").is_file():
         verify_checkpoint(path)
     path, common = _open(load)
+    path = path.resolve()  # as the user's shell means it, in what is said and pinned
     plan, reason = plan_load(path, common, _stored_keys(path), asked)
     iteration = int(common["iteration"]) if plan.progress else 0
     consumed = common.get("consumed_samples") if plan.progress else 0
@@ -396,8 +397,11 @@ def _and(words: list[str]) -> str:
 
 
 def _stored_keys(path: Path) -> set[str]:
-    """The keys of every tensor and object the checkpoint in ``path`` holds (from its metadata)."""
+    """The keys of every tensor and object the checkpoint in ``path`` holds, from its metadata (torch_dist: DCP's
+    own, where an object's key is ``<key>/shard_...``)."""
     try:
+        if json.loads((path / "metadata.json").read_text()).get("sharded_backend") == "torch_dist":
+            return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
         return set(load_sharded_metadata(str(path)))
     except Exception as exc:  # noqa: BLE001 - local reading only: any failure means the checkpoint
         raise _read_failure(path, exc) from exc
