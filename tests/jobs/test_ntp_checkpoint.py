@@ -469,13 +469,14 @@ def assert_matches(result, reference: dict[int, dict], what: str) -> float:
     assert sorted(records) == sorted(reference), f"{what}: ran iterations {sorted(records)}"
     first = min(records)
     assert records[first]["consumed_samples"] == first * 12, f"{what}: {records[first]['consumed_samples']} samples"
-    worst = 0.0
+    differences = []
     for i, ref in reference.items():
         for key in ("lm_loss", "grad_norm"):
-            worst = max(worst, relative_difference(records[i][key], ref[key]))
+            difference = relative_difference(records[i][key], ref[key])
+            assert difference <= TOLERANCE, f"{what}: iteration {i}'s {key} {records[i][key]} vs {ref[key]}"  # NaN too
+            differences.append(difference)
         assert records[i]["lr"] == pytest.approx(ref["lr"], rel=1e-9, abs=1e-12), f"{what}: lr of iteration {i}"
-    assert worst <= TOLERANCE, f"{what}: worst relative difference {worst:.2e}"
-    return worst
+    return max(differences)
 
 
 def _said_once(result, line: str) -> None:
