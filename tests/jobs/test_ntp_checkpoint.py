@@ -541,11 +541,11 @@ def test_no_load_optim_keeps_the_iteration_with_a_fresh_optimizer(degraded_run, 
                                         "--set", "parallel.data_parallel_size=1", "--set", f"training.train_iters={ITERS}",
                                         "--set", f"checkpoint.load={load}", "--no-load-optim", "--no-load-rng"])
     assert_ok(result)
+    assert_matches(result, reference, "--no-load-optim")
+    assert relative_difference(result.losses()[ITERS], degraded_run.losses[ITERS]) > 1e-4, "the optimizer was fresh"
     _said_once(result, f"ntp-launch: checkpoint.load: {load}: --no-load-optim (checkpoint.no_load_optim) and "
                        "--no-load-rng (checkpoint.no_load_rng): starting at iteration 3 from its model weights, with "
                        "fresh optimizer, scheduler and RNG state")
-    assert_matches(result, reference, "--no-load-optim")
-    assert relative_difference(result.losses()[ITERS], degraded_run.losses[ITERS]) > 1e-4, "the optimizer was fresh"
 
 
 def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
