@@ -278,8 +278,22 @@ class CheckpointSection(_Section):
     """Iterations between saves; null: only the final checkpoint, which is saved at the end whenever
     ``save`` is set."""
     load: Optional[str] = None
-    """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
-    that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
+    """Directory to resume from: the checkpoint its ``latest_checkpointed_iteration.txt`` names (an iteration, or
+    ``release``), or one checkpoint directory (``iter_*``, ``release``; the launcher pins it to that one for the
+    run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint, model weights
+    alone (a model-only or ``release`` checkpoint starts the run at iteration 0 with fresh optimizer and scheduler
+    state, and says so)."""
+    finetune: bool = False
+    """Megatron's ``--finetune``: load only the model weights of ``load``; the run starts at iteration 0 with no
+    samples consumed and fresh optimizer, scheduler and RNG state. The launcher sets it for a checkpoint that
+    holds no iteration; a restart from the run's own ``save`` loads everything."""
+    no_load_optim: bool = False
+    """Megatron's ``--no-load-optim``: keep the checkpoint's iteration and consumed samples, start the optimizer
+    and the learning-rate scheduler fresh (as Megatron-LM: the schedule starts again from its warmup). The
+    launcher sets it for a checkpoint that holds no optimizer state."""
+    no_load_rng: bool = False
+    """Megatron's ``--no-load-rng``: do not restore the RNG streams (they start from ``training.seed``). The
+    launcher sets it for a checkpoint that holds none."""
     async_save: bool = False
     """Write checkpoints in the background with Megatron-Core's async path (``dist_checkpointing.save(...,
     async_sharded_save=True)`` scheduled on its ``AsyncCallsQueue``): each rank forks a writer whose memory is a

@@ -201,7 +201,8 @@ class Launcher:
         self.policy = choose(self)
         self.policy.begin()
         if self.start is not None:
-            self.console.say(f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
+            self.console.say(self.start.notice or
+                             f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
         self.console.say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
                          f"(store {self.args.store_host}:{self.nodes.port}, run dir {self.run_dir})")
 
