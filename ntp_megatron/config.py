@@ -256,6 +256,12 @@ class NTPSection(_Section):
     max_rejoin_attempts: int = Field(3, ge=1)
     """At most this many replacements in a row per slot: one that dies while starting or being admitted is followed
     by another until this many have been started (the count starts over once one is admitted)."""
+    memory_budget_gib: Optional[float] = Field(None, gt=0.0)
+    """Per-device budget, in GiB, for one rank's training state: parameters, gradient buffers, optimizer state, and
+    on a rank of a degraded replica the shadow buffers of the blocks it syncs (activations and caches are not
+    counted). A ``min_tp`` that would let a rank exceed it in some layout is refused before the start, naming the
+    lowest ``min_tp`` that fits (``ntp-launch --print-memory-plan`` prints every TP degree's figure). null: no
+    check."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh
@@ -273,8 +279,22 @@ class CheckpointSection(_Section):
     """Iterations between saves; null: only the final checkpoint, which is saved at the end whenever
     ``save`` is set."""
     load: Optional[str] = None
-    """Directory to resume from: its latest checkpoint, or a specific ``iter_*`` directory (the launcher pins it to
-    that one for the run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint."""
+    """Directory to resume from: the checkpoint its ``latest_checkpointed_iteration.txt`` names (an iteration, or
+    ``release``), or one checkpoint directory (``iter_*``, ``release``; the launcher pins it to that one for the
+    run). Any layout reads it: another topology, NTP on or off, a plain Megatron-Core checkpoint, model weights
+    alone (a model-only or ``release`` checkpoint starts the run at iteration 0 with fresh optimizer and scheduler
+    state, and says so)."""
+    finetune: bool = False
+    """Megatron's ``--finetune``: load only the model weights of ``load``; the run starts at iteration 0 with no
+    samples consumed and fresh optimizer, scheduler and RNG state. The launcher sets it for a checkpoint that
+    holds no iteration; a restart from the run's own ``save`` loads everything."""
+    no_load_optim: bool = False
+    """Megatron's ``--no-load-optim``: keep the checkpoint's iteration and consumed samples, start the optimizer
+    and the learning-rate scheduler fresh (as Megatron-LM: the schedule starts again from its warmup). The
+    launcher sets it for a checkpoint that holds no optimizer state."""
+    no_load_rng: bool = False
+    """Megatron's ``--no-load-rng``: do not restore the RNG streams (they start from ``training.seed``). The
+    launcher sets it for a checkpoint that holds none."""
     async_save: bool = False
     """Write checkpoints in the background with Megatron-Core's async path (``dist_checkpointing.save(...,
     async_sharded_save=True)`` scheduled on its ``AsyncCallsQueue``): each rank forks a writer whose memory is a
@@ -407,6 +427,10 @@ class JobConfig(_Section):
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
+        if self.ntp.enabled:
+            from ntp_megatron.memory_plan import check_budget
+
+            check_budget(self)
         return self
 
     def _check_ntp(self) -> None:

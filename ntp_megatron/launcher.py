@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ntp_megatron import faults, metrics, preflight
+from ntp_megatron import faults, memory_plan, metrics, preflight
 from ntp_megatron.config import JobConfig
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.elastic.controller import Death
@@ -165,6 +165,8 @@ class Launcher:
             from ntp_megatron.training import data
 
             self.console.say(data.describe(self.cfg))
+            if self.cfg.ntp.enabled:
+                self.console.say(memory_plan.describe(memory_plan.plan_of(self.cfg)))
         if self.start_method == "fork":
             import torch
 
@@ -199,7 +201,8 @@ class Launcher:
         self.policy = choose(self)
         self.policy.begin()
         if self.start is not None:
-            self.console.say(f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
+            self.console.say(self.start.notice or
+                             f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
         self.console.say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
                          f"(store {self.args.store_host}:{self.nodes.port}, run dir {self.run_dir})")
 
@@ -321,6 +324,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigError(f"--store-port: node {args.node_rank} needs the port of node 0's store (node 0 says it, "
                               "and writes it to <run dir>/store.json)")
         cfg = resolve_config(args, extra)
+        if args.print_memory_plan:
+            if not cfg.ntp.enabled:
+                raise ConfigError("--print-memory-plan: the plan is NTP's (layouts down to ntp.min_tp); set "
+                                  "ntp.enabled: true")
+            print(memory_plan.table(cfg))
+            return 0
         if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
             raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
                               "use drop_replica or stop")

@@ -86,8 +86,8 @@ def check_checkpoint_save(cfg: JobConfig) -> None:
 
 def resume_point(cfg: JobConfig):
     """Where the run starts: None (iteration 0) or the checkpoint ``checkpoint.load`` names, as
-    :class:`ntp_megatron.training.checkpoint.Progress`, with ``checkpoint.load`` pinned to its ``iter_*``
-    directory. Returns ``(progress, note)``; ``note`` is a line for the user or None.
+    :class:`ntp_megatron.training.checkpoint.Progress`, with ``checkpoint.load`` pinned to it
+    (:func:`pin_checkpoint_load`). Returns ``(progress, note)``; ``note`` is a line for the user or None.
 
     Megatron's habit of giving ``--save`` and ``--load`` the same directory works from the first run: with no
     checkpoint there yet the run starts fresh and says so, and the next run resumes from what it saved. A
@@ -113,9 +113,12 @@ def resume_point(cfg: JobConfig):
 
 def pin_checkpoint_load(cfg: JobConfig):
     """The checkpoint ``checkpoint.load`` names, as :class:`ntp_megatron.training.checkpoint.Progress`, with
-    ``checkpoint.load`` pinned to its ``iter_*`` directory (so every rank, at any time, reads that one whatever a
-    save does to ``latest``); None without ``checkpoint.load``. ConfigError if it names no complete checkpoint, or
-    one with a file missing, truncated or unreadable (:func:`ntp_megatron.training.checkpoint.verify_checkpoint`)."""
+    ``checkpoint.load`` pinned to its directory (so every rank, at any time, reads that one whatever a save does to
+    ``latest``) and ``checkpoint.finetune`` / ``no_load_optim`` / ``no_load_rng`` to what loading it restores (so
+    every rank loads the same parts of it; ``Progress.notice`` says why when not everything); None without
+    ``checkpoint.load``. ConfigError if it names no complete checkpoint, one with a file missing, truncated or
+    unreadable (:func:`ntp_megatron.training.checkpoint.verify_checkpoint`), or one that cannot be loaded as asked
+    (:func:`ntp_megatron.training.checkpoint.plan_load`)."""
     if not cfg.checkpoint.load:
         return None
     from ntp_megatron.training import runtime
@@ -123,11 +126,12 @@ def pin_checkpoint_load(cfg: JobConfig):
     runtime.quiet_optional_dependency_warnings()
     from ntp_megatron.training import checkpoint
 
-    try:
-        progress = checkpoint.read_progress(Path(cfg.checkpoint.load))  # verifies its files too
+    try:  # verifies its files too
+        progress = checkpoint.read_progress(Path(cfg.checkpoint.load), checkpoint.LoadPlan.of(cfg.checkpoint))
     except (SystemExit, checkpoint.CheckpointError) as exc:
         raise ConfigError(str(exc)) from None
     cfg.checkpoint.load = str(progress.path.resolve())
+    progress.plan.pin(cfg.checkpoint)
     return progress
 
 

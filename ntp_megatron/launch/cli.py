@@ -24,10 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config key, e.g. --set parallel.tensor_model_parallel_size=2")
     p.add_argument("--metrics-file", type=Path, default=None, help="JSON lines: one per iteration and event")
     p.add_argument("--inject-failure", dest="failures", action="append", default=[], metavar="SPEC",
-                   help="ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit; P in "
+                   help="ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in " + ", ".join(faults.ACTIONS) + "; P in "
                         + ", ".join(faults.PHASES) + "), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M]"
                         "[,action=kill|hang]; R is a launch rank; repeatable; replaces faults.inject of the config")
     p.add_argument("--run-dir", type=Path, default=None, help="override logging.run_dir")
+    p.add_argument("--print-memory-plan", action="store_true",
+                   help="print the training state a rank holds at each TP degree down to ntp.min_tp, and exit")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes in the job: run one ntp-launch per node, all with the same config, --nnodes, "
                         "--store-host and node 0's --store-port (default 1)")

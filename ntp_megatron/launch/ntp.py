@@ -161,8 +161,9 @@ class RestartSurvivorsPolicy(ControllerPolicy):
             data = host.cfg.model_dump()
             data["ntp"]["dropped_replicas"] = dropped
             data["ntp"]["dead_slots"] = [f"{r}:{s}" for r, s in dead_slots]
-            if checkpoint.resolve_load_dir(Path(host.cfg.checkpoint.save)) is not None:
-                data["checkpoint"]["load"] = host.cfg.checkpoint.save
+            if checkpoint.resolve_load_dir(Path(host.cfg.checkpoint.save)) is not None:  # the run's own: all of it
+                data["checkpoint"].update(load=host.cfg.checkpoint.save, finetune=False, no_load_optim=False,
+                                          no_load_rng=False)
             cfg = JobConfig.model_validate(data)
             start = pin_checkpoint_load(cfg)
         except (TopologyError, ValueError, ConfigError) as exc:

@@ -31,8 +31,9 @@ class RankBuilder:
 
     def load_start(self, objects: Components) -> int:
         coords = checkpoint.ParallelCoords.of(objects.setup, self.cfg.parallel)
-        return checkpoint.load_checkpoint(Path(self.cfg.checkpoint.load), objects.model, objects.optimizer,
-                                          objects.scheduler, coords).iteration
+        ck = self.cfg.checkpoint
+        return checkpoint.load_checkpoint(Path(ck.load), objects.model, objects.optimizer, objects.scheduler, coords,
+                                          checkpoint.LoadPlan.of(ck)).iteration
 
     def rebind(self, objects: Components, setup: ParallelSetup) -> None:
         """Every reference to an old process group in the model and the optimizer is pointed at the new one; the

@@ -9,6 +9,10 @@ On disk (one format for both)::
         common.pt                            what every rank holds alike (below)
     <save>/latest_checkpointed_iteration.txt the newest complete checkpoint's iteration
 
+``checkpoint.load`` also reads Megatron-LM's other layouts: ``latest_checkpointed_iteration.txt`` holding
+``release`` and a ``release/`` directory (what checkpoint converters write), and a path straight to one
+checkpoint directory (``iter_*``, ``release``, or any directory with ``metadata.json``).
+
 Tensors, under the keys of plain Megatron-Core's ``GPTModel`` and optimizer (global shapes and element order
 those of a TP1 model, as uniform TP writes them):
 
@@ -20,6 +24,13 @@ those of a TP1 model, as uniform TP writes them):
   function of it), ``consumed_samples`` and ``parallel`` (``tp``, ``dp``; under NTP also the TP width of every
   replica and a digest of the unit layout) in ``common.pt``;
 - ``rng_state``: one object per rank, restored only when the layout is the same as at save time.
+
+What a load restores is Megatron-LM's choice (:class:`LoadPlan`): always the model weights; the iteration and
+consumed samples unless ``checkpoint.finetune`` or the checkpoint has none (a model-only or ``release``
+checkpoint: the run starts at iteration 0); optimizer and scheduler state only with the iteration, unless
+``checkpoint.no_load_optim`` or the checkpoint has none (both start fresh); the RNG streams likewise, unless
+``checkpoint.no_load_rng``. The launcher decides it once from the checkpoint's ``common.pt`` and metadata, says
+it in one line, and pins it into the config the ranks read (:func:`read_progress`).
 
 Under NTP each rank describes its units as fragments of the global tensors and exactly one replica writes
 each piece (:mod:`ntp_megatron.sharding`), so what is on disk does not depend on the topology that wrote it:
@@ -45,6 +56,7 @@ directory a restarted job may rewrite.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -62,6 +74,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint import FileSystemReader
@@ -75,6 +88,8 @@ from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFac
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+"""What Megatron-LM's tracker file holds for a checkpoint converter's output, and that checkpoint's directory."""
 SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 """Where the scheduler state may be: ours, or Megatron-LM's name for it."""
 
@@ -94,13 +109,45 @@ def iteration_dir(root: Path, iteration: int) -> Path:
 
 
 @dataclass(frozen=True)
+class LoadPlan:
+    """What a load restores besides the model weights, as Megatron-LM's ``load_checkpoint`` decides it."""
+
+    progress: bool = True
+    """The iteration and consumed samples; else the run starts at iteration 0 (``--finetune``)."""
+    optimizer: bool = True
+    """Optimizer and scheduler state; else both start fresh (``--no-load-optim``). Never without ``progress``."""
+    rng: bool = True
+    """The RNG streams (still only into the layout that saved them); else they start from the seed
+    (``--no-load-rng``). Never without ``progress``."""
+
+    @classmethod
+    def of(cls, section) -> "LoadPlan":
+        """What the config's ``checkpoint`` section asks for (the launcher pins what the checkpoint allows)."""
+        progress = not section.finetune
+        return cls(progress, progress and not section.no_load_optim, progress and not section.no_load_rng)
+
+    def pin(self, section) -> None:
+        """Write this plan into the ``checkpoint`` section, for the ranks (:meth:`of` reads it back)."""
+        section.finetune = not self.progress
+        section.no_load_optim = not self.optimizer
+        section.no_load_rng = not self.rng
+
+
+FULL = LoadPlan()
+
+
+@dataclass(frozen=True)
 class Progress:
-    """Where a checkpoint's run stood: completed iterations and samples consumed by them."""
+    """Where a checkpoint's run stood: completed iterations and samples consumed by them (0 when the load does
+    not restore them), and what the load restores."""
 
     path: Path
     iteration: int
     consumed_samples: Optional[int]
     """None in a checkpoint that does not record it (plain Megatron-Core's)."""
+    plan: LoadPlan = FULL
+    notice: Optional[str] = None
+    """One line for the user when the load restores less than everything."""
 
     def samples(self, global_batch_size: int) -> int:
         """Samples consumed; without a record, a full global batch per iteration."""
@@ -168,10 +215,14 @@ def _rng_object(coords: ParallelCoords, layout: _Layout, state: Any) -> ShardedO
     )
 
 
-def _sharded_state(model, optimizer: MegatronOptimizer, layout: _Layout, is_loading: bool) -> dict[str, Any]:
-    """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints."""
+def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layout, is_loading: bool) -> dict[str, Any]:
+    """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints. Without
+    ``optimizer`` the model's alone: asking a fresh optimizer for its sharded state dict to load into would give it
+    state (Megatron's ``init_state_fn``) that is not a fresh optimizer's."""
     metadata = {ROLE_KEY: layout.role} if layout.role is not None else None
     model_sd = model.module.sharded_state_dict(metadata=metadata)
+    if optimizer is None:
+        return {"model": model_sd}
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
@@ -194,11 +245,17 @@ def _write_latest(root: Path, iteration: Optional[int]) -> None:
         os.close(fd)
 
 
-def _latest_iteration(root: Path) -> Optional[int]:
+def _latest_entry(root: Path) -> Optional[str]:
+    """What ``root``'s tracker file holds (stripped), None without one."""
     try:
-        return int((root / LATEST_FILE).read_text().strip())
-    except (FileNotFoundError, ValueError):
+        return (root / LATEST_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
         return None
+
+
+def _latest_iteration(root: Path) -> Optional[int]:
+    entry = _latest_entry(root)
+    return int(entry) if entry is not None and entry.isdigit() else None
 
 
 def _complete_iterations(root: Path) -> list[int]:
@@ -293,34 +350,111 @@ def save_checkpoint(
     return path
 
 
+def _is_checkpoint_name(name: str) -> bool:
+    return name == RELEASE or (name.startswith("iter_") and name[5:].isdigit())
+
+
 def resolve_load_dir(load: Path) -> Optional[Path]:
-    """``load`` itself if it is an ``iter_*`` checkpoint (complete or not: loading says which), else its
-    latest one; None if it holds none."""
-    if (load / "metadata.json").is_file() or (load.name.startswith("iter_") and load.name[5:].isdigit()):
+    """``load`` itself if it is one checkpoint (``metadata.json`` in it, or named ``iter_*`` or ``release``:
+    complete or not, loading says which), else the one its ``latest_checkpointed_iteration.txt`` names (an
+    iteration, or ``release`` as Megatron-LM's converters write); None if it names none."""
+    if (load / "metadata.json").is_file() or _is_checkpoint_name(load.name):
         return load
-    latest = _latest_iteration(load)
-    if latest is not None:
-        return iteration_dir(load, latest)
+    entry = _latest_entry(load)
+    if entry == RELEASE:
+        return load / RELEASE
+    if entry is not None and entry.isdigit():
+        return iteration_dir(load, int(entry))
     return None
 
 
-def read_progress(load: Path) -> Progress:
-    """The complete checkpoint ``load`` names (a root: its latest; or one ``iter_*`` directory) and its progress;
-    SystemExit with one line if there is none, :class:`CheckpointError` if a file of it is missing or damaged
-    (:func:`verify_checkpoint`). Read by the launcher before any rank starts, so every rank loads the same directory
-    whatever a later save does to ``latest``."""
+def read_progress(load: Path, asked: LoadPlan = FULL) -> Progress:
+    """The complete checkpoint ``load`` names (a root: its latest; or one checkpoint directory), what loading it
+    restores (``asked``: what ``checkpoint.finetune`` / ``no_load_optim`` / ``no_load_rng`` leave, narrowed to
+    what the checkpoint holds, :func:`plan_load`) and where the run starts. SystemExit with one line if there is
+    no checkpoint or it cannot be loaded as asked, :class:`CheckpointError` if a file of it is missing or damaged
+    (:func:`verify_checkpoint`). Read by the launcher before any rank starts, so every rank loads the same
+    directory whatever a later save does to ``latest``, and the same parts of it."""
     path = resolve_load_dir(load)
     if path is not None and (path / "metadata.json").is_file():
         verify_checkpoint(path)
     path, common = _open(load)
-    consumed = common.get("consumed_samples")
-    return Progress(path, int(common["iteration"]), int(consumed) if consumed is not None else None)
+    path = path.resolve()  # as the user's shell means it, in what is said and pinned
+    plan, reason = plan_load(path, common, _stored_keys(path), asked)
+    iteration = int(common["iteration"]) if plan.progress else 0
+    consumed = common.get("consumed_samples") if plan.progress else 0
+    progress = Progress(path, iteration, int(consumed) if consumed is not None else None, plan)
+    if reason is None:
+        return progress
+    fresh = ([] if plan.optimizer else ["optimizer", "scheduler"]) + ([] if plan.rng else ["RNG"])
+    kept = " and its optimizer and scheduler state" if plan.optimizer else ""
+    notice = f"{reason}: starting at iteration {iteration} from its model weights{kept}, with fresh {_and(fresh)} state"
+    return dataclasses.replace(progress, notice=notice)
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _stored_keys(path: Path) -> set[str]:
+    """The keys of every tensor and object the checkpoint in ``path`` holds, from its metadata (torch_dist: DCP's
+    own, where an object's key is ``<key>/shard_...``)."""
+    try:
+        if json.loads((path / "metadata.json").read_text()).get("sharded_backend") == "torch_dist":
+            return set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        return set(load_sharded_metadata(str(path)))
+    except Exception as exc:  # noqa: BLE001 - local reading only: any failure means the checkpoint
+        raise _read_failure(path, exc) from exc
+
+
+def plan_load(path: Path, common: dict, stored: set[str], asked: LoadPlan = FULL) -> tuple[LoadPlan, Optional[str]]:
+    """What loading the checkpoint in ``path`` restores, as Megatron-LM decides it, and why not everything (None:
+    everything). Megatron-LM's rules: a ``release`` checkpoint, and ``--finetune``, restore the model weights only
+    (iteration 0, fresh optimizer, scheduler and RNG); optimizer and scheduler state are read only with the
+    iteration and not with ``--no-load-optim``, nor RNG states with ``--no-load-rng``. Where Megatron-LM stops
+    (a checkpoint without an iteration; one without the optimizer or RNG state it would read, unless its
+    saved arguments say ``--no-save-optim`` / ``--no-save-rng``), the plan takes what is there: the weights of a
+    model-only checkpoint start a run at iteration 0, a missing optimizer or RNG state starts fresh. Refused
+    (SystemExit, one line): optimizer state without the scheduler state saved with it."""
+    has_iteration = "iteration" in common
+    has_optimizer = "optimizer" in common or any(key.startswith("optimizer.") for key in stored)
+    has_rng = any(key.split("/")[0] == "rng_state" for key in stored) or "rng_state" in common
+    args = common.get("args")  # Megatron-LM's saved arguments, if any
+    saved_optimizer = has_optimizer and not getattr(args, "no_save_optim", False)
+    saved_rng = has_rng and not getattr(args, "no_save_rng", False)
+    if path.name == RELEASE:
+        return LoadPlan(False, False, False), f"checkpoint.load: {path} is a release checkpoint"
+    if not asked.progress:
+        return LoadPlan(False, False, False), f"checkpoint.load: --finetune (checkpoint.finetune) from {path}"
+    if not has_iteration:
+        return (LoadPlan(False, False, False),
+                f"checkpoint.load: {path} holds no iteration (a model-only checkpoint)")
+    if asked.optimizer and saved_optimizer and not any(key in common for key in SCHEDULER_KEYS):
+        raise SystemExit(f"checkpoint.load: {path} holds optimizer state but no scheduler state; "
+                         "--no-load-optim (checkpoint.no_load_optim) starts both fresh")
+    plan = LoadPlan(True, asked.optimizer and saved_optimizer, asked.rng and saved_rng)
+    reasons = []
+    if not asked.optimizer:
+        reasons.append("--no-load-optim (checkpoint.no_load_optim)")
+    elif not saved_optimizer:
+        reasons.append("it holds no optimizer state")
+    if not asked.rng:
+        reasons.append("--no-load-rng (checkpoint.no_load_rng)")
+    elif not saved_rng:
+        reasons.append("it holds no RNG state")
+    if not reasons:
+        return plan, None
+    return plan, f"checkpoint.load: {path}: {_and(reasons)}"
 
 
 def _open(load: Path) -> tuple[Path, dict]:
     """The complete checkpoint ``load`` names and its common state dict, or SystemExit with one line."""
     path = resolve_load_dir(load)
     if path is None:
+        entry = _latest_entry(load)
+        if entry is not None:
+            raise SystemExit(f"checkpoint.load: {load / LATEST_FILE} holds {entry[:40]!r}, neither an iteration "
+                             f"nor {RELEASE!r}")
         raise SystemExit(f"checkpoint.load: no checkpoint in {load} (no {LATEST_FILE} and no metadata.json)")
     if not (path / "metadata.json").is_file():
         raise SystemExit(f"checkpoint.load: {path} is not a complete checkpoint (no metadata.json)")
@@ -328,8 +462,6 @@ def _open(load: Path) -> tuple[Path, dict]:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except Exception as exc:  # noqa: BLE001 - local reading only: any failure means the checkpoint
         raise _read_failure(path, exc) from exc
-    if "iteration" not in common:
-        raise SystemExit(f"checkpoint.load: {path} has no iteration state")
     return path, common
 
 
@@ -438,8 +570,12 @@ def check_shapes(request: dict, path: Path) -> None:
     stored = dist_checkpointing.load_tensors_metadata(str(path))
     for key, shape in sorted(_requested_shapes(request).items()):
         if key not in stored:
+            if key.startswith("optimizer."):
+                raise SystemExit(f"checkpoint.load: {path} has no tensor {key!r}, which this run's optimizer reads "
+                                 "(another optimizer's state?); --no-load-optim (checkpoint.no_load_optim) starts a "
+                                 "fresh one")
             raise SystemExit(f"checkpoint.load: {path} has no tensor {key!r}, which this model reads "
-                             "(a checkpoint of another model, or without optimizer state?)")
+                             "(a checkpoint of another model)")
         if tuple(stored[key].global_shape) != shape:
             raise SystemExit(f"checkpoint.load: tensor {key!r} has global shape {tuple(stored[key].global_shape)}"
                              f" in {path} but {shape} in this model (a checkpoint of a different model shape)")
@@ -451,17 +587,21 @@ def load_checkpoint(
     optimizer: MegatronOptimizer,
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
+    plan: LoadPlan = FULL,
 ) -> Progress:
-    """Restore everything saved by :func:`save_checkpoint` (or by plain Megatron-Core: model, optimizer,
-    scheduler, iteration), whatever layout wrote it; collective over the job. Returns where the run stood."""
+    """Restore what ``plan`` says (the launcher's :func:`read_progress` decided it) of a checkpoint saved by
+    :func:`save_checkpoint` or by plain Megatron-Core (model, optimizer, scheduler, iteration; or the model
+    alone), whatever layout wrote it; collective over the job. Returns where the run starts. The model part goes
+    through the same sharded state dict whatever the plan, so a model-only checkpoint of one TP degree loads
+    into any layout as a full one does."""
     path, common = _open(load)
     scheduler_key = next((k for k in SCHEDULER_KEYS if k in common), None)
-    if scheduler_key is None:
+    if plan.optimizer and scheduler_key is None:
         raise SystemExit(f"checkpoint.load: {path} has no scheduler state")
     layout = _layout(model, coords)
-    same_layout = common.get("parallel") == layout.parallel
-    request = _sharded_state(model, optimizer, layout, is_loading=True)
-    if same_layout:
+    restore_rng = plan.rng and common.get("parallel") == layout.parallel
+    request = _sharded_state(model, optimizer if plan.optimizer else None, layout, is_loading=True)
+    if restore_rng:
         request["rng_state"] = _rng_object(coords, layout, None)
     try:
         check_shapes(request, path)
@@ -469,18 +609,21 @@ def load_checkpoint(
     except READ_FAILURES as exc:
         raise _read_failure(path, exc) from exc
     model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state[scheduler_key])
-    if same_layout:
+    if plan.optimizer:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state[scheduler_key])
+    else:  # as Megatron-LM: a fresh optimizer's main parameters (fp16/bf16) follow the loaded weights
+        optimizer.reload_model_params()
+    if restore_rng:
         rng = state["rng_state"]
         torch.set_rng_state(rng["cpu"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    elif dist.get_rank() == 0:
+    elif plan.rng and dist.get_rank() == 0:
         logger.warning("checkpoint saved with %s, resuming with %s: RNG streams not restored",
                        common.get("parallel"), layout.parallel)
-    iteration = int(state["iteration"])
+    iteration = int(common["iteration"]) if plan.progress else 0
     logger.info("loaded checkpoint %s (iteration %d)", path, iteration)
-    consumed = common.get("consumed_samples")
-    return Progress(path, iteration, int(consumed) if consumed is not None else None)
+    consumed = common.get("consumed_samples") if plan.progress else 0
+    return Progress(path, iteration, int(consumed) if consumed is not None else None, plan)

@@ -103,14 +103,15 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     _install_failures(env, control)
     trainer = Trainer(cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
                       session=NullSession(env.rank), comm_stats=_comm_stats(cfg))
-    # A restart resumes from the newest checkpoint of this run, if any; else from checkpoint.load (which the launcher
-    # pinned to one complete checkpoint).
+    # A restart resumes from the newest checkpoint of this run, if any, all of it; else from checkpoint.load (which
+    # the launcher pinned to one complete checkpoint, and to the parts of it to load).
     ck = cfg.checkpoint
     restarted_from = ck.save if env.restart and ck.save and checkpoint.resolve_load_dir(Path(ck.save)) else None
     load = restarted_from or ck.load
     if load:
+        plan = checkpoint.FULL if restarted_from else checkpoint.LoadPlan.of(ck)
         progress = checkpoint.load_checkpoint(Path(load), parts.model, parts.optimizer, parts.scheduler,
-                                              trainer.coords)
+                                              trainer.coords, plan)
         trainer.iteration, trainer.consumed_samples = progress.iteration, progress.samples(t.global_batch_size)
     return trainer, control
 

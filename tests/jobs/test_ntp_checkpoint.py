@@ -454,6 +454,100 @@ def test_plain_megatron_checkpoint_continues_under_ntp(tmp_path):
     print(f"plain TP2 -> NTP TP2+TP1: worst relative difference {worst:.2e}")
 
 
+def _fresh_optimizer_reference(out_dir: Path, *args: str) -> dict[int, dict]:
+    """What plain Megatron-Core computes from a checkpoint's model weights with a fresh optimizer and scheduler
+    (:mod:`tests.megatron_model_only`): every iteration's lm loss, grad norm and learning rate."""
+    out = out_dir / "reference.json"
+    _python(out_dir, "tests.megatron_model_only", *args, "--out", str(out))
+    return {int(k): v for k, v in json.loads(out.read_text()).items()}
+
+
+def assert_matches(result, reference: dict[int, dict], what: str) -> float:
+    """The run did the reference's iterations, each with its lm loss and grad norm (TOLERANCE) and learning rate;
+    the first one on the reference's first batch (consumed samples)."""
+    records = {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
+    assert sorted(records) == sorted(reference), f"{what}: ran iterations {sorted(records)}"
+    first = min(records)
+    assert records[first]["consumed_samples"] == first * 12, f"{what}: {records[first]['consumed_samples']} samples"
+    differences = []
+    for i, ref in reference.items():
+        for key in ("lm_loss", "grad_norm"):
+            difference = relative_difference(records[i][key], ref[key])
+            assert difference <= TOLERANCE, f"{what}: iteration {i}'s {key} {records[i][key]} vs {ref[key]}"  # NaN too
+            differences.append(difference)
+        assert records[i]["lr"] == pytest.approx(ref["lr"], rel=1e-9, abs=1e-12), f"{what}: lr of iteration {i}"
+    return max(differences)
+
+
+def _said_once(result, line: str) -> None:
+    said = [x for x in result.stderr.splitlines() if x.startswith("ntp-launch: checkpoint.load:")]
+    assert said == [line], said
+
+
+MODEL_ONLY = {  # writer TP, Megatron-LM layout, what --load names, the run (NTP TP2 + TP1; NTP off, TP2)
+    "tp2-release-root": (2, "release", "", ntp_args(2, 2, "1:1")),
+    "tp1-iter-dir": (1, "iter", "iter_0000002", [*TINY, "--set", "parallel.tensor_model_parallel_size=2",
+                                                 "--set", "parallel.data_parallel_size=1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_ONLY))
+def test_a_model_only_megatron_checkpoint_starts_an_ntp_run_at_iteration_0(tmp_path, case):
+    """plain Megatron-Core trains 2 iterations from its own initialisation (weights a run does not start from
+    by itself) and saves the model part alone (``{"model": model.sharded_state_dict()}``: no iteration, optimizer,
+    scheduler or RNG) at TP2 in a ``release`` directory the tracker file names, or at TP1 in ``iter_0000002``.
+    A run at another TP (NTP TP2 + TP1; NTP off at TP2) says once that it starts at iteration 0 with fresh optimizer
+    and scheduler state, and its iterations 1..3 are plain Megatron-Core's from those weights with a fresh
+    optimizer and scheduler: iteration 1 on the weights themselves, 3 after two fresh Adam steps."""
+    tp, layout, under, run_args = MODEL_ONLY[case]
+    root = tmp_path / "model-only"
+    reference = _fresh_optimizer_reference(tmp_path, "--tp", str(tp), "--pretrain", "2", "--save", str(root),
+                                           "--layout", layout, "--iters", "3")
+    path = root / (under or "release")
+    assert sorted(p.name for p in root.iterdir()) == sorted(["latest_checkpointed_iteration.txt", path.name])
+    result = run_job(tmp_path / "run", [*run_args, "--set", f"checkpoint.load={root / under}",
+                                        "--set", "training.train_iters=3"])
+    assert_ok(result)
+    why = "is a release checkpoint" if layout == "release" else "holds no iteration (a model-only checkpoint)"
+    _said_once(result, f"ntp-launch: checkpoint.load: {path} {why}: starting at iteration 0 from its model weights, "
+                       "with fresh optimizer, scheduler and RNG state")
+    worst = assert_matches(result, reference, case)
+    print(f"model-only TP{tp} ({layout}) -> {case}: worst relative difference {worst:.2e}")
+
+
+def test_finetune_loads_the_model_alone_at_iteration_0(degraded_run, tmp_path):
+    """Megatron's ``--finetune`` on a full NTP checkpoint (TP4 + TP3, iteration 3): NTP TP2 + TP1 starts at
+    iteration 0 with no samples consumed, and runs plain Megatron-Core's fresh-optimizer iterations from its
+    weights (an optimizer or scheduler state carried over would change iteration 2's learning rate and 3's loss)."""
+    load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
+    reference = _fresh_optimizer_reference(tmp_path, "--tp", "1", "--load", str(load), "--iters", "3")
+    result = run_job(tmp_path / "ntp", [*ntp_args(2, 2, "1:1", ("--set", f"checkpoint.load={load}",
+                                                                 "--set", "training.train_iters=3")), "--finetune"])
+    assert_ok(result)
+    _said_once(result, f"ntp-launch: checkpoint.load: --finetune (checkpoint.finetune) from {load}: starting at "
+                       "iteration 0 from its model weights, with fresh optimizer, scheduler and RNG state")
+    assert_matches(result, reference, "--finetune")
+
+
+def test_no_load_optim_keeps_the_iteration_with_a_fresh_optimizer(degraded_run, tmp_path):
+    """``--no-load-optim --no-load-rng`` on the same checkpoint, NTP off at TP1: iterations 4..6 on the
+    batches after the checkpoint's, as plain Megatron-Core computes them from its weights with a fresh optimizer
+    and a fresh schedule (Megatron-LM restarts the schedule with the optimizer: iteration 4 warms up again), not
+    the continuing run's."""
+    load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
+    reference = _fresh_optimizer_reference(tmp_path, "--tp", "1", "--load", str(load), "--start", str(SAVE_AT),
+                                           "--iters", str(ITERS))
+    result = run_job(tmp_path / "run", [*TINY, "--set", "parallel.tensor_model_parallel_size=1",
+                                        "--set", "parallel.data_parallel_size=1", "--set", f"training.train_iters={ITERS}",
+                                        "--set", f"checkpoint.load={load}", "--no-load-optim", "--no-load-rng"])
+    assert_ok(result)
+    assert_matches(result, reference, "--no-load-optim")
+    assert relative_difference(result.losses()[ITERS], degraded_run.losses[ITERS]) > 1e-4, "the optimizer was fresh"
+    _said_once(result, f"ntp-launch: checkpoint.load: {load}: --no-load-optim (checkpoint.no_load_optim) and "
+                       "--no-load-rng (checkpoint.no_load_rng): starting at iteration 3 from its model weights, with "
+                       "fresh optimizer, scheduler and RNG state")
+
+
 def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
     """the TP4 + TP3 run's final checkpoint, and one re-saved by a degraded TP3 replica as the only
     replica (non-contiguous units written), load into plain Megatron-Core at TP1 and TP2 and give the logits
