@@ -454,7 +454,7 @@ class GradSync:
         sources = self._shard_sources()
         groups = [buffers[0].data_parallel_group for _, buffers in sources]
         size = groups[0].size()
-        split = {id(p) for name, p in self.params if hasattr(p, "ntp_shard")}
+        split = {id(self._by_name[name]) for name, _ in self.split}
         table = torch.zeros(self.tp_base * size + size, dtype=torch.float64, device=self._device)
         for (block, buffers), group in zip(sources, groups):
             position = group.rank()
