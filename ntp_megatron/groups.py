@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from ntp_megatron import shard_layout
 from ntp_megatron.layout import Topology
 from ntp_megatron.patches import parallel_state as ps_patch
 
@@ -68,6 +69,19 @@ class GroupMaker:
         """This rank by itself (made locally: no peer to agree with on anything)."""
         return self._new([self.rank], local=True)
 
+    def partition(self, parts: Iterable[Iterable[int]]) -> dist.ProcessGroup:
+        """This rank's part of ``parts``, a partition of the world (every rank in exactly one part), made by each
+        part's members alone. Every rank calls this with the same partition at the same point of its sequence,
+        after calls that left every rank with the same number of groups (the first local group, ``alone``,
+        ``every_rank`` groups of which each rank joins the same number, earlier partitions): torch then names
+        each part alike on all its members."""
+        parts = [sorted(part) for part in parts]
+        members = sorted(r for part in parts for r in part)
+        if members != list(range(dist.get_world_size())):
+            raise ValueError(f"not a partition of the world: {parts[:4]}...")
+        [mine] = [part for part in parts if self.rank in part]
+        return self._new(mine, local=True)
+
     def every_rank(self, ranks: Iterable[int]) -> Optional[dist.ProcessGroup]:
         """The group of ``ranks``; every rank of the world calls this for the same groups in the same order.
         None where this rank is not a member."""
@@ -79,12 +93,20 @@ class GroupMaker:
         return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
 
 
-def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta,
-                 grad_stats: Optional[dist.ProcessGroup] = None) -> ps_patch.RankGroups:
+def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, distributed_optimizer: bool = False,
+                 instances: int = 1) -> ps_patch.RankGroups:
     """``rank``'s groups in Megatron's dense grid at PP = CP = 1 (upstream's rank order: TP innermost):
-    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them."""
+    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them.
+
+    With the distributed optimizer, its grad-norm group: the world with one instance (the default group, not a
+    copy); with ``instances`` k > 1 (Megatron's ``num_distributed_optimizer_instances``) the ranks of this
+    rank's instance, together with the intra-instance part of its data-parallel group and its twins'
+    inter-instance group, by Megatron's rule (:func:`ntp_megatron.shard_layout.instances`). The three are
+    partitions of the world, made by their members alone: three more calls per rank, whatever the world."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size {tp_size}")
+    if instances > 1 and not distributed_optimizer:
+        raise ValueError(f"{instances} distributed-optimizer instances need the distributed optimizer")
     replica, tp_rank = divmod(rank, tp_size)
     make = GroupMaker(rank, timeout)
     tp_ranks = tuple(range(replica * tp_size, (replica + 1) * tp_size))
@@ -96,8 +118,17 @@ def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta,
         group = make.every_rank(ranks)
         if slot == tp_rank:
             dp, dp_ranks = group, ranks
+    grad_stats = dist.group.WORLD if distributed_optimizer else None
+    intra_dp = inter = None
+    if instances > 1:
+        members = shard_layout.instances(world_size // tp_size, instances)
+        slots = range(tp_size)
+        intra_dp = make.partition([r * tp_size + s for r in inst] for inst in members for s in slots)
+        inter = make.partition([inst[j] * tp_size + s for inst in members] for j in range(len(members[0]))
+                               for s in slots)
+        grad_stats = make.partition([r * tp_size + s for r in inst for s in slots] for inst in members)
     return ps_patch.RankGroups(tp=tp, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone, rank=rank,
-                               grad_stats=grad_stats)
+                               grad_stats=grad_stats, intra_dp=intra_dp, inter_dist_opt=inter)
 
 
 @dataclass

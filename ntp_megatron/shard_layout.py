@@ -189,3 +189,35 @@ def shard_pieces(layout: BufferLayout, dp_size: int, j: int) -> list[ShardPiece]
 def shard_numel(layout: BufferLayout, dp_size: int, j: int) -> int:
     """Parameter elements in position ``j``'s shards: what its optimizer state covers (padding holds none)."""
     return sum(p.end - p.start for p in shard_pieces(layout, dp_size, j))
+
+
+# -- distributed-optimizer instances ---------------------------------------------------------------------------
+# With ``num_distributed_optimizer_instances`` = k, Megatron-Core cuts each data-parallel group into k instances
+# of consecutive members (``parallel_state.initialize_model_parallel``: ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_
+# WITH_CP``); each instance shards the optimizer over its dp/k members, and the members at one position of every
+# instance (``_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP``: twins) all-reduce their shards' gradients, so each
+# shard is held once per instance. Here the members are replica indices: the data-parallel order of the dense
+# grid, and the launch replica indices of an NTP job (fixed for the job, so membership never changes).
+
+
+def instances(dp: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """The replica indices of each of ``k`` instances, in position order: instance i is replicas
+    ``[i·dp/k, (i+1)·dp/k)``."""
+    if k < 1 or dp < 1 or dp % k:
+        raise ValueError(f"{k} distributed-optimizer instances do not divide {dp} replicas")
+    per = dp // k
+    return tuple(tuple(range(i * per, (i + 1) * per)) for i in range(k))
+
+
+def instance_of(replica: int, dp: int, k: int) -> tuple[int, int]:
+    """(instance, position in it) of ``replica``: its shard of every bucket is the position-th of dp/k."""
+    if not 0 <= replica < dp:
+        raise ValueError(f"replica {replica} is outside 0..{dp - 1}")
+    instances(dp, k)  # validates
+    return divmod(replica, dp // k)
+
+
+def twin_replicas(replica: int, dp: int, k: int) -> tuple[int, ...]:
+    """The replicas at ``replica``'s position in every instance (itself included), ascending: its twins."""
+    _, position = instance_of(replica, dp, k)
+    return tuple(members[position] for members in instances(dp, k))
