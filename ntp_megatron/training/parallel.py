@@ -98,7 +98,8 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
 
 def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
     """Groups (collective over each group's members) and samples for ``rank`` in ``topology``."""
-    groups = build_groups(topology, rank, cfg.parallel.timeout_s)
+    groups = build_groups(topology, rank, cfg.parallel.timeout_s, dp=cfg.parallel.data_parallel_size,
+                          instances=cfg.parallel.num_distributed_optimizer_instances)
     widths = {rep.index: rep.width for rep in topology.replicas}
     shares = assign_shares(list(widths), cfg.parallel.data_parallel_size)
     counts = {rep.index: microbatches_per_share(cfg, rep.width) * len(shares[rep.index])
