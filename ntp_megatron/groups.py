@@ -210,7 +210,10 @@ def build_groups(topology: Topology, rank: int, timeout_s: float, dp: Optional[i
         group = make.every_rank(ranks)
         if block in member_of:
             sync[block], sync_ranks[block] = group, ranks
-    dp = dp if dp is not None else max(rep.index for rep in topology.replicas) + 1
+    if dp is None:
+        if instances > 1:
+            raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
+        dp = max(rep.index for rep in topology.replicas) + 1  # one instance: only the replica index matters
     instance, position = shard_layout.instance_of(replica.index, dp, instances)
     intra: dict[int, dist.ProcessGroup] = {}
     inter: dict[int, dist.ProcessGroup] = {}

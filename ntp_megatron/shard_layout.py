@@ -10,6 +10,10 @@ owns under the distributed optimizer, without building a model. The rules mirror
 
 ``tests/unit/test_shard_layout.py`` pins every function here to the real Megatron-Core objects.
 
+With several distributed-optimizer instances, :func:`instances` says which replicas form each (Megatron's rule),
+:func:`shard_holders` which ranks of an NTP topology hold a shard, and :func:`shard_plan` /
+:func:`shard_lower_bound_bytes` what a re-formation must move so that every new sync-group member holds its shard.
+
 One :class:`BufferLayout` describes one ``_ParamAndGradBuffer``: Megatron builds one per (param dtype, grad dtype)
 pair, over the parameters with ``requires_grad`` in ``named_parameters()`` order, and keeps expert-parallel
 parameters in separate buffers. ``dp_size`` below is the size of the buffer's data-parallel group, which is the

@@ -1,31 +1,24 @@
 """Distributed-optimizer instances in the groups, counted and checked without processes (the fake
-torch.distributed of tests/unit/test_group_scaling.py): NTP off, the dense grid's partial groups are Megatron's
+torch.distributed of tests/unit/test_group_scaling.py). NTP off: the dense grid's partial groups are Megatron's
 (intra-instance part of the data-parallel group, twins across instances, the instance as grad-norm group), made
-by their members alone, so a rank makes three calls more whatever the world."""
+by their members alone, so a rank makes three calls more whatever the world. NTP (groups.build_groups): for
+every block a rank serves, the intra-instance part of its sync group and its twins' group, by the same rule over
+the launch replica indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from megatron.core import parallel_state as ps
 
 from ntp_megatron.config import load_job_config
-from ntp_megatron.shard_layout import instance_of, instances
+from ntp_megatron.groups import build_groups, group_mapping, intra_group_ranks, sync_group_ranks
+from ntp_megatron.layout import make_topology, next_topology
+from ntp_megatron.shard_layout import instance_of, instances, shard_holders
 from ntp_megatron.training.parallel import uniform_parallel
-from tests.unit.test_group_scaling import FakeWorld
-
-
-@pytest.fixture
-def fake_world(monkeypatch):
-    def install(size: int, rank: int) -> FakeWorld:
-        world = FakeWorld(size, rank)
-        for name in ("new_group", "get_rank", "get_world_size"):
-            monkeypatch.setattr(dist, name, getattr(world, name))
-        monkeypatch.setattr(dist, "is_initialized", lambda: True)
-        return world
-
-    yield install
-    ps.destroy_model_parallel()
+from tests.unit.test_group_scaling import fake_world  # noqa: F401 - the fixture
 
 
 @pytest.mark.parametrize("tp, dp, k", [(1, 4, 2), (2, 2, 2), (8, 1280, 4), (4, 6, 3), (2, 4, 1)])
@@ -60,16 +53,6 @@ def test_dense_partial_groups_follow_megatrons_rule_at_constant_cost(fake_world,
         assert ps.get_data_parallel_group() is pg.dp and pg.dp.ranks == list(range(slot, world_size, tp))
 
 
-# Under NTP (groups.build_groups with k instances): for every block a rank serves, the intra-instance part of its
-# sync group and its twins' group, by the same rule over the launch replica indices.
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from ntp_megatron.groups import build_groups, group_mapping, intra_group_ranks, sync_group_ranks  # noqa: E402
-from ntp_megatron.layout import make_topology, next_topology  # noqa: E402
-from ntp_megatron.shard_layout import shard_holders  # noqa: E402
-
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 
 
@@ -86,10 +69,10 @@ def ntp_cases(draw):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ntp_cases())
-def test_ntp_groups_with_instances_split_each_sync_group_by_megatrons_rule(monkeypatch_world, case):
+def test_ntp_groups_with_instances_split_each_sync_group_by_megatrons_rule(fake_world, case):
     tp_base, dp, k, topology, ranks = case
     for rank in ranks:
-        world = monkeypatch_world(topology.world_size, rank)
+        world = fake_world(topology.world_size, rank)
         groups = build_groups(topology, rank, 60.0, dp=dp, instances=k)
         replica = topology.replica_of(rank).index
         instance, position = instance_of(replica, dp, k)
@@ -113,19 +96,6 @@ def test_ntp_groups_with_instances_split_each_sync_group_by_megatrons_rule(monke
             assert pg.inter_dist_opt is inter
         # not installed: Megatron's globals keep one instance until the distributed optimizer is wired in
         assert groups.pg_collection.inter_dist_opt is None
-
-
-@pytest.fixture
-def monkeypatch_world(monkeypatch):
-    def install(size: int, rank: int) -> FakeWorld:
-        world = FakeWorld(size, rank)
-        for name in ("new_group", "get_rank", "get_world_size"):
-            monkeypatch.setattr(dist, name, getattr(world, name))
-        monkeypatch.setattr(dist, "is_initialized", lambda: True)
-        return world
-
-    yield install
-    ps.destroy_model_parallel()
 
 
 def test_a_reformation_maps_the_intra_and_inter_groups_of_blocks_served_in_both(fake_world):

@@ -1,5 +1,6 @@
 """The buffer and distributed-optimizer shard geometry (ntp_megatron.shard_layout): its invariants over drawn
-parameter lists, and equality with the real Megatron-Core DDP buffers and DistributedOptimizer ranges."""
+parameter lists, and equality with the real Megatron-Core DDP buffers and DistributedOptimizer ranges; the
+instances, shard holders and the shard plan of a re-formation over drawn topologies."""
 
 from __future__ import annotations
 
@@ -11,15 +12,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_megatron.layout import TopologyError, join_topology, make_topology, next_topology, survivor_ranks
+from ntp_megatron.placement import Placement
 from ntp_megatron.shard_layout import (
     PARAM_ALIGN,
+    STATE_BYTES,
     BufferLayout,
     ParamSpec,
+    ShardLostError,
     bucket_divisor,
     buffer_layout,
+    instance_of,
+    instances,
+    lost_shards,
+    shard_holders,
+    shard_lower_bound_bytes,
     shard_numel,
     shard_pieces,
+    shard_plan,
     shard_range,
+    twin_replicas,
 )
 
 FAST = settings(max_examples=150, deadline=None)
@@ -274,20 +286,6 @@ def test_layout_and_shards_equal_megatrons_buffers_and_distributed_optimizer(meg
 
 # -- instances, holders and the shard plan ---------------------------------------------------------------------
 
-from ntp_megatron.layout import TopologyError, join_topology, make_topology, next_topology, survivor_ranks  # noqa: E402
-from ntp_megatron.placement import Placement  # noqa: E402
-from ntp_megatron.shard_layout import (  # noqa: E402
-    STATE_BYTES,
-    ShardLostError,
-    instance_of,
-    instances,
-    lost_shards,
-    shard_holders,
-    shard_lower_bound_bytes,
-    shard_plan,
-    twin_replicas,
-)
-
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 PLANS = settings(max_examples=120, deadline=None)
 
@@ -350,8 +348,7 @@ def test_shard_plan_is_minimal_complete_deterministic_or_names_the_lost_shards(c
         position = instance_of(rep.index, dp, k)[1]
         for block in range(new.tp_base):
             dst, shard = new.sync_member(rep.index, block), (block, position)
-            had = old_of.get(dst) in shard_holders(old, dp, k, shard) if rep.index in {r.index for r in old.replicas} \
-                else False
+            had = dst in old_of and old_of[dst] in shard_holders(old, dp, k, shard)
             # minimal: a process that held its shard keeps it; complete: every other member receives it
             assert ((shard, dst) in received) == (not had), (shard, dst, had)
     for move in plan:
