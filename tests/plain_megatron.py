@@ -11,8 +11,9 @@ one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of t
 ``{(ckpt, tp): logits}``.
 
 ``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
-each iteration's lm loss, grad norm and learning rate: the independent reference of the NTP equivalence anchor
-(``tests/jobs/test_ntp_equivalence.py``), run in a fresh interpreter that never imports ntp-megatron.
+each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
+independent reference of the NTP equivalence anchor (``tests/jobs/test_ntp_equivalence.py``), run in a fresh
+interpreter that never imports ntp-megatron.
 
 ``train --dp N`` runs TP × N ranks in Megatron's order (TP fastest: rank = dp_rank · TP + tp_rank), with
 ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
@@ -393,6 +394,7 @@ def run_train(rank: int, layout: Layout, args) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 full[f"{name}.{key}"] = moments[param][key].reshape(-1).clone()
         torch.save(full, args.state)
+    if args.state or args.full_records:
         Path(args.out).write_text(json.dumps(records))
     else:
         Path(args.out).write_text(json.dumps({i: r["lm_loss"] for i, r in records.items()}))
@@ -481,6 +483,8 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", action="store_true", help="train: overlap_grad_reduce")
     parser.add_argument("--bucket-size", type=int, default=None, help="train: DDP bucket size (elements)")
     parser.add_argument("--micro-batch", type=int, default=MICRO, help="train: micro-batch size")
+    parser.add_argument("--full-records", action="store_true",
+                        help="train: --out gets each iteration's lm loss, grad norm and lr (as with --state)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
     args = parser.parse_args(argv)
