@@ -7,6 +7,7 @@ one-line error format.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Iterable, Literal, Optional
@@ -14,6 +15,8 @@ from typing import Iterable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ntp_megatron.config_io import load_config
+
+logger = logging.getLogger(__name__)
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # The repository's configs/, or its copy in the package (ntp_megatron.configs) when installed from a wheel.
@@ -119,6 +122,14 @@ class ParallelSection(_Section):
     """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group). Under NTP it
     shards each sync group's buckets over the replicas; only healthy replicas so far (no ``ntp.dead_slots``; a
     live failure that would leave a replica degraded stops the job) and no checkpoints yet."""
+    num_distributed_optimizer_instances: Optional[int] = Field(None, ge=1)
+    """Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances``): the replicas form
+    this many instances of consecutive replica indices; the optimizer state is sharded inside each instance and
+    gradients are all-reduced across them, so every shard is held once per instance. It must divide
+    ``data_parallel_size``; above 1 it needs ``use_distributed_optimizer``. null: 2 under NTP with the
+    distributed optimizer when ``data_parallel_size`` is even (a dead rank's shard then lives on in its twin),
+    else 1. At 1 under NTP with the distributed optimizer a failure loses a shard, which only a checkpoint
+    restores (a warning says so)."""
     sequence_parallel: bool = False
     """Megatron's sequence parallelism (needs Transformer Engine or Apex norms); needs ``ntp.enabled: false``."""
 
@@ -356,6 +367,8 @@ class JobConfig(_Section):
     - ``training.lr_warmup_iters`` below the decay length (``training.lr_decay_iters``, else ``train_iters``);
     - evaluation on indexed data needs a validation share in ``data.split``;
     - ``checkpoint.save_interval`` needs ``checkpoint.save``; ``ntp.on_unrecoverable: restart`` needs both;
+    - ``parallel.num_distributed_optimizer_instances`` divides ``parallel.data_parallel_size`` and, above 1, needs
+      ``parallel.use_distributed_optimizer``;
     - ``ntp.heartbeat_timeout_s`` above ``ntp.heartbeat_interval_s``; ``ntp.min_tp`` at most
       ``parallel.tensor_model_parallel_size``.
     """
@@ -433,6 +446,17 @@ class JobConfig(_Section):
             check_budget(self)
         return self
 
+    @model_validator(mode="after")
+    def _distributed_optimizer_instances(self) -> "JobConfig":
+        """Resolve ``parallel.num_distributed_optimizer_instances`` (null: its default) and check it."""
+        p = self.parallel
+        k = distributed_optimizer_instances(p.num_distributed_optimizer_instances, ntp=self.ntp.enabled,
+                                            distributed_optimizer=p.use_distributed_optimizer,
+                                            data_parallel_size=p.data_parallel_size)
+        if p.num_distributed_optimizer_instances != k:
+            p.num_distributed_optimizer_instances = k
+        return self
+
     def _check_ntp(self) -> None:
         if self.parallel.sequence_parallel:
             raise ValueError("parallel.sequence_parallel is not supported with ntp.enabled yet; switch one of them off")
@@ -491,6 +515,38 @@ class JobConfig(_Section):
         return self.training.global_batch_size // (
             self.training.micro_batch_size * self.parallel.data_parallel_size
         )
+
+
+def distributed_optimizer_instances(requested: Optional[int], *, ntp: bool, distributed_optimizer: bool,
+                                    data_parallel_size: int) -> int:
+    """``parallel.num_distributed_optimizer_instances`` resolved: ``requested``, or when None its default (2 under
+    NTP with the distributed optimizer and an even data-parallel size, else 1). ValueError (one line, naming the
+    key and the allowed values) where Megatron would refuse it; a warning where a failure would lose a shard."""
+    key, dp = "parallel.num_distributed_optimizer_instances", data_parallel_size
+    if requested is None:
+        requested = 2 if ntp and distributed_optimizer and dp % 2 == 0 else 1
+    if requested > 1 and not distributed_optimizer:
+        raise ValueError(f"{key} ({requested}) needs parallel.use_distributed_optimizer: true; without it the only "
+                         "allowed value is 1")
+    if dp % requested:
+        allowed = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+        raise ValueError(f"{key} ({requested}) must divide parallel.data_parallel_size ({dp}): allowed {allowed}")
+    if requested == 1 and ntp and distributed_optimizer and _warn_once(key):
+        logger.warning("%s is 1 under NTP with the distributed optimizer: each optimizer shard is held by one rank "
+                       "only, so a failure loses it and training needs a checkpoint to go on (2 keeps a twin of "
+                       "every shard; it needs an even parallel.data_parallel_size)", key)
+    return requested
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(what: str) -> bool:
+    """True the first time ``what`` is asked for in this process: a config is validated more than once."""
+    if what in _WARNED:
+        return False
+    _WARNED.add(what)
+    return True
 
 
 def load_job_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> JobConfig:

@@ -20,7 +20,7 @@ from a topology object, so a re-formation can call :func:`build_groups` again.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Optional
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from ntp_megatron import shard_layout
 from ntp_megatron.layout import Topology
 from ntp_megatron.patches import parallel_state as ps_patch
 
@@ -68,6 +69,19 @@ class GroupMaker:
         """This rank by itself (made locally: no peer to agree with on anything)."""
         return self._new([self.rank], local=True)
 
+    def partition(self, parts: Iterable[Iterable[int]]) -> dist.ProcessGroup:
+        """This rank's part of ``parts``, a partition of the world (every rank in exactly one part), made by each
+        part's members alone. Every rank calls this with the same partition at the same point of its sequence,
+        after calls that left every rank with the same number of groups (the first local group, ``alone``,
+        ``every_rank`` groups of which each rank joins the same number, earlier partitions): torch then names
+        each part alike on all its members."""
+        parts = [sorted(part) for part in parts]
+        members = sorted(r for part in parts for r in part)
+        if members != list(range(dist.get_world_size())):
+            raise ValueError(f"not a partition of the world: {parts[:4]}...")
+        [mine] = [part for part in parts if self.rank in part]
+        return self._new(mine, local=True)
+
     def every_rank(self, ranks: Iterable[int]) -> Optional[dist.ProcessGroup]:
         """The group of ``ranks``; every rank of the world calls this for the same groups in the same order.
         None where this rank is not a member."""
@@ -79,12 +93,20 @@ class GroupMaker:
         return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
 
 
-def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta,
-                 grad_stats: Optional[dist.ProcessGroup] = None) -> ps_patch.RankGroups:
+def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, distributed_optimizer: bool = False,
+                 instances: int = 1) -> ps_patch.RankGroups:
     """``rank``'s groups in Megatron's dense grid at PP = CP = 1 (upstream's rank order: TP innermost):
-    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them."""
+    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them.
+
+    With the distributed optimizer, its grad-norm group: the world with one instance (the default group, not a
+    copy); with ``instances`` k > 1 (Megatron's ``num_distributed_optimizer_instances``) the ranks of this
+    rank's instance, together with the intra-instance part of its data-parallel group and its twins'
+    inter-instance group, by Megatron's rule (:func:`ntp_megatron.shard_layout.instances`). The three are
+    partitions of the world, made by their members alone: three more calls per rank, whatever the world."""
     if tp_size < 1 or world_size % tp_size:
         raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size {tp_size}")
+    if instances > 1 and not distributed_optimizer:
+        raise ValueError(f"{instances} distributed-optimizer instances need the distributed optimizer")
     replica, tp_rank = divmod(rank, tp_size)
     make = GroupMaker(rank, timeout)
     tp_ranks = tuple(range(replica * tp_size, (replica + 1) * tp_size))
@@ -96,8 +118,17 @@ def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta,
         group = make.every_rank(ranks)
         if slot == tp_rank:
             dp, dp_ranks = group, ranks
+    grad_stats = dist.group.WORLD if distributed_optimizer else None
+    intra_dp = inter = None
+    if instances > 1:
+        members = shard_layout.instances(world_size // tp_size, instances)
+        slots = range(tp_size)
+        intra_dp = make.partition([r * tp_size + s for r in inst] for inst in members for s in slots)
+        inter = make.partition([inst[j] * tp_size + s for inst in members] for j in range(len(members[0]))
+                               for s in slots)
+        grad_stats = make.partition([r * tp_size + s for r in inst for s in slots] for inst in members)
     return ps_patch.RankGroups(tp=tp, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone, rank=rank,
-                               grad_stats=grad_stats)
+                               grad_stats=grad_stats, intra_dp=intra_dp, inter_dist_opt=inter)
 
 
 @dataclass
@@ -111,11 +142,35 @@ class NTPGroups:
     pg_collection: ProcessGroupCollection
     healthy: bool
     """This rank's replica has every slot live: Megatron's DDP syncs its one block over ``sync``."""
+    instances: int = 1
+    """Distributed-optimizer instances (Megatron's ``num_distributed_optimizer_instances``), fixed for the job."""
+    instance: int = 0
+    """This rank's replica's instance (its ``distributed_optimizer_instance_id``: its rank in every ``inter``)."""
+    position: int = 0
+    """This rank's replica's position in its instance: its shard of every block is the position-th (its rank in
+    every ``intra``)."""
+    intra: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    """Block -> the members of sync group ``block`` in this rank's instance (what the distributed optimizer
+    shards over and DDP reduce-scatters in), for every block in ``sync``. With one instance: ``sync`` itself."""
+    inter: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    """Block -> the holders of this rank's shard of ``block``, one per instance (twins: DDP all-reduces the
+    shard across them), for every block in ``sync``; empty with one instance."""
 
     def with_data_parallel(self, group: dist.ProcessGroup) -> ProcessGroupCollection:
         """This rank's collection with ``group`` as its data-parallel group (for a slot-shaped shadow DDP)."""
         pg = copy.copy(self.pg_collection)
         pg.dp = pg.dp_cp = pg.intra_dp_cp = pg.expt_dp = pg.intra_expt_dp = group
+        return pg
+
+    def with_sync_groups(self, block: int) -> ProcessGroupCollection:
+        """This rank's collection for a DDP and distributed optimizer over block ``block``'s buckets (its own
+        block on a healthy rank, a shadow's on a degraded one): data parallelism over sync group ``block``, the
+        optimizer sharded over its intra-instance part and all-reduced across the twins with k > 1 instances
+        (give Megatron's DDP config the same ``num_distributed_optimizer_instances``). ``intra_dist_opt`` (the
+        grad-norm group) is left as the collection has it: NTP's norm does not reduce over it."""
+        pg = self.with_data_parallel(self.sync[block])
+        pg.intra_dp_cp = pg.intra_expt_dp = self.intra[block]
+        pg.inter_dist_opt = self.inter.get(block)
         return pg
 
 
@@ -124,9 +179,24 @@ def sync_group_ranks(topology: Topology, block: int) -> tuple[int, ...]:
     return tuple(sorted(topology.sync_member(rep.index, block) for rep in topology.replicas))
 
 
-def build_groups(topology: Topology, rank: int, timeout_s: float) -> NTPGroups:
+def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance: int) -> tuple[int, ...]:
+    """The ranks of sync group ``block`` in ``instance`` (of ``k`` over the ``dp`` launch replicas), ascending
+    (that is, in replica order: ranks are numbered replica by replica), so a member's group rank is its
+    replica's position in the instance."""
+    present = {rep.index for rep in topology.replicas}
+    return tuple(sorted(topology.sync_member(r, block) for r in shard_layout.instances(dp, k)[instance]
+                        if r in present))
+
+
+def build_groups(topology: Topology, rank: int, timeout_s: float, dp: Optional[int] = None,
+                 instances: int = 1) -> NTPGroups:
     """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
-    generation right after it joined (see :class:`GroupMaker`)."""
+    generation right after it joined (see :class:`GroupMaker`).
+
+    With ``instances`` k > 1 (over the ``dp`` launch replicas) it also makes, for every block, the intra-instance
+    part of the sync group (k groups) and the twins' groups (dp/k): ``tp_base·(k + dp/k)`` more calls by every
+    rank. They are exposed in :class:`NTPGroups` (``intra``, ``inter``, :meth:`NTPGroups.with_sync_groups`) and
+    not installed: Megatron's globals and ``pg_collection`` keep one instance."""
     make = GroupMaker(rank, timedelta(seconds=timeout_s))
     replica = topology.replica_of(rank)
     tp_ranks = tuple(sorted(replica.ranks))
@@ -140,6 +210,25 @@ def build_groups(topology: Topology, rank: int, timeout_s: float) -> NTPGroups:
         group = make.every_rank(ranks)
         if block in member_of:
             sync[block], sync_ranks[block] = group, ranks
+    if dp is None:
+        if instances > 1:
+            raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
+        dp = max(rep.index for rep in topology.replicas) + 1  # one instance: only the replica index matters
+    instance, position = shard_layout.instance_of(replica.index, dp, instances)
+    intra: dict[int, dist.ProcessGroup] = {}
+    inter: dict[int, dist.ProcessGroup] = {}
+    if instances == 1:
+        intra = dict(sync)
+    else:
+        for block in range(topology.tp_base):
+            for i in range(instances):
+                group = make.every_rank(intra_group_ranks(topology, block, dp, instances, i))
+                if block in member_of and i == instance:
+                    intra[block] = group
+            for j in range(dp // instances):
+                group = make.every_rank(shard_layout.shard_holders(topology, dp, instances, (block, j)))
+                if block in member_of and j == position:
+                    inter[block] = group
     healthy = topology.is_healthy(replica.index)
     if healthy:
         [(block, dp)] = sync.items()
@@ -148,16 +237,18 @@ def build_groups(topology: Topology, rank: int, timeout_s: float) -> NTPGroups:
         dp, dp_ranks = alone, (rank,)
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
                                               rank=rank))
-    return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy)
+    return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy,
+                     instances=instances, instance=instance, position=position, intra=intra, inter=inter)
 
 
 def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup]:
     """``id(old group) -> new group`` for every role a group plays in both generations (the same fields of the
     process-group collection, the TP group, the sync groups of blocks served in both)."""
     mapping: dict[int, dist.ProcessGroup] = {id(old.tp): new.tp}
-    for block, group in old.sync.items():
-        if block in new.sync:
-            mapping[id(group)] = new.sync[block]
+    for role in ("sync", "intra", "inter"):  # intra is sync itself with one instance: the same mapping
+        for block, group in getattr(old, role).items():
+            if block in getattr(new, role):
+                mapping.setdefault(id(group), getattr(new, role)[block])
     for name, value in vars(old.pg_collection).items():
         replacement = getattr(new.pg_collection, name, None)
         if isinstance(value, dist.ProcessGroup) and isinstance(replacement, dist.ProcessGroup):
@@ -193,7 +284,8 @@ def rebind_process_groups(roots: list, old: NTPGroups, new: NTPGroups) -> int:
     at the matching group of ``new``. Returns how many references were replaced; raises if an old group is
     still referenced afterwards (a stale group would fail at its first collective, or worse)."""
     mapping = group_mapping(old, new)
-    old_ids = {id(g) for g in (old.tp, *old.sync.values(), *vars(old.pg_collection).values())
+    old_ids = {id(g) for g in (old.tp, *old.sync.values(), *old.intra.values(), *old.inter.values(),
+                               *vars(old.pg_collection).values())
                if isinstance(g, dist.ProcessGroup)}  # before the walk, which may rebind old.pg_collection itself
     replaced = 0
 

@@ -10,6 +10,10 @@ owns under the distributed optimizer, without building a model. The rules mirror
 
 ``tests/unit/test_shard_layout.py`` pins every function here to the real Megatron-Core objects.
 
+With several distributed-optimizer instances, :func:`instances` says which replicas form each (Megatron's rule),
+:func:`shard_holders` which ranks of an NTP topology hold a shard, and :func:`shard_plan` /
+:func:`shard_lower_bound_bytes` what a re-formation must move so that every new sync-group member holds its shard.
+
 One :class:`BufferLayout` describes one ``_ParamAndGradBuffer``: Megatron builds one per (param dtype, grad dtype)
 pair, over the parameters with ``requires_grad`` in ``named_parameters()`` order, and keeps expert-parallel
 parameters in separate buffers. ``dp_size`` below is the size of the buffer's data-parallel group, which is the
@@ -189,3 +193,133 @@ def shard_pieces(layout: BufferLayout, dp_size: int, j: int) -> list[ShardPiece]
 def shard_numel(layout: BufferLayout, dp_size: int, j: int) -> int:
     """Parameter elements in position ``j``'s shards: what its optimizer state covers (padding holds none)."""
     return sum(p.end - p.start for p in shard_pieces(layout, dp_size, j))
+
+
+# -- distributed-optimizer instances ---------------------------------------------------------------------------
+# With ``num_distributed_optimizer_instances`` = k, Megatron-Core cuts each data-parallel group into k instances
+# of consecutive members (``parallel_state.initialize_model_parallel``: ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_
+# WITH_CP``); each instance shards the optimizer over its dp/k members, and the members at one position of every
+# instance (``_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP``: twins) all-reduce their shards' gradients, so each
+# shard is held once per instance. Here the members are replica indices: the data-parallel order of the dense
+# grid, and the launch replica indices of an NTP job (fixed for the job, so membership never changes).
+
+
+def instances(dp: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """The replica indices of each of ``k`` instances, in position order: instance i is replicas
+    ``[i·dp/k, (i+1)·dp/k)``."""
+    if k < 1 or dp < 1 or dp % k:
+        raise ValueError(f"{k} distributed-optimizer instances do not divide {dp} replicas")
+    per = dp // k
+    return tuple(tuple(range(i * per, (i + 1) * per)) for i in range(k))
+
+
+def instance_of(replica: int, dp: int, k: int) -> tuple[int, int]:
+    """(instance, position in it) of ``replica``: its shard of every bucket is the position-th of dp/k."""
+    if not 0 <= replica < dp:
+        raise ValueError(f"replica {replica} is outside 0..{dp - 1}")
+    instances(dp, k)  # validates
+    return divmod(replica, dp // k)
+
+
+def twin_replicas(replica: int, dp: int, k: int) -> tuple[int, ...]:
+    """The replicas at ``replica``'s position in every instance (itself included), ascending: its twins."""
+    _, position = instance_of(replica, dp, k)
+    return tuple(members[position] for members in instances(dp, k))
+
+
+# -- which ranks hold which shard, and what a re-formation must move ------------------------------------------
+# Under NTP, sync group b (one member per replica: the rank at slot b, or the proxy of block b) shards block b's
+# canonical buckets; with k instances, shard (b, j) is position j's part and is held by the sync-group members of
+# the j-th replica of every instance. ``dp`` is the launch data-parallel size (instances are fixed for the job);
+# ranks are the generation's process-group ranks of ``ntp_megatron.layout.Topology``.
+
+ShardId = tuple[int, int]
+"""(block, position in the instance)."""
+
+
+class ShardMove(NamedTuple):
+    """Shard ``shard`` goes from old-generation rank ``src`` to new-generation rank ``dst``."""
+
+    shard: ShardId
+    src: int
+    dst: int
+
+
+def shard_holders(topology, dp: int, k: int, shard: ShardId) -> list[int]:
+    """The ranks holding ``shard`` in ``topology``, in instance order (one per instance whose replica is in it)."""
+    block, position = shard
+    present = {rep.index for rep in topology.replicas}
+    return [topology.sync_member(members[position], block) for members in instances(dp, k)
+            if members[position] in present]
+
+
+def _all_shards(tp_base: int, dp: int, k: int) -> list[ShardId]:
+    return [(block, position) for block in range(tp_base) for position in range(dp // k)]
+
+
+def lost_shards(old, dead_ranks, dp: int, k: int) -> list[ShardId]:
+    """Shards every holder of which is among ``dead_ranks`` (old-generation ranks): no surviving process has
+    them, so only a checkpoint restores them. Sorted."""
+    dead = set(dead_ranks)
+    out = []
+    for shard in _all_shards(old.tp_base, dp, k):
+        holders = shard_holders(old, dp, k, shard)
+        if holders and set(holders) <= dead:
+            out.append(shard)
+    return out
+
+
+class ShardLostError(ValueError):
+    """A shard a new sync member needs has no surviving holder."""
+
+    def __init__(self, shards: list[ShardId]) -> None:
+        super().__init__(f"optimizer shards (block, position) {shards} have no surviving holder")
+        self.shards = shards
+
+
+def shard_plan(old, new, dead_ranks, dp: int, k: int) -> list[ShardMove]:
+    """Every new sync member that did not hold its shard in ``old`` gets it once, from a surviving holder: the
+    process of its own replica that held it (a rejoin takes it back from the proxy), else its twin in another
+    instance (a replica healthy in ``old`` first, then the lowest replica index). A process that keeps its role
+    keeps its shard: no move. Sorted by (shard, dst). Raises :class:`ShardLostError` naming every needed shard
+    without a surviving holder."""
+    from ntp_megatron.layout import survivor_ranks
+
+    dead = set(dead_ranks)
+    new_of = survivor_ranks(old, new, dead)
+    old_present = {rep.index for rep in old.replicas}
+    moves, lost = [], []
+    for rep in new.replicas:
+        _, position = instance_of(rep.index, dp, k)
+        twins = twin_replicas(rep.index, dp, k)
+        for block in range(new.tp_base):
+            dst, shard = new.sync_member(rep.index, block), (block, position)
+            if rep.index in old_present:
+                held_by = old.sync_member(rep.index, block)
+                if held_by not in dead and new_of.get(held_by) == dst:
+                    continue  # kept
+            candidates = [r for r in twins if r in old_present and old.sync_member(r, block) not in dead]
+            if not candidates:
+                lost.append(shard)
+                continue
+            best = min(candidates, key=lambda r: (r != rep.index, not old.is_healthy(r), r))
+            moves.append(ShardMove(shard, old.sync_member(best, block), dst))
+    if lost:
+        raise ShardLostError(sorted(set(lost)))
+    return sorted(moves, key=lambda m: (m.shard, m.dst))
+
+
+STATE_BYTES = 12
+"""Per shard element moved: the fp32 main parameter and Adam's two fp32 moments (the step follows from the
+iteration)."""
+
+
+def shard_lower_bound_bytes(moves: Sequence[ShardMove], layouts, dp: int, k: int,
+                            state_bytes: int = STATE_BYTES) -> int:
+    """Bytes the optimizer state of ``moves`` (a :func:`shard_plan`) takes: each move carries its shard's
+    parameter elements (:func:`shard_numel` over block b's buffers, ``layouts[b]``, at dp/k positions) ×
+    ``state_bytes``. Every move of a plan is necessary (its destination holds nothing of that shard), so this is
+    a lower bound for any re-formation that ends with every shard in place."""
+    per = dp // k
+    return sum(state_bytes * sum(shard_numel(layout, per, m.shard[1]) for layout in layouts[m.shard[0]])
+               for m in moves)

@@ -13,8 +13,12 @@ With pipeline, context and expert parallelism all 1 (the only shapes this packag
 has, for one rank: the tensor-parallel group, the data-parallel group, the rank by itself for every
 trivial role (pipeline, context, expert, embedding and position embedding), the tensor-parallel group
 again for the roles that combine it with a trivial one (model, tensor+context, expert tensor), the
-data-parallel group again for expert data parallelism, and the world for the distributed optimizer's
-grad-norm group. The tensor-and-data group (FP8 amax reduction only) is left unset, so code that reaches
+data-parallel group again for expert data parallelism, and the distributed optimizer's grad-norm group (the
+ranks of its instance: the world with one instance). With ``num_distributed_optimizer_instances`` k > 1 it also
+has the partial groups: the intra-instance part of its data-parallel group (what the optimizer shards over and
+DDP reduce-scatters in) and the inter-instance group of its twins (what DDP all-reduces the shards across);
+with k = 1 the intra-instance group is the data-parallel group and there is no inter-instance group. The
+tensor-and-data group (FP8 amax reduction only) is left unset, so code that reaches
 for it fails loudly rather than building a world-sized group.
 """
 
@@ -40,7 +44,13 @@ class RankGroups:
     """This rank by itself: every trivial role (pipeline, context, expert, embedding)."""
     rank: int
     grad_stats: Optional[dist.ProcessGroup] = None
-    """The distributed optimizer's grad-norm group (the world at PP 1; None without a distributed optimizer)."""
+    """The distributed optimizer's grad-norm group: the ranks of this rank's instance (the world at PP 1 and one
+    instance; None without a distributed optimizer). Not the world with k > 1 instances: every instance holds
+    every reduced gradient, so the world would count each one k times (a norm √k too large)."""
+    intra_dp: Optional[dist.ProcessGroup] = None
+    """The intra-instance part of ``dp`` (k > 1 instances); None: ``dp`` itself (one instance)."""
+    inter_dist_opt: Optional[dist.ProcessGroup] = None
+    """This rank's twins, one per instance (k > 1 instances); None with one instance."""
 
 
 def install(groups: RankGroups) -> ProcessGroupCollection:
@@ -64,7 +74,8 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
     ps._DATA_PARALLEL_GLOBAL_RANKS = dp_ranks
     ps._DATA_PARALLEL_GROUP_WITH_CP = groups.dp
     ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = dp_ranks
-    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = groups.dp  # one distributed-optimizer instance
+    intra_dp = groups.intra_dp if groups.intra_dp is not None else groups.dp
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = intra_dp
     ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = groups.grad_stats
     # Expert parallelism 1, expert tensor parallelism = TP (upstream's default): no expert weights here, but
     # the RNG tracker seeds its expert stream from these ranks, and DDP wants an expert data-parallel group.
@@ -74,12 +85,13 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
     ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = groups.tp
     ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = groups.tp
     ps._EXPERT_DATA_PARALLEL_GROUP = groups.dp
-    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = groups.dp
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = intra_dp
+    ps._INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = groups.inter_dist_opt
     ps._set_global_memory_buffer()
     return ProcessGroupCollection(
         tp=groups.tp, pp=groups.alone, mp=groups.tp, embd=groups.alone, pos_embd=groups.alone, cp=groups.alone,
         tp_cp=groups.tp, hcp=None, ep=groups.alone, expt_tp=groups.tp, tp_ep=groups.tp, tp_ep_pp=groups.tp,
-        tp_dp_cp=None, dp=groups.dp, dp_cp=groups.dp, expt_dp=groups.dp, intra_dp_cp=groups.dp,
-        intra_expt_dp=groups.dp, inter_dist_opt=None, intra_dist_opt=groups.grad_stats,
+        tp_dp_cp=None, dp=groups.dp, dp_cp=groups.dp, expt_dp=groups.dp, intra_dp_cp=intra_dp,
+        intra_expt_dp=intra_dp, inter_dist_opt=groups.inter_dist_opt, intra_dist_opt=groups.grad_stats,
     )
 

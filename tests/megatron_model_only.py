@@ -15,7 +15,7 @@ nothing else (no iteration, no optimizer, scheduler or RNG state), in one of Meg
   Megatron-LM's checkpoint converters write);
 - ``iter``: ``DIR/iter_<K>/`` and ``latest_checkpointed_iteration.txt`` holding ``K``.
 
-Then the reference: a fresh GPTModel, optimizer and scheduler (``build(tp, --iters)``) read the weights back from
+Then the reference: a fresh GPTModel, optimizer and scheduler (``build(Layout(tp), --iters, pg)``) read the weights back from
 the saved directory (or ``--load``), model part only, and train iterations ``--start + 1 .. --iters`` on the
 batches of those iterations; ``--out`` gets each one's lm loss, grad norm and learning rate. That is Megatron-LM's
 ``--finetune`` (``--start 0``) and ``--no-load-optim`` (``--start`` the checkpoint's iteration): model weights
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.plain_megatron import CpuForCuda, build, dataset, run_without_cuda, train_step
+from tests.plain_megatron import CpuForCuda, Layout, build, dataset, process_groups, run_without_cuda, train_step
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -66,18 +66,20 @@ def run(rank: int, tp: int, args) -> None:
 
     cache = Path(args.out).parent / "model_only_data_cache"
     load = Path(args.load) if args.load else None
+    layout = Layout(tp=tp)
+    pg = process_groups(layout)
     if args.pretrain:
-        model, optimizer, scheduler = build(tp, args.pretrain + 1)  # a schedule longer than its warmup
+        model, optimizer, scheduler = build(layout, args.pretrain + 1, pg)  # a schedule longer than its warmup
         data = dataset(args.pretrain, cache)
         for iteration in range(args.pretrain):
-            train_step(model, optimizer, scheduler, data, iteration)
+            train_step(model, optimizer, scheduler, data, iteration, layout, pg)
         load = save_model_only(model, Path(args.save), args.layout, args.pretrain)
         del model, optimizer, scheduler
-    model, optimizer, scheduler = build(tp, args.iters)  # fresh optimizer and scheduler
+    model, optimizer, scheduler = build(layout, args.iters, pg)  # fresh optimizer and scheduler
     state = dist_checkpointing.load(model_only(model), str(load))
     model.module.load_state_dict(state["model"])
     data = dataset(args.iters, cache)
-    records = {iteration + 1: train_step(model, optimizer, scheduler, data, iteration)
+    records = {iteration + 1: train_step(model, optimizer, scheduler, data, iteration, layout, pg)
                for iteration in range(args.start, args.iters)}
     if rank == 0:
         Path(args.out).write_text(json.dumps(records))

@@ -11,8 +11,9 @@ one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of t
 ``{(ckpt, tp): logits}``.
 
 ``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
-each iteration's lm loss, grad norm and learning rate: the independent reference of the NTP equivalence anchor
-(``tests/jobs/test_ntp_equivalence.py``), run in a fresh interpreter that never imports ntp-megatron.
+each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
+independent reference of the NTP equivalence anchor (``tests/jobs/test_ntp_equivalence.py``), run in a fresh
+interpreter that never imports ntp-megatron.
 
 ``train --dp N`` runs TP × N ranks in Megatron's order (TP fastest: rank = dp_rank · TP + tp_rank), with
 ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
@@ -23,8 +24,7 @@ moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instan
 compared. With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
-all-gather. ``--records FILE`` writes each iteration's lm loss, grad norm and learning rate at any TP (``--out``
-holds only the losses unless ``--state`` is given).
+all-gather.
 
 Groups: ``parallel_state.initialize_model_parallel`` builds the one-instance grid (its k > 1 path imports
 einops); the partial groups of k > 1 are made here with ``new_group`` by Megatron's rule
@@ -386,8 +386,6 @@ def run_train(rank: int, layout: Layout, args) -> None:
     moments = whole_moments(model, dist_opt, layout.dist_opt) if args.state else None
     if rank != 0:
         return
-    if args.records:
-        Path(args.records).write_text(json.dumps(records))
     if args.state:
         assert layout.tp == 1, "--state writes whole tensors: TP1 only"
         full = {}
@@ -396,6 +394,7 @@ def run_train(rank: int, layout: Layout, args) -> None:
             for key in ("exp_avg", "exp_avg_sq"):
                 full[f"{name}.{key}"] = moments[param][key].reshape(-1).clone()
         torch.save(full, args.state)
+    if args.state or args.full_records:
         Path(args.out).write_text(json.dumps(records))
     else:
         Path(args.out).write_text(json.dumps({i: r["lm_loss"] for i, r in records.items()}))
@@ -484,8 +483,8 @@ def main(argv=None) -> int:
     parser.add_argument("--overlap", action="store_true", help="train: overlap_grad_reduce")
     parser.add_argument("--bucket-size", type=int, default=None, help="train: DDP bucket size (elements)")
     parser.add_argument("--micro-batch", type=int, default=MICRO, help="train: micro-batch size")
-    parser.add_argument("--records", default="",
-                        help="train: write each iteration's lm loss, grad norm and learning rate here (any TP)")
+    parser.add_argument("--full-records", action="store_true",
+                        help="train: --out gets each iteration's lm loss, grad norm and lr (as with --state)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
     args = parser.parse_args(argv)

@@ -214,7 +214,7 @@ class Reformer:
                     if old is not None:
                         copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
                     elif cfg.training.optimizer == "adam":
-                        set_step(new_tensors, training.iteration)  # every committed iteration was one Adam step
+                        set_step(new_tensors, self.optimizer_steps(training))
             if not fresh:
                 transfers = plan_transfers(base, topology, dead)
                 received = exchange(transfers, generation.rank, old_tensors, new_tensors)
@@ -237,6 +237,14 @@ class Reformer:
             self._start_iteration = int(self.elastic.ctl.get(keys.START).decode())
         return self._start_iteration
 
+    def optimizer_steps(self, training: Training) -> int:
+        """Steps the optimizer and the schedule of every rank have taken: one per committed iteration since they
+        started — at iteration 0, or at the checkpoint's iteration when the run loaded it without its optimizer
+        (``checkpoint.no_load_optim``: fresh optimizer and schedule there). What a process new to the job, with no
+        state of its own, starts its Adam step and its schedule at."""
+        fresh_at = self.start_iteration if self.cfg.checkpoint.no_load_optim else 0
+        return training.iteration - fresh_at
+
     def _load_start(self, training: Training, parts: RankObjects) -> None:
         """Read the checkpoint the run resumes from into ``parts`` (this generation's layout)."""
         iteration = self.builder.load_start(parts)
@@ -253,7 +261,8 @@ class Reformer:
                     staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
                 old.release()
             elif training.iteration and not staged.loaded:
-                staged.new_parts.scheduler.step(increment=training.iteration * self.cfg.training.global_batch_size)
+                staged.new_parts.scheduler.step(
+                    increment=self.optimizer_steps(training) * self.cfg.training.global_batch_size)
             training.parts = staged.new_parts
         else:
             self.builder.rebind(old, staged.setup)

@@ -140,6 +140,7 @@ def ddp_config(cfg: JobConfig) -> DistributedDataParallelConfig:
         overlap_grad_reduce=p.overlap_grad_reduce,
         bucket_size=bucket_size,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        num_distributed_optimizer_instances=cfg.parallel.num_distributed_optimizer_instances,
         check_for_nan_in_grad=False,
     )
 

@@ -75,11 +75,12 @@ def assign_shares(live: list[int], num_replicas: int) -> dict[int, list[int]]:
 def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
     """Megatron's dense grid at the configured TP, but only this rank's groups: its TP and DP groups and
     itself alone for the trivial roles (never upstream's initializer, which makes every group of the world on
-    every rank). The distributed optimizer's grad-norm group is the world: the default group, not a copy."""
+    every rank), and with the distributed optimizer its instance's groups (:func:`dense_groups`)."""
     p = cfg.parallel
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = dense_groups(p.tensor_model_parallel_size, rank, world, timedelta(seconds=p.timeout_s),
-                          grad_stats=dist.group.WORLD if p.use_distributed_optimizer else None)
+                          distributed_optimizer=p.use_distributed_optimizer,
+                          instances=p.num_distributed_optimizer_instances)
     pg = ps_patch.install(groups)
     replica, tp_rank = divmod(rank, p.tensor_model_parallel_size)
     return ParallelSetup(
@@ -97,7 +98,8 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
 
 def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
     """Groups (collective over each group's members) and samples for ``rank`` in ``topology``."""
-    groups = build_groups(topology, rank, cfg.parallel.timeout_s)
+    groups = build_groups(topology, rank, cfg.parallel.timeout_s, dp=cfg.parallel.data_parallel_size,
+                          instances=cfg.parallel.num_distributed_optimizer_instances)
     widths = {rep.index: rep.width for rep in topology.replicas}
     shares = assign_shares(list(widths), cfg.parallel.data_parallel_size)
     counts = {rep.index: microbatches_per_share(cfg, rep.width) * len(shares[rep.index])

@@ -5,10 +5,11 @@ ntp-megatron) at TP1 with ``--dp 2 --dist-opt`` and ``--dp 4 --dist-opt --instan
 without the distributed optimizer trains, to the spread of plain Megatron-Core between its own layouts, and the
 two holders of every optimizer shard (twins: one position in each instance) hold the same bits.
 
-Spread between plain layouts, measured here (5 iterations, micro-batch 1 unless said, against ``--dp 1``;
-2026-12-02): ``--micro-batch 2``, ``--dp 2`` and ``--dp 4`` (all without the distributed optimizer), and the two
-distributed-optimizer layouts above, all differ by at most 4.8e-7 in lm loss (one float32 ulp at 5.4), 1.3e-7
-relative in grad norm, 1.9e-6 in any parameter element, 3.7e-7 relative L2 in any Adam moment tensor. Like with
+Spread between plain layouts, measured here (5 iterations at micro-batch 1, against ``--dp 1``): ``--micro-batch
+2``, ``--dp 2`` and ``--dp 4`` (all without the distributed optimizer), and the two distributed-optimizer layouts
+above, all differ by at most 4.8e-7 in lm loss (one float32 ulp at 5.4), 1.3e-7 relative in grad norm, 1.9e-6 in
+any parameter element, 3.7e-7 relative L2 in any Adam moment tensor. The test runs at micro-batch 3 (printed:
+of the same order). Like with
 like is bitwise: ``--dp 4 --dist-opt --instances 2`` with ``--overlap --bucket-size 20000`` (six buckets) gives
 the same parameters and moments bit for bit (its grad norm differs in the last bits: the norm sums squares piece
 by piece, and the pieces follow the buckets). The tolerances below are about five times that spread.
@@ -26,9 +27,11 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.harness import REPO
+from tests.harness import REPO, TINY, assert_ok, run_job
 
 ITERS = 5
+GLOBAL_BATCH = 12     # tests.harness.TINY and tests.plain_megatron
+MICRO = 3             # divides the global batch over 1, 2 and 4 replicas; at DP4 one micro-batch per replica
 LOSS_TOL = 2e-6       # relative, per iteration: lm loss and grad norm
 PARAM_TOL = 1e-5      # largest element difference of any parameter
 MOMENT_TOL = 2e-6     # relative L2 of any Adam moment tensor
@@ -41,32 +44,33 @@ class PlainRun:
     shards: dict[int, dict]
 
 
-def plain(out_dir: Path, *args: str, state: bool = True) -> PlainRun:
-    """``tests.plain_megatron train`` for ITERS iterations at micro-batch 1 (so that 12 samples split over 1, 2
-    and 4 replicas), in a fresh interpreter."""
+def plain(out_dir: Path, *args: str, micro: int, state: bool) -> PlainRun:
+    """``tests.plain_megatron train`` for ITERS iterations, in a fresh interpreter: every iteration's record, the
+    final state (``state``: TP1 only) and every rank's shard (with ``--dist-opt``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     out, state_file, shards = out_dir / "records.json", out_dir / "state.pt", out_dir / "shards"
-    extra = ["--state", str(state_file)] if state else []
+    extra = ["--state", str(state_file)] if state else ["--full-records"]
     if "--dist-opt" in args:
         extra += ["--shards", str(shards)]
     proc = subprocess.run([sys.executable, "-m", "tests.plain_megatron", "train", "--iters", str(ITERS),
-                           "--save-at", "0", "--ckpt", str(out_dir / "unused"), "--micro-batch", "1",
+                           "--save-at", "0", "--ckpt", str(out_dir / "unused"), "--micro-batch", str(micro),
                            "--out", str(out), *extra, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    records = {int(i): r for i, r in json.loads(out.read_text()).items()} if out.exists() else {}
-    return PlainRun(records, torch.load(state_file) if state else None,
+    return PlainRun({int(i): r for i, r in json.loads(out.read_text()).items()},
+                    torch.load(state_file) if state else None,
                     {int(f.stem[4:]): torch.load(f) for f in shards.glob("rank*.pt")})
 
 
 @pytest.fixture(scope="module")
 def plain_runs(tmp_path_factory):
     """Plain runs by their arguments, each run once per module."""
-    cache: dict[tuple[str, ...], PlainRun] = {}
+    cache: dict[tuple, PlainRun] = {}
 
-    def get(*args: str, state: bool = True) -> PlainRun:
-        if args not in cache:
-            cache[args] = plain(tmp_path_factory.mktemp("plain"), *args, state=state)
-        return cache[args]
+    def get(*args: str, micro: int = MICRO, state: bool = True) -> PlainRun:
+        key = (args, micro, state)
+        if key not in cache:
+            cache[key] = plain(tmp_path_factory.mktemp("plain"), *args, micro=micro, state=state)
+        return cache[key]
 
     return get
 
@@ -130,3 +134,39 @@ def test_plain_distributed_optimizer_with_instances_trains_what_dp1_trains(plain
     # Clipping (at 1.0) is part of what is compared: a norm off by √2 (the world as the norm group) would clip.
     assert any(r["grad_norm"] > 1.0 for r in reference.records.values())
     assert any(r["grad_norm"] < 1.0 for r in reference.records.values())
+
+
+# NTP off, the dense grid with k = 2 instances (training/parallel.uniform_parallel, groups.dense_groups,
+# patches/parallel_state.install): Megatron-Core's own DDP and distributed optimizer over this project's groups
+# against plain Megatron-Core over Megatron's. With one micro-batch per replica, Megatron-LM's sampler and this
+# project's shares give each replica the same samples, the buckets are the same (one, overlap off) and so are
+# the collectives (reduce-scatter in the instance, all-reduce across it), so lm loss and grad norm agree bit for
+# bit at TP1. (At smaller micro-batches a replica reads other samples than plain's DP rank of the same index: its
+# local sums then differ in the last bits, 6e-8 relative in grad norm measured at TP1 × DP4, micro-batch 1.)
+# At TP2 the lm loss is bitwise equal and the grad norm is not: it differs by up to 5.8e-8 relative (one
+# iteration of five), and by as much with one instance (8.7e-8, TP2 × DP2 with the distributed optimizer and
+# k = 1, measured), so that is a difference of this project's TP2 path from plain Megatron-Core's that predates
+# instances and shows in the norm only; it is held to GRAD_NORM_TP_TOL here.
+GRAD_NORM_TP_TOL = 1e-7
+
+
+@pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)], ids=["tp1-dp4", "tp2-dp2"])
+def test_ntp_off_partial_distributed_optimizer_is_plain_megatrons(plain_runs, tmp_path, tp, dp):
+    micro = GLOBAL_BATCH // dp
+    want = plain_runs("--tp", str(tp), "--dp", str(dp), "--dist-opt", "--instances", "2", micro=micro,
+                      state=tp == 1)
+    job = run_job(tmp_path, [*TINY, "--set", f"parallel.tensor_model_parallel_size={tp}",
+                             "--set", f"parallel.data_parallel_size={dp}",
+                             "--set", "parallel.use_distributed_optimizer=true",
+                             "--set", "parallel.num_distributed_optimizer_instances=2",
+                             "--set", f"training.micro_batch_size={micro}", "--set", f"training.train_iters={ITERS}"])
+    assert_ok(job)
+    got = {r["iteration"]: r for r in job.records if r.get("kind") == "iteration"}
+    assert sorted(got) == sorted(want.records) == list(range(1, ITERS + 1))
+    for i, record in want.records.items():
+        for key in ("lm_loss", "grad_norm", "lr"):
+            if key == "grad_norm" and tp > 1:
+                assert relative(got[i][key], record[key]) <= GRAD_NORM_TP_TOL, (i, got[i][key], record[key])
+            else:
+                assert got[i][key] == record[key], f"iteration {i}: {key} {got[i][key]!r}, plain {record[key]!r}"
+    assert any(r["grad_norm"] > 1.0 for r in want.records.values()), "clipping is part of what is compared"

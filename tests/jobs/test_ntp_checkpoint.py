@@ -548,6 +548,27 @@ def test_no_load_optim_keeps_the_iteration_with_a_fresh_optimizer(degraded_run, 
                        "fresh optimizer, scheduler and RNG state")
 
 
+REJOIN_ITERS = 30
+"""Long enough for a warm spare to be admitted after the failure at iteration 5."""
+
+
+def test_a_replacement_after_no_load_optim_starts_at_its_peers_optimizer_step(degraded_run, tmp_path):
+    """``--no-load-optim`` on the TP4 + TP3 checkpoint of iteration 3 under NTP 2 x TP2: Adam and the schedule
+    start fresh at iteration 4. Launch rank 3 dies at iteration 5 and a warm spare takes its slot back at a later
+    boundary, with no state of its own: its Adam step and its schedule are its peers' (iterations since 3, not
+    since 0), so every iteration is still plain Megatron-Core's from those weights with a fresh optimizer."""
+    load = degraded_run.ckpt / f"iter_{SAVE_AT:07d}"
+    reference = _fresh_optimizer_reference(tmp_path, "--tp", "1", "--load", str(load), "--start", str(SAVE_AT),
+                                           "--iters", str(REJOIN_ITERS))
+    args = ntp_args(2, 2, extra=("--set", f"checkpoint.load={load}", "--set", f"training.train_iters={REJOIN_ITERS}",
+                                 "--set", "ntp.rejoin_after_s=0", "--set", "ntp.warm_spares=1"))
+    result = run_job(tmp_path / "run", [*args, "--no-load-optim", "--inject-failure", "kill:rank=3,iter=5,phase=backward"])
+    assert_ok(result)
+    [joined] = [e for e in result.events("reformed") if e["joined"]]
+    assert joined["resume_iteration"] < REJOIN_ITERS - 2, "the replacement came too late to train"
+    assert_matches(result, reference, "--no-load-optim, then a rejoin")
+
+
 def test_ntp_checkpoints_load_into_plain_megatron(degraded_run, tmp_path):
     """the TP4 + TP3 run's final checkpoint, and one re-saved by a degraded TP3 replica as the only
     replica (non-contiguous units written), load into plain Megatron-Core at TP1 and TP2 and give the logits

@@ -62,8 +62,8 @@ def plain_megatron(out_dir: Path, *args: str) -> dict[int, dict]:
     out = out_dir / "records.json"
     proc = subprocess.run([
         sys.executable, "-m", "tests.plain_megatron", "train", "--iters", str(ITERS), "--save-at", "0",
-        "--ckpt", str(out_dir / "unused"), "--out", str(out_dir / "out.json"), "--records", str(out),
-        "--micro-batch", str(MICRO), "--dist-opt", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+        "--ckpt", str(out_dir / "unused"), "--out", str(out), "--full-records", "--micro-batch", str(MICRO),
+        "--dist-opt", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {int(i): r for i, r in json.loads(out.read_text()).items()}
 

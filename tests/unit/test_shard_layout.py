@@ -1,5 +1,6 @@
 """The buffer and distributed-optimizer shard geometry (ntp_megatron.shard_layout): its invariants over drawn
-parameter lists, and equality with the real Megatron-Core DDP buffers and DistributedOptimizer ranges."""
+parameter lists, and equality with the real Megatron-Core DDP buffers and DistributedOptimizer ranges; the
+instances, shard holders and the shard plan of a re-formation over drawn topologies."""
 
 from __future__ import annotations
 
@@ -11,15 +12,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_megatron.layout import TopologyError, join_topology, make_topology, next_topology, survivor_ranks
+from ntp_megatron.placement import Placement
 from ntp_megatron.shard_layout import (
     PARAM_ALIGN,
+    STATE_BYTES,
     BufferLayout,
     ParamSpec,
+    ShardLostError,
     bucket_divisor,
     buffer_layout,
+    instance_of,
+    instances,
+    lost_shards,
+    shard_holders,
+    shard_lower_bound_bytes,
     shard_numel,
     shard_pieces,
+    shard_plan,
     shard_range,
+    twin_replicas,
 )
 
 FAST = settings(max_examples=150, deadline=None)
@@ -270,3 +282,123 @@ def test_layout_and_shards_equal_megatrons_buffers_and_distributed_optimizer(meg
         assert [names[p] for p in optimizer.opt_group_ranges[0]["params"]] == [p.name for p in pieces]
         assert shard_numel(layout, case.dp, j) == sum(r["param"].size for m in per_bucket
                                                       for r in m["param_map"].values())
+
+
+# -- instances, holders and the shard plan ---------------------------------------------------------------------
+
+UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
+PLANS = settings(max_examples=120, deadline=None)
+
+
+@st.composite
+def grids(draw) -> tuple[int, int, int]:
+    """(tp_base, dp, k) with k dividing dp."""
+    k = draw(st.integers(1, 3))
+    return draw(st.integers(1, 4)), k * draw(st.integers(1, 3)), k
+
+
+@st.composite
+def failures(draw):
+    """A starting topology (maybe degraded), the ranks that then die and the next topology (or None where no
+    replica survives at min_tp 1)."""
+    tp_base, dp, k = draw(grids())
+    slots = [(r, s) for r in range(dp) for s in range(tp_base)]
+    dead_at_start = draw(st.lists(st.sampled_from(slots), unique=True, max_size=len(slots) // 2))
+    by_replica = {r: sum(1 for rr, _ in dead_at_start if rr == r) for r in range(dp)}
+    dead_at_start = [(r, s) for r, s in dead_at_start if by_replica[r] < tp_base]  # every replica keeps a slot
+    old = make_topology(tp_base, dp, UNITS, dead_slots=dead_at_start)
+    dead = draw(st.lists(st.integers(0, old.world_size - 1), unique=True, min_size=1, max_size=3))
+    try:
+        new = next_topology(old, dead)
+    except TopologyError:
+        new = None
+    return dp, k, old, dead, new
+
+
+def test_instances_are_contiguous_blocks_of_replicas_and_twins_share_a_position():
+    assert instances(4, 2) == ((0, 1), (2, 3)) and instances(6, 3) == ((0, 1), (2, 3), (4, 5))
+    assert [instance_of(r, 6, 3) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert twin_replicas(1, 4, 2) == (1, 3) and twin_replicas(0, 4, 1) == (0,)
+    for bad in ((4, 3), (4, 0), (0, 1)):
+        with pytest.raises(ValueError, match="do not divide"):
+            instances(*bad)
+    with pytest.raises(ValueError, match="outside"):
+        instance_of(4, 4, 2)
+
+
+@PLANS
+@given(failures())
+def test_shard_plan_is_minimal_complete_deterministic_or_names_the_lost_shards(case):
+    dp, k, old, dead, new = case
+    if new is None:
+        return
+    needed = {(b, instance_of(rep.index, dp, k)[1]): None for rep in new.replicas for b in range(new.tp_base)}
+    lost = [s for s in lost_shards(old, dead, dp, k) if s in needed]
+    if lost:
+        with pytest.raises(ShardLostError) as err:
+            shard_plan(old, new, dead, dp, k)
+        assert err.value.shards == lost
+        return
+    plan = shard_plan(old, new, dead, dp, k)
+    assert plan == shard_plan(old, new, list(reversed(dead)), dp, k), "deterministic"
+    assert len({(m.shard, m.dst) for m in plan}) == len(plan), "each shard reaches each rank once"
+    old_of = {n: o for o, n in survivor_ranks(old, new, dead).items()}
+    received = {(m.shard, m.dst) for m in plan}
+    for rep in new.replicas:
+        position = instance_of(rep.index, dp, k)[1]
+        for block in range(new.tp_base):
+            dst, shard = new.sync_member(rep.index, block), (block, position)
+            had = dst in old_of and old_of[dst] in shard_holders(old, dp, k, shard)
+            # minimal: a process that held its shard keeps it; complete: every other member receives it
+            assert ((shard, dst) in received) == (not had), (shard, dst, had)
+    for move in plan:
+        assert move.src not in dead and move.src in shard_holders(old, dp, k, move.shard)
+
+
+@PLANS
+@given(failures())
+def test_a_rejoining_slot_takes_its_shard_back_from_inside_its_replica(case):
+    dp, k, old, dead, new = case
+    if new is None:
+        return
+    back = [old.slot_of(r) for r in dead if old.slot_of(r)[0] in {rep.index for rep in new.replicas}]
+    if not back:
+        return
+    joined = join_topology(new, back)
+    for move in shard_plan(new, joined, [], dp, k):
+        assert new.replica_of(move.src).index == joined.replica_of(move.dst).index, move
+
+
+@settings(max_examples=200, deadline=None)
+@given(grids(), st.integers(1, 9), st.data())
+def test_the_holders_of_a_shard_sit_on_different_nodes_when_there_are_enough_nodes(grid, nnodes, data):
+    """Under the placement rule (nodes host whole replicas, in index order), contiguous instances put a shard's
+    k holders on k different nodes whenever there are at least k nodes (so with two instances on any job of more
+    than one node), and on every node otherwise."""
+    tp_base, dp, k = grid
+    if dp % nnodes:
+        return
+    placement = Placement(tp_base, dp, nnodes)
+    dead_slots = data.draw(st.lists(st.tuples(st.integers(0, dp - 1), st.integers(1, tp_base - 1)), unique=True,
+                                    max_size=2)) if tp_base > 1 else []
+    topology = make_topology(tp_base, dp, UNITS, dead_slots=dead_slots)
+    for block in range(tp_base):
+        for position in range(dp // k):
+            nodes = [placement.device(*topology.slot_of(rank)).node
+                     for rank in shard_holders(topology, dp, k, (block, position))]
+            assert len(nodes) == k
+            assert len(set(nodes)) == min(k, nnodes), (block, position, nodes)
+
+
+def test_the_lower_bound_counts_twelve_bytes_per_shard_element_moved():
+    specs = [ParamSpec(f"p{i}", n) for i, n in enumerate((300, 70, 1000))]
+    dp, k = 4, 2
+    layouts = {b: [buffer_layout(specs, None, dp // k, True)] for b in range(2)}
+    old = make_topology(2, dp, UNITS)
+    dead = [old.rank_of(0, 1), old.rank_of(1, 1)]  # instance 0 loses block 1 at both positions
+    new = next_topology(old, dead)
+    plan = shard_plan(old, new, dead, dp, k)
+    assert {m.shard for m in plan} == {(1, 0), (1, 1)}
+    assert {old.replica_of(m.src).index for m in plan} == {2, 3}, "from the twins in the other instance"
+    assert shard_lower_bound_bytes(plan, layouts, dp, k) == STATE_BYTES * sum(s.numel for s in specs)
+    assert lost_shards(old, dead + [old.rank_of(2, 1)], dp, k) == [(1, 0)]
