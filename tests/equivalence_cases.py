@@ -54,6 +54,8 @@ class Case:
     micro_batches: int
     dist_opt: bool = False
     """Megatron's distributed optimizer (healthy topologies only: no dead slots)."""
+    instances: Optional[int] = None
+    """Its ``num_distributed_optimizer_instances`` (None: the configuration's default)."""
 
     @property
     def heads(self) -> int:
@@ -93,6 +95,8 @@ class Case:
             sets["parallel.ddp_bucket_size"] = self.bucket_size
         if self.dist_opt:
             sets["parallel.use_distributed_optimizer"] = "true"
+        if self.instances is not None:
+            sets["parallel.num_distributed_optimizer_instances"] = self.instances
         if self.dead:
             sets["ntp.dead_slots"] = "[" + ",".join(f"{r}:{s}" for r, s in self.dead) + "]"
         return self.model_args() + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]

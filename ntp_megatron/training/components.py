@@ -41,6 +41,17 @@ class Components:
         release_ddp(self.model)
 
 
+def sharding_groups(cfg: JobConfig, setup: ParallelSetup):
+    """The process groups a rank's DDP and optimizer are built with: the job's collection, except on a healthy NTP
+    rank under the distributed optimizer, whose buckets are sharded over its sync group's part in its instance and
+    all-reduced across its twins (with one instance: over the whole sync group, as without this)."""
+    groups = setup.groups
+    if groups is None or not groups.healthy or not cfg.parallel.use_distributed_optimizer:
+        return setup.pg
+    [block] = groups.sync
+    return groups.with_sync_groups(block)
+
+
 def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
     t, p = cfg.training, cfg.parallel
     optimizer = get_megatron_optimizer(
@@ -53,7 +64,7 @@ def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
         ),
         [model],
         use_gloo_process_groups=False,
-        pg_collection=setup.pg,
+        pg_collection=sharding_groups(cfg, setup),
     )
     if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
         # The norm override returns the global norm; a chain of several would combine it several times.
@@ -106,7 +117,7 @@ def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
     re-formation copies them from the old layout and from peers)."""
     tf_config = model_lib.transformer_config(cfg, device)
     healthy = setup.groups is None or setup.groups.healthy
-    model = model_lib.build_model(cfg, tf_config, setup.pg, device, setup.topology, setup.rank,
+    model = model_lib.build_model(cfg, tf_config, sharding_groups(cfg, setup), device, setup.topology, setup.rank,
                                   own_buckets_sync=healthy, initialize=initialize)
     optimizer = build_optimizer(cfg, tf_config, model, setup)
     parts = Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,

@@ -1,4 +1,4 @@
-"""Megatron's distributed optimizer under NTP, healthy replicas (one optimizer instance): the same training as
+"""Megatron's distributed optimizer under NTP, healthy replicas, one optimizer instance: the same training as
 plain Megatron-Core's distributed optimizer, and a live failure it cannot survive yet stops the job at once.
 
 - Like with like: NTP 2 × TP2 against ``tests/plain_megatron.py --tp 2 --dp 2 --dist-opt`` (plain Megatron-Core in
@@ -42,17 +42,18 @@ STOP_WITHIN_S = 10.0
 # tests/plain_megatron.py's model, data and optimizer at NTP 2 x TP2 (what the comparison helpers need to know).
 PLAIN = Case(tp_base=2, dp=2, dead=(), num_layers=2, query_groups=8, heads_per_group=1, kv_channels=8, hidden_size=64,
              ffn_hidden_size=256, vocab_size=256, position="learned_absolute", normalization="LayerNorm", untie=False,
-             activation="gelu", overlap=False, bucket_size=None, clip_grad=1.0, micro_batches=1, dist_opt=True)
+             activation="gelu", overlap=False, bucket_size=None, clip_grad=1.0, micro_batches=1, dist_opt=True,
+             instances=1)
 MICRO = 6  # 12 samples per iteration over 2 replicas: one micro-batch each, the same samples on both sides
 
 UNEVEN = Case(tp_base=2, dp=3, dead=(), num_layers=2, query_groups=3, heads_per_group=2, kv_channels=8,
               hidden_size=32, ffn_hidden_size=41, vocab_size=263, position="learned_absolute",
               normalization="LayerNorm", untie=False, activation="squared_relu", overlap=True, bucket_size=3000,
-              clip_grad=1.0, micro_batches=1, dist_opt=True)
+              clip_grad=1.0, micro_batches=1, dist_opt=True, instances=1)
 UNEVEN_TWO = Case(tp_base=2, dp=2, dead=(), num_layers=1, query_groups=3, heads_per_group=1, kv_channels=8,
                   hidden_size=24, ffn_hidden_size=37, vocab_size=257, position="rope", normalization="RMSNorm",
                   untie=True, activation="gelu", overlap=False, bucket_size=None, clip_grad=0.05, micro_batches=1,
-                  dist_opt=True)
+                  dist_opt=True, instances=1)
 
 
 def plain_megatron(out_dir: Path, *args: str) -> dict[int, dict]:
@@ -73,7 +74,8 @@ def test_healthy_replicas_train_as_plain_megatrons_distributed_optimizer(tmp_pat
     ntp = run_job(ntp_dir, [
         *TINY, "--set", "ntp.enabled=true", "--set", "model.init=megatron",
         "--set", "parallel.tensor_model_parallel_size=2", "--set", "parallel.data_parallel_size=2",
-        "--set", "parallel.use_distributed_optimizer=true", "--set", f"training.micro_batch_size={MICRO}",
+        "--set", "parallel.use_distributed_optimizer=true", "--set", "parallel.num_distributed_optimizer_instances=1",
+        "--set", f"training.micro_batch_size={MICRO}",
         "--set", f"training.train_iters={ITERS}", "--set", "logging.state_checksums=true",
         "--set", f"logging.dump_state={ntp_dir / 'state'}"])
     assert_ok(ntp)
@@ -106,7 +108,8 @@ def test_uneven_blocks(tmp_path_factory, case):
 
 
 def test_a_failure_that_would_degrade_a_replica_stops_the_job_naming_why(tmp_path):
-    args = ntp_args(2, 2, iters=4, extra=("--set", "parallel.use_distributed_optimizer=true"))
+    args = ntp_args(2, 2, iters=4, extra=("--set", "parallel.use_distributed_optimizer=true",
+                                          "--set", "parallel.num_distributed_optimizer_instances=1"))
     result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=2,phase=backward"])
     assert result.returncode != 0, result.stderr[-3000:]
     [stopped] = result.events("job_stopped")
