@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from ntp_megatron.layout import Topology, balanced_counts
-from ntp_megatron.shard_layout import ParamSpec, buffer_layout, shard_numel
+from ntp_megatron.shard_layout import ParamSpec, buffer_layout, ddp_bucket_size, shard_numel
 
 GIB = 2**30
 
@@ -256,25 +256,15 @@ def plan(dims: ModelDims, tp_base: int, min_tp: int, training: Training) -> Plan
     return Plan(healthy, worst, worst_width, min_tp)
 
 
-def launch_bucket_size(parallel) -> Optional[int]:
-    """The DDP bucket size every rank lays its buffers out with (``parallel.ddp_bucket_size``, or Megatron's
-    default for the launch's data-parallel size), None for one bucket (``overlap_grad_reduce`` off: Megatron's
-    DDP then passes no bucket size to its buffers)."""
-    if not parallel.overlap_grad_reduce:
-        return None
-    if parallel.ddp_bucket_size is not None:
-        return parallel.ddp_bucket_size
-    return max(40_000_000, 1_000_000 * parallel.data_parallel_size)
-
-
 def training_of(cfg) -> Training:
     """The :class:`Training` choices of a :class:`ntp_megatron.config.JobConfig`."""
     p = cfg.parallel
-    instances = getattr(p, "num_distributed_optimizer_instances", None) or 1
+    instances = p.num_distributed_optimizer_instances
     return Training(precision=cfg.training.precision, optimizer=cfg.training.optimizer,
                     distributed_optimizer=p.use_distributed_optimizer,
                     shard_over=max(1, p.data_parallel_size // instances) if p.use_distributed_optimizer else 1,
-                    bucket_size=launch_bucket_size(p))
+                    bucket_size=ddp_bucket_size(p.ddp_bucket_size, p.overlap_grad_reduce,
+                                                p.data_parallel_size))
 
 
 def plan_of(cfg, min_tp: Optional[int] = None) -> Plan:

@@ -91,6 +91,14 @@ class BufferLayout:
         return last.offset + last.numel
 
 
+def ddp_bucket_size(configured: int | None, overlap_grad_reduce: bool, dp_size: int) -> int | None:
+    """The bucket size a Megatron DDP gives its buffers: None (one bucket) without ``overlap_grad_reduce``, else the
+    configured size, or Megatron's default for a data-parallel group of ``dp_size``."""
+    if not overlap_grad_reduce:
+        return None
+    return configured if configured is not None else max(40_000_000, 1_000_000 * dp_size)
+
+
 def _pad(n: int, divisor: int) -> int:
     return -(-n // divisor) * divisor
 

@@ -18,6 +18,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer import TransformerConfig
 
 from ntp_megatron.config import JobConfig
+from ntp_megatron.shard_layout import ddp_bucket_size
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,7 @@ def ddp_config(cfg: JobConfig) -> DistributedDataParallelConfig:
     re-formation must lay its buckets out exactly as the healthy ranks built at launch did.
     """
     p = cfg.parallel
-    bucket_size = p.ddp_bucket_size
-    if bucket_size is None and p.overlap_grad_reduce:
-        bucket_size = max(40_000_000, 1_000_000 * p.data_parallel_size)  # Megatron's default at launch
+    bucket_size = ddp_bucket_size(p.ddp_bucket_size, p.overlap_grad_reduce, p.data_parallel_size)  # at launch
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=p.overlap_grad_reduce,
