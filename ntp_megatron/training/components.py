@@ -45,9 +45,9 @@ def sharding_groups(cfg: JobConfig, setup: ParallelSetup):
     """The process groups a rank's DDP and optimizer are built with: the job's collection, except on a healthy NTP
     rank under the distributed optimizer, whose buckets are sharded over its sync group's part in its instance and
     all-reduced across its twins (with one instance: over the whole sync group, as without this)."""
-    groups = setup.groups
-    if groups is None or not groups.healthy or not cfg.parallel.use_distributed_optimizer:
+    if setup.topology is None or not cfg.parallel.use_distributed_optimizer or not setup.groups.healthy:
         return setup.pg
+    groups = setup.groups
     [block] = groups.sync
     return groups.with_sync_groups(block)
 
