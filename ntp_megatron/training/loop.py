@@ -2,7 +2,8 @@
 
 Per iteration ``k``: forward/backward (Megatron's schedule; the gradient sync and the token count run in
 ``finalize_model_grads``), the loss for the log and the grad norm — every cross-rank reduction of the step —
-then the commit point, then the local optimizer step. The live path is one object, the
+then the commit point, then the local optimizer step, and under the distributed optimizer the parameter all-gather
+as a step of its own (:meth:`ntp_megatron.training.components.Components.param_gather`). The live path is one object, the
 :class:`ntp_megatron.elastic.session.Session`: under NTP each step is committed exactly once and a collective
 action a peer's failure interrupts is left for the next generation without stopping (the rank rolls a committed
 step forward or drops an aborted one, and training goes on at the settled iteration); with NTP off the session
