@@ -195,6 +195,11 @@ class UnitShardedTensorFactory(ShardedTensorFactory):
     ``key``); the factory's ``replica_id`` is handed to every fragment it builds."""
 
     global_shape: tuple[int, ...] = field(default=())
+    places: tuple[Fragment, ...] = field(default=())
+    """The fragments placing the local tensor in the global one (prepended axes excluded), cut along ``axis``."""
+    axis: int = 0
+    prepend: tuple[int, ...] = field(default=())
+    """Global offset of the prepended axes (a layer axis)."""
 
 
 def _prepend(prepend_offsets: Sequence[tuple[int, int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -239,7 +244,8 @@ def unit_sharded_tensor(key: str, tensor: torch.Tensor, split: UnitAxis, units: 
             out.narrow(axis, box.local_start, box.shape[axis]).copy_(part)
         return out
 
-    return UnitShardedTensorFactory(key, tensor, build, merge, replica_id, global_shape=full_shape)
+    return UnitShardedTensorFactory(key, tensor, build, merge, replica_id, global_shape=full_shape,
+                                    places=tuple(boxes), axis=axis, prepend=pre_offset)
 
 
 def unit_axis_of(param: torch.Tensor) -> tuple[UnitAxis, tuple[int, ...]]:
@@ -322,3 +328,172 @@ def ntp_module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
     out.update(make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets, tp_group=module.tp_group,
                                                    dp_cp_group=metadata["dp_cp_group"]))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed-optimizer shards in model space: plain data
+#
+# Megatron's distributed optimizer keeps, for each parameter, the flat range of it that falls inside this rank's
+# shard of a bucket (a *piece*: ``shard_layout.shard_pieces``; upstream ``gbuf_ranges[...]['param_map'][param]
+# ['param']``). Its checkpoint format ``fully_reshardable`` stores the fp32 main parameters and Adam moments in
+# model space: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each the model tensor's global shape.
+# A piece is written as boxes of those tensors, without gathering: a flat range of a row-major tensor is at most
+# 2·ndim − 1 boxes (a partial first row, whole rows, a partial last row, recursively), and each box is then cut by
+# the fragments that place the local tensor in the global one (one for a regular TP grid, one per unit run and
+# block under NTP).
+
+
+@dataclass(frozen=True)
+class Box:
+    """``offset`` / ``shape`` of a box, in some tensor's own axes."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def flat_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """The boxes tiling flat elements ``[start, end)`` of a row-major tensor of ``shape``, in flat order (at most
+    ``2·len(shape) − 1``; none for an empty range)."""
+    shape = tuple(shape)
+    numel = math.prod(shape)
+    if not 0 <= start <= end <= numel:
+        raise ValueError(f"flat range [{start}, {end}) outside a tensor of shape {shape}")
+    if start == end:
+        return []
+    if len(shape) <= 1:
+        return [Box((start,) * len(shape), (end - start,) * len(shape))]
+    inner = numel // shape[0]
+    first, head = divmod(start, inner)
+    last, tail = divmod(end, inner)
+    rest = shape[1:]
+
+    def row(index: int, lo: int, hi: int) -> list[Box]:
+        return [Box((index, *b.offset), (1, *b.shape)) for b in flat_boxes(rest, lo, hi)]
+
+    if first == last:
+        return row(first, head, tail)
+    out = []
+    if head:
+        out += row(first, head, inner)
+        first += 1
+    if last > first:
+        out.append(Box((first,) + (0,) * len(rest), (last - first, *rest)))
+    if tail:
+        out += row(last, 0, tail)
+    return out
+
+
+@dataclass(frozen=True)
+class ShardBox:
+    """One box of a piece in the global tensor: ``global_offset`` / ``shape`` in the tensor's own axes (no
+    prepended axes), and where it sits in the local tensor (``local_offset``, same shape)."""
+
+    global_offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    local_offset: tuple[int, ...]
+
+
+def shard_boxes(local_shape: Sequence[int], places: Sequence[Fragment], axis: int, start: int,
+                end: int) -> list[ShardBox]:
+    """The global boxes of flat elements ``[start, end)`` of a local tensor of ``local_shape`` whose place in the
+    global tensor is ``places``: fragments that cut the local tensor along ``axis`` (each: its global offset,
+    shape and ``local_start`` along ``axis``; :func:`fragments`, or one fragment for a regular grid). In flat
+    order of the row-major boxes, then fragment order."""
+    local_shape = tuple(local_shape)
+    out = []
+    for box in flat_boxes(local_shape, start, end):
+        lo, hi = box.offset[axis], box.offset[axis] + box.shape[axis]
+        for place in places:
+            a, b = max(lo, place.local_start), min(hi, place.local_start + place.shape[axis])
+            if a >= b:
+                continue
+            local = list(box.offset)
+            local[axis] = a
+            shape = list(box.shape)
+            shape[axis] = b - a
+            origin = [0] * len(local_shape)
+            origin[axis] = place.local_start
+            out.append(ShardBox(tuple(g + x - o for g, x, o in zip(place.global_offset, local, origin)),
+                                tuple(shape), tuple(local)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Distributed-optimizer shards in model space: dist_checkpointing objects
+
+
+@dataclass(frozen=True)
+class ModelPlace:
+    """Where a rank's local parameter tensor lies in its checkpoint tensor: the key, the global shape (prepended axes
+    included), the prepended axes' offset, and the fragments cut along ``axis``."""
+
+    key: str
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    prepend: tuple[int, ...]
+    places: tuple[Fragment, ...]
+    axis: int
+    replica_id: ReplicaId
+
+
+def model_place(entry: Any) -> ModelPlace:
+    """The :class:`ModelPlace` of a model sharded state dict entry: an NTP :class:`UnitShardedTensorFactory`, or a
+    regular ``ShardedTensor`` (one fragment: the whole local tensor at its global offset)."""
+    if isinstance(entry, UnitShardedTensorFactory):
+        return ModelPlace(entry.key, tuple(entry.data.shape), tuple(entry.global_shape), tuple(entry.prepend),
+                          tuple(entry.places), entry.axis, entry.replica_id)
+    if isinstance(entry, ShardedTensor) and entry.flattened_range is None:
+        n = entry.prepend_axis_num
+        local = tuple(entry.local_shape)
+        place = Fragment(tuple(entry.global_offset[n:]), local, 0)
+        return ModelPlace(entry.key, local, tuple(entry.global_shape), tuple(entry.global_offset[:n]), (place,), 0,
+                          entry.replica_id)
+    raise ValueError(f"{getattr(entry, 'key', entry)}: the distributed optimizer's checkpoint describes model "
+                     f"tensors given as a ShardedTensor or NTP fragments, not as {type(entry).__name__}")
+
+
+def _strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(tuple(shape)):
+        out.append(step)
+        step *= size
+    return tuple(reversed(out))
+
+
+def _box_view(flat: torch.Tensor, strides: tuple[int, ...], start: int, box: ShardBox) -> torch.Tensor:
+    """The elements of ``box`` (local coordinates) in ``flat``, the contiguous elements ``[start, ...)`` of the
+    local tensor."""
+    first = sum(o * s for o, s in zip(box.local_offset, strides)) - start
+    return flat.as_strided(box.shape, strides[:len(box.shape)], flat.storage_offset() + first)
+
+
+def piece_sharded_tensor(key: str, flat: torch.Tensor, place: ModelPlace, start: int, end: int,
+                         replica_id: ReplicaId) -> UnitShardedTensorFactory:
+    """The factory describing ``flat`` — elements ``[start, end)`` of a local tensor placed by ``place`` (one piece
+    of a distributed-optimizer shard) — as boxes of the global tensor ``key`` (:func:`shard_boxes`). Its merge
+    gives the piece back as one flat tensor."""
+    if flat.dim() != 1 or flat.numel() != end - start or not flat.is_contiguous():
+        raise ValueError(f"{key}: a piece of [{start}, {end}) must be a contiguous flat tensor, got "
+                         f"{tuple(flat.shape)}")
+    boxes = shard_boxes(place.local_shape, place.places, place.axis, start, end)
+    strides = _strides(place.local_shape)
+    n = len(place.prepend)
+
+    @torch.no_grad()
+    def build(key: str, data: torch.Tensor, replica_id: ReplicaId, flattened_range: Optional[slice]):
+        if flattened_range is not None:
+            raise ValueError(f"{key}: flattened ranges are not supported (Megatron-Core 0.16 refuses them)")
+        return [ShardedTensor(key, _box_view(data, strides, start, box).contiguous(), data.dtype,
+                              box.shape, place.global_shape, place.prepend + box.global_offset, None, replica_id, n)
+                for box in boxes]
+
+    @torch.no_grad()
+    def merge(parts: list[torch.Tensor]) -> torch.Tensor:
+        if len(parts) != len(boxes):
+            raise ValueError(f"{key}: {len(parts)} loaded boxes for {len(boxes)} described")
+        out = torch.empty(end - start, dtype=parts[0].dtype, device=parts[0].device)
+        for box, part in zip(boxes, parts):
+            _box_view(out, strides, start, box).copy_(part.reshape(box.shape))
+        return out
+
+    return UnitShardedTensorFactory(key, flat, build, merge, replica_id, global_shape=place.global_shape)

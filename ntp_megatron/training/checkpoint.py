@@ -56,6 +56,7 @@ directory a restarted job may rewrite.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -73,9 +74,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -83,13 +84,23 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ntp_megatron import phases
 from ntp_megatron.elastic.errors import OwnError
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
-from ntp_megatron.sharding import ROLE_KEY, CheckpointRole, UnitShardedTensorFactory, checkpoint_roles
+from ntp_megatron.sharding import (
+    ROLE_KEY,
+    CheckpointRole,
+    UnitShardedTensorFactory,
+    checkpoint_roles,
+    model_place,
+    piece_sharded_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 """What Megatron-LM's tracker file holds for a checkpoint converter's output, and that checkpoint's directory."""
+FULLY_RESHARDABLE, DP_RESHARDABLE = "fully_reshardable", "dp_reshardable"
+"""The distributed optimizer's checkpoint formats (Megatron's ``distrib_optim_sharding_type``) read here; the first
+is the one written (see the module docstring)."""
 SCHEDULER_KEYS = ("scheduler", "opt_param_scheduler")
 """Where the scheduler state may be: ours, or Megatron-LM's name for it."""
 
@@ -215,15 +226,116 @@ def _rng_object(coords: ParallelCoords, layout: _Layout, state: Any) -> ShardedO
     )
 
 
-def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layout, is_loading: bool) -> dict[str, Any]:
+def distributed_optimizer(optimizer: Optional[MegatronOptimizer]) -> Optional[DistributedOptimizer]:
+    """Megatron's ``DistributedOptimizer`` inside ``optimizer`` (``get_megatron_optimizer`` wraps even a single one
+    in a ``ChainedOptimizer``), or None without the distributed optimizer."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer):
+            return part
+    return None
+
+
+def content_metadata(sharding_type: Optional[str]) -> dict[str, Any]:
+    """What Megatron-LM's ``_build_sharded_state_dict_metadata`` passes to ``sharded_state_dict`` and stores in
+    the checkpoint (``content_metadata``): ``sharding_type`` is the distributed optimizer's format, None without
+    it. The process groups it also passes are not stored."""
+    metadata: dict[str, Any] = {}
+    if sharding_type is not None:
+        metadata["distrib_optim_sharding_type"] = sharding_type
+        if sharding_type == FULLY_RESHARDABLE:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    metadata.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+    return metadata
+
+
+STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")
+"""A distributed-optimizer piece's tensors: the fp32 main parameter and Adam's moments."""
+ALIASES = {"param": "fp32_param", "fp32_param": "param"}
+"""The fp32 main parameter is ``param`` in the distributed optimizer's model-space formats and ``fp32_param`` in
+the mixed-precision optimizer's (and the older ``fully_sharded_model_space``)."""
+
+
+@dataclass
+class _Pieces:
+    """A distributed optimizer's shard described piece by piece, in the order of ``param_state``."""
+
+    params: list = dataclasses.field(default_factory=list)    # the model parameter of each piece
+    missing: set = dataclasses.field(default_factory=set)     # state names the checkpoint does not hold
+
+
+def _model_entries(model_sd: dict) -> dict[int, Any]:
+    """Model parameter (by id) -> its entry in the model's sharded state dict."""
+    out = {}
+    for value in nested_values(model_sd):
+        if isinstance(value, (ShardedTensor, UnitShardedTensorFactory)) and isinstance(value.data, torch.Tensor):
+            out.setdefault(id(value.data), value)
+    return out
+
+
+def _distributed_optimizer_state(dist_opt: DistributedOptimizer, model_sd: dict, is_loading: bool,
+                                 stored: Optional[set[str]] = None) -> tuple[dict, _Pieces]:
+    """The distributed optimizer's state in Megatron's ``fully_reshardable`` format, written and read piece by
+    piece without gathering (see the module docstring): every piece of this rank's shard (Megatron's
+    ``gbuf_ranges``) as boxes of ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, main on one rank per
+    element (instance 0; a replicated tensor's TP rank 0). Loading (``stored``: the checkpoint's keys), fresh
+    tensors receive the pieces, under the names the checkpoint has (:data:`ALIASES`); without a main parameter
+    (a checkpoint of the non-distributed fp32 optimizer) it comes from the model weights."""
+    entries = _model_entries(model_sd)
+    instance = dist_opt.distributed_optimizer_instance_id
+    pieces, param_state = _Pieces(), {}
+    for gbuf_range_maps in dist_opt.gbuf_ranges:
+        for ranges in gbuf_range_maps.values():
+            for bucket in ranges:
+                for model_param, piece in bucket["param_map"].items():
+                    place = model_place(entries[id(model_param)])
+                    start, end = piece["param"].start, piece["param"].end
+                    rid = place.replica_id
+                    replica_id = (rid[0], rid[1], instance) if isinstance(rid, tuple) else (0, 0, instance)
+                    live = None if is_loading else dist_opt._get_main_param_and_optimizer_states(model_param)
+                    tensors = {}
+                    for name in STATE_NAMES:
+                        key = f"optimizer.state.{name}.{place.key}"
+                        if stored is not None and key not in stored:
+                            alias = f"optimizer.state.{ALIASES[name]}.{place.key}" if name in ALIASES else None
+                            if alias in stored:
+                                key = alias
+                            elif name == "param":
+                                pieces.missing.add(name)
+                                continue
+                        flat = torch.empty(end - start, dtype=torch.float32) if live is None else live[name].detach()
+                        tensors[name] = piece_sharded_tensor(key, flat, place, start, end, replica_id)
+                    param_state[len(pieces.params)] = tensors
+                    pieces.params.append(model_param)
+    if is_loading:
+        return {"param_state": param_state}, pieces
+    state = dist_opt.state_dict()
+    state.update(param_state=param_state, param_state_sharding_type=FULLY_RESHARDABLE)
+    return state, pieces
+
+
+def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layout, is_loading: bool,
+                   stored: Optional[set[str]] = None, sharding_type: str = FULLY_RESHARDABLE
+                   ) -> tuple[dict[str, Any], Optional[_Pieces]]:
     """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints. Without
     ``optimizer`` the model's alone: asking a fresh optimizer for its sharded state dict to load into would give it
-    state (Megatron's ``init_state_fn``) that is not a fresh optimizer's."""
+    state (Megatron's ``init_state_fn``) that is not a fresh optimizer's. With the distributed optimizer, its
+    pieces too (:func:`_distributed_optimizer_state`; ``sharding_type`` :data:`DP_RESHARDABLE`: Megatron's own
+    bucket-space request instead)."""
     metadata = {ROLE_KEY: layout.role} if layout.role is not None else None
     model_sd = model.module.sharded_state_dict(metadata=metadata)
     if optimizer is None:
-        return {"model": model_sd}
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+        return {"model": model_sd}, None
+    dist_opt = distributed_optimizer(optimizer)
+    if dist_opt is None:
+        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}, None
+    if len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
+        raise SystemExit("checkpoint: the distributed optimizer's checkpoints are written for one optimizer only "
+                         "(no expert parameters)")
+    if sharding_type == DP_RESHARDABLE:
+        sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=content_metadata(DP_RESHARDABLE))
+        return {"model": model_sd, "optimizer": sd}, None
+    sd, pieces = _distributed_optimizer_state(dist_opt, model_sd, is_loading, stored)
+    return {"model": model_sd, "optimizer": sd}, pieces
 
 
 def _write_latest(root: Path, iteration: Optional[int]) -> None:
@@ -316,7 +428,7 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         _prepare_dir(root, iteration)
     dist.barrier()
-    state = _sharded_state(model, optimizer, layout, is_loading=False)
+    state, _ = _sharded_state(model, optimizer, layout, is_loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     if consumed_samples is not None:
@@ -337,12 +449,13 @@ def save_checkpoint(
         if on_finalized is not None:
             on_finalized(path)
 
+    content = content_metadata(FULLY_RESHARDABLE if distributed_optimizer(optimizer) is not None else None)
     if async_queue is None:
-        dist_checkpointing.save(state, str(path))  # ends with metadata.json and a barrier
+        dist_checkpointing.save(state, str(path), content_metadata=content)  # ends with metadata.json, a barrier
         point_latest()
         return path
     # Plan now, then fork the writer at once: the fork is the snapshot of the state (see the module docstring).
-    request = dist_checkpointing.save(state, str(path), async_sharded_save=True)
+    request = dist_checkpointing.save(state, str(path), async_sharded_save=True, content_metadata=content)
     if request.async_fn is not None:
         request = request._replace(async_fn=_WriterDiesWithRank(request.async_fn))
     request.add_finalize_fn(point_latest)  # after upstream's .metadata and metadata.json
@@ -581,6 +694,121 @@ def check_shapes(request: dict, path: Path) -> None:
                              f" in {path} but {shape} in this model (a checkpoint of a different model shape)")
 
 
+def _optimizer_format(path: Path, common: dict, optimizer) -> Optional[str]:
+    """The distributed optimizer's format the checkpoint's optimizer state is in (Megatron-LM stores it in the
+    content metadata), None for another optimizer's; SystemExit with one line if this run cannot read it."""
+    stored = (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+    if stored in (None, FULLY_RESHARDABLE):
+        return stored
+    hint = ("re-save it with Megatron-LM's --dist-ckpt-optim-fully-reshardable, or --no-load-optim "
+            "(checkpoint.no_load_optim) starts a fresh optimizer")
+    if stored == DP_RESHARDABLE:
+        if distributed_optimizer(optimizer) is None or _is_ntp_optimizer(optimizer):
+            raise SystemExit(f"checkpoint.load: {path} holds the distributed optimizer's state in Megatron's "
+                             f"{DP_RESHARDABLE} format (bucket space), which only a distributed-optimizer run of its "
+                             f"TP and bucket layout reads; {hint}")
+        return stored
+    raise SystemExit(f"checkpoint.load: {path} holds the distributed optimizer's state in the format {stored!r}, "
+                     f"which is not read here ({FULLY_RESHARDABLE} and {DP_RESHARDABLE} are); {hint}")
+
+
+def _alias_keys(request: dict, stored: set[str]) -> None:
+    """Point a request's main-parameter tensors that the checkpoint lacks at their other name (:data:`ALIASES`):
+    the mixed-precision optimizer's ``fp32_param`` is the distributed optimizer's ``param``."""
+    prefix = "optimizer.state."
+    for value in nested_values(request):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.key.startswith(prefix) \
+                and value.key not in stored:
+            name, _, rest = value.key[len(prefix):].partition(".")
+            alias = f"{prefix}{ALIASES.get(name, name)}.{rest}"
+            if alias in stored:
+                value.key = alias
+
+
+def _is_ntp_optimizer(optimizer) -> bool:
+    dist_opt = distributed_optimizer(optimizer)
+    return dist_opt is not None and any(_is_ntp(chunk) for chunk in dist_opt.model_chunks)
+
+
+def _inner(optimizer):
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) != 1:
+        raise SystemExit("checkpoint.load: an optimizer of several parts (expert parameters?) is not supported")
+    return parts[0]
+
+
+def _own_param_groups(optimizer) -> list[dict]:
+    """This run's parameter groups as its torch optimizer saves them (``params`` as indices): what a load from
+    another optimizer's state takes (the scheduler's own state then sets their learning rate and weight decay)."""
+    inner = _inner(optimizer)
+    return copy.deepcopy(inner.optimizer.state_dict()["param_groups"])
+
+
+def _family(state: dict) -> str:
+    """Which Megatron optimizer's state dict ``state`` is: ``distributed``, ``float16`` (mixed precision) or
+    ``fp32``."""
+    if "param_state_sharding_type" in state:
+        return "distributed"
+    return "float16" if "optimizer" in state else "fp32"
+
+
+def _step(state: dict) -> Any:
+    """Adam's step in an optimizer state dict of any family (:func:`_family`)."""
+    family = _family(state)
+    if family == "distributed":
+        return state["optimizer"]["param_groups"][0]["step"]
+    inner = state["optimizer"] if family == "float16" else state
+    return inner["state"]["common_step"]
+
+
+def _unshare_steps(torch_optimizer) -> None:
+    """Give every parameter's Adam state a step tensor of its own. Upstream's ``DistributedOptimizer.load_state_dict``
+    (for torch's Adam, without Apex or Transformer Engine) puts one step tensor into every parameter's state, and
+    torch's ``load_state_dict`` keeps it shared (it copies no step); torch's Adam then adds 1 to it once per
+    parameter and step, so the bias correction after a load would be wrong."""
+    for state in torch_optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
+
+
+@torch.no_grad()
+def _load_optimizer(optimizer, loaded: dict, pieces: Optional[_Pieces], groups: list[dict]) -> None:
+    """Load ``loaded`` (what ``dist_checkpointing.load`` gave for the optimizer's request) into ``optimizer``. The
+    tensors are model-space in every family, so across families only the non-tensor part differs: then this run's
+    parameter groups (``groups``) take the checkpoint's Adam step."""
+    inner = _inner(optimizer)
+    target, source = ("distributed" if isinstance(inner, DistributedOptimizer) else _family(inner.state_dict())), \
+        _family(loaded)
+    if isinstance(inner, DistributedOptimizer) and pieces is not None:
+        if source == "distributed":
+            common = {key: loaded[key] for key in ("optimizer", "grad_scaler") if key in loaded}
+        else:
+            step = _step(loaded)
+            step = float(step.item() if isinstance(step, torch.Tensor) else step)
+            common = {"optimizer": {"param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
+                                                     for g in groups]}}
+        inner.load_state_dict(common)  # the parameter groups, the step; allocates the state tensors
+        _unshare_steps(inner.optimizer)
+        if "param" in pieces.missing:  # the main parameters follow the loaded weights
+            inner.reload_model_params()
+        for index, model_param in enumerate(pieces.params):
+            live = inner._get_main_param_and_optimizer_states(model_param)
+            for name, tensor in loaded["param_state"][index].items():
+                live[name].copy_(tensor)
+        return
+    if source == target or target == "distributed":  # same family; Megatron's own dp_reshardable load
+        inner.load_state_dict(loaded)
+        return
+    step = _step(loaded)
+    step = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+    if target == "fp32":
+        inner.load_state_dict({"state": {**loaded["state"], "common_step": step}, "param_groups": groups})
+        return
+    inner.load_state_dict({"optimizer": {"state": {**loaded["optimizer"]["state"], "common_step": step},
+                                         "param_groups": groups},
+                           "fp32_from_fp16_params": loaded["fp32_from_fp16_params"]})
+
+
 def load_checkpoint(
     load: Path,
     model,
@@ -600,7 +828,13 @@ def load_checkpoint(
         raise SystemExit(f"checkpoint.load: {path} has no scheduler state")
     layout = _layout(model, coords)
     restore_rng = plan.rng and common.get("parallel") == layout.parallel
-    request = _sharded_state(model, optimizer if plan.optimizer else None, layout, is_loading=True)
+    sharding_type = _optimizer_format(path, common, optimizer) if plan.optimizer else None
+    stored = _stored_keys(path) if plan.optimizer else None
+    groups = _own_param_groups(optimizer) if plan.optimizer else None
+    request, pieces = _sharded_state(model, optimizer if plan.optimizer else None, layout, is_loading=True,
+                                     stored=stored, sharding_type=sharding_type or FULLY_RESHARDABLE)
+    if plan.optimizer and pieces is None:
+        _alias_keys(request["optimizer"], stored)
     if restore_rng:
         request["rng_state"] = _rng_object(coords, layout, None)
     try:
@@ -610,7 +844,7 @@ def load_checkpoint(
         raise _read_failure(path, exc) from exc
     model.module.load_state_dict(state["model"])
     if plan.optimizer:
-        optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(optimizer, state["optimizer"], pieces, groups)
         scheduler.load_state_dict(state[scheduler_key])
     else:  # as Megatron-LM: a fresh optimizer's main parameters (fp16/bf16) follow the loaded weights
         optimizer.reload_model_params()
