@@ -15,6 +15,11 @@ each iteration's lm loss, grad norm and learning rate (``--full-records``: those
 independent reference of the NTP equivalence anchor (``tests/jobs/test_ntp_equivalence.py``), run in a fresh
 interpreter that never imports ntp-megatron.
 
+``train --load DIR`` continues a checkpoint (model, optimizer, scheduler; with ``--dist-opt`` in the format its
+content metadata names, as Megatron-LM reads it) from its iteration to ``--iters``. With ``--dist-opt``, ``--save-at``
+writes the distributed optimizer in ``--sharding-type`` (Megatron-LM's default ``dp_reshardable``, or
+``fully_reshardable``) and stores Megatron-LM's content metadata with it.
+
 ``train --dp N`` runs TP × N ranks in Megatron's order (TP fastest: rank = dp_rank · TP + tp_rank), with
 ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
 (``num_distributed_optimizer_instances``: reduce-scatter inside each of k instances of N/k replicas, all-reduce
@@ -55,6 +60,10 @@ Megatron-Core runs unmodified, and what it needs to run on a machine without CUD
   stands in.
 - Its RNG tracker keeps CUDA generator states; dropout is 0 here, so nothing is drawn inside a fork of it and
   the fork is a no-op (the weights come from the CPU generator: ``use_cpu_initialization``).
+- Without Transformer Engine or Apex, Megatron-Core's optimizers are torch's Adam, whose state exists only after a
+  first step and keeps a step tensor per parameter: a distributed-optimizer load needs that state to exist
+  (:func:`start_torch_adam`), and its loads mishandle torch's per-parameter step (:func:`copy_without_step`,
+  :func:`restore_steps`).
 - An upstream bug makes a sample's loss mask depend on the first sample a process read (the cached mask is
   modified in place); the dataset's mask cache is switched off, so every sample's masks are built afresh by
   upstream's own code.
@@ -131,10 +140,12 @@ class NullStream:
 def run_without_cuda() -> None:
     """Everything this process needs to run Megatron-Core without CUDA, besides :class:`CpuForCuda` (which every
     rank enters): CUDA's device queries answer for the CPU, its streams are :class:`NullStream`, the RNG
-    tracker's fork is a no-op, and GPT datasets build every sample's masks afresh."""
+    tracker's fork is a no-op, GPT datasets build every sample's masks afresh, and the distributed optimizer's
+    loads leave torch's Adam step alone (:func:`copy_without_step`)."""
     import contextlib
 
     from megatron.core.datasets import gpt_dataset
+    from megatron.core.optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random
 
     torch.cuda.current_device = lambda: "cpu"
@@ -143,6 +154,8 @@ def run_without_cuda() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.default_stream = torch.cuda.current_stream = lambda device=None: NullStream()
     random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    DistributedOptimizer._set_main_param_and_optimizer_states = copy_without_step(
+        DistributedOptimizer._set_main_param_and_optimizer_states)
     build = gpt_dataset.GPTDataset.__init__
 
     def uncached(self, *args, **kwargs):
@@ -306,9 +319,85 @@ def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout
     return {"lm_loss": float(total[0] / total[1]), "grad_norm": float(grad_norm), "lr": lr}
 
 
-def sharded_state(model, optimizer, is_loading: bool) -> dict:
+def sharded_state(model, optimizer, is_loading: bool, metadata: Optional[dict] = None) -> dict:
+    """The checkpoint request; ``metadata`` (the distributed optimizer's: :func:`checkpoint_metadata`) goes to the
+    optimizer, as Megatron-LM's ``generate_state_dict`` passes it."""
     model_sd = model.module.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    if metadata is None:
+        return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def checkpoint_metadata(layout: Layout, sharding_type: str) -> Optional[dict]:
+    """What Megatron-LM's ``_build_sharded_state_dict_metadata`` builds, and stores as the checkpoint's content
+    metadata, with the distributed optimizer (None without: this script's checkpoints then stay as they were):
+    ``dp_reshardable`` (Megatron-LM's default, bucket space) or ``fully_reshardable``
+    (``--dist-ckpt-optim-fully-reshardable``, model space)."""
+    if not layout.dist_opt:
+        return None
+    metadata = {"distrib_optim_sharding_type": sharding_type}
+    if sharding_type == "fully_reshardable":
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = False
+    metadata.update(singleton_local_shards=False, chained_optim_avoid_prefix=True)
+    return metadata
+
+
+def start_torch_adam(dist_opt) -> None:
+    """Give a fresh distributed optimizer the state torch's Adam has only after its first step (zero moments, step
+    0). Megatron's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads the step from every
+    parameter's state; with Transformer Engine's or Apex's Adam (not installed here) the step lives in the
+    parameter groups instead."""
+    dist_opt.init_state_fn(dist_opt.optimizer, dist_opt.config)
+    for state in dist_opt.optimizer.state.values():
+        state.setdefault("step", torch.tensor(0.0))
+
+
+def restore_steps(dist_opt) -> None:
+    """Every parameter's Adam step, from the parameter groups the load restored (where Megatron's distributed
+    optimizer keeps it): its ``load_state_dict`` gives all parameters one shared step tensor, which torch's Adam
+    would advance once per parameter and step, and ``dp_reshardable``'s parameter state then copies in the step the
+    request was built with."""
+    for group in dist_opt.optimizer.param_groups:
+        for param in group["params"]:
+            dist_opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def copy_without_step(set_states):
+    """Megatron's ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every key of a parameter's
+    optimizer state from the loaded tensors; torch's Adam keeps its ``step`` there, which ``fully_reshardable``'s
+    loader does not hand in (KeyError) and ``dp_reshardable``'s hands in stale: the copy runs with the step set
+    aside, and :func:`restore_steps` sets it."""
+    def copy(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return set_states(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    return copy
+
+
+def load_training_state(model, optimizer, scheduler, path: str, layout: Layout) -> int:
+    """Model, optimizer and scheduler from the checkpoint in ``path`` (with the distributed optimizer in the format
+    its content metadata names, as Megatron-LM's ``load_checkpoint`` reads it); returns its iteration."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(path)
+    metadata = None
+    if layout.dist_opt:
+        metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+        start_torch_adam(optimizer.chained_optimizers[0])
+    state = dist_checkpointing.load(sharded_state(model, optimizer, True, metadata), path)
+    model.module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if layout.dist_opt:
+        restore_steps(optimizer.chained_optimizers[0])
+    scheduler.load_state_dict(next(state[key] for key in ("scheduler", "opt_param_scheduler") if key in state))
+    return int(common["iteration"])
 
 
 def fixed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,16 +459,21 @@ def run_train(rank: int, layout: Layout, args) -> None:
     model, optimizer, scheduler = build(layout, args.iters, pg)
     data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
     records = {}
-    for iteration in range(args.iters):
+    start = load_training_state(model, optimizer, scheduler, args.load, layout) if args.load else 0
+    metadata = checkpoint_metadata(layout, args.sharding_type)
+    for iteration in range(start, args.iters):
         records[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration, layout, pg)
         if iteration + 1 == args.save_at:
-            state = sharded_state(model, optimizer, is_loading=False)
+            state = sharded_state(model, optimizer, is_loading=False, metadata=metadata)
             state.update(scheduler=scheduler.state_dict(), iteration=iteration + 1)
             path = Path(args.ckpt) / f"iter_{iteration + 1:07d}"
             if rank == 0:
                 path.mkdir(parents=True, exist_ok=True)
             dist.barrier()
-            dist_checkpointing.save(state, str(path))
+            if metadata is None:
+                dist_checkpointing.save(state, str(path))
+            else:
+                dist_checkpointing.save(state, str(path), content_metadata=metadata)
     dist_opt = optimizer.chained_optimizers[0] if layout.dist_opt else optimizer
     if args.shards:
         write_shard(Path(args.shards) / f"rank{rank}.pt", dist_opt, layout)
@@ -485,13 +579,17 @@ def main(argv=None) -> int:
     parser.add_argument("--micro-batch", type=int, default=MICRO, help="train: micro-batch size")
     parser.add_argument("--full-records", action="store_true",
                         help="train: --out gets each iteration's lm loss, grad norm and lr (as with --state)")
+    parser.add_argument("--sharding-type", choices=["dp_reshardable", "fully_reshardable"], default="dp_reshardable",
+                        help="train, --dist-opt: the distributed optimizer's checkpoint format (Megatron-LM's "
+                             "default; or --dist-ckpt-optim-fully-reshardable's)")
+    parser.add_argument("--load", default="", help="train: continue from this checkpoint directory (iter_*)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
     args = parser.parse_args(argv)
     if args.instances > 1 and not args.dist_opt or args.dp % args.instances:
         parser.error(f"--instances {args.instances} needs --dist-opt and divides --dp {args.dp}")
-    if args.dist_opt and args.save_at and args.mode == "train":
-        parser.error("--dist-opt: checkpoints are not written here (use --save-at 0)")
+    if args.load and (args.mode != "train" or len(args.tp) != 1):
+        parser.error("--load: train at one TP degree")
     if args.shards and not args.dist_opt:
         parser.error("--shards needs --dist-opt")
     import warnings

@@ -332,6 +332,8 @@ def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layou
         raise SystemExit("checkpoint: the distributed optimizer's checkpoints are written for one optimizer only "
                          "(no expert parameters)")
     if sharding_type == DP_RESHARDABLE:
+        if is_loading:
+            _start_adam_state(dist_opt)
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=content_metadata(DP_RESHARDABLE))
         return {"model": model_sd, "optimizer": sd}, None
     sd, pieces = _distributed_optimizer_state(dist_opt, model_sd, is_loading, stored)
@@ -689,6 +691,13 @@ def check_shapes(request: dict, path: Path) -> None:
                                  "fresh one")
             raise SystemExit(f"checkpoint.load: {path} has no tensor {key!r}, which this model reads "
                              "(a checkpoint of another model)")
+        if tuple(stored[key].global_shape) != shape and key.startswith("optimizer.distributed."):
+            raise SystemExit(f"checkpoint.load: {path} holds the distributed optimizer's state in Megatron's "
+                             f"{DP_RESHARDABLE} format (bucket space) for buffers other than this run's ({key!r}: "
+                             f"{tuple(stored[key].global_shape)} elements here, {shape} in this run: another TP, "
+                             "bucket size or model); only a run of its layout reads it; re-save it with Megatron-LM's "
+                             "--dist-ckpt-optim-fully-reshardable, or --no-load-optim (checkpoint.no_load_optim) "
+                             "starts a fresh optimizer")
         if tuple(stored[key].global_shape) != shape:
             raise SystemExit(f"checkpoint.load: tensor {key!r} has global shape {tuple(stored[key].global_shape)}"
                              f" in {path} but {shape} in this model (a checkpoint of a different model shape)")
@@ -761,14 +770,27 @@ def _step(state: dict) -> Any:
     return inner["state"]["common_step"]
 
 
-def _unshare_steps(torch_optimizer) -> None:
-    """Give every parameter's Adam state a step tensor of its own. Upstream's ``DistributedOptimizer.load_state_dict``
-    (for torch's Adam, without Apex or Transformer Engine) puts one step tensor into every parameter's state, and
-    torch's ``load_state_dict`` keeps it shared (it copies no step); torch's Adam then adds 1 to it once per
-    parameter and step, so the bias correction after a load would be wrong."""
+def _start_adam_state(dist_opt: DistributedOptimizer) -> None:
+    """The state torch's Adam has only after a first step (zero moments, step 0), for a fresh distributed
+    optimizer: Megatron's ``DistributedOptimizer.sharded_state_dict(is_loading=True)`` reads every parameter's step
+    (with Transformer Engine's or Apex's Adam the step lives in the parameter groups)."""
+    torch_optimizer = dist_opt.optimizer
+    if all(torch_optimizer.state[p] for group in torch_optimizer.param_groups for p in group["params"]):
+        return
+    dist_opt.init_state_fn(torch_optimizer, dist_opt.config)
     for state in torch_optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].clone()
+        state.setdefault("step", torch.tensor(0.0))
+
+
+def _restore_steps(torch_optimizer) -> None:
+    """Every parameter's Adam step, from the parameter groups a distributed-optimizer load restored (where Megatron
+    keeps it). Upstream's ``DistributedOptimizer.load_state_dict`` (torch's Adam, without Apex or Transformer
+    Engine) gives all parameters one shared step tensor, which torch's Adam would advance once per parameter and
+    step (torch's ``load_state_dict`` copies no step), and ``dp_reshardable``'s parameter state then copies in the
+    step the request was built with."""
+    for group in torch_optimizer.param_groups:
+        for param in group["params"]:
+            torch_optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
 @torch.no_grad()
@@ -788,7 +810,7 @@ def _load_optimizer(optimizer, loaded: dict, pieces: Optional[_Pieces], groups: 
             common = {"optimizer": {"param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
                                                      for g in groups]}}
         inner.load_state_dict(common)  # the parameter groups, the step; allocates the state tensors
-        _unshare_steps(inner.optimizer)
+        _restore_steps(inner.optimizer)
         if "param" in pieces.missing:  # the main parameters follow the loaded weights
             inner.reload_model_params()
         for index, model_param in enumerate(pieces.params):
@@ -796,7 +818,11 @@ def _load_optimizer(optimizer, loaded: dict, pieces: Optional[_Pieces], groups: 
             for name, tensor in loaded["param_state"][index].items():
                 live[name].copy_(tensor)
         return
-    if source == target or target == "distributed":  # same family; Megatron's own dp_reshardable load
+    if target == "distributed":  # Megatron's own dp_reshardable load
+        inner.load_state_dict(loaded)
+        _restore_steps(inner.optimizer)
+        return
+    if source == target:
         inner.load_state_dict(loaded)
         return
     step = _step(loaded)
