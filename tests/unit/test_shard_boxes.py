@@ -49,15 +49,16 @@ def test_flat_boxes_tile_the_range_in_order(case):
 
 @st.composite
 def sync_groups(draw):
-    """One split parameter of ``num_units`` units dealt to ``tp`` canonical blocks, and a replicated one, in a
-    buffer with other parameters, bucketed and sharded over ``dp`` positions."""
+    """One split parameter of ``num_units`` units dealt to ``tp`` blocks (any units each: non-contiguous ones
+    too), and a replicated one, in a buffer with other parameters, bucketed and sharded over ``dp`` positions."""
     tp = draw(st.integers(1, 3))
     num_units = draw(st.integers(tp, 7))
     axis = draw(st.integers(0, 1))
     unit_len, other = draw(st.integers(1, 3)), draw(st.integers(1, 4))
     bounds = sorted(draw(st.sets(st.integers(1, num_units - 1), min_size=tp - 1, max_size=tp - 1))) if tp > 1 else []
     edges = [0, *bounds, num_units]
-    blocks = [tuple(range(edges[b], edges[b + 1])) for b in range(tp)]
+    order = draw(st.permutations(range(num_units)))  # any units per block, as after failures (several runs)
+    blocks = [tuple(sorted(order[edges[b]:edges[b + 1]])) for b in range(tp)]
     dp = draw(st.integers(1, 4))
     bucket_size = draw(st.one_of(st.none(), st.integers(1, 200)))
     extra = draw(st.lists(st.integers(1, 90), max_size=3))
