@@ -358,7 +358,7 @@ class JobConfig(_Section):
 
     - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
     - with ``ntp.enabled``: no ``parallel.sequence_parallel`` or ``training.precision: fp16``; no ``ntp.dead_slots``
-      or ``checkpoint.save`` / ``load`` with ``parallel.use_distributed_optimizer``; ``model.transformer_impl:
+      with ``parallel.use_distributed_optimizer``; ``model.transformer_impl:
       local``; the starting topology is valid (dead slots inside the grid, no replica below ``ntp.min_tp``, at least
       ``parallel.tensor_model_parallel_size`` units in every family: query groups, FFN units, vocabulary rows); no
       ``checkpoint.async_save``;
@@ -464,11 +464,6 @@ class JobConfig(_Section):
             raise ValueError("ntp.dead_slots must be empty ([]) with parallel.use_distributed_optimizer: true: the "
                              "distributed optimizer runs healthy replicas only so far (no degraded replica at "
                              "launch); set parallel.use_distributed_optimizer: false to start degraded")
-        if self.parallel.use_distributed_optimizer and (self.checkpoint.save or self.checkpoint.load):
-            key = "checkpoint.save" if self.checkpoint.save else "checkpoint.load"
-            raise ValueError(f"{key} is not supported with parallel.use_distributed_optimizer under ntp.enabled yet "
-                             "(its sharded optimizer state is not written or read): unset it, or set "
-                             "parallel.use_distributed_optimizer: false")
         if self.training.precision == "fp16":
             raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
                              "reduces over the replica inside the optimizer step, after the commit point): use "

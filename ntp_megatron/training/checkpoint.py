@@ -20,6 +20,12 @@ those of a TP1 model, as uniform TP writes them):
   axis, ``decoder.final_layernorm.*``, ``output_layer.weight`` when untied;
 - ``optimizer``: ``optimizer.state.exp_avg.<model key>`` and ``optimizer.state.exp_avg_sq.<model key>``
   (fp32, the model tensor's shape), Adam's step as ``common_step`` and the parameter groups in ``common.pt``;
+  with the distributed optimizer Megatron's ``fully_reshardable`` format: the same moments, the fp32 main
+  parameters as ``optimizer.state.param.<model key>``, the step in the parameter groups, and Megatron-LM's content
+  metadata naming the format. Each rank writes the pieces of its shard as boxes of those tensors, without
+  gathering (:func:`_distributed_optimizer_state`); a load reads them into any optimizer, the distributed one or
+  not, and plain Megatron-LM's ``dp_reshardable`` (bucket space) into a distributed-optimizer run of its layout
+  (``docs/checkpoints.md``, "The distributed optimizer");
 - ``scheduler`` (OptimizerParamScheduler state), ``iteration`` (completed iterations; the data order is a
   function of it), ``consumed_samples`` and ``parallel`` (``tp``, ``dp``; under NTP also the TP width of every
   replica and a digest of the unit layout) in ``common.pt``;

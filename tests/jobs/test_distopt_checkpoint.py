@@ -8,11 +8,13 @@ Megatron-Core's uninterrupted TP2 x DP2 run (lm loss and grad norm, :data:`TOLER
    format (``dp_reshardable``, bucket space);
 2. NTP off TP2 x DP2, distributed optimizer with two instances, reads it (its own layout: bucket space is read
    there only), runs iteration 3 and saves (``fully_reshardable``, model space, written piece by piece);
-3. NTP off TP1 without the distributed optimizer reads that, runs 4 and saves (the non-distributed optimizer's
+3. NTP 3 x TP2 with the distributed optimizer (one instance: three replicas) reads that, runs 4 and saves (each
+   sync group's shards as boxes of NTP's unit fragments);
+4. NTP off TP1 without the distributed optimizer reads that, runs 5 and saves (the non-distributed optimizer's
    format);
-4. NTP off TP1 x DP2 with the distributed optimizer reads that back, runs 5 and saves;
-5. plain Megatron-Core TP2 x DP2 with its distributed optimizer reads that (``fully_reshardable``, Megatron's own
-   loader) and runs 6.
+5. NTP 2 x TP2 with the distributed optimizer (two instances) reads that back, runs 6 and saves;
+6. plain Megatron-Core TP2 x DP2 with its distributed optimizer reads that (``fully_reshardable``, Megatron's own
+   loader) and runs 7.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from tests.harness import TINY, assert_ok, relative_difference, run_job, run_module
 
-ITERS = 6
+ITERS = 7
 TOLERANCE = 1e-5
 """Relative, per iteration: plain Megatron-Core's own spread between layouts (``docs/testing.md``)."""
 
@@ -57,22 +59,23 @@ def _matches(records: dict[int, dict], reference: dict[int, dict], iterations: l
 
 
 DIST_OPT = ("--set", "parallel.use_distributed_optimizer=true")
+NTP = ("--set", "ntp.enabled=true")
 
 
-def test_distributed_optimizer_checkpoints_round_trip_through_plain_megatron(tmp_path):
+def test_distributed_optimizer_checkpoints_round_trip_through_ntp_and_plain_megatron(tmp_path):
     plain_dir = tmp_path / "plain-ckpt"
     reference = _plain(tmp_path / "plain", "--save-at", "2", "--ckpt", str(plain_dir))
-    assert json.loads((plain_dir / "iter_0000002" / "metadata.json").read_text())  # written by plain
-    spread = {}
-    ours = tmp_path / "ours"
+    ours, spread = tmp_path / "ours", {}
     got = _ours(tmp_path / "k2", 2, 2, plain_dir / "iter_0000002", ours, 3, *DIST_OPT,
                 "--set", "parallel.num_distributed_optimizer_instances=2")
-    spread["plain dp_reshardable -> TP2 x DP2, k=2"] = _matches(got, reference, [3], "from plain's dp_reshardable")
-    got = _ours(tmp_path / "tp1", 1, 1, ours / "iter_0000003", ours, 4)
-    spread["-> TP1 without"] = _matches(got, reference, [4], "into TP1 without the distributed optimizer")
-    got = _ours(tmp_path / "back", 1, 2, ours / "iter_0000004", ours, 5, *DIST_OPT)
-    spread["-> TP1 x DP2 with, k=1"] = _matches(got, reference, [5], "back into the distributed optimizer")
+    spread["plain dp_reshardable -> TP2 x DP2 k=2"] = _matches(got, reference, [3], "from plain's dp_reshardable")
+    got = _ours(tmp_path / "ntp3", 2, 3, ours / "iter_0000003", ours, 4, *NTP, *DIST_OPT)
+    spread["-> NTP 3 x TP2 k=1"] = _matches(got, reference, [4], "into NTP 3 x TP2")
+    got = _ours(tmp_path / "tp1", 1, 1, ours / "iter_0000004", ours, 5)
+    spread["-> TP1 without"] = _matches(got, reference, [5], "into TP1 without the distributed optimizer")
+    got = _ours(tmp_path / "ntp2", 2, 2, ours / "iter_0000005", ours, 6, *NTP, *DIST_OPT)
+    spread["-> NTP 2 x TP2 k=2"] = _matches(got, reference, [6], "back into the distributed optimizer under NTP")
     plain = _plain(tmp_path / "plain-load", "--save-at", "0", "--ckpt", str(tmp_path / "unused"),
-                   "--load", str(ours / "iter_0000005"))
-    spread["-> plain TP2 x DP2"] = _matches(plain, reference, [6], "plain Megatron-Core from ours")
+                   "--load", str(ours / "iter_0000006"))
+    spread["-> plain TP2 x DP2"] = _matches(plain, reference, [7], "plain Megatron-Core from NTP's")
     print("worst relative difference per load:", {k: f"{v:.1e}" for k, v in spread.items()})

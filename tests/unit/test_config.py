@@ -95,8 +95,6 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
         (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], "ntp topology: family 'heads' has 2 units"),
         (["parallel.use_distributed_optimizer=true", "ntp.dead_slots=[1:1]"],
          "ntp.dead_slots must be empty ([]) with parallel.use_distributed_optimizer: true"),
-        (["parallel.use_distributed_optimizer=true", "checkpoint.save=/tmp/ckpt"],
-         "checkpoint.save is not supported with parallel.use_distributed_optimizer under ntp.enabled yet"),
         (["model.transformer_impl=transformer_engine"], "ntp.enabled needs model.transformer_impl: local"),
         (["checkpoint.async_save=true"], "checkpoint.async_save is not supported with ntp.enabled yet"),
     ],
