@@ -500,7 +500,6 @@ def read_progress(load: Path, asked: LoadPlan = FULL) -> Progress:
     if path is not None and (path / "metadata.json").is_file():
         verify_checkpoint(path)
     path, common = _open(load)
-    path = path.resolve()  # as the user's shell means it, in what is said and pinned
     plan, reason = plan_load(path, common, _stored_keys(path), asked)
     iteration = int(common["iteration"]) if plan.progress else 0
     consumed = common.get("consumed_samples") if plan.progress else 0
