@@ -440,10 +440,6 @@ class JobConfig(_Section):
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
-        if self.ntp.enabled:
-            from ntp_megatron.memory_plan import check_budget
-
-            check_budget(self)
         return self
 
     @model_validator(mode="after")
@@ -455,6 +451,15 @@ class JobConfig(_Section):
                                             data_parallel_size=p.data_parallel_size)
         if p.num_distributed_optimizer_instances != k:
             p.num_distributed_optimizer_instances = k
+        return self
+
+    @model_validator(mode="after")
+    def _memory_budget(self) -> "JobConfig":
+        """``ntp.memory_budget_gib`` against the plan (after the instance count is resolved: it sets the shards)."""
+        if self.ntp.enabled:
+            from ntp_megatron.memory_plan import check_budget
+
+            check_budget(self)
         return self
 
     def _check_ntp(self) -> None:

@@ -101,7 +101,8 @@ class Controller:
         if not deaths:
             return None
         errors = [(d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank)) is not None]
-        errors.sort(key=lambda de: bool(de[1].get("echo")))  # name the cause, not a rank that only echoes it
+        # Name the cause, not a rank that only echoes it; and an error of the program before running out of memory.
+        errors.sort(key=lambda de: (bool(de[1].get("echo")), bool(de[1].get("out_of_memory"))))
         if errors and errors[0][1].get("echo"):  # the rank with the cause may exit a moment later
             others = [lr for lr in self.identity if lr not in self.dead and lr not in {d.launch_rank for d in deaths}]
             found = cause_behind_echoes(self.store, others)
@@ -109,9 +110,9 @@ class Controller:
                 errors.insert(0, (Death(found[0], found[1]["time"], own_error_cause(found[1]),
                                         error=found[1]["error"]), found[1]))
         retired: list[int] = []
-        if errors and errors[0][1].get("out_of_memory"):
-            dropping = self._out_of_memory(*errors[0])
-            if dropping is not None:  # absorbed: the replica whose layout did not fit is dropped below
+        if errors and all(error.get("out_of_memory") for _, error in errors):
+            dropping = self._out_of_memory(errors, {d.launch_rank for d in deaths})
+            if dropping is not None:  # absorbed: the replicas whose layouts did not fit are dropped below
                 errors, retired = [], dropping
         if errors:  # the rank's own error (ntp_megatron.elastic.errors): no re-formation gets past it
             d, error = errors[0]
@@ -177,29 +178,36 @@ class Controller:
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
 
-    def _out_of_memory(self, death: Death, report: dict) -> Optional[list[int]]:
-        """A rank ran out of memory. On a rank of a degraded replica (re-forming into it, or training in it) its
-        layout does not fit that device: under policy ``drop_replica`` the replica is dropped — the launch ranks of
-        its other live slots are returned, to retire with it — and the job goes on; otherwise (None) (a healthy replica,
-        whose layout is the launch's own, or policy ``stop`` / ``restart``: a restart would meet the same layout)
-        the job stops naming the error. Either way an ``oom`` event says which policy was taken."""
-        replica, slot = self.identity[death.launch_rank]
-        rep = next((r for r in self.latest.replicas if r.index == replica), None)
-        degraded = rep is not None and rep.width < self.latest.tp_base
-        drop = degraded and self.policy == "drop_replica"
-        retired = [lr for lr, s in self.identity.items()
-                   if s[0] == replica and lr != death.launch_rank and lr not in self.dead
-                   and self.latest.rank_of(*s) is not None] if drop else []
-        self.emit({"kind": "event", "event": "oom", "launch_rank": death.launch_rank, "replica": replica,
-                   "slot": slot, "generation": self.latest.generation, "iteration": report["iteration"],
-                   "phase": report["phase"], "degraded": degraded, "policy": "drop_replica" if drop else "stop",
-                   "retired": retired, "time": time.time()})
-        if drop:
-            self.unfit.add(replica)
-            self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}) ran out of memory at "
-                     f"iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
-                     f"(TP{rep.width}): dropping replica {replica} (ntp.on_unrecoverable: drop_replica)")
-        return retired if drop else None
+    def _out_of_memory(self, errors: list[tuple[Death, dict]], dying: set[int]) -> Optional[list[int]]:
+        """Ranks ran out of memory (``errors``: every error reported in this batch of deaths). On a rank of a
+        degraded replica (re-forming into it, or training in it) its layout does not fit that device: under policy
+        ``drop_replica`` the replica is dropped. If every one of them can be, the launch ranks of the dropped
+        replicas' other live slots are returned (they retire with them) and the job goes on; otherwise (None: a
+        healthy replica, whose layout is the launch's own, or policy ``stop`` / ``restart``, where a restart would
+        meet the same layout) the job stops naming the error. Either way an ``oom`` event per rank says which
+        policy was taken."""
+        decided = []
+        for death, report in errors:
+            replica, slot = self.identity[death.launch_rank]
+            rep = next((r for r in self.latest.replicas if r.index == replica), None)
+            degraded = rep is not None and rep.width < self.latest.tp_base
+            decided.append((death, report, replica, slot, rep, degraded))
+        drop = self.policy == "drop_replica" and all(d[-1] for d in decided)
+        retired: set[int] = set()
+        for death, report, replica, slot, rep, degraded in decided:
+            others = [lr for lr, s in self.identity.items() if s[0] == replica and lr not in dying
+                      and lr not in self.dead and self.latest.rank_of(*s) is not None] if drop else []
+            retired.update(others)
+            self.emit({"kind": "event", "event": "oom", "launch_rank": death.launch_rank, "replica": replica,
+                       "slot": slot, "generation": self.latest.generation, "iteration": report["iteration"],
+                       "phase": report["phase"], "degraded": degraded, "policy": "drop_replica" if drop else "stop",
+                       "retired": others, "time": time.time()})
+            if drop:
+                self.unfit.add(replica)
+                self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}) ran out of memory at "
+                         f"iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
+                         f"(TP{rep.width}): dropping replica {replica} (ntp.on_unrecoverable: drop_replica)")
+        return sorted(retired) if drop else None
 
     def _refresh_completed(self) -> None:
         """Catch up with the newest completed generation: survivors hold its layout, and deaths before it are

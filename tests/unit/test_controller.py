@@ -345,3 +345,36 @@ def test_out_of_memory_in_a_healthy_replica_stops_the_job():
     assert reason is not None and "OutOfMemoryError" in reason
     event = _oom_event(job)
     assert event["policy"] == "stop" and not event["degraded"]
+
+
+def test_out_of_memory_in_two_degraded_replicas_at_once_drops_both():
+    job = _job(2, 3)
+    job.form(0)
+    job.commit(0, 1)
+    job.die(1, 3)  # replicas 0 and 1 re-form at TP1
+    _run_out_of_memory(job, 0)
+    _run_out_of_memory(job, 2)
+    assert job.die(0, 2) is None
+    assert [r.index for r in job.topology(2).replicas] == [2]
+    assert sorted((e["launch_rank"], e["policy"]) for e in job.events if e.get("event") == "oom") == \
+        [(0, "drop_replica"), (2, "drop_replica")]
+
+
+@pytest.mark.parametrize("other", ["a bug", "out of memory in a healthy replica"])
+def test_out_of_memory_with_another_own_error_in_the_same_batch_stops_the_job(other):
+    """Nothing in one batch of deaths is re-formed around: a rank's bug is named before a rank out of memory, and
+    an out-of-memory error no replica drop absorbs stops the job for both."""
+    job = _job(2, 3)
+    job.form(0)
+    job.commit(0, 1)
+    job.die(1)  # replica 0 re-forms at TP1
+    _run_out_of_memory(job, 0)
+    if other == "a bug":
+        job.store.set(keys.rank_error(4), json.dumps({"error": "KeyError: 'bug'", "iteration": 3, "phase": "forward",
+                                                      "time": time.time(), "echo": False, "out_of_memory": False}))
+    else:
+        _run_out_of_memory(job, 4, phase="forward")
+    reason = job.die(0, 4)
+    assert reason is not None and job.latest() == 1
+    assert ("KeyError" in reason and "launch rank 4" in reason) if other == "a bug" else "OutOfMemoryError" in reason
+    assert all(e["policy"] == "stop" for e in job.events if e.get("event") == "oom")

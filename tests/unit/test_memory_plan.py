@@ -271,3 +271,20 @@ def test_a_min_tp_whose_plan_exceeds_the_budget_is_refused_naming_the_one_that_f
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [int(r[0]) for r in rows] == [4, 3, 2, 1] and rows[0][-1] == "healthy"
     assert float(rows[-1][5]) * 2**20 == pytest.approx(needs[1], rel=1e-3)
+
+
+def test_the_budget_check_with_the_distributed_optimizer_uses_its_resolved_instances():
+    """Under NTP with the distributed optimizer the instance count defaults (2 at an even DP): the plan shards over
+    DP / 2, and a budget below it is one line, not a crash."""
+    from ntp_megatron.config import load_job_config
+    from ntp_megatron.config_io import ConfigError
+    from ntp_megatron.memory_plan import GIB, plan_of
+
+    base = ["parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=4",
+            "parallel.use_distributed_optimizer=true", "training.global_batch_size=16"]
+    cfg = load_job_config(overrides=base + ["ntp.memory_budget_gib=1000"])
+    assert cfg.parallel.num_distributed_optimizer_instances == 2
+    planned = plan_of(cfg)
+    assert planned.worst.total > planned.healthy.total
+    with pytest.raises(ConfigError, match="above ntp.memory_budget_gib"):
+        load_job_config(overrides=base + [f"ntp.memory_budget_gib={planned.healthy.total / 2 / GIB}"])
