@@ -38,7 +38,7 @@ from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
-    lower_bound_bytes, plan_transfers, set_step, state_keys
+    largest_piece_bytes, lower_bound_bytes, plan_transfers, set_step, state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -228,15 +228,11 @@ class Reformer:
                         set_step(new_tensors, self.optimizer_steps(training))
             if not fresh:
                 transfers = plan_transfers(base, topology, dead)
-                # exchange() posts every receive and send at once: its messages coexist, at 4 bytes an element.
-                messages = 4 * (sum(new_tensors.numel(t.units, t.replicated) for t in transfers
-                                    if t.dst == generation.rank)
-                                + sum(old_tensors.numel(t.units, t.replicated) for t in transfers
-                                      if t.src == generation.rank))
-                memory.sample(old, new_parts, transient=messages)
+                message = largest_piece_bytes(transfers, generation.rank, old_tensors, new_tensors)
+                memory.sample(old, new_parts, transient=message)  # exchange() holds one piece at a time
                 received = exchange(transfers, generation.rank, old_tensors, new_tensors)
                 held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
-                held["message_bytes"] = messages
+                held["largest_message_bytes"] = message
             elastic.ctl.add(keys.moved(topology.generation), received)
             if generation.commit.form() != COMPLETE:
                 raise GenerationEnded(f"forming generation {topology.generation} did not complete")
