@@ -68,6 +68,8 @@ class Sizes:
     memory_dp: int = 4
     memory_instances: tuple[int, ...] = (1, 2)
     memory_iters: int = 8
+    memory_micro_batch: int = 1
+    """Of the global batch of 12 samples, a multiple of micro-batch x DP."""
     reform_tp: Optional[int] = 3
     """The memory part's own failure job: TP ``reform_tp`` x 2, the last rank killed (None: the failure part's
     job alone)."""
@@ -78,7 +80,8 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               stall_iters=5, stall_interval=2, stall_warmup=1,
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
                           "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
-              init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, reform_tp=None)
+              init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, memory_micro_batch=2,
+              reform_tp=None)
 
 MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
          "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
@@ -402,7 +405,8 @@ def _largest(states: list[dict]) -> dict:
 
 
 def _memory_ntp(sizes: Sizes, instances: Optional[int], run: RunModule, workdir: Path, name: str) -> dict:
-    args = [*_layout(sizes.memory_tp, sizes.memory_dp, True)]
+    args = [*_layout(sizes.memory_tp, sizes.memory_dp, True),
+            "--set", f"training.micro_batch_size={sizes.memory_micro_batch}"]
     if instances is not None:
         args += ["--set", "parallel.use_distributed_optimizer=true",
                  "--set", f"parallel.num_distributed_optimizer_instances={instances}"]
@@ -418,6 +422,7 @@ def _memory_megatron(sizes: Sizes, instances: int, run: RunModule, workdir: Path
     out = Path(tempfile.mkdtemp(prefix=f"megatron-k{instances}", dir=workdir))
     args = ["train", "--tp", str(sizes.memory_tp), "--dp", str(sizes.memory_dp), "--dist-opt",
             "--instances", str(instances), "--iters", str(sizes.memory_iters), "--save-at", "0",
+            "--micro-batch", str(sizes.memory_micro_batch),
             "--ckpt", str(out / "ckpt"), "--out", str(out / "losses.json"), "--memory", str(out / "memory")]
     code, _, err = run("tests.plain_megatron", args, out)
     if code != 0:
