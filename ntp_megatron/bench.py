@@ -487,8 +487,8 @@ def measure_memory(sizes: Sizes, run: RunModule, workdir: Path, failure_records:
              "ratio": _ratio(ntp["state"]["optimizer"], figures["ntp"]["state"]["optimizer"]), "goal": None},
             {"comparison": f"step time, NTP + dist-opt / Megatron dist-opt, k={k}",
              "ratio": _ratio(ntp["median_step_ms"], plain["median_step_ms"]), "goal": None}]
-    reform_jobs = {f"TP2 x 2, launch rank 3 killed (the failure part's NTP job, round {i + 1})": reform_memory(records)
-                   for i, records in enumerate(failure_records)}
+    reform_jobs = {f"TP2 x 2, launch rank 3 killed (the failure part's NTP job, round {i + 1})":
+                   reform_memory(records) for i, records in enumerate(failure_records)}
     if sizes.reform_tp is not None:
         tp = sizes.reform_tp
         records = run_job_records(

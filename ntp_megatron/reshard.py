@@ -4,11 +4,11 @@ When a replica's layout changes (a rank died and its units were dealt to the sur
 takes its block back), the new owner of a unit fetches it from a process that holds it — a survivor of the
 same replica when there is one, else the rank holding the same canonical block in another replica
 (:func:`ntp_megatron.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
-message, sent one piece (one parameter) at a time, carries, for each TP-split parameter of each moved unit's family, the unit's slice of the
-parameter and of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order
-both ends derive from the topology and the parameter names alone. Under bf16 / fp16 the parameter travels as
-the fp32 main param the optimizer steps; the model's 16-bit copy is its rounding (as after every step) and is
-rebuilt from it on arrival.
+message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the parameter and
+of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order both ends derive
+from the topology and the parameter names alone; it is sent one parameter at a time (:func:`exchange`). Under
+bf16 / fp16 the parameter travels as the fp32 main param the optimizer steps; the model's 16-bit copy is its
+rounding (as after every step) and is rebuilt from it on arrival.
 
 Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
 the wire are exactly the units that moved.
