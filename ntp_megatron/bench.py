@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -37,10 +38,13 @@ RunModule = Callable[[str, Sequence[str], Path], tuple[int, str, str]]
 
 
 def run_in_subprocess(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:
-    """A fresh interpreter per run, as a user's job starts (the plain Megatron-Core reference, ``tests.*``, from
-    the repository's root)."""
-    cwd = Path(__file__).resolve().parent.parent if module.startswith("tests.") else None
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd)
+    """A fresh interpreter per run, as a user's job starts. The plain Megatron-Core reference (``tests.*``) runs
+    from the repository's root with one intra-op thread per rank, as ``ntp-launch`` starts its ranks (its
+    ``OMP_NUM_THREADS`` default): with every rank's threads on every core, its steps measured about 18x slower here."""
+    cwd, env = None, None
+    if module.startswith("tests."):
+        cwd, env = Path(__file__).resolve().parent.parent, {"OMP_NUM_THREADS": "1", **os.environ}
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -413,8 +417,12 @@ def _memory_ntp(sizes: Sizes, instances: Optional[int], run: RunModule, workdir:
     records = run_job_records(args, sizes.memory_iters, workdir, run, name, model=MEMORY_MODEL)
     steady = [r for r in records if r.get("kind") == "memory" and r["phase"] == "steady"]
     times = [r["elapsed_ms"] for r in records if r.get("kind") == "iteration"][sizes.warmup:]
-    return {"ranks": len(steady), "state": _largest([r["state"] for r in steady]),
-            "planned_equal": all({k: r["state"][k] for k in STATE_KINDS} == r["planned"] for r in steady),
+    # The plan counts a distributed-optimizer shard at the most any position's holds: every rank within it, and
+    # the largest rank's state equal to it.
+    largest = _largest([r["state"] for r in steady])
+    within = all(r["state"][k] <= r["planned"][k] for r in steady for k in STATE_KINDS)
+    return {"ranks": len(steady), "state": largest,
+            "planned_equal": within and largest == _largest([r["planned"] for r in steady]),
             "rss_hwm_mb": max(r["rss_hwm_bytes"] for r in steady) / 2**20, "step_ms": times}
 
 
