@@ -6,7 +6,10 @@ iterations after warm-up, pooled over rounds. Output: a table on stdout and JSON
 ``degraded_step_time_ratio`` section in the format the goodput simulator reads as calibration. Also measured:
 communication of healthy ranks, a failure absorbed by NTP against a restart from checkpoint, and the training
 stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs that part alone), and the time and
-peak memory of initialising one rank's model, Megatron replay against the layout-free initialiser (``--only init``).
+peak memory of initialising one rank's model, Megatron replay against the layout-free initialiser (``--only init``),
+and each rank's training state with NTP and the distributed optimizer against plain Megatron-Core's distributed
+optimizer at the same layout and instance count and against NTP without it, with step times, and the peaks of
+re-forming ranks against their steady state (``--only memory``).
 ``--smoke`` runs every part once at its smallest size (``SMOKE``): what the test suite runs, so that the harness
 cannot break unnoticed; its figures mean nothing.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,8 +38,13 @@ RunModule = Callable[[str, Sequence[str], Path], tuple[int, str, str]]
 
 
 def run_in_subprocess(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:
-    """A fresh interpreter per run, as a user's job starts."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True)
+    """A fresh interpreter per run, as a user's job starts. The plain Megatron-Core reference (``tests.*``) runs
+    from the repository's root with one intra-op thread per rank, as ``ntp-launch`` starts its ranks (its
+    ``OMP_NUM_THREADS`` default): with every rank's threads on every core, its steps measured about 18x slower here."""
+    cwd, env = None, None
+    if module.startswith("tests."):
+        cwd, env = Path(__file__).resolve().parent.parent, {"OMP_NUM_THREADS": "1", **os.environ}
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -59,6 +68,15 @@ class Sizes:
     init_model: tuple[str, ...] = ("model.num_layers=4", "model.hidden_size=2048", "model.num_attention_heads=16",
                                    "model.ffn_hidden_size=8192", "model.vocab_size=32768", "model.seq_length=1024")
     init_tps: tuple[int, ...] = (1, 2, 4, 8)
+    memory_tp: int = 2
+    memory_dp: int = 4
+    memory_instances: tuple[int, ...] = (1, 2)
+    memory_iters: int = 8
+    memory_micro_batch: int = 1
+    """Of the global batch of 12 samples, a multiple of micro-batch x DP."""
+    reform_tp: Optional[int] = 3
+    """The memory part's own failure job: TP ``reform_tp`` x 2, the last rank killed (None: the failure part's
+    job alone)."""
 
 
 FULL = Sizes()
@@ -66,7 +84,8 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               stall_iters=5, stall_interval=2, stall_warmup=1,
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
                           "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
-              init_tps=(1, 2))
+              init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, memory_micro_batch=2,
+              reform_tp=None)
 
 MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
          "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
@@ -113,10 +132,12 @@ def comm_jobs(tp: int) -> dict[str, tuple[str, ...]]:
     return {"no degraded replica": _layout(tp, 2, True), "one degraded replica": _layout(tp, 2, True, [f"1:{tp - 1}"])}
 
 
-def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModule, name: str) -> list[dict]:
-    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_").replace("(", "").replace(")", ""), dir=workdir))
+def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModule, name: str,
+                    model: Sequence[str] = tuple(MODEL)) -> list[dict]:
+    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_").replace("(", "").replace(")", "")
+                                    .replace("=", ""), dir=workdir))
     metrics = run_dir / "metrics.jsonl"
-    code, _, err = run("ntp_megatron.launcher", ["--run-dir", str(run_dir), "--metrics-file", str(metrics), *MODEL,
+    code, _, err = run("ntp_megatron.launcher", ["--run-dir", str(run_dir), "--metrics-file", str(metrics), *model,
                                                  "--set", f"training.train_iters={iters}", *args], run_dir)
     if code != 0:
         raise SystemExit(f"bench: case {name!r} failed ({code}):\n{err[-3000:]}")
@@ -175,8 +196,9 @@ def _failure_figures(records: list[dict], fail_at: int) -> dict:
     }
 
 
-def measure_failures(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
-    """NTP against the restart baseline, interleaved over ``sizes.rounds``; medians per figure."""
+def measure_failures(sizes: Sizes, run: RunModule, workdir: Path, ntp_records: Optional[list] = None) -> dict:
+    """NTP against the restart baseline, interleaved over ``sizes.rounds``; medians per figure. The records of
+    every NTP run are appended to ``ntp_records`` (the memory part reads its re-formations)."""
     jobs = failure_jobs(sizes)
     samples: dict[str, list[dict]] = {name: [] for name in jobs}
     for round_index in range(sizes.rounds):
@@ -186,6 +208,8 @@ def measure_failures(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
                 extra = ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
             records = run_job_records([*args, *extra], sizes.fail_iters, workdir, run, name)
             samples[name].append(_failure_figures(records, sizes.fail_at))
+            if name == "ntp" and ntp_records is not None:
+                ntp_records.append(records)
             print(f"failure round {round_index + 1}/{sizes.rounds} {name:<24} done", file=sys.stderr)
     medians = {}
     for name, runs in samples.items():
@@ -355,6 +379,135 @@ def measure_init(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
     return {"model": " ".join(sizes.init_model), "rounds": sizes.rounds, "runs": runs, "cases": cases}
 
 
+# Memory: each rank's training state (``memory`` records, ntp_megatron.training.memory) with NTP and the
+# distributed optimizer against plain Megatron-Core's distributed optimizer (tests/plain_megatron.py --memory) at the
+# same layout and instance count, and NTP without it; the model is the reference's (the default config's with the
+# test suite's batch), and so are the step times compared. Then the re-forming ranks' peaks against their steady
+# state, from the memory records of failure jobs.
+MEMORY_MODEL = ["--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
+                "--set", "training.micro_batch_size=2", "--set", "training.global_batch_size=12",
+                "--set", "training.lr_warmup_iters=1", "--set", "logging.tensorboard_dir=",
+                "--set", "logging.log_interval=1000"]
+STATE_KINDS = ("params", "grads", "optimizer", "shadow_params", "shadow_grads")
+
+
+def memory_cases(sizes: Sizes) -> dict[str, tuple[str, Optional[int]]]:
+    """name -> (``ntp`` or ``megatron``, distributed-optimizer instances or None without it)."""
+    cases = {}
+    for k in sizes.memory_instances:
+        cases[f"ntp dist-opt k={k}"] = ("ntp", k)
+        cases[f"megatron dist-opt k={k}"] = ("megatron", k)
+    cases["ntp"] = ("ntp", None)
+    return cases
+
+
+def _largest(states: list[dict]) -> dict:
+    """Per kind, the most any rank holds, and the largest total."""
+    out = {kind: max(s.get(kind, 0) for s in states) for kind in STATE_KINDS}
+    out["total"] = max(sum(s.get(kind, 0) for kind in STATE_KINDS) for s in states)
+    return out
+
+
+def _memory_ntp(sizes: Sizes, instances: Optional[int], run: RunModule, workdir: Path, name: str) -> dict:
+    args = [*_layout(sizes.memory_tp, sizes.memory_dp, True),
+            "--set", f"training.micro_batch_size={sizes.memory_micro_batch}"]
+    if instances is not None:
+        args += ["--set", "parallel.use_distributed_optimizer=true",
+                 "--set", f"parallel.num_distributed_optimizer_instances={instances}"]
+    records = run_job_records(args, sizes.memory_iters, workdir, run, name, model=MEMORY_MODEL)
+    steady = [r for r in records if r.get("kind") == "memory" and r["phase"] == "steady"]
+    times = [r["elapsed_ms"] for r in records if r.get("kind") == "iteration"][sizes.warmup:]
+    # The plan counts a distributed-optimizer shard at the most any position's holds: every rank within it, and
+    # the largest rank's state equal to it.
+    largest = _largest([r["state"] for r in steady])
+    within = all(r["state"][k] <= r["planned"][k] for r in steady for k in STATE_KINDS)
+    return {"ranks": len(steady), "state": largest,
+            "planned_equal": within and largest == _largest([r["planned"] for r in steady]),
+            "rss_hwm_mb": max(r["rss_hwm_bytes"] for r in steady) / 2**20, "step_ms": times}
+
+
+def _memory_megatron(sizes: Sizes, instances: int, run: RunModule, workdir: Path, name: str) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"megatron-k{instances}", dir=workdir))
+    args = ["train", "--tp", str(sizes.memory_tp), "--dp", str(sizes.memory_dp), "--dist-opt",
+            "--instances", str(instances), "--iters", str(sizes.memory_iters), "--save-at", "0",
+            "--micro-batch", str(sizes.memory_micro_batch),
+            "--ckpt", str(out / "ckpt"), "--out", str(out / "losses.json"), "--memory", str(out / "memory")]
+    code, _, err = run("tests.plain_megatron", args, out)
+    if code != 0:
+        raise SystemExit(f"bench: case {name!r} failed ({code}):\n{err[-3000:]}")
+    ranks = [json.loads(f.read_text()) for f in sorted((out / "memory").glob("rank*.json"))]
+    times = [1e3 * t for t in ranks[0]["step_s"][sizes.warmup:]]
+    return {"ranks": len(ranks), "state": _largest([r["state"] for r in ranks]),
+            "rss_hwm_mb": max(r["rss_hwm_bytes"] for r in ranks) / 2**20, "step_ms": times}
+
+
+def reform_memory(records: list[dict]) -> list[dict]:
+    """Per rank of every re-formation in a job's records: its role, its peak while re-forming, its steady state
+    before (the generation it re-formed from) and after (the one it re-formed into), and the ratios."""
+    memory = [r for r in records if r.get("kind") == "memory"]
+    steady = {(r["launch_rank"], r["generation"]): r for r in memory if r["phase"] == "steady"}
+    out = []
+    for r in memory:
+        if r["phase"] != "reform":
+            continue
+        before = max((g for (rank, g) in steady if rank == r["launch_rank"] and g < r["generation"]), default=None)
+        after = steady.get((r["launch_rank"], r["generation"]))
+        if before is None or after is None:
+            continue
+        before_total, after_total = steady[(r["launch_rank"], before)]["state"]["total"], after["state"]["total"]
+        out.append({"launch_rank": r["launch_rank"], "generation": r["generation"], "role": r["role"],
+                    "rebuilt": r["rebuilt"], "peak_bytes": r["peak_bytes"], "peak_source": r["peak_source"],
+                    "steady_before_bytes": before_total, "steady_after_bytes": after_total,
+                    "peak_over_steady_after": r["peak_bytes"] / after_total,
+                    "peak_over_steady_before": r["peak_bytes"] / before_total,
+                    "largest_message_bytes": r.get("largest_message_bytes", 0)})
+    return sorted(out, key=lambda x: (x["generation"], x["launch_rank"]))
+
+
+def measure_memory(sizes: Sizes, run: RunModule, workdir: Path, failure_records: Sequence[list[dict]]) -> dict:
+    """The cases of :func:`memory_cases`, interleaved over ``sizes.rounds`` (memory is the same every round; step
+    times pooled), then the re-formations of the failure part's NTP jobs (``failure_records``) and, with
+    ``sizes.reform_tp``, of one job of its own."""
+    cases = memory_cases(sizes)
+    runs: dict[str, list[dict]] = {name: [] for name in cases}
+    for round_index in range(sizes.rounds):
+        for name, (stack, instances) in cases.items():
+            measure_one = _memory_ntp if stack == "ntp" else _memory_megatron
+            runs[name].append(measure_one(sizes, instances, run, workdir, name))
+            print(f"memory round {round_index + 1}/{sizes.rounds} {name:<22} done", file=sys.stderr)
+    figures = {}
+    for name, rs in runs.items():
+        figures[name] = {**{key: rs[-1][key] for key in ("ranks", "state")},
+                         "rss_hwm_mb": max(r["rss_hwm_mb"] for r in rs),
+                         "median_step_ms": statistics.median(t for r in rs for t in r["step_ms"]),
+                         "same_every_round": all(r["state"] == rs[0]["state"] for r in rs)}
+        if "planned_equal" in rs[0]:
+            figures[name]["planned_equal"] = all(r["planned_equal"] for r in rs)
+    ratios = []
+    for k in sizes.memory_instances:
+        ntp, plain = figures[f"ntp dist-opt k={k}"], figures[f"megatron dist-opt k={k}"]
+        ratios += [
+            {"comparison": f"state per rank, NTP + dist-opt / Megatron dist-opt, k={k}",
+             "ratio": _ratio(ntp["state"]["total"], plain["state"]["total"]), "goal": 1.05},
+            {"comparison": f"optimizer state per rank, NTP + dist-opt / Megatron dist-opt, k={k}",
+             "ratio": _ratio(ntp["state"]["optimizer"], plain["state"]["optimizer"]), "goal": None},
+            {"comparison": f"optimizer state per rank, NTP + dist-opt k={k} / NTP without it",
+             "ratio": _ratio(ntp["state"]["optimizer"], figures["ntp"]["state"]["optimizer"]), "goal": None},
+            {"comparison": f"step time, NTP + dist-opt / Megatron dist-opt, k={k}",
+             "ratio": _ratio(ntp["median_step_ms"], plain["median_step_ms"]), "goal": None}]
+    reform_jobs = {f"TP2 x 2, launch rank 3 killed (the failure part's NTP job, round {i + 1})":
+                   reform_memory(records) for i, records in enumerate(failure_records)}
+    if sizes.reform_tp is not None:
+        tp = sizes.reform_tp
+        records = run_job_records(
+            [*_layout(tp, 2, True), "--inject-failure", f"kill:rank={2 * tp - 1},iter=3,phase=backward"], 5,
+            workdir, run, f"reform tp{tp}", model=MEMORY_MODEL)
+        reform_jobs[f"TP{tp} x 2, launch rank {2 * tp - 1} killed in iteration 3"] = reform_memory(records)
+        print(f"memory reform tp{tp} done", file=sys.stderr)
+    return {"layout": f"TP{sizes.memory_tp} x DP{sizes.memory_dp}", "iterations": sizes.memory_iters,
+            "rounds": sizes.rounds, "cases": figures, "ratios": ratios, "reform": reform_jobs}
+
+
 def run_case(case: Case, iters: int, workdir: Path, run: RunModule) -> list[float]:
     rows = run_job_records(case.args, iters, workdir, run, case.name)
     return [r["elapsed_ms"] for r in rows if r.get("kind") == "iteration"]
@@ -433,6 +586,30 @@ def table(result: dict) -> str:
                          f"{_fmt(c['best_build_s_over_tp1'], '.2f')} | {c['build_s']:.2f} | "
                          f"{c['peak_over_start_mb']:.0f} | {_fmt(c['peak_over_start_over_tp1'], '.2f')} | "
                          f"{c['peak_rss_mb']:.0f} |")
+    memory = result.get("memory")
+    if memory:
+        mib = lambda n: f"{n / 2**20:.3f}"
+        lines += ["", f"Training state per rank (MiB, the most any rank holds; {memory['layout']}, the reference's "
+                  f"model, {memory['iterations']} iterations, {memory['rounds']} round(s)):", "",
+                  "| case | ranks | params | grads | optimizer | shadows | total | RSS high-water (MiB) | "
+                  "median step (ms) |", "|---|---|---|---|---|---|---|---|---|"]
+        for name, c in memory["cases"].items():
+            st = c["state"]
+            lines.append(f"| {name} | {c['ranks']} | {mib(st['params'])} | {mib(st['grads'])} | "
+                         f"{mib(st['optimizer'])} | {mib(st['shadow_params'] + st['shadow_grads'])} | "
+                         f"{mib(st['total'])} | {c['rss_hwm_mb']:.0f} | {c['median_step_ms']:.1f} |")
+        lines += ["", "| comparison | ratio | goal |", "|---|---|---|"]
+        lines += [f"| {r['comparison']} | {_fmt(r['ratio'], '.3f')} | {_fmt(r['goal'], '.2f')} |"
+                  for r in memory["ratios"]]
+        for job, rows in memory["reform"].items():
+            lines += ["", f"Re-forming ranks' peaks ({job}):", "",
+                      "| launch rank | role | rebuilt | peak (MiB) | steady before (MiB) | steady after (MiB) | "
+                      "peak / steady after | peak / steady before | largest message (MiB) |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['launch_rank']} | {r['role']} | {'yes' if r['rebuilt'] else 'no'} | "
+                      f"{mib(r['peak_bytes'])} | {mib(r['steady_before_bytes'])} | {mib(r['steady_after_bytes'])} | "
+                      f"{r['peak_over_steady_after']:.3f} | {r['peak_over_steady_before']:.3f} | "
+                      f"{mib(r['largest_message_bytes'])} |" for r in rows]
     stall = result.get("checkpoint_stall")
     if stall:
         lines += ["", f"Checkpoint stall, sync against async save ({stall['job']}), medians:", "",
@@ -454,7 +631,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
     p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=["checkpoint-stall", "init"], default=None,
+    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory"], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
     p.add_argument("--smoke", action="store_true",
                    help="every part once at its smallest size: a check that the harness runs, not a measurement")
@@ -473,16 +650,21 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
         workdir = Path(tmp)
         if args.only == "init":
             result = {"machine": "CPU", "cases": {}, "ratios": [], "init": measure_init(sizes, run, workdir)}
+        elif args.only == "memory":
+            result = {"machine": "CPU, gloo", "cases": {}, "ratios": [],
+                      "memory": measure_memory(sizes, run, workdir, [])}
         else:
             if args.only == "checkpoint-stall":
                 result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
             else:
                 result = measure(sizes, run, workdir)
                 result["communication"] = measure_comm(sizes, run, workdir)
-                result["failure_recovery"] = measure_failures(sizes, run, workdir)
+                failure_records: list[list[dict]] = []
+                result["failure_recovery"] = measure_failures(sizes, run, workdir, failure_records)
                 # Calibration for the goodput simulator: measured seconds from a failure to training again.
                 result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
                 result["init"] = measure_init(sizes, run, workdir)
+                result["memory"] = measure_memory(sizes, run, workdir, failure_records)
             result["checkpoint_stall"] = measure_checkpoint_stall(sizes, run, workdir)
     if args.smoke:
         result["smoke"] = "every part once at its smallest size: not a measurement"

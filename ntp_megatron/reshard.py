@@ -4,11 +4,11 @@ When a replica's layout changes (a rank died and its units were dealt to the sur
 takes its block back), the new owner of a unit fetches it from a process that holds it — a survivor of the
 same replica when there is one, else the rank holding the same canonical block in another replica
 (:func:`ntp_megatron.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
-packed message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the
-parameter and of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order
-both ends derive from the topology and the parameter names alone. Under bf16 / fp16 the parameter travels as
-the fp32 main param the optimizer steps; the model's 16-bit copy is its rounding (as after every step) and is
-rebuilt from it on arrival.
+message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the parameter and
+of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order both ends derive
+from the topology and the parameter names alone; it is sent one parameter at a time (:func:`exchange`). Under
+bf16 / fp16 the parameter travels as the fp32 main param the optimizer steps; the model's 16-bit copy is its
+rounding (as after every step) and is rebuilt from it on arrival.
 
 Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
 the wire are exactly the units that moved.
@@ -105,33 +105,49 @@ class UnitTensors:
     def replicated_numel(self) -> int:
         return sum(p.numel() for p in self.replicated) * (1 + len(self.keys))
 
-    def pack(self, units: tuple[Unit, ...], replicated: bool = False) -> torch.Tensor:
-        parts = [t.reshape(-1) for p in self.replicated for t in self.moved(p)] if replicated else []
-        for _, param, shard in self.params:
-            local = [shard.units.index(u) for f, u in units if f == shard.family]
-            if not local:
-                continue
-            index = torch.tensor(local, device=param.device)
-            for tensor in self.moved(param):
-                parts.append(tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1))
-        return torch.cat(parts).float() if parts else torch.empty(0)
+    def pieces(self, units: tuple[Unit, ...], replicated: bool = False) -> list[Optional[int]]:
+        """The pieces one message is sent in, in order: None for every replicated parameter (with ``replicated``),
+        then the index in :attr:`params` of each TP-split parameter of a family ``units`` has units of. Every
+        rank's model has the same parameters, so both ends of a message cut it alike."""
+        families = {family for family, _ in units}
+        split = [i for i, (_, _, shard) in enumerate(self.params) if shard.family in families]
+        return ([None] if replicated and self.replicated else []) + split
+
+    def _local(self, units: tuple[Unit, ...], piece: int) -> list[int]:
+        _, _, shard = self.params[piece]
+        return [shard.units.index(u) for f, u in units if f == shard.family]
+
+    def pack(self, units: tuple[Unit, ...], piece: Optional[int]) -> torch.Tensor:
+        """One piece of a message (:meth:`pieces`): ``units`` of one parameter (or every replicated parameter),
+        the tensor the optimizer steps then its state tensors, as fp32."""
+        if piece is None:
+            return torch.cat([t.reshape(-1) for p in self.replicated for t in self.moved(p)]).float()
+        _, param, shard = self.params[piece]
+        index = torch.tensor(self._local(units, piece), device=param.device)
+        return torch.cat([tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1)
+                          for tensor in self.moved(param)]).float()
+
+    def piece_numel(self, units: tuple[Unit, ...], piece: Optional[int]) -> int:
+        if piece is None:
+            return self.replicated_numel()
+        _, _, shard = self.params[piece]
+        return shard.outer * len(self._local(units, piece)) * shard.inner * (1 + len(self.keys))
 
     def numel(self, units: tuple[Unit, ...], replicated: bool = False) -> int:
         return sum(self.unit_numel(family) for family, _ in units) + (self.replicated_numel() if replicated else 0)
 
-    def unpack(self, units: tuple[Unit, ...], buffer: torch.Tensor, replicated: bool = False) -> None:
+    def unpack(self, units: tuple[Unit, ...], piece: Optional[int], buffer: torch.Tensor) -> None:
         offset = 0
-        if replicated:
+        if piece is None:
             for param in self.replicated:
                 for tensor in self.moved(param):
                     tensor.view(-1).copy_(buffer[offset:offset + tensor.numel()])
                     offset += tensor.numel()
                 if optimizer_param(param) is not param:
                     param.data.copy_(optimizer_param(param).data)
-        for _, param, shard in self.params:
-            local = [shard.units.index(u) for f, u in units if f == shard.family]
-            if not local:
-                continue
+        else:
+            _, param, shard = self.params[piece]
+            local = self._local(units, piece)
             index = torch.tensor(local, device=param.device)
             for tensor in self.moved(param):
                 size = shard.outer * len(local) * shard.inner
@@ -141,7 +157,7 @@ class UnitTensors:
             main = optimizer_param(param)
             if main is not param:  # the 16-bit parameter: its main param's new units, rounded
                 shard.view(param.data).index_copy_(1, index, shard.view(main.data).index_select(1, index).to(param.dtype))
-        assert offset == buffer.numel(), f"message of {buffer.numel()} elements, {offset} used"
+        assert offset == buffer.numel(), f"piece of {buffer.numel()} elements, {offset} used"
 
 
 def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, new_model: torch.nn.Module) -> None:
@@ -191,25 +207,37 @@ def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
 
 def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], new: Optional[UnitTensors],
              group: Optional[dist.ProcessGroup] = None) -> int:
-    """Run this rank's side of every transfer (sends from ``old``, receives into ``new``); returns the bytes
-    received."""
-    works, received = [], []
+    """Run this rank's side of every transfer (sends from ``old``, receives into ``new``), one piece
+    (:meth:`UnitTensors.pieces`) at a time, in the order of ``transfers``; returns the bytes received.
+
+    Every rank walks the same list in the same order, so the earliest piece not yet moved always has both its
+    ends at it: nothing waits in a cycle. One piece in flight bounds the messages a rank holds at once to its
+    largest piece (:func:`largest_piece_bytes`: one parameter's units and their state), where posting every
+    message at once would hold all it sends and receives — on a healthy rank that sends a dead rank's whole
+    block, about three quarters of its own state again."""
+    received = 0
     for t in transfers:
         if t.dst == rank:
-            buffer = torch.empty(new.numel(t.units, t.replicated), dtype=torch.float32, device=_device(new))
-            works.append(dist.irecv(buffer, src=t.src, group=group))
-            received.append((t, buffer))
-    sends = []
+            for piece in new.pieces(t.units, t.replicated):
+                buffer = torch.empty(new.piece_numel(t.units, piece), dtype=torch.float32, device=_device(new))
+                dist.recv(buffer, src=t.src, group=group)
+                new.unpack(t.units, piece, buffer)
+                received += buffer.numel() * buffer.element_size()
+        elif t.src == rank:
+            for piece in old.pieces(t.units, t.replicated):
+                dist.send(old.pack(t.units, piece), dst=t.dst, group=group)
+    return received
+
+
+def largest_piece_bytes(transfers: list[Transfer], rank: int, old: Optional[UnitTensors],
+                        new: Optional[UnitTensors]) -> int:
+    """The largest message piece :func:`exchange` holds on ``rank`` (fp32), 0 if it sends and receives none."""
+    sizes = [0]
     for t in transfers:
-        if t.src == rank:
-            payload = old.pack(t.units, t.replicated)
-            sends.append(payload)
-            works.append(dist.isend(payload, dst=t.dst, group=group))
-    for work in works:
-        work.wait()
-    for t, buffer in received:
-        new.unpack(t.units, buffer, t.replicated)
-    return sum(buffer.numel() * buffer.element_size() for _, buffer in received)
+        side = new if t.dst == rank else old if t.src == rank else None
+        if side is not None:
+            sizes += [side.piece_numel(t.units, piece) for piece in side.pieces(t.units, t.replicated)]
+    return 4 * max(sizes)
 
 
 def _device(tensors: UnitTensors) -> torch.device:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Benchmarks (not tests): NTP vs plain Megatron-Core step time, measured side by side in one run.
-#   scripts/bench.sh [--iters N] [--rounds R] [--out runs/bench/bench.json] [--only checkpoint-stall|init] [--smoke]
+#   scripts/bench.sh [--iters N] [--rounds R] [--out runs/bench/bench.json] [--only checkpoint-stall|init|memory] [--smoke]
 # Also: NTP's failure recovery against restart-from-checkpoint, the checkpoint stall (sync vs async save), and
-# one rank's model initialisation at TP 1..8, Megatron replay vs layout-free (time, peak RSS).
+# one rank's model initialisation at TP 1..8, Megatron replay vs layout-free (time, peak RSS), and per-rank
+# training state with the distributed optimizer vs plain Megatron-Core's, and re-forming ranks' peaks.
 # Prints a table of ratios and writes JSON (its degraded_step_time_ratio section is goodput-simulator calibration).
 # --smoke: every part once at its smallest size (what the test suite runs; its figures mean nothing).
 set -euo pipefail

@@ -26,7 +26,8 @@ writes the distributed optimizer in ``--sharding-type`` (Megatron-LM's default `
 across them, so every optimizer shard lives on k ranks), ``--overlap`` (``overlap_grad_reduce``) and
 ``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
 moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
-compared. With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
+compared. ``--memory DIR`` writes every rank's state bytes by kind and step times (the benchmark's reference,
+``ntp_megatron.bench``). With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
 all-gather.
@@ -81,6 +82,7 @@ import multiprocessing
 import os
 import queue
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -452,17 +454,41 @@ def write_shard(path: Path, optimizer, layout: Layout) -> None:
     torch.save(out, path)
 
 
+def write_memory(path: Path, model, optimizer, step_s: list[float]) -> None:
+    """The rank's state bytes by kind, each storage counted once in the first kind holding it (the parameters,
+    under the distributed optimizer the flat buffer they are views of; the gradient buffers; what the torch
+    optimizer steps and its per-element state), its resident-set high-water mark and its step times."""
+    seen: set = set()
+
+    def nbytes(tensors) -> int:
+        new = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        total = sum(n for ptr, n in new.items() if ptr not in seen)
+        seen.update(new)
+        return total
+
+    inner = [part.optimizer for part in getattr(optimizer, "chained_optimizers", [optimizer])]
+    state = {"params": nbytes(model.module.parameters()), "grads": nbytes(b.grad_data for b in model.buffers),
+             "optimizer": nbytes([p for o in inner for g in o.param_groups for p in g["params"]]
+                                 + [t for o in inner for st in o.state.values() for t in st.values()
+                                    if isinstance(t, torch.Tensor) and t.dim() > 0])}
+    hwm = [line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:")]
+    path.write_text(json.dumps({"rank": dist.get_rank(), "state": state, "step_s": step_s,
+                                "rss_hwm_bytes": int(hwm[0].split()[1]) * 1024 if hwm else None}))
+
+
 def run_train(rank: int, layout: Layout, args) -> None:
     from megatron.core import dist_checkpointing
 
     pg = process_groups(layout)
     model, optimizer, scheduler = build(layout, args.iters, pg)
     data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
-    records = {}
+    records, step_s = {}, []
     start = load_training_state(model, optimizer, scheduler, args.load, layout) if args.load else 0
     metadata = checkpoint_metadata(layout, args.sharding_type)
     for iteration in range(start, args.iters):
+        started = time.perf_counter()
         records[iteration + 1] = train_step(model, optimizer, scheduler, data, iteration, layout, pg)
+        step_s.append(time.perf_counter() - started)
         if iteration + 1 == args.save_at:
             state = sharded_state(model, optimizer, is_loading=False, metadata=metadata)
             state.update(scheduler=scheduler.state_dict(), iteration=iteration + 1)
@@ -475,6 +501,8 @@ def run_train(rank: int, layout: Layout, args) -> None:
             else:
                 dist_checkpointing.save(state, str(path), content_metadata=metadata)
     dist_opt = optimizer.chained_optimizers[0] if layout.dist_opt else optimizer
+    if args.memory:
+        write_memory(Path(args.memory) / f"rank{rank}.json", model, optimizer, step_s)
     if args.shards:
         write_shard(Path(args.shards) / f"rank{rank}.pt", dist_opt, layout)
     moments = whole_moments(model, dist_opt, layout.dist_opt) if args.state else None
@@ -585,6 +613,8 @@ def main(argv=None) -> int:
     parser.add_argument("--load", default="", help="train: continue from this checkpoint directory (iter_*)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
+    parser.add_argument("--memory", default="",
+                        help="train: write every rank's state bytes and step times into this directory")
     args = parser.parse_args(argv)
     if args.instances > 1 and not args.dist_opt or args.dp % args.instances:
         parser.error(f"--instances {args.instances} needs --dist-opt and divides --dp {args.dp}")
@@ -607,8 +637,9 @@ def main(argv=None) -> int:
 
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
-        if args.shards:
-            Path(args.shards).mkdir(parents=True, exist_ok=True)
+        for directory in (args.shards, args.memory):
+            if directory:
+                Path(directory).mkdir(parents=True, exist_ok=True)
         for tp in args.tp:
             launch(Layout(tp=tp, dp=args.dp, dist_opt=args.dist_opt, instances=args.instances, overlap=args.overlap,
                           bucket_size=args.bucket_size, micro_batch=args.micro_batch), args)

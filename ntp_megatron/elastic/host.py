@@ -5,7 +5,9 @@
   optimizer and scheduler, the load of the checkpoint the run starts from, and the re-binding of kept objects to
   a new generation's groups.
 - :class:`Training` is the loop's state a re-formation reads and sets: the objects it trains with, its progress,
-  and the iteration it voted on and has not stepped yet.
+  the iteration it voted on and has not stepped yet, and its :class:`Memory`.
+- :class:`Memory` measures a rank's objects and emits its ``memory`` records; it also frees the gradient buffers
+  a re-formation knows are dead, so that the old and the new objects never both hold them.
 """
 
 from __future__ import annotations
@@ -50,12 +52,31 @@ class Builder(Protocol):
         """Point kept objects at ``setup``'s process groups (the layout is unchanged; the groups are new)."""
 
 
+class Memory(Protocol):
+    def begin(self) -> None:
+        """A phase begins (a re-formation): its peak is measured from here."""
+
+    def sample(self, *held: Optional[RankObjects], transient: int = 0) -> int:
+        """A sample point of the phase: the objects held now (None ignored) and ``transient`` bytes of messages;
+        returns their bytes."""
+
+    def report(self, phase: str, objects: RankObjects, **fields: Any) -> dict:
+        """Emit the phase's ``memory`` record for ``objects`` (with ``fields``)."""
+
+    def free_gradients(self, objects: RankObjects) -> int:
+        """Free the storage of the objects' gradient buffers (dead); returns the bytes freed."""
+
+    def restore_gradients(self, objects: RankObjects) -> None:
+        """Re-allocate, zeroed, what :meth:`free_gradients` freed (nothing if nothing was)."""
+
+
 class Training(Protocol):
     parts: Optional[RankObjects]
     """The objects the loop trains with; None in a process that has not formed a generation yet."""
     iteration: int
     """Completed iterations."""
     consumed_samples: int
+    memory: Memory
 
     def pending_iteration(self) -> Optional[int]:
         """The iteration this rank voted on and has not stepped, if any."""

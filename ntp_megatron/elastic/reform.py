@@ -25,7 +25,7 @@ import gc
 import logging
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Optional
 
@@ -38,7 +38,7 @@ from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
-    lower_bound_bytes, plan_transfers, set_step, state_keys
+    largest_piece_bytes, lower_bound_bytes, plan_transfers, set_step, state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +203,24 @@ class Reformer:
         old_tensors = UnitTensors(old.model.module, old.optimizer, state, not fresh) if old is not None else None
         new_parts, new_tensors = None, None
         received = 0
+        memory = training.memory
+        memory.begin()
+        memory.sample(old)
+        held: dict[str, int] = {}
         try:
             if changed:
+                if old is not None and not fresh:
+                    # The iteration that filled the old gradients was settled: they are dead. Freed before the
+                    # new objects exist, so the two never hold gradients at once (restored if old is kept).
+                    held["freed_gradient_bytes"] = memory.free_gradients(old)
                 new_parts = self.builder.build(setup, fresh and not from_checkpoint)
                 if from_checkpoint:
                     self._load_start(training, new_parts)
                 new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, not fresh)
                 if not fresh:
+                    held["held_after_build_bytes"] = memory.sample(old, new_parts)
+                    # Nothing fills the new gradients before the first iteration: allocated when adopted.
+                    memory.free_gradients(new_parts)
                     init_state(new_parts.model.module, new_tensors)
                     if old is not None:
                         copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
@@ -217,7 +228,11 @@ class Reformer:
                         set_step(new_tensors, self.optimizer_steps(training))
             if not fresh:
                 transfers = plan_transfers(base, topology, dead)
+                message = largest_piece_bytes(transfers, generation.rank, old_tensors, new_tensors)
+                memory.sample(old, new_parts, transient=message)  # exchange() holds one piece at a time
                 received = exchange(transfers, generation.rank, old_tensors, new_tensors)
+                held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
+                held["largest_message_bytes"] = message
             elastic.ctl.add(keys.moved(topology.generation), received)
             if generation.commit.form() != COMPLETE:
                 raise GenerationEnded(f"forming generation {topology.generation} did not complete")
@@ -228,7 +243,7 @@ class Reformer:
         tensors = old_tensors or new_tensors
         unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
         return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started, fresh,
-                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint)
+                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint, memory=held)
 
     @property
     def start_iteration(self) -> int:
@@ -255,6 +270,7 @@ class Reformer:
     def _adopt(self, training: Training, staged: "_Staged") -> None:
         """Switch to the new generation's objects (local only: nothing here can be interrupted by a peer)."""
         old: Optional[RankObjects] = training.parts
+        memory = training.memory
         if staged.new_parts is not None:
             if old is not None:
                 if not staged.loaded:
@@ -265,11 +281,16 @@ class Reformer:
                     increment=self.optimizer_steps(training) * self.cfg.training.global_batch_size)
             training.parts = staged.new_parts
         else:
+            memory.restore_gradients(old)  # freed by a re-formation that did not complete
             self.builder.rebind(old, staged.setup)
         self._report_rank(old, training.parts, staged)
         del old
         self.completed = staged.topology
         gc.collect()
+        memory.restore_gradients(training.parts)  # the old objects are gone: the new gradients' turn
+        if not staged.fresh:
+            memory.report("reform", training.parts, iteration=training.iteration + 1,
+                          rebuilt=staged.new_parts is not None, **staged.memory)
         if self.generation.rank == 0 and (staged.info.get("deaths") or staged.info.get("joined")):
             self._report(training, staged)
 
@@ -339,6 +360,8 @@ class _Staged:
     replicated_bytes: int = 0
     loaded: bool = False
     """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
+    memory: dict = field(default_factory=dict)
+    """What the rank held at the re-formation's steps (bytes, for its ``memory`` record)."""
 
 
 def _try(action: Callable[[], None]) -> None:

@@ -32,10 +32,16 @@ from ntp_megatron.training.comm_stats import CommStats
 from ntp_megatron.training.components import Components
 from ntp_megatron.training.data import Datasets, microbatches, replica_sample_range
 from ntp_megatron.training.evaluation import Evaluations
+from ntp_megatron.training.memory import RankMemory
 from ntp_megatron.training.parallel import ParallelSetup
 from ntp_megatron.training.saving import Checkpoints
 from ntp_megatron.training.steps import ForwardStep
 from ntp_megatron.training.verification import StateChecks
+
+
+MEMORY_PHASES = ("first_iteration", "steady")
+"""The ``memory`` records of a generation's first two iterations: the first one's peak (after a re-formation:
+the first degraded iteration; in the run's first, Adam's moments are allocated in its step), and a steady one."""
 
 
 def _resources() -> dict[str, Any]:
@@ -65,12 +71,15 @@ class Trainer:
     pending: Optional[dict] = field(default=None, repr=False)
     """The record of the iteration voted on and not yet stepped."""
     _resources_reported: Optional[int] = field(default=None, repr=False)
+    _memory_reported: dict[int, int] = field(default_factory=dict, repr=False)
+    """Per generation: how many of its iterations had a ``memory`` record (its first two do)."""
     _recent_ms: list[float] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.evaluations = Evaluations(self)
         self.checkpoints = Checkpoints(self)
         self.checks = StateChecks(self)
+        self.memory = RankMemory(self.cfg, self.device, self.launch_rank)
 
     @property
     def setup(self) -> ParallelSetup:
@@ -91,6 +100,9 @@ class Trainer:
         self.session.begin(k)
         if self.comm_stats is not None:
             self.comm_stats.take()  # count this iteration's step only
+        measured = self._memory_reported.get(s.generation, 0)
+        if measured < len(MEMORY_PHASES):
+            self.memory.begin()
         start = time.perf_counter()
         parts.model.zero_grad_buffer()
         parts.optimizer.zero_grad()
@@ -118,7 +130,7 @@ class Trainer:
             "global_batch_size": s.samples_per_iteration,
             "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
             "grad_norm": grad_norm, "lr": lr, "tp_per_replica": s.tp_per_replica, "generation": s.generation,
-            "_start": start,
+            "_start": start, "_memory": MEMORY_PHASES[measured] if measured < len(MEMORY_PHASES) else None,
         }
         self.session.commit(k)
         phases.point("optimizer")
@@ -134,6 +146,10 @@ class Trainer:
         update_ok, grad_norm, _ = parts.optimizer.step()
         if gather:
             parts.param_gather()
+        phase = record.pop("_memory")
+        if phase is not None:
+            self._memory_reported[record["generation"]] = self._memory_reported.get(record["generation"], 0) + 1
+            self.memory.report(phase, parts, iteration=record["iteration"])
         parts.scheduler.step(increment=self.cfg.training.global_batch_size)
         self.iteration = record["iteration"]
         self.consumed_samples += record["global_batch_size"]

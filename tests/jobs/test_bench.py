@@ -38,7 +38,15 @@ def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
     assert set(result["init"]["cases"]) == {f"{init} tp{tp}" for tp in bench.SMOKE.init_tps
                                             for init in bench.INIT_KINDS}
     assert set(result["checkpoint_stall"]["cases"]) == {"no saves", "sync saves", "async saves"}
+    memory = result["memory"]
+    assert set(memory["cases"]) == set(bench.memory_cases(bench.SMOKE))
+    assert all(c["ranks"] == bench.SMOKE.memory_tp * bench.SMOKE.memory_dp for c in memory["cases"].values())
+    assert all(c["planned_equal"] for name, c in memory["cases"].items() if name.startswith("ntp"))
+    assert len(memory["ratios"]) == 4 * len(bench.SMOKE.memory_instances)
+    [reformations] = memory["reform"].values()  # from the failure part's NTP job: its proxy and healthy ranks
+    assert {r["role"] for r in reformations} == {"proxy", "healthy"}
     for heading in ("| case | ranks | median step (ms) |", "| comparison | ratio | note |",
                     "Per iteration, replica 0 (healthy)", "A failure, same job", "Building one rank's model",
-                    "Checkpoint stall, sync against async save", f"wrote {out}"):
+                    "Checkpoint stall, sync against async save", "Training state per rank", "Re-forming ranks' peaks",
+                    f"wrote {out}"):
         assert heading in printed, heading
