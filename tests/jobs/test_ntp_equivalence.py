@@ -36,8 +36,8 @@ SUITE_EXAMPLES = 4
 FRESH_EXAMPLES = 2
 
 
-def check_case(tmp_path_factory, case: Case) -> None:
-    """One case: the NTP job against TP1 on the same samples, and every TP rank's checksums."""
+def check_case(tmp_path_factory, case: Case):
+    """One case: the NTP job against TP1 on the same samples, and every TP rank's checksums; returns the NTP job."""
     started = time.monotonic()
     outcome = {"case": case.to_json()}
     try:
@@ -53,6 +53,7 @@ def check_case(tmp_path_factory, case: Case) -> None:
         if case == WORKED:  # the suite's run covers clipping: this case's gradients are clipped every iteration
             assert outcome["clipped"], "the clipping case did not clip"
         outcome["ok"] = True
+        return ntp
     except BaseException as exc:
         outcome["ok"] = False
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:2000]
