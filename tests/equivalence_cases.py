@@ -53,7 +53,7 @@ class Case:
     clip_grad: float
     micro_batches: int
     dist_opt: bool = False
-    """Megatron's distributed optimizer (healthy topologies only: no dead slots)."""
+    """Megatron's distributed optimizer."""
     instances: Optional[int] = None
     """Its ``num_distributed_optimizer_instances`` (None: the configuration's default)."""
 
@@ -129,7 +129,8 @@ def cases(draw) -> Case:
     overlap = draw(st.booleans())
     # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
     bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
-    dist_opt = draw(st.booleans()) if not dead else False
+    dist_opt = draw(st.booleans())
+    instances = (draw(st.sampled_from([1, 2])) if dp % 2 == 0 else 1) if dist_opt else None
     return Case(
         tp_base=tp_base, dp=dp, dead=tuple(sorted(dead)),
         num_layers=draw(st.integers(1, 3)), query_groups=query_groups, heads_per_group=heads_per_group,
@@ -139,6 +140,7 @@ def cases(draw) -> Case:
         normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])), untie=draw(st.booleans()),
         activation=activation, overlap=overlap, bucket_size=bucket_size,
         clip_grad=draw(st.sampled_from([0.05, 1.0])), micro_batches=draw(st.integers(1, 2)), dist_opt=dist_opt,
+        instances=instances,
     )
 
 
