@@ -12,9 +12,9 @@ parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.shard_layout
 pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core and the grad sync
 allocate, for healthy and degraded ranks, with and without the distributed optimizer (a degraded rank's model with
 its accumulating gradient buffer, its shadows' padded parameter and gradient buffers, and the optimizer's state of
-its shard of each shadow's buckets: :mod:`ntp_megatron.grad_sync`). A shadow's parameters are built as expanded
-single elements and live in its DDP's parameter buffer from its construction on, so the only transient is the
-shadow being built; nothing else is allocated beyond the plan.
+its shard of each shadow's buckets: :mod:`ntp_megatron.grad_sync`). A shadow's parameters are expanded single
+elements until its DDP points them into its parameter buffer, so building one allocates its buffers and nothing
+more.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of
