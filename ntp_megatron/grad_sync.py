@@ -44,6 +44,13 @@ that shard of the parameters is updated:
 * The optimizer's step is local (:func:`ntp_megatron.patches.optimizer_distrib_optimizer.defer_param_sync`); the
   parameter all-gather that makes every rank's parameters whole again is :meth:`GradSync.param_gather`, a step
   of its own after the optimizer's.
+* A degraded rank's shadows hold real slot-shaped parameters in Megatron's parameter buffer, sharded like a
+  healthy slot-``s`` rank's over the same groups (:meth:`ntp_megatron.groups.NTPGroups.with_sync_groups`), and its
+  optimizer steps its shard of every shadow (its own DDP only accumulates). The shadows are filled from the model
+  before the optimizer is built over them (its bf16 main params are copies taken then: the dead blocks' units
+  come from the replica peers holding them). After the sync only the shards are valid, so nothing is copied
+  back; :meth:`GradSync.param_gather` all-gathers each shadow (ascending blocks) and copies the units back into
+  the model, a dead block's from its member to the peers holding them (in the model's dtype).
 * With uneven blocks a broadcast of replicated gradients would overwrite the receiver's reduced shard with the
   sender's unreduced elements; instead block 0's member broadcasts the replicated *parameters* after the
   gather. With fp32 parameters the optimizer's shard is a view of them, so every slot then steps from block 0's
@@ -324,21 +331,20 @@ class GradSync:
                   what: str = "grad") -> None:
         """Post every receive and send of one direction, then complete them: receives land in the shadows
         (towards members) or in the model (back to holders). ``what``: gradients (fp32, as the buffers hold
-        them) or parameter values (in the model's dtype, sent as raw bytes of its width)."""
+        them) or parameter values (in the model's dtype)."""
         tag_base = 0 if to_member else self.tp_base
         tp = self.groups.tp
         dtype = torch.float32 if what == "grad" else self.params[0][1].dtype
-        wire = {2: torch.int16, 4: torch.int32}[dtype.itemsize]  # gloo sends any dtype as bytes of this width
         works = []
         for t in receive:
             buffer = torch.empty(t.numel, dtype=dtype, device=self._device)
             peer = t.holder if to_member else t.member
-            works.append((t, buffer, dist.irecv(buffer.view(wire), src=peer, group=tp, tag=tag_base + t.block)))
+            works.append((t, buffer, dist.irecv(buffer, src=peer, group=tp, tag=tag_base + t.block)))
         sends = []
         for t in send:
             buffer = self._pack(t, from_shadow=not to_member, what=what)
             peer = t.member if to_member else t.holder
-            sends.append((buffer, dist.isend(buffer.view(wire), dst=peer, group=tp, tag=tag_base + t.block)))
+            sends.append((buffer, dist.isend(buffer, dst=peer, group=tp, tag=tag_base + t.block)))
         for t, buffer, work in works:
             work.wait()
             self._unpack(t, buffer, into_shadow=to_member, what=what)
