@@ -44,6 +44,13 @@ that shard of the parameters is updated:
 * The optimizer's step is local (:func:`ntp_megatron.patches.optimizer_distrib_optimizer.defer_param_sync`); the
   parameter all-gather that makes every rank's parameters whole again is :meth:`GradSync.param_gather`, a step
   of its own after the optimizer's.
+* A degraded rank's shadows hold real slot-shaped parameters in Megatron's parameter buffer, sharded like a
+  healthy slot-``s`` rank's over the same groups (:meth:`ntp_megatron.groups.NTPGroups.with_sync_groups`), and its
+  optimizer steps its shard of every shadow (its own DDP only accumulates). The shadows are filled from the model
+  before the optimizer is built over them (its bf16 main params are copies taken then: the dead blocks' units
+  come from the replica peers holding them). After the sync only the shards are valid, so nothing is copied
+  back; :meth:`GradSync.param_gather` all-gathers each shadow (ascending blocks) and copies the units back into
+  the model, a dead block's from its member to the peers holding them (in the model's dtype).
 * With uneven blocks a broadcast of replicated gradients would overwrite the receiver's reduced shard with the
   sender's unreduced elements; instead block 0's member broadcasts the replicated *parameters* after the
   gather. With fp32 parameters the optimizer's shard is a view of them, so every slot then steps from block 0's
@@ -93,19 +100,32 @@ def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> t
     return torch.Size(shape)
 
 
-def shadow_module(module: torch.nn.Module, topology: Topology, block: int) -> torch.nn.Module:
-    """A module whose parameters have the names, order, dtypes and attributes of ``module``'s, on the meta
-    device, at the shapes a healthy rank at slot ``block`` has. Megatron's DDP lays buckets out from exactly
-    those properties, so a DDP over this module has a slot-``block`` rank's buckets."""
+def shadow_module(module: torch.nn.Module, topology: Topology, block: int,
+                  device: Optional[torch.device] = None) -> torch.nn.Module:
+    """A module whose parameters have the names, order, dtypes and attributes of ``module``'s at the shapes a
+    healthy rank at slot ``block`` has (a TP-split one tagged with the block's units, ``ntp_shard``). Megatron's
+    DDP lays buckets out from exactly those properties, so a DDP over this module has a slot-``block`` rank's
+    buckets.
+
+    ``device`` None: on the meta device (gradient buckets only). Otherwise real tensors on ``device`` for a DDP
+    with the distributed optimizer's parameter buffer, which copies each ``param.data`` into itself and then
+    points ``param.data`` at its part: until then every parameter is an expanded single element (stride 0, no
+    ``_base``), so building a shadow allocates nothing but its buffers; the caller fills them."""
     root = torch.nn.Module()
     for name, param in module.named_parameters():
         shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-        shape = param.shape if shard is None else slot_shape(param, shard, len(topology.block(shard.family, block)))
-        shadow = torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
-                                    requires_grad=param.requires_grad)
+        units = None if shard is None else tuple(topology.block(shard.family, block))
+        shape = param.shape if shard is None else slot_shape(param, shard, len(units))
+        if device is None:
+            data = torch.empty(shape, dtype=param.dtype, device="meta")
+        else:
+            data = torch.empty_strided(shape, (0,) * len(shape), dtype=param.dtype, device=device)
+        shadow = torch.nn.Parameter(data, requires_grad=param.requires_grad)
         for attr in _PARAM_ATTRS:
             if hasattr(param, attr):
                 setattr(shadow, attr, getattr(param, attr))
+        if shard is not None:
+            shadow.ntp_shard = UnitShard(shard.family, shard.num_units, units, shard.outer, shard.inner)
         owner = root
         *path, leaf = name.split(".")
         for part in path:
@@ -179,24 +199,35 @@ def shard_square_sums(buffers, split: set[int], position: int, size: int) -> tup
 
 
 class _Shadow:
-    """Slot-shaped buckets of one block on a degraded rank: Megatron's DDP over a meta module."""
+    """Slot-shaped buckets of one block on a degraded rank: Megatron's DDP over a :func:`shadow_module`.
+
+    Without the distributed optimizer, a meta module: gradient buckets only, all-reduced over sync group
+    ``block``. With it (``distributed_optimizer``), real parameters in the DDP's parameter buffer and the buffers
+    sharded like a healthy slot-``block`` rank's (:meth:`NTPGroups.with_sync_groups`): the distributed optimizer
+    steps this rank's shard of them."""
 
     def __init__(self, module: torch.nn.Module, topology: Topology, block: int, groups: NTPGroups, tf_config,
-                 ddp_config) -> None:
+                 ddp_config, distributed_optimizer: bool = False) -> None:
         self.block = block
-        self.module = shadow_module(module, topology, block)
-        self.ddp = DistributedDataParallel(tf_config, copy.deepcopy(ddp_config), self.module,
-                                           pg_collection=groups.with_data_parallel(groups.sync[block]))
-        self.grads = {name: p.main_grad for name, p in self.module.named_parameters()}
+        device = next(module.parameters()).device if distributed_optimizer else None
+        self.module = shadow_module(module, topology, block, device)
+        pg = (groups.with_sync_groups(block) if distributed_optimizer
+              else groups.with_data_parallel(groups.sync[block]))
+        self.ddp = DistributedDataParallel(tf_config, copy.deepcopy(ddp_config), self.module, pg_collection=pg)
+        self.params = dict(self.module.named_parameters())
+        self.grads = {name: p.main_grad for name, p in self.params.items()}
         self.block_units = {family: len(topology.block(family, block)) for family in topology.units}
 
-    def region(self, piece: _Piece) -> torch.Tensor:
-        return _unit_view(self.grads[piece.name], piece.shard, self.block_units[piece.shard.family])
+    def region(self, piece: _Piece, what: str = "grad") -> torch.Tensor:
+        """The block's units of ``piece``'s parameter, as ``[outer, units, inner]``: of its gradient (``grad``) or
+        of its value (``param``; real shadows only)."""
+        tensor = self.grads[piece.name] if what == "grad" else self.params[piece.name].data
+        return _unit_view(tensor, piece.shard, self.block_units[piece.shard.family])
 
     def close(self) -> None:
         release_ddp(self.ddp)
         self.ddp = self.module = None
-        self.grads = {}
+        self.params, self.grads = {}, {}
 
 
 @dataclass(frozen=True)
@@ -238,10 +269,9 @@ class GradSync:
         self._by_name = dict(self.params)
         self.ddp = model
         self.distributed_optimizer = bool(ddp_config.use_distributed_optimizer)
-        if self.distributed_optimizer and (ddp_config.overlap_param_gather or not groups.healthy):
-            # Refused by the config (degraded replicas) or not configurable (overlap_param_gather): a backstop.
-            raise ValueError("the distributed optimizer under NTP supports healthy replicas without "
-                             "overlap_param_gather only")
+        if self.distributed_optimizer and ddp_config.overlap_param_gather:
+            raise ValueError("the distributed optimizer under NTP does not support overlap_param_gather (its "
+                             "gather runs in the next forward's pre-hooks, not after the optimizer step)")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}
@@ -249,13 +279,16 @@ class GradSync:
         self.outgoing: list[_Transfer] = []
         if not groups.healthy:
             self._plan_degraded(model, tf_config, ddp_config)
+            if self.distributed_optimizer:
+                self._fill_shadows()
 
     # -- degraded replica: shadows and in-replica transfers ---------------------------------------------------
     def _plan_degraded(self, model, tf_config, ddp_config) -> None:
         topo, rank = self.topology, self.rank
         device = self.params[0][1].main_grad.device
         for block in self.members:
-            self.shadows[block] = _Shadow(model.module, topo, block, self.groups, tf_config, ddp_config)
+            self.shadows[block] = _Shadow(model.module, topo, block, self.groups, tf_config, ddp_config,
+                                          distributed_optimizer=self.distributed_optimizer)
             self.own[block] = _pieces(topo, rank, block, self.split, device)
         replica = topo.replica(self.replica)
         for block in range(self.tp_base):
@@ -269,46 +302,52 @@ class GradSync:
                 transfer = _Transfer(block, holder, member, pieces)
                 (self.incoming if rank == member else self.outgoing).append(transfer)
 
-    def _pack(self, transfer: _Transfer, from_shadow: bool) -> torch.Tensor:
+    def _model_units(self, piece: _Piece, what: str) -> torch.Tensor:
+        """This rank's units of ``piece``'s parameter as ``[outer, units, inner]``: gradient or value."""
+        param = self._by_name[piece.name]
+        return _unit_view(param.main_grad if what == "grad" else param.data, piece.shard, len(piece.shard.units))
+
+    def _pack(self, transfer: _Transfer, from_shadow: bool, what: str) -> torch.Tensor:
         parts = []
         for piece in transfer.pieces:
             if from_shadow:
-                source, index = self.shadows[transfer.block].region(piece), piece.in_block
+                source, index = self.shadows[transfer.block].region(piece, what), piece.in_block
             else:
-                param = self._by_name[piece.name]
-                source, index = _unit_view(param.main_grad, piece.shard, len(piece.shard.units)), piece.local
+                source, index = self._model_units(piece, what), piece.local
             parts.append(source.index_select(1, index).reshape(-1))
         return torch.cat(parts)
 
-    def _unpack(self, transfer: _Transfer, buffer: torch.Tensor, into_shadow: bool) -> None:
+    def _unpack(self, transfer: _Transfer, buffer: torch.Tensor, into_shadow: bool, what: str) -> None:
         offset = 0
         for piece in transfer.pieces:
             chunk = buffer[offset:offset + piece.numel].view(piece.shard.outer, -1, piece.shard.inner)
             offset += piece.numel
             if into_shadow:
-                self.shadows[transfer.block].region(piece).index_copy_(1, piece.in_block, chunk)
+                self.shadows[transfer.block].region(piece, what).index_copy_(1, piece.in_block, chunk)
             else:
-                param = self._by_name[piece.name]
-                _unit_view(param.main_grad, piece.shard, len(piece.shard.units)).index_copy_(1, piece.local, chunk)
+                self._model_units(piece, what).index_copy_(1, piece.local, chunk)
 
-    def _exchange(self, receive: list[_Transfer], send: list[_Transfer], to_member: bool) -> None:
+    def _exchange(self, receive: list[_Transfer], send: list[_Transfer], to_member: bool,
+                  what: str = "grad") -> None:
         """Post every receive and send of one direction, then complete them: receives land in the shadows
-        (towards members) or in ``main_grad`` (back to holders)."""
+        (towards members) or in the model (back to holders). ``what``: gradients (fp32, as the buffers hold
+        them) or parameter values (in the model's dtype)."""
         tag_base = 0 if to_member else self.tp_base
         tp = self.groups.tp
+        dtype = torch.float32 if what == "grad" else self.params[0][1].dtype
         works = []
         for t in receive:
-            buffer = torch.empty(t.numel, dtype=torch.float32, device=self._device)
+            buffer = torch.empty(t.numel, dtype=dtype, device=self._device)
             peer = t.holder if to_member else t.member
             works.append((t, buffer, dist.irecv(buffer, src=peer, group=tp, tag=tag_base + t.block)))
         sends = []
         for t in send:
-            buffer = self._pack(t, from_shadow=not to_member)
+            buffer = self._pack(t, from_shadow=not to_member, what=what)
             peer = t.member if to_member else t.holder
             sends.append((buffer, dist.isend(buffer, dst=peer, group=tp, tag=tag_base + t.block)))
         for t, buffer, work in works:
             work.wait()
-            self._unpack(t, buffer, into_shadow=to_member)
+            self._unpack(t, buffer, into_shadow=to_member, what=what)
         for _, work in sends:
             work.wait()
 
@@ -316,13 +355,25 @@ class GradSync:
     def _device(self) -> torch.device:
         return self.params[0][1].main_grad.device
 
+    @torch.no_grad()
+    def _fill_shadows(self) -> None:
+        """Under the distributed optimizer, before it is built (under bf16 it clones its fp32 main params from
+        the shadows at construction): every shadow's parameters from the model — this rank's units of the block,
+        the replica peers' units of it (received in the model's dtype), the replicated parameters."""
+        for block, shadow in self.shadows.items():
+            for piece in self.own[block]:
+                shadow.region(piece, "param").index_copy_(
+                    1, piece.in_block, self._model_units(piece, "param").index_select(1, piece.local))
+            for name, param in self.replicated:
+                shadow.params[name].data.copy_(param.data)
+        self._exchange(self.incoming, self.outgoing, to_member=True, what="param")
+
     def _sync_degraded(self, num_tokens: Optional[torch.Tensor]) -> None:
         for block, shadow in self.shadows.items():
             shadow.ddp.zero_grad_buffer()
             for piece in self.own[block]:
-                param = self._by_name[piece.name]
-                local = _unit_view(param.main_grad, piece.shard, len(piece.shard.units))
-                shadow.region(piece).index_copy_(1, piece.in_block, local.index_select(1, piece.local))
+                shadow.region(piece).index_copy_(
+                    1, piece.in_block, self._model_units(piece, "grad").index_select(1, piece.local))
             for name, param in self.replicated:
                 shadow.grads[name].copy_(param.main_grad)
         self._exchange(self.incoming, self.outgoing, to_member=True)
@@ -334,16 +385,30 @@ class GradSync:
                 scaling = 1.0 / num_tokens        # upstream's arithmetic, so the bits match healthy ranks
                 for shadow in self.shadows.values():
                     shadow.ddp.scale_gradients(scaling)
+        if self.distributed_optimizer:
+            return  # only the shards are reduced: the optimizer steps them in the shadows; nothing goes back
         for block, shadow in self.shadows.items():
             for piece in self.own[block]:
-                param = self._by_name[piece.name]
-                local = _unit_view(param.main_grad, piece.shard, len(piece.shard.units))
-                local.index_copy_(1, piece.local, shadow.region(piece).index_select(1, piece.in_block))
+                self._model_units(piece, "grad").index_copy_(
+                    1, piece.local, shadow.region(piece).index_select(1, piece.in_block))
         if self.shadows:
             first = next(iter(self.shadows.values()))
             for name, param in self.replicated:
                 param.main_grad.copy_(first.grads[name])
         self._exchange(self.outgoing, self.incoming, to_member=False)
+
+    def _gather_degraded(self) -> None:
+        """:meth:`param_gather` on a degraded rank: each shadow's all-gather, then the model's units from them."""
+        for shadow in self.shadows.values():      # ascending block order on every rank
+            shadow.ddp.start_param_sync(force_sync=True)
+        for block, shadow in self.shadows.items():
+            for piece in self.own[block]:
+                self._model_units(piece, "param").index_copy_(
+                    1, piece.local, shadow.region(piece, "param").index_select(1, piece.in_block))
+        first = self.shadows[self.members[0]]
+        for name, param in self.replicated:
+            param.data.copy_(first.params[name].data)
+        self._exchange(self.outgoing, self.incoming, to_member=False, what="param")
 
     def close(self) -> None:
         """Release the shadows (and, with them, this generation's sync groups)."""
@@ -385,9 +450,15 @@ class GradSync:
         nothing to do without the distributed optimizer."""
         if not self.distributed_optimizer:
             return
-        self.ddp.start_param_sync(force_sync=True)
+        if self.groups.healthy:
+            self.ddp.start_param_sync(force_sync=True)
+        else:
+            self._gather_degraded()
         if self._replicated_from_block0:
             self._broadcast_from_block0([p.data for _, p in self.replicated])
+            for shadow in self.shadows.values():  # as a healthy slot's buffer holds them after the broadcast
+                for name, param in self.replicated:
+                    shadow.params[name].data.copy_(param.data)
 
     def replicated_state_source(self) -> Optional[int]:
         """The rank whose optimizer state of replicated parameters is the replica's, where slots' copies may
@@ -443,18 +514,28 @@ class GradSync:
         dist.all_reduce(table, group=self.groups.tp)
         return math.sqrt(math.fsum(table.tolist()))
 
-    def _shard_sources(self) -> list[tuple[int, list]]:
+    def shard_sources(self) -> list[tuple[int, list]]:
         """(block, Megatron buffers holding that block's reduced shards) for every block this rank serves."""
-        return [(self.members[0], self.ddp.buffers)]
+        if self.groups.healthy:
+            return [(self.members[0], self.ddp.buffers)]
+        return [(block, shadow.ddp.buffers) for block, shadow in self.shadows.items()]
+
+    def optimizer_chunks(self) -> list[DistributedDataParallel]:
+        """The DDPs whose buffers the optimizer steps: the model's, or under the distributed optimizer on a
+        degraded rank the shadows' (ascending blocks)."""
+        if self.distributed_optimizer and not self.groups.healthy:
+            return [shadow.ddp for shadow in self.shadows.values()]
+        return [self.ddp]
 
     def _shard_grad_norm(self) -> float:
         """The norm from the reduced shards (distributed optimizer): a cell per (block, position) of TP-split
         pieces, and per position of replicated pieces of block 0; each cell filled by the one rank that holds
         it, summed over the replica (TP group) and then over the sync group, which the buffers shard over."""
-        sources = self._shard_sources()
+        sources = self.shard_sources()
         groups = [buffers[0].data_parallel_group for _, buffers in sources]
         size = groups[0].size()
-        split = {id(self._by_name[name]) for name, _ in self.split}
+        split = {id(param) for _, buffers in sources for buffer in buffers for param in buffer.param_index_map
+                 if hasattr(param, "ntp_shard")}  # the model's or the shadows' (both tagged)
         table = torch.zeros(self.tp_base * size + size, dtype=torch.float64, device=self._device)
         for (block, buffers), group in zip(sources, groups):
             position = group.rank()

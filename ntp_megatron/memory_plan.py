@@ -10,9 +10,11 @@ buffers are not state and are not counted. Byte sizes follow Megatron-Core: grad
 parameter it steps; with the distributed optimizer both cover only this rank's shard of each bucket, and the
 parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.shard_layout`). ``tests/unit/test_memory_plan.py``
 pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core and the grad sync
-allocate: for healthy ranks with and without the distributed optimizer, and for degraded ranks without it. A
-degraded rank under the distributed optimizer is counted as :mod:`ntp_megatron.grad_sync` is to hold it
-(slot-shaped shadows with parameters and gradients, the optimizer over their shards), not yet pinned.
+allocate, for healthy and degraded ranks, with and without the distributed optimizer (a degraded rank's model with
+its accumulating gradient buffer, its shadows' padded parameter and gradient buffers, and the optimizer's state of
+its shard of each shadow's buckets: :mod:`ntp_megatron.grad_sync`). A shadow's parameters are expanded single
+elements until its DDP points them into its parameter buffer, so building one allocates its buffers and nothing
+more.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of

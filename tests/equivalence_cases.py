@@ -53,7 +53,7 @@ class Case:
     clip_grad: float
     micro_batches: int
     dist_opt: bool = False
-    """Megatron's distributed optimizer (healthy topologies only: no dead slots)."""
+    """Megatron's distributed optimizer."""
     instances: Optional[int] = None
     """Its ``num_distributed_optimizer_instances`` (None: the configuration's default)."""
 
@@ -129,7 +129,8 @@ def cases(draw) -> Case:
     overlap = draw(st.booleans())
     # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
     bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
-    dist_opt = draw(st.booleans()) if not dead else False
+    dist_opt = draw(st.booleans())
+    instances = (draw(st.sampled_from([1, 2])) if dp % 2 == 0 else 1) if dist_opt else None
     return Case(
         tp_base=tp_base, dp=dp, dead=tuple(sorted(dead)),
         num_layers=draw(st.integers(1, 3)), query_groups=query_groups, heads_per_group=heads_per_group,
@@ -139,13 +140,15 @@ def cases(draw) -> Case:
         normalization=draw(st.sampled_from(["LayerNorm", "RMSNorm"])), untie=draw(st.booleans()),
         activation=activation, overlap=overlap, bucket_size=bucket_size,
         clip_grad=draw(st.sampled_from([0.05, 1.0])), micro_batches=draw(st.integers(1, 2)), dist_opt=dist_opt,
+        instances=instances,
     )
 
 
 # -- the fixed examples -----------------------------------------------------------------------------------------
 
 # The worked example of docs/ntp.md (TP4 + TP4, replica 1 lost slot 3) with overlap and small, layout-dependent
-# buckets; and a case that loses two slots of one replica with an uneven head split and GQA.
+# buckets; and a case that loses two slots of one replica with an uneven head split and GQA, under the distributed
+# optimizer with two instances (each replica one: the degraded replica's shadows twin the healthy replica's ranks).
 WORKED = Case(tp_base=4, dp=2, dead=((1, 3),), num_layers=2, query_groups=8, heads_per_group=1, kv_channels=8,
               hidden_size=32, ffn_hidden_size=64, vocab_size=263, position="learned_absolute",
               normalization="LayerNorm", untie=False, activation="gelu", overlap=True, bucket_size=700,
@@ -153,7 +156,7 @@ WORKED = Case(tp_base=4, dp=2, dead=((1, 3),), num_layers=2, query_groups=8, hea
 UNEVEN = Case(tp_base=4, dp=2, dead=((0, 1), (0, 2)), num_layers=1, query_groups=6, heads_per_group=2,
               kv_channels=8, hidden_size=24, ffn_hidden_size=41, vocab_size=259, position="rope",
               normalization="RMSNorm", untie=True, activation="swiglu", overlap=False, bucket_size=None,
-              clip_grad=1.0, micro_batches=1)
+              clip_grad=1.0, micro_batches=1, dist_opt=True, instances=2)
 # Three replicas and blocks of unequal size: slots' buckets place the replicated parameters at different
 # offsets, where a three-way sum rounds differently; their value must come from one place.
 THREE_UNEVEN = Case(tp_base=2, dp=3, dead=((2, 1),), num_layers=2, query_groups=3, heads_per_group=2,
@@ -235,6 +238,34 @@ def compare_runs(case: Case, got: dict[int, dict], state: dict, want: dict[int, 
         worst["l2"], worst["peak"] = max(worst["l2"], l2), max(worst["peak"], peak)
         assert l2 <= STATE_TOL and peak <= PEAK_TOL, f"{key} differs from TP1 by {l2:.2e} (L2), {peak:.2e} (peak)"
     return worst
+
+
+def assert_twins_bitwise(result: JobResult, case: Case, iters: int = ITERS) -> None:
+    """After every iteration, the two holders of every optimizer shard (one block and position, one per instance)
+    report the same checksum of it; every shard has a holder in each instance; some shard is held by a degraded
+    rank's shadow on one side (where the case has dead slots); and the shards change from the first iteration to
+    the last."""
+    by_iteration: dict[int, dict[tuple[int, int], dict[int, tuple[str, int]]]] = {}
+    for record in result.records:
+        if record.get("kind") != "state_checksums":
+            continue
+        for shard in record["shards"]:
+            holders = by_iteration.setdefault(record["iteration"], {}).setdefault(
+                (shard["block"], shard["position"]), {})
+            assert shard["instance"] not in holders, f"two holders of {shard} in one instance"
+            holders[shard["instance"]] = (shard["checksum"], record["replica"])
+    assert sorted(by_iteration) == list(range(1, iters + 1)), sorted(by_iteration)
+    positions = case.dp // case.instances
+    degraded = {r for r, width in enumerate(case.widths) if width < case.tp_base}
+    for iteration, shards in by_iteration.items():
+        assert sorted(shards) == [(b, j) for b in range(case.tp_base) for j in range(positions)], sorted(shards)
+        for place, holders in shards.items():
+            assert sorted(holders) == list(range(case.instances)), (iteration, place, holders)
+            assert len({checksum for checksum, _ in holders.values()}) == 1, (
+                f"iteration {iteration}: the twins of shard (block, position) {place} differ: {holders}")
+    if degraded:
+        assert any(replica in degraded for holders in by_iteration[1].values() for _, replica in holders.values())
+    assert by_iteration[1] != by_iteration[iters], "the shards never change"
 
 
 def clipped(case: Case, ntp: JobResult) -> bool:

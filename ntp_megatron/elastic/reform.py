@@ -62,20 +62,23 @@ def settle_voted(training: Training, commit: CommitProtocol, await_newer: Callab
 
 
 def distributed_optimizer_refusal(cfg: JobConfig, launch: Topology, topology: Topology) -> Optional[str]:
-    """Why this process cannot form ``topology`` under the distributed optimizer, or None. Only healthy replicas
-    train with it so far, and with one copy of each optimizer shard a replica that loses a rank (degraded) or
-    is dropped has lost state nothing else holds: such a generation stops the job, in one line, at once."""
+    """Why this process cannot form ``topology`` under the distributed optimizer, or None. Replicas train with it
+    in the layout they were launched in (degraded ones too); a replica whose layout a live failure changed
+    (degraded further, or dropped) has lost optimizer shards that are not recovered yet: such a generation stops
+    the job, in one line, at once."""
     if not cfg.parallel.use_distributed_optimizer:
         return None
+    launched = {rep.index: rep.width for rep in launch.replicas}
     what = [f"replica {rep.index} at TP {rep.width} of {topology.tp_base}" for rep in topology.replicas
-            if rep.width < topology.tp_base]
+            if rep.width != launched.get(rep.index)]
     kept = {rep.index for rep in topology.replicas}
     what += [f"replica {rep.index} dropped" for rep in launch.replicas if rep.index not in kept]
     if not what:
         return None
     return (f"generation {topology.generation} would leave {', '.join(what)}: parallel.use_distributed_optimizer "
-            "under NTP trains healthy replicas only so far (a degraded or dropped replica's optimizer shards are not "
-            "recovered live yet); the job stops (parallel.use_distributed_optimizer: false survives failures live)")
+            "under NTP trains replicas in their launch layout only so far (the optimizer shards a changed layout "
+            "needs are not moved live yet); the job stops (parallel.use_distributed_optimizer: false survives "
+            "failures live)")
 
 
 class Reformer:

@@ -42,9 +42,10 @@ class Components:
 
 
 def sharding_groups(cfg: JobConfig, setup: ParallelSetup):
-    """The process groups a rank's DDP and optimizer are built with: the job's collection, except on a healthy NTP
-    rank under the distributed optimizer, whose buckets are sharded over its sync group's part in its instance and
-    all-reduced across its twins (with one instance: over the whole sync group, as without this)."""
+    """The process groups a rank's DDP is built with: the job's collection, except on a healthy NTP rank under the
+    distributed optimizer, whose buckets are sharded over its sync group's part in its instance and all-reduced
+    across its twins (with one instance: over the whole sync group, as without this). A degraded rank's DDP only
+    accumulates (its data-parallel group is itself): its shadows carry the sync groups."""
     if setup.topology is None or not cfg.parallel.use_distributed_optimizer or not setup.groups.healthy:
         return setup.pg
     groups = setup.groups
@@ -52,8 +53,23 @@ def sharding_groups(cfg: JobConfig, setup: ParallelSetup):
     return groups.with_sync_groups(block)
 
 
+def optimizer_groups(cfg: JobConfig, setup: ParallelSetup):
+    """The process groups the optimizer is built with: its DDP's (:func:`sharding_groups`), or on a degraded NTP rank
+    under the distributed optimizer those of its first shadow. Every shadow's buffers shard over their own
+    block's group (the optimizer reads each buffer's); the optimizer itself reads from these only its instance
+    (the rank in the twins' group, the same for every block) and its position (the same in every block's group:
+    members are numbered in replica order)."""
+    if (setup.topology is not None and cfg.parallel.use_distributed_optimizer and not setup.groups.healthy):
+        return setup.groups.with_sync_groups(next(iter(setup.groups.sync)))
+    return sharding_groups(cfg, setup)
+
+
 def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
+    """Megatron's optimizer over ``model``, or over what the grad sync names (a degraded rank's shadows under the
+    distributed optimizer)."""
     t, p = cfg.training, cfg.parallel
+    grad_sync = getattr(setup, "grad_sync", None)
+    chunks = grad_sync.optimizer_chunks() if grad_sync is not None else [model]
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer=t.optimizer, lr=t.lr, sgd_momentum=t.sgd_momentum, min_lr=t.min_lr, weight_decay=t.weight_decay,
@@ -62,9 +78,9 @@ def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
             params_dtype=tf_config.params_dtype,
             use_distributed_optimizer=p.use_distributed_optimizer,
         ),
-        [model],
+        chunks,
         use_gloo_process_groups=False,
-        pg_collection=sharding_groups(cfg, setup),
+        pg_collection=optimizer_groups(cfg, setup),
     )
     if setup.topology is not None and len(getattr(optimizer, "chained_optimizers", [optimizer])) != 1:
         # The norm override returns the global norm; a chain of several would combine it several times.
@@ -114,25 +130,36 @@ def build_scheduler(cfg: JobConfig, optimizer) -> OptimizerParamScheduler:
 def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
                      initialize: bool = True) -> Components:
     """Everything for ``setup``'s layout. ``initialize=False``: weights are left for the caller to fill (a
-    re-formation copies them from the old layout and from peers)."""
+    re-formation copies them from the old layout and from peers). Under NTP the grad sync comes before the
+    optimizer: on a degraded rank under the distributed optimizer it builds the shadows the optimizer steps,
+    filled from the model (a collective over the replica)."""
     tf_config = model_lib.transformer_config(cfg, device)
     healthy = setup.groups is None or setup.groups.healthy
     model = model_lib.build_model(cfg, tf_config, sharding_groups(cfg, setup), device, setup.topology, setup.rank,
                                   own_buckets_sync=healthy, initialize=initialize)
-    optimizer = build_optimizer(cfg, tf_config, model, setup)
-    parts = Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,
-                       scheduler=build_scheduler(cfg, optimizer))
     if setup.topology is not None:
-        attach_grad_sync(cfg, parts)
-    return parts
+        _install_grad_sync(cfg, setup, model, tf_config)
+    optimizer = build_optimizer(cfg, tf_config, model, setup)
+    return Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,
+                      scheduler=build_scheduler(cfg, optimizer))
 
 
 def attach_grad_sync(cfg: JobConfig, parts: Components) -> None:
-    """The NTP grad sync for the current topology and groups (replacing any earlier one)."""
+    """The NTP grad sync for the current topology and groups (replacing any earlier one), for objects that keep
+    their layout across a re-formation."""
     setup = parts.setup
+    if cfg.parallel.use_distributed_optimizer and not setup.groups.healthy:
+        # Its optimizer steps the shadows of the grad sync it was built with: keeping them across new groups is
+        # part of surviving failures live, which the distributed optimizer does not do yet.
+        raise RuntimeError("a degraded replica's objects under the distributed optimizer cannot be kept across a "
+                           "re-formation yet")
+    _install_grad_sync(cfg, setup, parts.model, parts.tf_config)
+
+
+def _install_grad_sync(cfg: JobConfig, setup: ParallelSetup, model, tf_config) -> None:
     if setup.grad_sync is not None:
         setup.grad_sync.close()
-    setup.grad_sync = GradSync(setup.topology, setup.rank, setup.groups, parts.model, parts.tf_config,
+    setup.grad_sync = GradSync(setup.topology, setup.rank, setup.groups, model, tf_config,
                                model_lib.ddp_config(cfg))
-    parts.tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads
+    tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads
     set_grad_norm_override(setup.grad_sync.grad_norm)

@@ -12,6 +12,7 @@ every rank its slot's whole tensors, then gathered over TP as without it.
 from __future__ import annotations
 
 import hashlib
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -106,16 +107,21 @@ def _shard_tensors(optimizer: DistributedOptimizer, param: torch.nn.Parameter) -
 def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str, ...]
                          ) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
     """What :func:`covered_tensors` returns, for Megatron's distributed optimizer: each parameter's optimizer
-    tensors (``name.main_param`` for bf16 / fp16, and ``name.<key>``) at the parameter's shape, every bucket's
-    shards all-gathered over the group its buffer shards over (collective over that group)."""
+    tensors (``name.main_param`` for bf16 / fp16, and ``name.<key>``), every bucket's shards all-gathered over the
+    group its buffer shards over (collective over that group, buffer by buffer in the optimizer's order).
+
+    The optimizer steps ``model`` itself, or (a degraded NTP rank) the slot-shaped shadows of the blocks the rank
+    serves, whose TP-split parameters carry their block's units (``ntp_shard``): a parameter's tensors are then
+    its blocks' side by side (units in block order), and a replicated parameter's are its first block's."""
     out: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
-    names = {param: name for name, param in model.module.named_parameters()}
     has_state = any(optimizer.optimizer.state.values())  # a defaultdict: entries can exist, empty
-    sharded = {param for buffer in optimizer.buffers for param in buffer.param_index_map}
+    names = {param: name for chunk in optimizer.model_chunks for name, param in chunk.module.named_parameters()}
+    sharded = {names[param] for buffer in optimizer.buffers for param in buffer.param_index_map}
     for name, param in model.module.named_parameters():
         out[name] = (name, param.data, param)
-        if param.requires_grad and param not in sharded:  # the shards of a buffer tile it: every position's
+        if param.requires_grad and name not in sharded:  # the shards of a buffer tile it: every position's
             raise UncoveredState(f"{name}: the optimizer does not step this parameter")
+    blocks: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for gbuf_index, buffer in enumerate(optimizer.buffers):
         group = buffer.data_parallel_group
         size = group.size()
@@ -143,8 +149,24 @@ def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str
                 name = names[param]
                 for i, key in enumerate(wanted):
                     label = f"{name}.main_param" if key == "param" else f"{name}.{key}"
-                    out[label] = (name, full[i, start:end].reshape(param.shape), param)
+                    blocks.setdefault(label, []).append((name, full[i, start:end].reshape(param.shape), param))
+    for label, tensors in blocks.items():
+        out[label] = tensors[0] if len(tensors) == 1 else _side_by_side(tensors)
     return out
+
+
+def _side_by_side(blocks: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple[str, torch.Tensor, object]:
+    """One tensor of a parameter from its blocks' (each tagged with its units): TP-split ones joined along the unit
+    axis, under a tag naming all their units; a replicated one is the first block's."""
+    name, first, owner = blocks[0]
+    shards = [getattr(p, "ntp_shard", None) for _, _, p in blocks]
+    if shards[0] is None:
+        return blocks[0]
+    joined = torch.cat([shard.view(tensor) for shard, (_, tensor, _) in zip(shards, blocks)], dim=1)
+    shard = shards[0]
+    units = tuple(u for s in shards for u in s.units)
+    return name, joined.reshape(-1), SimpleNamespace(ntp_shard=UnitShard(shard.family, shard.num_units, units,
+                                                                         shard.outer, shard.inner))
 
 
 def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int,
@@ -173,10 +195,37 @@ def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group,
     return out
 
 
-def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """sha256 prefix of each tensor's bytes (16-bit tensors hashed through an int16 view: numpy has no bf16)."""
-    def raw(t: torch.Tensor) -> bytes:
-        t = t.contiguous()
-        return (t.view(torch.int16) if t.element_size() == 2 else t).numpy().tobytes()
+def shard_checksums(optimizer, sources: list[tuple[int, list]]) -> Optional[list[dict]]:
+    """Under Megatron's distributed optimizer, a checksum of this rank's shard of each buffer it steps — every
+    piece's main param and optimizer state in Megatron's bucket order (``get_parameter_state_dp_reshardable``, no
+    communication) — with the block the buffer holds (``sources``: block and buffers, as
+    :meth:`ntp_megatron.grad_sync.GradSync.shard_sources` names them), its position in the group it shards over
+    and the optimizer's instance: the two holders of a shard (twins: one block and position, one per instance)
+    must report the same bits. None without the distributed optimizer."""
+    distributed = _distributed_part(optimizer)
+    if distributed is None:
+        return None
+    block_of = {id(buffer): block for block, buffers in sources for buffer in buffers}
+    state = distributed.get_parameter_state_dp_reshardable()
+    out = []
+    for index, buffer in enumerate(distributed.buffers):
+        digest = hashlib.sha256()
+        for buckets in state[index].values():
+            for bucket in buckets:
+                for piece in bucket:
+                    for key in sorted(k for k, v in piece.items() if isinstance(v, torch.Tensor)):
+                        digest.update(_raw(piece[key].detach().cpu()))
+        out.append({"block": block_of[id(buffer)], "position": buffer.data_parallel_group.rank(),
+                    "instance": distributed.distributed_optimizer_instance_id, "checksum": digest.hexdigest()[:16]})
+    return out
 
-    return {key: hashlib.sha256(raw(t)).hexdigest()[:16] for key, t in state.items()}
+
+def _raw(t: torch.Tensor) -> bytes:
+    """A tensor's bytes (16-bit tensors through an int16 view: numpy has no bf16)."""
+    t = t.contiguous()
+    return (t.view(torch.int16) if t.element_size() == 2 else t).numpy().tobytes()
+
+
+def checksums(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 prefix of each tensor's bytes."""
+    return {key: hashlib.sha256(_raw(t)).hexdigest()[:16] for key, t in state.items()}

@@ -151,7 +151,8 @@ def build_model(
     """Megatron's GPTModel (uniform TP), or with ``topology`` the NTP model of ``rank``'s units; wrapped in DDP.
 
     ``own_buckets_sync=False`` (a degraded NTP replica): the DDP buckets only accumulate gradients; they are
-    never communicated (the NTP grad sync copies them into slot-shaped shadows), so no overlap is set up.
+    never communicated (the NTP grad sync copies them into slot-shaped shadows), so no overlap is set up, and
+    under the distributed optimizer they are not sharded either.
     """
     m = cfg.model
     common = dict(
@@ -181,6 +182,9 @@ def build_model(
     config = ddp_config(cfg)
     if not own_buckets_sync:
         config.overlap_grad_reduce = False
+        # Nor is it sharded: under the distributed optimizer the shadows hold the shards (no parameter buffer here).
+        config.use_distributed_optimizer = False
+        config.num_distributed_optimizer_instances = 1
     model = DistributedDataParallel(tf_config, config, gpt, pg_collection=pg_collection)
     if config.overlap_grad_reduce:
         tf_config.no_sync_func = model.no_sync  # as Megatron-LM's training loop: sync after the last micro-batch

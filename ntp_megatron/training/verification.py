@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ntp_megatron import metrics, phases
-from ntp_megatron.training.inspect_state import checksums, full_state
+from ntp_megatron.training.inspect_state import checksums, full_state, shard_checksums
 from ntp_megatron.training.loop_state import LoopState
 
 
@@ -53,9 +53,12 @@ class StateChecks:
         iteration, s = trainer.iteration, trainer.setup
         if self.stepped is not None and self.stepped[0] == iteration:
             grad_norm = self.stepped[1]
+            shards = (shard_checksums(trainer.parts.optimizer, s.grad_sync.shard_sources())
+                      if s.grad_sync is not None and s.grad_sync.distributed_optimizer else None)
             metrics.emit({"kind": "state_checksums", "iteration": iteration, "replica": s.replica,
                           "tp_rank": s.tp_rank, "generation": s.generation, "checksums": checksums(state),
-                          "grad_norm": float(grad_norm).hex() if grad_norm is not None else None}, sys.stdout)
+                          "grad_norm": float(grad_norm).hex() if grad_norm is not None else None,
+                          **({"shards": shards} if shards is not None else {})}, sys.stdout)
         self.checked = (iteration, s.generation)
 
     def dump(self, initial: bool) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import ConfigError
-from tests.equivalence_cases import ITERS, Case, iteration_records, key_bias_rows
+from tests.equivalence_cases import ITERS, Case, assert_twins_bitwise, iteration_records, key_bias_rows
 from tests.harness import JobResult, assert_ok, assert_replicas_agree, layout_args, relative_difference
 
 BF16 = ["--set", "training.precision=bf16"]
@@ -133,6 +133,18 @@ def test_live_kill_under_bf16_moves_main_params_and_moments(jobs, tp1):
     assert_covers_main_state(result)
     assert_replicas_agree(result, ITERS)
     compare_bf16(result, tp1)
+
+
+def test_a_degraded_replica_under_the_distributed_optimizer(jobs, tp1):
+    """The same case under Megatron's distributed optimizer (two instances: each replica its own): replica 1's one
+    rank steps both blocks' shards in its shadows, whose fp32 main params the optimizer cloned from them; it trains
+    as TP1 does, the replicas agree bit for bit, and each shadow's shard equals the healthy twin's."""
+    result = jobs.run("bf16-distopt", CASE.ntp_args() + BF16 + ["--set", "parallel.use_distributed_optimizer=true"])
+    assert_ok(result)
+    compare_bf16(result, tp1)
+    assert_covers_main_state(result)
+    assert_replicas_agree(result, ITERS)
+    assert_twins_bitwise(result, replace(CASE, dist_opt=True, instances=2))
 
 
 def test_fp16_under_ntp_is_refused_and_plain_fp16_is_allowed():

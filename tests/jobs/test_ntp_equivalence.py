@@ -1,10 +1,12 @@
 """Nonuniform TP computes plain Megatron-Core's function: a property test over drawn topologies (1–3 replicas,
 tp_base 1–4, any dead slots, at most 8 ranks), GPT options (layers, uneven head and query-group counts, RoPE or
 learned positions, LayerNorm or RMSNorm, tied or untied embeddings, gelu/swiglu/squared_relu, vocab sizes no
-width divides), DDP bucket sizes and overlap on/off, Megatron's distributed optimizer on/off (healthy topologies).
+width divides), DDP bucket sizes and overlap on/off, Megatron's distributed optimizer on/off with one or two
+instances.
 Each case runs a real multi-process NTP job and Megatron-Core at TP1 (this project's stack, NTP off) on the same
 samples, and compares lm loss and grad norm at every iteration, all parameters and Adam moments at the end, and
-every TP rank's checksums of the replica state after every iteration.
+every TP rank's checksums of the replica state after every iteration; with two distributed-optimizer instances,
+also the two holders of every optimizer shard bit for bit.
 
 That TP1 reference is anchored once against code that shares nothing with this project:
 :func:`test_ntp_equals_independent_plain_megatron_tp1` compares an NTP job with ``tests/plain_megatron.py``, plain
@@ -26,8 +28,8 @@ import time
 
 from hypothesis import HealthCheck, Phase, assume, example, given, note, seed, settings
 
-from tests.equivalence_cases import EXAMPLES, FRESH_SEED, WORKED, Case, cases, clipped, compare_runs, \
-    compare_with_reference, iteration_records
+from tests.equivalence_cases import EXAMPLES, FRESH_SEED, WORKED, Case, assert_twins_bitwise, cases, clipped, \
+    compare_runs, compare_with_reference, iteration_records
 from tests.harness import REPO, TINY, assert_ok, assert_replicas_agree, run_job
 
 FUZZ_EXAMPLES = int(os.environ.get("NTP_FUZZ_EXAMPLES", "0"))
@@ -36,8 +38,8 @@ SUITE_EXAMPLES = 4
 FRESH_EXAMPLES = 2
 
 
-def check_case(tmp_path_factory, case: Case) -> None:
-    """One case: the NTP job against TP1 on the same samples, and every TP rank's checksums."""
+def check_case(tmp_path_factory, case: Case):
+    """One case: the NTP job against TP1 on the same samples, and every TP rank's checksums; returns the NTP job."""
     started = time.monotonic()
     outcome = {"case": case.to_json()}
     try:
@@ -49,10 +51,13 @@ def check_case(tmp_path_factory, case: Case) -> None:
         assert_ok(ref)
         outcome["worst"] = compare_with_reference(case, ntp, ref)
         assert_replicas_agree(ntp, len(iteration_records(ref)))
+        if case.dist_opt and case.instances == 2:
+            assert_twins_bitwise(ntp, case)
         outcome["clipped"] = clipped(case, ntp)
         if case == WORKED:  # the suite's run covers clipping: this case's gradients are clipped every iteration
             assert outcome["clipped"], "the clipping case did not clip"
         outcome["ok"] = True
+        return ntp
     except BaseException as exc:
         outcome["ok"] = False
         outcome["error"] = f"{type(exc).__name__}: {exc}"[:2000]

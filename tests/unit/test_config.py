@@ -93,8 +93,12 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
         (["ntp.dropped_replicas=[2]"], "ntp topology: dropped replica 2 out of range 0..1"),
         (["ntp.min_tp=2", "ntp.dead_slots=[1:1]"], "ntp topology: replica 1 starts with 1 live slots, below ntp.min_tp (2)"),
         (["parallel.tensor_model_parallel_size=4", "model.num_query_groups=2"], "ntp topology: family 'heads' has 2 units"),
-        (["parallel.use_distributed_optimizer=true", "ntp.dead_slots=[1:1]"],
-         "ntp.dead_slots must be empty ([]) with parallel.use_distributed_optimizer: true"),
+        (["parallel.use_distributed_optimizer=true", "ntp.dropped_replicas=[1]"],
+         "ntp.dropped_replicas ([1]) needs parallel.num_distributed_optimizer_instances: 1 with "
+         "parallel.use_distributed_optimizer (not 2: an instance would lack a replica)"),
+        (["parallel.use_distributed_optimizer=true", "ntp.dead_slots=[1:1]", "checkpoint.save=/tmp/ckpt"],
+         "checkpoint.save is not supported yet with parallel.use_distributed_optimizer for a topology that starts "
+         "degraded"),
         (["model.transformer_impl=transformer_engine"], "ntp.enabled needs model.transformer_impl: local"),
         (["checkpoint.async_save=true"], "checkpoint.async_save is not supported with ntp.enabled yet"),
     ],
@@ -111,6 +115,16 @@ def test_degraded_start_sizes_the_world():
     assert cfg.world_size == 7
     assert [r.width for r in cfg.topology().replicas] == [4, 3]
     assert cfg.unit_counts() == {"heads": 8, "ffn": 256, "vocab": 256}
+
+
+def test_the_distributed_optimizer_starts_degraded_and_drops_replicas_with_one_instance():
+    dist_opt = ["ntp.enabled=true", "parallel.use_distributed_optimizer=true", "parallel.tensor_model_parallel_size=2"]
+    cfg = load_job_config(overrides=[*dist_opt, "ntp.dead_slots=[1:1]"])
+    assert [r.width for r in cfg.topology().replicas] == [2, 1]
+    assert cfg.parallel.num_distributed_optimizer_instances == 2
+    cfg = load_job_config(overrides=[*dist_opt, "ntp.dropped_replicas=[1]",
+                                     "parallel.num_distributed_optimizer_instances=1"])
+    assert [r.index for r in cfg.topology().replicas] == [0]
 
 
 def test_megatron_style_flags_become_overrides():

@@ -1,6 +1,6 @@
 """NTP's pieces for Megatron's distributed optimizer, in one process: the grad norm from reduced shards equals the
 norm from whole gradient buffers, the deferred parameter all-gather leaves the optimizer step local, and the
-re-formations it cannot survive yet are named."""
+re-formations it cannot survive yet (a replica's layout changed since launch) are named."""
 
 from __future__ import annotations
 
@@ -147,16 +147,18 @@ def test_a_deferred_step_is_local_and_the_gather_completes_it(megatron):
         defer_param_sync(SimpleNamespace())
 
 
-@pytest.mark.parametrize("dead, dropped, expected", [
-    ((), (), None),
-    (((1, 1),), (), "generation 0 would leave replica 1 at TP 1 of 2: parallel.use_distributed_optimizer"),
-    ((), (0,), "generation 0 would leave replica 0 dropped: parallel.use_distributed_optimizer"),
+@pytest.mark.parametrize("launched, dead, dropped, expected", [
+    ((), (), (), None),
+    (((1, 1),), ((1, 1),), (), None),  # degraded at launch: its layout is the one it trains in
+    ((), ((1, 1),), (), "generation 0 would leave replica 1 at TP 1 of 2: parallel.use_distributed_optimizer"),
+    ((), (), (0,), "generation 0 would leave replica 0 dropped: parallel.use_distributed_optimizer"),
+    (((1, 1),), (), (), "generation 0 would leave replica 1 at TP 2 of 2: parallel.use_distributed_optimizer"),
 ])
-def test_reformations_the_distributed_optimizer_cannot_survive_yet_are_named(dead, dropped, expected):
+def test_reformations_the_distributed_optimizer_cannot_survive_yet_are_named(launched, dead, dropped, expected):
     from ntp_megatron.elastic.reform import distributed_optimizer_refusal
 
     counts = {"heads": 4, "ffn": 8, "vocab": 16}
-    launch = make_topology(2, 2, counts)
+    launch = make_topology(2, 2, counts, dead_slots=launched)
     topology = make_topology(2, 2, counts, dead_slots=dead, dropped=dropped)
     on = load_job_config(None, ["ntp.enabled=true", "parallel.use_distributed_optimizer=true"])
     off = load_job_config(None, ["ntp.enabled=true"])

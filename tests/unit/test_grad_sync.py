@@ -113,3 +113,57 @@ def test_bucket_groups_dispatch_in_creation_order():
     assert log == ["g0"]
     _register_grad_ready(groups[1], params[1])
     assert log == ["g0", "g1", "g2"]
+
+
+def _shard_ranges(buffer) -> list[dict[str, tuple]]:
+    """Megatron's distributed-optimizer ranges of one buffer at its group position: per bucket, per parameter (by
+    its place in the buffer) the (start, end) of each of its ranges."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    start = {param: index[0] for param, index in buffer.param_index_map.items()}
+    [buckets] = DistributedOptimizer._build_gbuf_range_map(buffer).values()
+    return [{start[param]: tuple((key, r.start, r.end) for key, r in sorted(ranges.items()))
+             for param, ranges in bucket["param_map"].items()} for bucket in buckets]
+
+
+def test_real_shadows_have_a_healthy_slot_ranks_buffers_and_shards(megatron):
+    """Under the distributed optimizer a degraded rank's shadow of block s (real parameters, the buffers sharded
+    over a stand-in group of 3) has a healthy slot-s rank's buckets, padded buffer and, at every position, the
+    same shard ranges; its parameters live in the DDP's parameter buffer. The rank's own DDP has no parameter
+    buffer (it only accumulates)."""
+    import copy
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallel
+
+    from ntp_megatron.grad_sync import _Shadow
+    from ntp_megatron.training.model import build_model, ddp_config, transformer_config
+    from tests.unit.test_shard_layout import _DpPosition
+
+    cfg = load_job_config(None, [*MODEL, "parallel.use_distributed_optimizer=true"])
+    tf_config = transformer_config(cfg)
+    topo = make_topology(4, 2, cfg.unit_counts(), dead_slots=[(1, 3), (1, 1)])
+    rank = topo.rank_of(1, 0)
+    blocks = topo.member_blocks(rank)
+    assert len(blocks) == 2
+    families = ("heads", "ffn", "vocab")
+    own = build_model(cfg, tf_config, megatron, torch.device("cpu"), topo, rank, own_buckets_sync=False)
+    assert [b.param_data for b in own.buffers] == [None] and not own.ddp_config.use_distributed_optimizer
+    size = 3
+    for position in (0, size - 1):  # the first shard, and the last (which holds the buffer's padding)
+        pg = copy.copy(megatron)
+        pg.dp = pg.dp_cp = pg.intra_dp_cp = _DpPosition(size, position)
+        groups = SimpleNamespace(with_sync_groups=lambda block, pg=pg: pg)
+        for block in blocks:
+            shadow = _Shadow(own.module, topo, block, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
+            healthy = DistributedDataParallel(tf_config, ddp_config(cfg),
+                                              _ntp_model(cfg, [tuple(topo.block(f, block)) for f in families]),
+                                              pg_collection=pg)
+            assert _bucket_layout(shadow.ddp) == _bucket_layout(healthy), f"block {block}"
+            [got], [want] = shadow.ddp.buffers, healthy.buffers
+            assert len(got.buckets) > 3 and got.numel == want.numel and got.param_data.numel() == want.numel
+            assert _shard_ranges(got) == _shard_ranges(want), f"block {block}, position {position}"
+            base = got.param_data.data_ptr()
+            for param in shadow.module.parameters():
+                assert param.device.type == "cpu" and param.data.untyped_storage().data_ptr() == base
+            shadow.close()

@@ -151,6 +151,65 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
     assert want.optimizer == largest
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(megatron, precision):
+    """A proxy and a survivor of a TP3 replica that lost a slot, under the distributed optimizer sharding over 2
+    positions (a stand-in group): the rank's own model and accumulating gradient buffer (no parameter buffer),
+    each shadow's padded parameter and gradient buffers as :class:`ntp_megatron.grad_sync._Shadow` builds them
+    (its parameters live in them), and the optimizer over the shadows: at each position the main params (bf16) and
+    Adam's moments of its shard of every shadow, the plan being the largest position's per shadow."""
+    import copy
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from ntp_megatron.grad_sync import _Shadow
+    from ntp_megatron.training.model import build_model, ddp_config, transformer_config
+    from tests.unit.test_shard_layout import _DpPosition
+
+    dims, size = DIMS[1], 2
+    cfg = _config(dims, precision=precision, dist_opt=True)
+    tf_config = transformer_config(cfg, torch.device("cpu"))
+    degraded = next_topology(make_topology(3, 1, dims.units), [1])
+    proxy = degraded.sync_member(0, 1)
+    for rank in (proxy, 1 - proxy):
+        model = build_model(cfg, tf_config, megatron, torch.device("cpu"), degraded, rank, own_buckets_sync=False,
+                            initialize=False)
+        blocks = degraded.member_blocks(rank)
+        largest = dict.fromkeys(blocks, 0)
+        for j in range(size):
+            pg = copy.copy(megatron)
+            pg.dp = pg.dp_cp = pg.intra_dp_cp = _DpPosition(size, j)
+            groups = SimpleNamespace(with_sync_groups=lambda block, pg=pg: pg)
+            shadows = [_Shadow(model.module, degraded, b, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
+                       for b in blocks]
+            chunks = [s.ddp for s in shadows]
+            optimizer = DistributedOptimizer(
+                torch.optim.AdamW([p for c in chunks for p in c.module.parameters()], lr=1e-3),
+                OptimizerConfig(lr=1e-3, bf16=precision == "bf16"), None, None, chunks,
+                {i: c.buffers for i, c in enumerate(chunks)}, _DpPosition(size, j), None, 0, 0)
+            for block, shadow in zip(blocks, shadows):
+                stepped = []  # the tensors the optimizer steps for this shadow: its shard's main params
+                for param in shadow.module.parameters():
+                    group, order = optimizer.model_param_group_index_map.get(param, (None, None))
+                    if group is not None:
+                        stepped.append(optimizer.optimizer.param_groups[group]["params"][order])
+                moments = 2 * sum(p.numel() * 4 for p in stepped)  # what Adam's first step allocates
+                mains = 0 if precision == "fp32" else _bytes(stepped)  # fp32: views of the parameter buffer
+                largest[block] = max(largest[block], moments + mains)
+        want = rank_state(dims, degraded, rank, Training(precision=precision, distributed_optimizer=True,
+                                                         shard_over=size))
+        assert model.buffers[0].param_data is None
+        assert want.params == _bytes(model.module.parameters())
+        assert want.grads == _bytes(b.grad_data for b in model.buffers)
+        assert want.shadow_params == _bytes(p for s in shadows for p in s.module.parameters()) == \
+            sum(s.ddp.buffers[0].param_data.untyped_storage().nbytes() for s in shadows)
+        assert want.shadow_grads == _bytes(b.grad_data for s in shadows for b in s.ddp.buffers)
+        assert want.optimizer == sum(largest.values())
+    assert len(degraded.member_blocks(proxy)) == 2
+
+
 def _optimizer_tensors(optimizer):
     """Every tensor the optimizer keeps besides the model's parameters: per-element state and fp32 main copies."""
     inner = optimizer.chained_optimizers[0]
