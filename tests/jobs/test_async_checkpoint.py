@@ -162,8 +162,8 @@ def _rank_killed_during_an_async_save(path: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     descendants = {}
     for p in me.children(recursive=True):
-        try:
-            descendants[p.pid] = " ".join(p.cmdline())[:120]
+        try:  # the start time tells a descendant from a later process given its pid (pids wrap at pid_max)
+            descendants[p.pid] = (" ".join(p.cmdline())[:120], p.create_time())
             p.send_signal(signal.SIGSTOP)
         except psutil.NoSuchProcess:  # a short-lived one ended on its own
             descendants.pop(p.pid, None)
@@ -188,13 +188,15 @@ def test_async_writers_die_with_their_rank(tmp_path):
     descendants = json.loads(Path(path + ".descendants").read_text())
     assert isinstance(descendants, dict) and len(descendants) >= WRITERS, descendants
     processes = []
-    for pid in map(int, descendants):
+    for pid, (_, started) in descendants.items():
         try:
-            processes.append(psutil.Process(pid))
+            process = psutil.Process(int(pid))
+            if process.create_time() == started:  # not a process started later with a reused pid
+                processes.append(process)
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(processes, timeout=5)  # bounded: each must go within 5 s of the rank's death
     alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
     for p in alive:  # upstream's (stopped) survivors: do not leave them behind
         p.kill()
-    assert not alive, f"processes of the killed rank still there: {[(p.pid, descendants[str(p.pid)]) for p in alive]}"
+    assert not alive, f"processes of the killed rank still there: {[(p.pid, descendants[str(p.pid)][0]) for p in alive]}"
