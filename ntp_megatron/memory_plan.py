@@ -164,13 +164,9 @@ def _numel(params: Sequence[ParamShape], units: Mapping[str, int]) -> int:
     return sum(spec.numel for spec in param_specs(params, units))
 
 
-def _buffer(params: Sequence[ParamShape], units: Mapping[str, int], training: Training):
-    return buffer_layout(param_specs(params, units), training.bucket_size, training.shard_over, True)
-
-
 def _sharded(params: Sequence[ParamShape], units: Mapping[str, int], training: Training) -> tuple[int, int]:
     """(elements of the padded flat buffer, most elements any position's shard of it holds)."""
-    layout = _buffer(params, units, training)
+    layout = buffer_layout(param_specs(params, units), training.bucket_size, training.shard_over, True)
     return layout.numel, max(shard_numel(layout, training.shard_over, j) for j in range(training.shard_over))
 
 

@@ -27,16 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from tests.plain_megatron import CpuForCuda, Layout, build, dataset, process_groups, run_without_cuda, train_step
+from tests.plain_megatron import Layout, build, dataset, process_groups, run_rank, run_without_cuda, train_step
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -86,21 +83,7 @@ def run(rank: int, tp: int, args) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    try:
-        from megatron.core import parallel_state
-
-        store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False, timeout=timedelta(seconds=120),
-                              wait_for_workers=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-        with CpuForCuda.make():
-            run(rank, world, args)
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+    run_rank(rank, Layout(tp=world), port, lambda: run(rank, world, args))
 
 
 def launch(world: int, args) -> None:

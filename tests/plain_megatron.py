@@ -538,7 +538,10 @@ def run_logits(rank: int, layout: Layout, args) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _worker(rank: int, layout: Layout, port: int, args, results) -> None:
+def run_rank(rank: int, layout: Layout, port: int, body) -> None:
+    """One forked rank: join the job's gloo world through the store on ``port``, Megatron's groups for
+    ``layout``, then ``body()`` under :class:`CpuForCuda`; any exception is printed and ends the process with
+    exit code 1 (the parent reports the failed ranks)."""
     try:
         from megatron.core import parallel_state
 
@@ -549,18 +552,25 @@ def _worker(rank: int, layout: Layout, port: int, args, results) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                                  create_gloo_process_groups=False)
         with CpuForCuda.make():
-            if args.mode == "train":
-                run_train(rank, layout, args)
-            else:
-                logits = run_logits(rank, layout, args)
-                if rank == 0:
-                    results.put(logits.numpy())
+            body()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+
+
+def _worker(rank: int, layout: Layout, port: int, args, results) -> None:
+    def body() -> None:
+        if args.mode == "train":
+            run_train(rank, layout, args)
+        else:
+            logits = run_logits(rank, layout, args)
+            if rank == 0:
+                results.put(logits.numpy())
+
+    run_rank(rank, layout, port, body)
 
 
 def launch(layout: Layout, args):
