@@ -120,9 +120,8 @@ class ParallelSection(_Section):
     """Elements per DDP gradient bucket (Megatron's ``--ddp-bucket-size``); null: Megatron's default."""
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group). Under NTP it
-    shards each sync group's buckets over the replicas, degraded ones (``ntp.dead_slots``) included; checkpoints
-    only for a healthy launch layout so far, and a live failure that would change a replica's layout stops the
-    job."""
+    shards each sync group's buckets over the replicas, degraded ones (``ntp.dead_slots``) included, and saves and
+    loads checkpoints in any of them; a live failure that would change a replica's layout stops the job."""
     num_distributed_optimizer_instances: Optional[int] = Field(None, ge=1)
     """Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances``): the replicas form
     this many instances of consecutive replica indices; the optimizer state is sharded inside each instance and
@@ -359,8 +358,7 @@ class JobConfig(_Section):
 
     - ``training.global_batch_size`` is a multiple of ``training.micro_batch_size`` × ``parallel.data_parallel_size``;
     - with ``ntp.enabled``: no ``parallel.sequence_parallel`` or ``training.precision: fp16``; with
-      ``parallel.use_distributed_optimizer``, no ``checkpoint.save`` / ``load`` for a topology that starts degraded
-      (``ntp.dead_slots``), nor ``ntp.dropped_replicas`` unless it has one instance
+      ``parallel.use_distributed_optimizer``, no ``ntp.dropped_replicas`` unless it has one instance
       (``parallel.num_distributed_optimizer_instances``); ``model.transformer_impl:
       local``; the starting topology is valid (dead slots inside the grid, no replica below ``ntp.min_tp``, at least
       ``parallel.tensor_model_parallel_size`` units in every family: query groups, FFN units, vocabulary rows); no
@@ -478,11 +476,6 @@ class JobConfig(_Section):
                 raise ValueError(f"ntp.dropped_replicas ({self.ntp.dropped_replicas}) needs "
                                  "parallel.num_distributed_optimizer_instances: 1 with "
                                  f"parallel.use_distributed_optimizer (not {k}: an instance would lack a replica)")
-        if p.use_distributed_optimizer and self.ntp.dead_slots and (self.checkpoint.save or self.checkpoint.load):
-            key = "checkpoint.save" if self.checkpoint.save else "checkpoint.load"
-            raise ValueError(f"{key} is not supported yet with parallel.use_distributed_optimizer for a topology that "
-                             "starts degraded (ntp.dead_slots): a degraded rank's optimizer shards are not written or "
-                             "read yet; unset it, start healthy, or set parallel.use_distributed_optimizer: false")
         if self.training.precision == "fp16":
             raise ValueError("training.precision 'fp16' is not supported with ntp.enabled yet (its loss scaler "
                              "reduces over the replica inside the optimizer step, after the commit point): use "

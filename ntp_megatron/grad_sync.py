@@ -368,6 +368,13 @@ class GradSync:
                 shadow.params[name].data.copy_(param.data)
         self._exchange(self.incoming, self.outgoing, to_member=True, what="param")
 
+    def refill_shadows(self) -> None:
+        """After the model's weights changed outside the optimizer (a checkpoint load), the shadows' parameters
+        from the model again, as before the optimizer was built (under the distributed optimizer on a degraded
+        rank; a collective over the replica). Nothing to do elsewhere."""
+        if self.distributed_optimizer and self.shadows:
+            self._fill_shadows()
+
     def _sync_degraded(self, num_tokens: Optional[torch.Tensor]) -> None:
         for block, shadow in self.shadows.items():
             shadow.ddp.zero_grad_buffer()

@@ -452,6 +452,25 @@ def model_place(entry: Any) -> ModelPlace:
                      f"tensors given as a ShardedTensor or NTP fragments, not as {type(entry).__name__}")
 
 
+def place_of_units(place: ModelPlace, param: torch.Tensor) -> ModelPlace:
+    """``place`` (a model parameter's) for another tensor of the same checkpoint tensor: ``param``, holding the
+    units its ``ntp_shard`` names (a degraded rank's slot-shaped shadow of a block: the block's units, where the
+    model parameter holds the rank's own). A tensor without units (replicated) must have the model's shape and
+    lies where it does."""
+    if not hasattr(param, "ntp_shard"):
+        if tuple(param.shape) != place.local_shape:
+            raise ValueError(f"{place.key}: a replicated tensor of shape {tuple(param.shape)} where the model's is "
+                             f"{place.local_shape}")
+        return place
+    split, units = unit_axis_of(param)
+    full = tuple(place.global_shape[len(place.prepend):])
+    if global_shape(param.shape, split) != full or split.axis != place.axis:
+        raise ValueError(f"{place.key}: units {list(units)} of shape {tuple(param.shape)} do not lie in the global "
+                         f"tensor {full} along axis {place.axis}")
+    return ModelPlace(place.key, tuple(param.shape), place.global_shape, place.prepend,
+                      tuple(fragments(param.shape, split, units)), split.axis, place.replica_id)
+
+
 def _strides(shape: Sequence[int]) -> tuple[int, ...]:
     out, step = [], 1
     for size in reversed(tuple(shape)):

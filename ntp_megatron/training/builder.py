@@ -33,7 +33,7 @@ class RankBuilder:
         coords = checkpoint.ParallelCoords.of(objects.setup, self.cfg.parallel)
         ck = self.cfg.checkpoint
         return checkpoint.load_checkpoint(Path(ck.load), objects.model, objects.optimizer, objects.scheduler, coords,
-                                          checkpoint.LoadPlan.of(ck)).iteration
+                                          checkpoint.LoadPlan.of(ck), grad_sync=objects.setup.grad_sync).iteration
 
     def rebind(self, objects: Components, setup: ParallelSetup) -> None:
         """Every reference to an old process group in the model and the optimizer is pointed at the new one; the

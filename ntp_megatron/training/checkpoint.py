@@ -93,10 +93,12 @@ from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_pa
 from ntp_megatron.sharding import (
     ROLE_KEY,
     CheckpointRole,
+    ModelPlace,
     UnitShardedTensorFactory,
     checkpoint_roles,
     model_place,
     piece_sharded_tensor,
+    place_of_units,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,25 +280,46 @@ def _model_entries(model_sd: dict) -> dict[int, Any]:
     return out
 
 
-def _distributed_optimizer_state(dist_opt: DistributedOptimizer, model_sd: dict, is_loading: bool,
+def _optimizer_places(model, model_sd: dict, grad_sync) -> dict[int, tuple[ModelPlace, tuple[int, int]]]:
+    """Where each parameter the distributed optimizer steps lies in its checkpoint tensor, by id, with the first
+    two entries of its pieces' replica id (the third is the instance): the model's own parameters, and on a
+    degraded NTP rank its shadows' (``grad_sync.shadows``: block -> slot-shaped parameters holding the block's
+    units, which the optimizer steps instead). A replicated tensor is main in one block's pieces only: the rank's
+    TP rank 0's (under NTP the rank at slot 0, which serves block 0), or a shadow's of block 0."""
+    entries = _model_entries(model_sd)
+    out = {}
+    for key, entry in entries.items():
+        place = model_place(entry)
+        rid = place.replica_id
+        out[key] = (place, (rid[0], rid[1]) if isinstance(rid, tuple) else (0, 0))
+    shadows = getattr(grad_sync, "shadows", None) or {}
+    if shadows:
+        by_name = dict(model.module.named_parameters())
+        for block, shadow in shadows.items():
+            for name, param in shadow.module.named_parameters():
+                place = place_of_units(model_place(entries[id(by_name[name])]), param)
+                out[id(param)] = (place, (0, 0) if hasattr(param, "ntp_shard") else (0, block))
+    return out
+
+
+def _distributed_optimizer_state(dist_opt: DistributedOptimizer, places: dict, is_loading: bool,
                                  stored: Optional[set[str]] = None) -> tuple[dict, _Pieces]:
     """The distributed optimizer's state in Megatron's ``fully_reshardable`` format, written and read piece by
     piece without gathering (see the module docstring): every piece of this rank's shard (Megatron's
     ``gbuf_ranges``) as boxes of ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, main on one rank per
-    element (instance 0; a replicated tensor's TP rank 0). Loading (``stored``: the checkpoint's keys), fresh
-    tensors receive the pieces, under the names the checkpoint has (:data:`ALIASES`); without a main parameter
-    (a checkpoint of the non-distributed fp32 optimizer) it comes from the model weights."""
-    entries = _model_entries(model_sd)
+    element (instance 0; a replicated tensor's block 0; ``places``: :func:`_optimizer_places`). Loading
+    (``stored``: the checkpoint's keys), fresh tensors receive the pieces, under the names the checkpoint has
+    (:data:`ALIASES`); without a main parameter (a checkpoint of the non-distributed fp32 optimizer) it comes from
+    the model weights."""
     instance = dist_opt.distributed_optimizer_instance_id
     pieces, param_state = _Pieces(), {}
     for gbuf_range_maps in dist_opt.gbuf_ranges:
         for ranges in gbuf_range_maps.values():
             for bucket in ranges:
                 for model_param, piece in bucket["param_map"].items():
-                    place = model_place(entries[id(model_param)])
+                    place, rid = places[id(model_param)]
                     start, end = piece["param"].start, piece["param"].end
-                    rid = place.replica_id
-                    replica_id = (rid[0], rid[1], instance) if isinstance(rid, tuple) else (0, 0, instance)
+                    replica_id = (*rid, instance)
                     live = None if is_loading else dist_opt._get_main_param_and_optimizer_states(model_param)
                     tensors = {}
                     for name in STATE_NAMES:
@@ -320,13 +343,13 @@ def _distributed_optimizer_state(dist_opt: DistributedOptimizer, model_sd: dict,
 
 
 def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layout, is_loading: bool,
-                   stored: Optional[set[str]] = None, sharding_type: str = FULLY_RESHARDABLE
+                   stored: Optional[set[str]] = None, sharding_type: str = FULLY_RESHARDABLE, grad_sync=None
                    ) -> tuple[dict[str, Any], Optional[_Pieces]]:
     """Model keys are the GPTModel's own (no DDP ``module.`` prefix), as in Megatron's checkpoints. Without
     ``optimizer`` the model's alone: asking a fresh optimizer for its sharded state dict to load into would give it
     state (Megatron's ``init_state_fn``) that is not a fresh optimizer's. With the distributed optimizer, its
-    pieces too (:func:`_distributed_optimizer_state`; ``sharding_type`` :data:`DP_RESHARDABLE`: Megatron's own
-    bucket-space request instead)."""
+    pieces too (:func:`_distributed_optimizer_state`, over the shadows of ``grad_sync`` on a degraded NTP rank;
+    ``sharding_type`` :data:`DP_RESHARDABLE`: Megatron's own bucket-space request instead)."""
     metadata = {ROLE_KEY: layout.role} if layout.role is not None else None
     model_sd = model.module.sharded_state_dict(metadata=metadata)
     if optimizer is None:
@@ -342,7 +365,8 @@ def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layou
             _start_adam_state(dist_opt)
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=content_metadata(DP_RESHARDABLE))
         return {"model": model_sd, "optimizer": sd}, None
-    sd, pieces = _distributed_optimizer_state(dist_opt, model_sd, is_loading, stored)
+    places = _optimizer_places(model, model_sd, grad_sync)
+    sd, pieces = _distributed_optimizer_state(dist_opt, places, is_loading, stored)
     return {"model": model_sd, "optimizer": sd}, pieces
 
 
@@ -423,9 +447,11 @@ def save_checkpoint(
     consumed_samples: Optional[int] = None,
     async_queue: Any = None,
     on_finalized: Optional[Callable[[Path], None]] = None,
+    grad_sync=None,
 ) -> Path:
     """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job (under NTP, the
-    current generation). A rank that dies midway leaves ``latest`` where it was.
+    current generation). A rank that dies midway leaves ``latest`` where it was. ``grad_sync``: NTP's
+    (:class:`ntp_megatron.grad_sync.GradSync`), whose shadows a degraded rank's distributed optimizer steps.
 
     With ``async_queue`` (Megatron-Core's ``AsyncCallsQueue``) the tensor data is written by a forked writer
     while training goes on, and the save completes — ``.metadata``, ``metadata.json``, ``latest``, then
@@ -436,7 +462,7 @@ def save_checkpoint(
     if dist.get_rank() == 0:
         _prepare_dir(root, iteration)
     dist.barrier()
-    state, _ = _sharded_state(model, optimizer, layout, is_loading=False)
+    state, _ = _sharded_state(model, optimizer, layout, is_loading=False, grad_sync=grad_sync)
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     if consumed_samples is not None:
@@ -740,8 +766,11 @@ def _alias_keys(request: dict, stored: set[str]) -> None:
 
 
 def _is_ntp_optimizer(optimizer) -> bool:
+    """A distributed optimizer over NTP parameters: the model's, or a degraded rank's shadows (plain modules whose
+    parameters carry units)."""
     dist_opt = distributed_optimizer(optimizer)
-    return dist_opt is not None and any(_is_ntp(chunk) for chunk in dist_opt.model_chunks)
+    return dist_opt is not None and any(hasattr(param, "ntp_shard") for chunk in dist_opt.model_chunks
+                                        for param in chunk.module.parameters())
 
 
 def _inner(optimizer):
@@ -847,12 +876,15 @@ def load_checkpoint(
     scheduler: OptimizerParamScheduler,
     coords: ParallelCoords,
     plan: LoadPlan = FULL,
+    grad_sync=None,
 ) -> Progress:
     """Restore what ``plan`` says (the launcher's :func:`read_progress` decided it) of a checkpoint saved by
     :func:`save_checkpoint` or by plain Megatron-Core (model, optimizer, scheduler, iteration; or the model
     alone), whatever layout wrote it; collective over the job. Returns where the run starts. The model part goes
     through the same sharded state dict whatever the plan, so a model-only checkpoint of one TP degree loads
-    into any layout as a full one does."""
+    into any layout as a full one does. On a degraded NTP rank under the distributed optimizer (``grad_sync``'s
+    shadows) the optimizer's pieces are the shadows' and the shadows' parameters are filled again from the
+    loaded model before the optimizer state is (a fresh optimizer's main parameters follow them)."""
     path, common = _open(load)
     scheduler_key = next((k for k in SCHEDULER_KEYS if k in common), None)
     if plan.optimizer and scheduler_key is None:
@@ -863,7 +895,8 @@ def load_checkpoint(
     stored = _stored_keys(path) if plan.optimizer else None
     groups = _own_param_groups(optimizer) if plan.optimizer else None
     request, pieces = _sharded_state(model, optimizer if plan.optimizer else None, layout, is_loading=True,
-                                     stored=stored, sharding_type=sharding_type or FULLY_RESHARDABLE)
+                                     stored=stored, sharding_type=sharding_type or FULLY_RESHARDABLE,
+                                     grad_sync=grad_sync)
     if plan.optimizer and pieces is None:
         _alias_keys(request["optimizer"], stored)
     if restore_rng:
@@ -874,6 +907,8 @@ def load_checkpoint(
     except READ_FAILURES as exc:
         raise _read_failure(path, exc) from exc
     model.module.load_state_dict(state["model"])
+    if grad_sync is not None:
+        grad_sync.refill_shadows()  # a collective over a degraded replica; nothing elsewhere
     if plan.optimizer:
         _load_optimizer(optimizer, state["optimizer"], pieces, groups)
         scheduler.load_state_dict(state[scheduler_key])

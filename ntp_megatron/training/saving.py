@@ -68,7 +68,8 @@ class Checkpoints:
         root = Path(trainer.cfg.checkpoint.save)
         try:
             path = checkpoint.save_checkpoint(root, iteration, p.model, p.optimizer, p.scheduler, trainer.coords,
-                                              trainer.consumed_samples, async_queue=queue, on_finalized=saved)
+                                              trainer.consumed_samples, async_queue=queue, on_finalized=saved,
+                                              grad_sync=p.setup.grad_sync)
         except (OSError, CheckpointException) as exc:  # a write refused, a full disk: say which save
             raise _save_failure(exc, f"saving the checkpoint of iteration {iteration} to {root}") from None
         if queue is not None:

@@ -96,9 +96,6 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
         (["parallel.use_distributed_optimizer=true", "ntp.dropped_replicas=[1]"],
          "ntp.dropped_replicas ([1]) needs parallel.num_distributed_optimizer_instances: 1 with "
          "parallel.use_distributed_optimizer (not 2: an instance would lack a replica)"),
-        (["parallel.use_distributed_optimizer=true", "ntp.dead_slots=[1:1]", "checkpoint.save=/tmp/ckpt"],
-         "checkpoint.save is not supported yet with parallel.use_distributed_optimizer for a topology that starts "
-         "degraded"),
         (["model.transformer_impl=transformer_engine"], "ntp.enabled needs model.transformer_impl: local"),
         (["checkpoint.async_save=true"], "checkpoint.async_save is not supported with ntp.enabled yet"),
     ],
@@ -117,9 +114,10 @@ def test_degraded_start_sizes_the_world():
     assert cfg.unit_counts() == {"heads": 8, "ffn": 256, "vocab": 256}
 
 
-def test_the_distributed_optimizer_starts_degraded_and_drops_replicas_with_one_instance():
+def test_the_distributed_optimizer_starts_degraded_with_checkpoints_and_drops_replicas_with_one_instance():
     dist_opt = ["ntp.enabled=true", "parallel.use_distributed_optimizer=true", "parallel.tensor_model_parallel_size=2"]
-    cfg = load_job_config(overrides=[*dist_opt, "ntp.dead_slots=[1:1]"])
+    cfg = load_job_config(overrides=[*dist_opt, "ntp.dead_slots=[1:1]", "checkpoint.save=/tmp/ckpt",
+                                     "checkpoint.load=/tmp/ckpt"])
     assert [r.width for r in cfg.topology().replicas] == [2, 1]
     assert cfg.parallel.num_distributed_optimizer_instances == 2
     cfg = load_job_config(overrides=[*dist_opt, "ntp.dropped_replicas=[1]",
