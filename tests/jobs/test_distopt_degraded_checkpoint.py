@@ -21,9 +21,9 @@ norm, :data:`TOLERANCE`):
    8, every (replica, TP rank) reporting the same state checksums (parameters and Adam moments, gathered) after
    each.
 
-Plain Megatron-Core's distributed optimizer reads no checkpoint of the non-distributed one (its model-space formats
-need the main parameters; Megatron-LM likewise), so the TP1 checkpoint goes through a degraded NTP run on its way
-to plain Megatron-Core. A job's first iteration after a load depends on the weights it read; the optimizer state
+Plain Megatron-Core's distributed optimizer reads no checkpoint of the non-distributed fp32 one (its
+``fully_reshardable`` request asks for main parameters that optimizer does not keep), so the TP1 checkpoint goes
+through a degraded NTP run on its way to plain Megatron-Core. A job's first iteration after a load depends on the weights it read; the optimizer state
 it read shows in the iteration after that, the next job's first (for the last hop its own second). With fp32
 weights the distributed optimizer's main parameters are views of the parameter buffers, so the main parameters a
 job reads are the weights it trains on from its first step.

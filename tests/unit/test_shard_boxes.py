@@ -122,3 +122,40 @@ def test_a_piece_round_trips_through_its_boxes():
         expected[row, columns[col]] = local[row, col]
     assert torch.equal(full, expected)
     assert torch.equal(factory.merge_fn([p.data for p in parts]), flat)
+
+
+def test_a_shadow_lies_where_its_blocks_units_are():
+    """A degraded rank's shadow of block 1 (units {2, 3} of 6, in a gated fc1: gate rows then up rows) takes the
+    checkpoint tensor, global shape and layer offset of the model parameter (the rank's own units {0, 1, 4}), and
+    the fragments of its own units; a replicated tensor keeps the model's place; units that do not fit the global
+    tensor are refused."""
+    import torch
+
+    from ntp_megatron.layers import UnitShard
+    from ntp_megatron.sharding import ModelPlace, place_of_units
+
+    def tagged(units, rows_per_unit=2, cols=3):
+        param = torch.zeros(2 * len(units) * rows_per_unit, cols)  # [gate, up] x units x rows
+        param.ntp_shard = UnitShard("ffn", 6, tuple(units), 2, rows_per_unit * cols)
+        param.partition_dim = 0
+        return param
+
+    split = UnitAxis(axis=0, blocks=2, unit_len=2, num_units=6)
+    own = (0, 1, 4)
+    place = ModelPlace("decoder.layers.mlp.linear_fc1.weight", (12, 3), (2, 24, 3), (1,),
+                       tuple(fragments((12, 3), split, own)), 0, (0, 0, 1))
+    shadow = place_of_units(place, tagged((2, 3)))
+    assert (shadow.key, shadow.global_shape, shadow.prepend, shadow.axis, shadow.replica_id) == \
+        (place.key, place.global_shape, place.prepend, 0, place.replica_id)
+    assert shadow.local_shape == (8, 3)
+    assert [(f.global_offset, f.shape, f.local_start) for f in shadow.places] == \
+        [((4, 0), (4, 3), 0), ((16, 0), (4, 3), 4)]  # gate rows of units 2, 3; then their up rows
+    norm = ModelPlace("decoder.layers.input_layernorm.weight", (3,), (2, 3), (1,), (Fragment((0,), (3,), 0),), 0,
+                      (0, 1, 0))
+    assert place_of_units(norm, torch.zeros(3)) is norm
+    with pytest.raises(ValueError, match="replicated tensor of shape"):
+        place_of_units(norm, torch.zeros(4))
+    with pytest.raises(ValueError, match="do not lie in the global tensor"):
+        wrong = tagged((2, 3))
+        wrong.ntp_shard = UnitShard("ffn", 7, (2, 3), 2, 6)  # another family size: another global tensor
+        place_of_units(place, wrong)
