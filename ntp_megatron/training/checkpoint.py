@@ -23,7 +23,7 @@ those of a TP1 model, as uniform TP writes them):
   with the distributed optimizer Megatron's ``fully_reshardable`` format: the same moments, the fp32 main
   parameters as ``optimizer.state.param.<model key>``, the step in the parameter groups, and Megatron-LM's content
   metadata naming the format. Each rank writes the pieces of its shard as boxes of those tensors, without
-  gathering (:func:`_distributed_optimizer_state`); a load reads them into any optimizer, the distributed one or
+  gathering (:func:`_distributed_optimizer_state`; a degraded NTP rank the pieces of its shadows' shards); a load reads them into any optimizer, the distributed one or
   not, and plain Megatron-LM's ``dp_reshardable`` (bucket space) into a distributed-optimizer run of its layout
   (``docs/checkpoints.md``, "The distributed optimizer");
 - ``scheduler`` (OptimizerParamScheduler state), ``iteration`` (completed iterations; the data order is a
@@ -280,34 +280,39 @@ def _model_entries(model_sd: dict) -> dict[int, Any]:
     return out
 
 
-def _optimizer_places(model, model_sd: dict, grad_sync) -> dict[int, tuple[ModelPlace, tuple[int, int]]]:
-    """Where each parameter the distributed optimizer steps lies in its checkpoint tensor, by id, with the first
-    two entries of its pieces' replica id (the third is the instance): the model's own parameters, and on a
-    degraded NTP rank its shadows' (``grad_sync.shadows``: block -> slot-shaped parameters holding the block's
-    units, which the optimizer steps instead). A replicated tensor is main in one block's pieces only: the rank's
-    TP rank 0's (under NTP the rank at slot 0, which serves block 0), or a shadow's of block 0."""
+def _optimizer_places(model, model_sd: dict, grad_sync) -> Callable[[torch.nn.Parameter], tuple[ModelPlace, tuple]]:
+    """Where a parameter the distributed optimizer steps lies in its checkpoint tensor, with the first two entries
+    of its pieces' replica id (the third is the instance): a model parameter where the model's sharded state dict
+    puts it; on a degraded NTP rank a shadow's (``grad_sync.shadows``: per block it serves, slot-shaped parameters
+    holding the block's units, which the optimizer steps instead) at its block's units of the model parameter of
+    its name. A replicated tensor is main in one block's pieces only: TP rank 0's (under NTP the healthy rank at
+    slot 0, which serves block 0), or a shadow's of block 0."""
     entries = _model_entries(model_sd)
-    out = {}
-    for key, entry in entries.items():
-        place = model_place(entry)
-        rid = place.replica_id
-        out[key] = (place, (rid[0], rid[1]) if isinstance(rid, tuple) else (0, 0))
-    shadows = getattr(grad_sync, "shadows", None) or {}
-    if shadows:
+    shadows: dict[int, tuple[torch.nn.Parameter, int]] = {}  # shadow parameter -> (model parameter, block)
+    if grad_sync is not None and grad_sync.shadows:
         by_name = dict(model.module.named_parameters())
-        for block, shadow in shadows.items():
+        for block, shadow in grad_sync.shadows.items():
             for name, param in shadow.module.named_parameters():
-                place = place_of_units(model_place(entries[id(by_name[name])]), param)
-                out[id(param)] = (place, (0, 0) if hasattr(param, "ntp_shard") else (0, block))
-    return out
+                shadows[id(param)] = (by_name[name], block)
+
+    def place_of(param: torch.nn.Parameter) -> tuple[ModelPlace, tuple]:
+        if id(param) in shadows:
+            model_param, block = shadows[id(param)]
+            place = place_of_units(model_place(entries[id(model_param)]), param)
+            return place, ((0, 0) if hasattr(param, "ntp_shard") else (0, block))
+        place = model_place(entries[id(param)])
+        rid = place.replica_id
+        return place, ((rid[0], rid[1]) if isinstance(rid, tuple) else (0, 0))
+
+    return place_of
 
 
-def _distributed_optimizer_state(dist_opt: DistributedOptimizer, places: dict, is_loading: bool,
+def _distributed_optimizer_state(dist_opt: DistributedOptimizer, place_of: Callable, is_loading: bool,
                                  stored: Optional[set[str]] = None) -> tuple[dict, _Pieces]:
     """The distributed optimizer's state in Megatron's ``fully_reshardable`` format, written and read piece by
     piece without gathering (see the module docstring): every piece of this rank's shard (Megatron's
     ``gbuf_ranges``) as boxes of ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, main on one rank per
-    element (instance 0; a replicated tensor's block 0; ``places``: :func:`_optimizer_places`). Loading
+    element (instance 0; a replicated tensor's block 0; ``place_of``: :func:`_optimizer_places`). Loading
     (``stored``: the checkpoint's keys), fresh tensors receive the pieces, under the names the checkpoint has
     (:data:`ALIASES`); without a main parameter (a checkpoint of the non-distributed fp32 optimizer) it comes from
     the model weights."""
@@ -317,7 +322,7 @@ def _distributed_optimizer_state(dist_opt: DistributedOptimizer, places: dict, i
         for ranges in gbuf_range_maps.values():
             for bucket in ranges:
                 for model_param, piece in bucket["param_map"].items():
-                    place, rid = places[id(model_param)]
+                    place, rid = place_of(model_param)
                     start, end = piece["param"].start, piece["param"].end
                     replica_id = (*rid, instance)
                     live = None if is_loading else dist_opt._get_main_param_and_optimizer_states(model_param)
@@ -365,8 +370,8 @@ def _sharded_state(model, optimizer: Optional[MegatronOptimizer], layout: _Layou
             _start_adam_state(dist_opt)
         sd = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=content_metadata(DP_RESHARDABLE))
         return {"model": model_sd, "optimizer": sd}, None
-    places = _optimizer_places(model, model_sd, grad_sync)
-    sd, pieces = _distributed_optimizer_state(dist_opt, places, is_loading, stored)
+    sd, pieces = _distributed_optimizer_state(dist_opt, _optimizer_places(model, model_sd, grad_sync), is_loading,
+                                              stored)
     return {"model": model_sd, "optimizer": sd}, pieces
 
 
