@@ -8,18 +8,24 @@ seed per run unless ``NTP_EQUIVALENCE_SEED`` names one; the suite prints it in i
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 from hypothesis import strategies as st
 
-from tests.harness import JobResult, relative_difference
+from tests.harness import REPO, JobResult, relative_difference
 
 MAX_RANKS = 8
 ITERS = 3
+SEQ_LENGTH = 32
+MICRO_BATCH = 2
 TOL = 1e-5          # lm loss and grad norm per iteration
 STATE_TOL = 5e-5    # each tensor's relative L2 difference at the end. Adam's division turns the round-off of any TP
                     # width into differences in a few elements at step 1, and later gradients carry them: measured on
@@ -65,27 +71,28 @@ class Case:
     def widths(self) -> list[int]:
         return [self.tp_base - sum(1 for r, _ in self.dead if r == replica) for replica in range(self.dp)]
 
-    def model_args(self) -> list[str]:
-        """Model, batch and optimizer settings shared by the NTP run and its TP1 reference."""
+    def model_args(self, init: str = "layout_free") -> list[str]:
+        """Model, batch and optimizer settings shared by the NTP run and its TP1 reference; ``init``: the initial
+        weights (``megatron``: Megatron-Core's own CPU initialisation, as plain Megatron-Core draws it)."""
         gated = self.activation == "swiglu"
         sets = {
             "model.num_layers": self.num_layers, "model.hidden_size": self.hidden_size,
             "model.num_attention_heads": self.heads, "model.num_query_groups": self.query_groups,
             "model.kv_channels": self.kv_channels, "model.ffn_hidden_size": self.ffn_hidden_size,
-            "model.vocab_size": self.vocab_size, "model.seq_length": 32,
+            "model.vocab_size": self.vocab_size, "model.seq_length": SEQ_LENGTH,
             "model.position_embedding_type": self.position, "model.normalization": self.normalization,
             "model.untie_embeddings_and_output_weights": str(self.untie).lower(),
             "model.activation": self.activation, "model.gated_linear_unit": str(gated).lower(),
             "model.hidden_dropout": 0.0, "model.attention_dropout": 0.0,
-            "training.train_iters": ITERS, "training.micro_batch_size": 2,
-            "training.global_batch_size": 2 * self.dp * self.micro_batches,
+            "training.train_iters": ITERS, "training.micro_batch_size": MICRO_BATCH,
+            "training.global_batch_size": self.global_batch_size,
             "training.lr_warmup_iters": 1, "training.clip_grad": self.clip_grad,
             "logging.log_interval": 1, "logging.tensorboard_dir": "", "ntp.enabled": "false",
-            "model.init": "layout_free",  # NTP's default initialiser, so that the TP1 reference starts alike
+            "model.init": init,
         }
         return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
-    def ntp_args(self) -> list[str]:
+    def ntp_args(self, init: str = "layout_free") -> list[str]:
         sets = {
             "parallel.tensor_model_parallel_size": self.tp_base, "parallel.data_parallel_size": self.dp,
             "ntp.enabled": "true", "logging.state_checksums": "true",
@@ -99,7 +106,39 @@ class Case:
             sets["parallel.num_distributed_optimizer_instances"] = self.instances
         if self.dead:
             sets["ntp.dead_slots"] = "[" + ",".join(f"{r}:{s}" for r, s in self.dead) + "]"
-        return self.model_args() + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+        return self.model_args(init) + [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
+    @property
+    def distributed_optimizer_instances(self) -> int:
+        """The instances the NTP run uses (the configuration's default where the case names none)."""
+        if not self.dist_opt:
+            return 1
+        return self.instances if self.instances is not None else (2 if self.dp % 2 == 0 else 1)
+
+    def plain_args(self) -> list[str]:
+        """``tests/plain_megatron.py train`` at TP1 × DP ``dp`` on the same samples, model, optimizer and schedule,
+        with the case's distributed optimizer (the same number of instances) and overlap."""
+        m = {"num-layers": self.num_layers, "hidden-size": self.hidden_size, "num-attention-heads": self.heads,
+             "num-query-groups": self.query_groups, "kv-channels": self.kv_channels,
+             "ffn-hidden-size": self.ffn_hidden_size, "vocab-size": self.vocab_size, "seq-length": SEQ_LENGTH,
+             "position-embedding-type": self.position, "normalization": self.normalization,
+             "global-batch-size": self.global_batch_size, "micro-batch": MICRO_BATCH, "clip-grad": self.clip_grad,
+             "tp": 1, "dp": self.dp, "iters": ITERS}
+        args = [arg for key, value in m.items() for arg in (f"--{key}", str(value))]
+        args += {"gelu": [], "swiglu": ["--swiglu"], "squared_relu": ["--squared-relu"]}[self.activation]
+        if self.untie:
+            args.append("--untie-embeddings-and-output-weights")
+        if self.dist_opt:
+            args += ["--dist-opt", "--instances", str(self.distributed_optimizer_instances)]
+        if self.overlap:
+            args.append("--overlap")
+        if self.bucket_size is not None:
+            args += ["--bucket-size", str(self.bucket_size)]
+        return args
+
+    @property
+    def global_batch_size(self) -> int:
+        return MICRO_BATCH * self.dp * self.micro_batches
 
     def reference_args(self) -> list[str]:
         """Plain Megatron-Core (NTP off) at TP1 × DP1 on the same global batch: the same samples."""
@@ -209,10 +248,45 @@ def iteration_records(result: JobResult) -> dict[int, dict]:
     return {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
 
 
-def compare_with_reference(case: Case, ntp: JobResult, ref: JobResult) -> dict:
-    """Assert the NTP run computes plain Megatron TP1's function; return the worst differences seen."""
+PLAIN_TIMEOUT_S = 300
+
+
+@dataclass
+class PlainRun:
+    """What ``tests/plain_megatron.py`` recorded for a case: every iteration's lm loss, grad norm and lr, the final
+    parameters and Adam moments (whole, by name), and the records of the same training at TP1 × DP1 without the
+    distributed optimizer (for plain Megatron-Core's own spread between the two layouts)."""
+
+    records: dict[int, dict]
+    state: dict
+    dp1: dict[int, dict]
+
+    def spread(self) -> dict[str, float]:
+        """The worst relative difference of lm loss and grad norm over the iterations between the two layouts."""
+        return {key: max(relative_difference(self.records[i][key], self.dp1[i][key]) for i in self.records)
+                for key in ("lm_loss", "grad_norm")}
+
+
+def run_plain(case: Case, out_dir: Path) -> PlainRun:
+    """Plain Megatron-Core at TP1 × DP ``dp`` (:meth:`Case.plain_args`), in a fresh interpreter that never imports
+    ntp-megatron (it asserts so), then at TP1 × DP1 in the same process."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records, state, dp1 = out_dir / "records.json", out_dir / "state.pt", out_dir / "dp1.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.plain_megatron", "train", *case.plain_args(), "--save-at",
+                           "0", "--ckpt", str(out_dir / "unused"), "--out", str(records), "--state", str(state),
+                           "--spread", str(dp1)], cwd=REPO, capture_output=True, text=True, timeout=PLAIN_TIMEOUT_S)
+    assert proc.returncode == 0, f"plain Megatron-Core failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+
+    def read(path: Path) -> dict[int, dict]:
+        return {int(i): r for i, r in json.loads(path.read_text()).items()}
+
+    return PlainRun(read(records), torch.load(state), read(dp1))
+
+
+def compare_with_plain(case: Case, ntp: JobResult, plain: PlainRun) -> dict:
+    """Assert the NTP run computes plain Megatron-Core TP1's function; return the worst differences seen."""
     return compare_runs(case, iteration_records(ntp), torch.load(ntp.run_dir / "state" / "replica0.pt"),
-                        iteration_records(ref), torch.load(ref.run_dir / "state" / "replica0.pt"))
+                        plain.records, plain.state)
 
 
 def compare_runs(case: Case, got: dict[int, dict], state: dict, want: dict[int, dict], reference: dict) -> dict:
