@@ -13,6 +13,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -165,11 +166,12 @@ def cases(draw) -> Case:
     query_groups = draw(st.integers(tp_base, max(tp_base, 6)))
     heads_per_group = draw(st.sampled_from([1, 2]))
     activation = draw(st.sampled_from(["gelu", "swiglu", "squared_relu"]))
-    overlap = draw(st.booleans())
-    # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
-    bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
     dist_opt = draw(st.booleans())
     instances = (draw(st.sampled_from([1, 2])) if dp % 2 == 0 else 1) if dist_opt else None
+    # Not with two instances and a degraded replica: on gloo that is refused (ntp_megatron.grad_sync.GradSync).
+    overlap = draw(st.booleans()) if not (instances == 2 and dead) else False
+    # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
+    bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None
     return Case(
         tp_base=tp_base, dp=dp, dead=tuple(sorted(dead)),
         num_layers=draw(st.integers(1, 3)), query_groups=query_groups, heads_per_group=heads_per_group,
@@ -267,15 +269,69 @@ class PlainRun:
                 for key in ("lm_loss", "grad_norm")}
 
 
+class PlainServer:
+    """Client of ``python -m tests.plain_megatron serve``: one process that imported torch and Megatron-Core (never
+    ntp-megatron) once and forks a plain Megatron-Core run per request, so that a case does not pay a fresh
+    interpreter's imports (tens of seconds on a loaded machine). Every answer is read with a deadline; a run that
+    does not end in time has its process group killed; a server that does not answer is killed and started again
+    for the next request. It ends with this process (its input closes)."""
+
+    START_S = 180.0
+    """Bound on the server's imports (its first answer) and on collecting a killed run's exit."""
+    _proc: Optional[subprocess.Popen] = None
+    _lines = None
+
+    @classmethod
+    def run(cls, args: list[str], out_dir: Path, timeout: float = PLAIN_TIMEOUT_S) -> tuple[int, str]:
+        """``tests.plain_megatron`` with ``args``; returns (exit code, stderr)."""
+        from tests.harness import _Lines
+
+        if cls._proc is None or cls._proc.poll() is not None:
+            cls._proc = subprocess.Popen([sys.executable, "-m", "tests.plain_megatron", "serve"], cwd=REPO,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            cls._lines = _Lines(cls._proc.stdout.fileno())
+        stdout, stderr = out_dir / "plain_megatron.stdout", out_dir / "plain_megatron.stderr"
+        request = {"args": args, "stdout": str(stdout), "stderr": str(stderr)}
+        pid = None
+        try:
+            cls._proc.stdin.write((json.dumps(request) + "\n").encode())
+            cls._proc.stdin.flush()
+            pid = json.loads(cls._lines.read(time.monotonic() + cls.START_S))["pid"]
+            try:
+                returncode = json.loads(cls._lines.read(time.monotonic() + timeout))["returncode"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(args, timeout) from None
+        except BaseException:
+            cls._abandon(pid)
+            raise
+        return returncode, stderr.read_text(errors="replace")
+
+    @classmethod
+    def _abandon(cls, pid: Optional[int]) -> None:
+        """Kill the run (its process group) and collect its exit; kill the server if that fails."""
+        from tests.harness import _kill_group
+
+        if pid is not None:
+            _kill_group(pid)
+            try:
+                cls._lines.read(time.monotonic() + cls.START_S)
+                return
+            except (TimeoutError, EOFError, OSError):
+                pass
+        cls._proc.kill()
+        cls._proc.wait(timeout=cls.START_S)
+        cls._proc = None
+
+
 def run_plain(case: Case, out_dir: Path) -> PlainRun:
-    """Plain Megatron-Core at TP1 × DP ``dp`` (:meth:`Case.plain_args`), in a fresh interpreter that never imports
-    ntp-megatron (it asserts so), then at TP1 × DP1 in the same process."""
+    """Plain Megatron-Core at TP1 × DP ``dp`` (:meth:`Case.plain_args`), then at TP1 × DP1 in the same run
+    (:class:`PlainServer`: a process that never imports ntp-megatron; the run asserts so)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records, state, dp1 = out_dir / "records.json", out_dir / "state.pt", out_dir / "dp1.json"
-    proc = subprocess.run([sys.executable, "-m", "tests.plain_megatron", "train", *case.plain_args(), "--save-at",
-                           "0", "--ckpt", str(out_dir / "unused"), "--out", str(records), "--state", str(state),
-                           "--spread", str(dp1)], cwd=REPO, capture_output=True, text=True, timeout=PLAIN_TIMEOUT_S)
-    assert proc.returncode == 0, f"plain Megatron-Core failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    returncode, stderr = PlainServer.run(["train", *case.plain_args(), "--save-at", "0", "--ckpt",
+                                          str(out_dir / "unused"), "--out", str(records), "--state", str(state),
+                                          "--spread", str(dp1)], out_dir)
+    assert returncode == 0, f"plain Megatron-Core failed ({returncode}):\n{stderr[-4000:]}"
 
     def read(path: Path) -> dict[int, dict]:
         return {int(i): r for i, r in json.loads(path.read_text()).items()}

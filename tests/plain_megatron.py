@@ -649,7 +649,74 @@ def model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
 
 
+_prepared = False
+
+
+def prepare() -> None:
+    """Once per process: :func:`run_without_cuda`, and what the ranks import, imported here (each forked rank would
+    otherwise pay seconds of imports)."""
+    global _prepared
+    if _prepared:
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    run_without_cuda()
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tokenizers  # noqa: F401
+
+    _prepared = True
+
+
+def serve() -> int:
+    """``python -m tests.plain_megatron serve``: pay the imports once, then run one request per input line, each
+    in a forked child of its own process group: ``{"args": [...], "stdout": FILE, "stderr": FILE}`` runs
+    ``main(args)`` with its output in those files; the answers are ``{"pid": ...}`` at the fork and
+    ``{"returncode": ...}`` at its end. Ends at the end of the input (its client's exit). It never imports
+    ntp-megatron; every request checks so."""
+    prepare()
+    reply = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    os.dup2(target, fd)
+                    os.close(target)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                code = main(request["args"])
+            except SystemExit as exc:
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["serve"]:
+        return serve()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["train", "logits"])
     parser.add_argument("--tp", type=int, action="append", required=True)
@@ -687,19 +754,7 @@ def main(argv=None) -> int:
         parser.error("--load: train at one TP degree")
     if args.shards and not args.dist_opt:
         parser.error("--shards needs --dist-opt")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    run_without_cuda()
-    # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
-    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.tokenizers  # noqa: F401
-
+    prepare()
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
         for directory in (args.shards, args.memory):
