@@ -278,11 +278,11 @@ class GradSync:
             # hook; on gloo that blocks the healthy partner's backward (and with it its replica's TP collectives)
             # until this rank's shadow of that block answers, which it does block by block only after its own
             # backward: with more than one bucket a deadlock.
-            raise ValueError("parallel.overlap_grad_reduce with parallel.use_distributed_optimizer and "
-                             f"parallel.num_distributed_optimizer_instances {ddp_config.num_distributed_optimizer_instances} "
-                             "cannot serve a degraded replica on gloo (Megatron reduces every bucket synchronously in "
-                             "the backward hooks with more than one instance): set one of them off, or the instances "
-                             "to 1")
+            k = ddp_config.num_distributed_optimizer_instances
+            raise ValueError(f"parallel.overlap_grad_reduce with parallel.use_distributed_optimizer and "
+                             f"parallel.num_distributed_optimizer_instances {k} cannot serve a degraded replica on "
+                             "gloo (Megatron reduces every bucket synchronously in the backward hooks with more than "
+                             "one instance): set one of them off, or the instances to 1")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}

@@ -199,12 +199,19 @@ UNEVEN = Case(tp_base=4, dp=2, dead=((0, 1), (0, 2)), num_layers=1, query_groups
               normalization="RMSNorm", untie=True, activation="swiglu", overlap=False, bucket_size=None,
               clip_grad=1.0, micro_batches=1, dist_opt=True, instances=2)
 # Three replicas and blocks of unequal size: slots' buckets place the replicated parameters at different
-# offsets, where a three-way sum rounds differently; their value must come from one place.
+# offsets, where a three-way sum rounds differently; their value must come from one place. Under the distributed
+# optimizer (one instance: three replicas), with overlap and small buckets, replica 2 degraded.
 THREE_UNEVEN = Case(tp_base=2, dp=3, dead=((2, 1),), num_layers=2, query_groups=3, heads_per_group=2,
                     kv_channels=8, hidden_size=32, ffn_hidden_size=41, vocab_size=263, position="learned_absolute",
                     normalization="LayerNorm", untie=False, activation="squared_relu", overlap=True, bucket_size=3000,
-                    clip_grad=1.0, micro_batches=1)
-EXAMPLES = (WORKED, UNEVEN, THREE_UNEVEN)
+                    clip_grad=1.0, micro_batches=1, dist_opt=True, instances=1)
+# Two instances with overlap and small buckets (healthy replicas: on gloo a degraded one refuses overlap with two
+# instances), two micro-batches, clipped.
+TWO_OVERLAP = Case(tp_base=2, dp=2, dead=(), num_layers=2, query_groups=4, heads_per_group=2, kv_channels=8,
+                   hidden_size=32, ffn_hidden_size=50, vocab_size=265, position="learned_absolute",
+                   normalization="RMSNorm", untie=False, activation="squared_relu", overlap=True, bucket_size=700,
+                   clip_grad=0.05, micro_batches=2, dist_opt=True, instances=2)
+EXAMPLES = (WORKED, UNEVEN, THREE_UNEVEN, TWO_OVERLAP)
 """Checked on every suite run. A freshly drawn case that failed is added here (the ``Case(...)`` hypothesis
 printed as its falsifying example), so that it is checked on every run from then on."""
 

@@ -12,8 +12,16 @@ one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of t
 
 ``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
 each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
-independent reference of the NTP equivalence anchor (``tests/jobs/test_ntp_equivalence.py``), run in a fresh
-interpreter that never imports ntp-megatron.
+independent reference of the NTP equivalence property test (``tests/jobs/test_ntp_equivalence.py``), run in a
+process that never imports ntp-megatron (it asserts so). ``--spread FILE`` then trains the same model at TP1 × DP1
+without the distributed optimizer and writes its records there: plain Megatron-Core's own spread between layouts.
+
+What is trained (:class:`Model`) takes Megatron-LM's flags: ``--num-layers``, ``--hidden-size``,
+``--num-attention-heads``, ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--vocab-size``,
+``--seq-length``, ``--position-embedding-type``, ``--normalization``, ``--swiglu`` / ``--squared-relu``,
+``--untie-embeddings-and-output-weights``, ``--global-batch-size``, ``--clip-grad``; the defaults are the test jobs'
+tiny model. ``serve`` pays the imports once and runs one request (a list of these arguments) per input line in a
+forked child (:func:`serve`).
 
 ``train --load DIR`` continues a checkpoint (model, optimizer, scheduler; with ``--dist-opt`` in the format its
 content metadata names, as Megatron-LM reads it) from its iteration to ``--iters``. With ``--dist-opt``, ``--save-at``
@@ -46,8 +54,8 @@ instead, it·G + r·G/N + [0, G/N) (``ntp_megatron.training.data.replica_sample_
 samples of each iteration once each; with per-token loss the loss and the gradient are sums over those samples
 divided by their token total, so the two agree up to the order of summation (at N = 1 they are the same).
 
-The model, optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml),
-written out here with Megatron's own names. No ntp-megatron code runs here, not even its patches of upstream:
+The optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml), written out
+here with Megatron's own names; the model too unless its flags say otherwise. No ntp-megatron code runs here, not even its patches of upstream:
 Megatron-Core runs unmodified, and what it needs to run on a machine without CUDA is this module's own
 (:class:`CpuForCuda`, :func:`run_without_cuda`):
 
@@ -343,8 +351,8 @@ def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout
     optimizer.zero_grad()
     reported = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=batches(), model=[model],
-        num_microbatches=len(parts), seq_length=layout.model.seq_length, micro_batch_size=layout.micro_batch, forward_only=False,
-        pg_collection=pg)
+        num_microbatches=len(parts), seq_length=layout.model.seq_length, micro_batch_size=layout.micro_batch,
+        forward_only=False, pg_collection=pg)
     total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
     if layout.dp > 1:  # the loss over the whole global batch, as Megatron-LM reports it
         dist.all_reduce(total, group=pg.dp_cp)
