@@ -112,9 +112,10 @@ class Case:
     @property
     def distributed_optimizer_instances(self) -> int:
         """The instances the NTP run uses (the configuration's default where the case names none)."""
-        if not self.dist_opt:
-            return 1
-        return self.instances if self.instances is not None else (2 if self.dp % 2 == 0 else 1)
+        from ntp_megatron.config import distributed_optimizer_instances
+
+        return distributed_optimizer_instances(self.instances, ntp=True, distributed_optimizer=self.dist_opt,
+                                               data_parallel_size=self.dp)
 
     def plain_args(self) -> list[str]:
         """``tests/plain_megatron.py train`` at TP1 × DP ``dp`` on the same samples, model, optimizer and schedule,
