@@ -55,7 +55,8 @@ samples of each iteration once each; with per-token loss the loss and the gradie
 divided by their token total, so the two agree up to the order of summation (at N = 1 they are the same).
 
 The optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml), written out
-here with Megatron's own names; the model too unless its flags say otherwise. No ntp-megatron code runs here, not even its patches of upstream:
+here with Megatron's own names; the model too unless its flags say otherwise. No ntp-megatron code runs here, not
+even its patches of upstream:
 Megatron-Core runs unmodified, and what it needs to run on a machine without CUDA is this module's own
 (:class:`CpuForCuda`, :func:`run_without_cuda`):
 
@@ -686,7 +687,7 @@ def serve() -> int:
     in a forked child of its own process group: ``{"args": [...], "stdout": FILE, "stderr": FILE}`` runs
     ``main(args)`` with its output in those files; the answers are ``{"pid": ...}`` at the fork and
     ``{"returncode": ...}`` at its end. Ends at the end of the input (its client's exit). It never imports
-    ntp-megatron; every request checks so."""
+    ntp-megatron (a ``train`` request with ``--state`` or ``--spread`` asserts so)."""
     prepare()
     reply = sys.stdout
     for line in sys.stdin:
