@@ -272,6 +272,17 @@ class GradSync:
         if self.distributed_optimizer and ddp_config.overlap_param_gather:
             raise ValueError("the distributed optimizer under NTP does not support overlap_param_gather (its "
                              "gather runs in the next forward's pre-hooks, not after the optimizer step)")
+        if (self.distributed_optimizer and ddp_config.overlap_grad_reduce and not groups.healthy
+                and ddp_config.num_distributed_optimizer_instances > 1 and dist.get_backend() == "gloo"):
+            # With more than one instance Megatron's DDP reduces a ready bucket synchronously inside the backward
+            # hook; on gloo that blocks the healthy partner's backward (and with it its replica's TP collectives)
+            # until this rank's shadow of that block answers, which it does block by block only after its own
+            # backward: with more than one bucket a deadlock.
+            k = ddp_config.num_distributed_optimizer_instances
+            raise ValueError(f"parallel.overlap_grad_reduce with parallel.use_distributed_optimizer and "
+                             f"parallel.num_distributed_optimizer_instances {k} cannot serve a degraded replica on "
+                             "gloo (Megatron reduces every bucket synchronously in the backward hooks with more than "
+                             "one instance): set one of them off, or the instances to 1")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}

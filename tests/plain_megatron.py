@@ -12,8 +12,16 @@ one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of t
 
 ``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
 each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
-independent reference of the NTP equivalence anchor (``tests/jobs/test_ntp_equivalence.py``), run in a fresh
-interpreter that never imports ntp-megatron.
+independent reference of the NTP equivalence property test (``tests/jobs/test_ntp_equivalence.py``), run in a
+process that never imports ntp-megatron (it asserts so). ``--spread FILE`` then trains the same model at TP1 × DP1
+without the distributed optimizer and writes its records there: plain Megatron-Core's own spread between layouts.
+
+What is trained (:class:`Model`) takes Megatron-LM's flags: ``--num-layers``, ``--hidden-size``,
+``--num-attention-heads``, ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--vocab-size``,
+``--seq-length``, ``--position-embedding-type``, ``--normalization``, ``--swiglu`` / ``--squared-relu``,
+``--untie-embeddings-and-output-weights``, ``--global-batch-size``, ``--clip-grad``; the defaults are the test jobs'
+tiny model. ``serve`` pays the imports once and runs one request (a list of these arguments) per input line in a
+forked child (:func:`serve`).
 
 ``train --load DIR`` continues a checkpoint (model, optimizer, scheduler; with ``--dist-opt`` in the format its
 content metadata names, as Megatron-LM reads it) from its iteration to ``--iters``. With ``--dist-opt``, ``--save-at``
@@ -46,8 +54,9 @@ instead, it·G + r·G/N + [0, G/N) (``ntp_megatron.training.data.replica_sample_
 samples of each iteration once each; with per-token loss the loss and the gradient are sums over those samples
 divided by their token total, so the two agree up to the order of summation (at N = 1 they are the same).
 
-The model, optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml),
-written out here with Megatron's own names. No ntp-megatron code runs here, not even its patches of upstream:
+The optimizer, schedule and data mirror the test jobs' config (``tests.harness.TINY``, tiny_cpu.yaml), written out
+here with Megatron's own names; the model too unless its flags say otherwise. No ntp-megatron code runs here, not
+even its patches of upstream:
 Megatron-Core runs unmodified, and what it needs to run on a machine without CUDA is this module's own
 (:class:`CpuForCuda`, :func:`run_without_cuda`):
 
@@ -99,6 +108,31 @@ SEQ = 64
 MICRO = 2
 GLOBAL_BATCH = 12
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 1
+
+
+@dataclass(frozen=True)
+class Model:
+    """What is trained: the GPT's dimensions and options, the global batch and the clipping, with Megatron-LM's
+    names (the defaults: the test jobs' tiny model, ``tests.harness.TINY``)."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None
+    """None: multi-head attention."""
+    kv_channels: Optional[int] = None
+    """None: hidden_size / num_attention_heads."""
+    ffn_hidden_size: Optional[int] = None
+    """None: 4 × hidden_size."""
+    vocab_size: int = VOCAB
+    seq_length: int = SEQ
+    position_embedding_type: str = "learned_absolute"
+    normalization: str = "LayerNorm"
+    activation: str = "gelu"
+    """gelu, swiglu (Megatron-LM's ``--swiglu``: SiLU, gated) or squared_relu (``--squared-relu``)."""
+    untie_embeddings_and_output_weights: bool = False
+    global_batch_size: int = GLOBAL_BATCH
+    clip_grad: float = 1.0
 
 
 class CpuForCuda:
@@ -167,13 +201,18 @@ def run_without_cuda() -> None:
     gpt_dataset.GPTDataset.__init__ = uncached
 
 
-def transformer_config(tp: int):
+def transformer_config(tp: int, model: Model):
+    from megatron.core.activations import squared_relu
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer import TransformerConfig
 
+    activation = {"gelu": F.gelu, "swiglu": F.silu, "squared_relu": squared_relu}[model.activation]
     return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=8, hidden_dropout=0.0, attention_dropout=0.0,
-        normalization="LayerNorm", activation_func=F.gelu, init_method_std=0.02, layernorm_epsilon=1e-5,
+        num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups, kv_channels=model.kv_channels,
+        ffn_hidden_size=model.ffn_hidden_size, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization=model.normalization, activation_func=activation,
+        gated_linear_unit=model.activation == "swiglu", init_method_std=0.02, layernorm_epsilon=1e-5,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, calculate_per_token_loss=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
@@ -193,6 +232,7 @@ class Layout:
     overlap: bool = False
     bucket_size: Optional[int] = None
     micro_batch: int = MICRO
+    model: Model = Model()
 
     @property
     def world(self) -> int:
@@ -232,12 +272,13 @@ def build(layout: Layout, train_iters: int, pg):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    m = layout.model
     torch.manual_seed(SEED)  # Megatron's CPU initialisation draws from the CPU generator
-    config = transformer_config(layout.tp)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
-                   vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True,
-                   share_embeddings_and_output_weights=True, position_embedding_type="learned_absolute",
-                   pg_collection=pg)
+    config = transformer_config(layout.tp, m)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
+                   vocab_size=m.vocab_size, max_sequence_length=m.seq_length, pre_process=True, post_process=True,
+                   share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+                   position_embedding_type=m.position_embedding_type, pg_collection=pg)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=layout.overlap, use_distributed_optimizer=layout.dist_opt,
         num_distributed_optimizer_instances=layout.instances, bucket_size=layout.bucket_size,
@@ -247,38 +288,39 @@ def build(layout: Layout, train_iters: int, pg):
         config.no_sync_func = model.no_sync  # as Megatron-LM's training loop: sync after the last micro-batch
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95,
-                        adam_eps=1e-8, clip_grad=1.0, bf16=False, fp16=False, params_dtype=torch.float32,
+                        adam_eps=1e-8, clip_grad=m.clip_grad, bf16=False, fp16=False, params_dtype=torch.float32,
                         use_distributed_optimizer=layout.dist_opt),
         [model], use_gloo_process_groups=False, pg_collection=pg)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * GLOBAL_BATCH,
-        lr_decay_steps=train_iters * GLOBAL_BATCH, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
-        wd_incr_steps=train_iters * GLOBAL_BATCH, wd_incr_style="constant")
+        optimizer, init_lr=0.0, max_lr=LR, min_lr=MIN_LR, lr_warmup_steps=WARMUP * m.global_batch_size,
+        lr_decay_steps=train_iters * m.global_batch_size, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=train_iters * m.global_batch_size, wd_incr_style="constant")
     return model, optimizer, scheduler
 
 
-def dataset(train_iters: int, cache: Path):
+def dataset(train_iters: int, cache: Path, model: Model = Model()):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
     from megatron.core.tokenizers import MegatronTokenizer
 
-    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"}, vocab_size=VOCAB)
-    config = GPTDatasetConfig(random_seed=SEED, sequence_length=SEQ, blend=None, split="100,0,0",
+    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": "byte-level"},
+                                                  vocab_size=model.vocab_size)
+    config = GPTDatasetConfig(random_seed=SEED, sequence_length=model.seq_length, blend=None, split="100,0,0",
                               tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, path_to_cache=str(cache))
-    return BlendedMegatronDatasetBuilder(MockGPTDataset, [train_iters * GLOBAL_BATCH, 0, 0], lambda: True,
-                                         config).build()[0]
+    return BlendedMegatronDatasetBuilder(MockGPTDataset, [train_iters * model.global_batch_size, 0, 0],
+                                         lambda: True, config).build()[0]
 
 
 def sampler_microbatches(iteration: int, dp_rank: int, layout: Layout) -> list[range]:
     """The samples of each micro-batch DP rank ``dp_rank`` reads at 0-based ``iteration``, as Megatron-LM's
     ``MegatronPretrainingSampler`` deals them: the ``dp_rank``-th micro-batch of every run of
     micro_batch × dp consecutive samples of the global batch."""
-    mbs, dp = layout.micro_batch, layout.dp
-    if GLOBAL_BATCH % (mbs * dp):
-        raise ValueError(f"global batch {GLOBAL_BATCH} is not a multiple of micro batch {mbs} × dp {dp}")
-    first = iteration * GLOBAL_BATCH + dp_rank * mbs
-    return [range(first + m * mbs * dp, first + m * mbs * dp + mbs) for m in range(GLOBAL_BATCH // (mbs * dp))]
+    mbs, dp, batch = layout.micro_batch, layout.dp, layout.model.global_batch_size
+    if batch % (mbs * dp):
+        raise ValueError(f"global batch {batch} is not a multiple of micro batch {mbs} × dp {dp}")
+    first = iteration * batch + dp_rank * mbs
+    return [range(first + m * mbs * dp, first + m * mbs * dp + mbs) for m in range(batch // (mbs * dp))]
 
 
 def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout, pg) -> dict[str, float]:
@@ -310,14 +352,14 @@ def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout
     optimizer.zero_grad()
     reported = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=batches(), model=[model],
-        num_microbatches=len(parts), seq_length=SEQ, micro_batch_size=layout.micro_batch, forward_only=False,
-        pg_collection=pg)
+        num_microbatches=len(parts), seq_length=layout.model.seq_length, micro_batch_size=layout.micro_batch,
+        forward_only=False, pg_collection=pg)
     total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
     if layout.dp > 1:  # the loss over the whole global batch, as Megatron-LM reports it
         dist.all_reduce(total, group=pg.dp_cp)
     lr = optimizer.param_groups[0]["lr"]
     _, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=GLOBAL_BATCH)
+    scheduler.step(increment=layout.model.global_batch_size)
     return {"lm_loss": float(total[0] / total[1]), "grad_norm": float(grad_norm), "lr": lr}
 
 
@@ -481,7 +523,7 @@ def run_train(rank: int, layout: Layout, args) -> None:
 
     pg = process_groups(layout)
     model, optimizer, scheduler = build(layout, args.iters, pg)
-    data = dataset(args.iters, Path(args.out).parent / "plain_data_cache")
+    data = dataset(args.iters, Path(args.out).parent / "plain_data_cache", layout.model)
     records, step_s = {}, []
     start = load_training_state(model, optimizer, scheduler, args.load, layout) if args.load else 0
     metadata = checkpoint_metadata(layout, args.sharding_type)
@@ -599,7 +641,91 @@ def launch(layout: Layout, args):
     return out
 
 
+def model_flags(parser: argparse.ArgumentParser) -> None:
+    """The :class:`Model` flags, with Megatron-LM's names (``--swiglu``, ``--squared-relu``: the activation)."""
+    group = parser.add_argument_group("model (train)")
+    defaults = Model()
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "ffn_hidden_size", "vocab_size", "seq_length", "global_batch_size"):
+        group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    group.add_argument("--clip-grad", type=float, default=defaults.clip_grad)
+    group.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                       default=defaults.position_embedding_type)
+    group.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=defaults.normalization)
+    group.add_argument("--swiglu", dest="activation", action="store_const", const="swiglu",
+                       default=defaults.activation)
+    group.add_argument("--squared-relu", dest="activation", action="store_const", const="squared_relu")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+
+
+_prepared = False
+
+
+def prepare() -> None:
+    """Once per process: :func:`run_without_cuda`, and what the ranks import, imported here (each forked rank would
+    otherwise pay seconds of imports)."""
+    global _prepared
+    if _prepared:
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    run_without_cuda()
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tokenizers  # noqa: F401
+
+    _prepared = True
+
+
+def serve() -> int:
+    """``python -m tests.plain_megatron serve``: pay the imports once, then run one request per input line, each
+    in a forked child of its own process group: ``{"args": [...], "stdout": FILE, "stderr": FILE}`` runs
+    ``main(args)`` with its output in those files; the answers are ``{"pid": ...}`` at the fork and
+    ``{"returncode": ...}`` at its end. Ends at the end of the input (its client's exit). It never imports
+    ntp-megatron (a ``train`` request with ``--state`` or ``--spread`` asserts so)."""
+    prepare()
+    reply = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+                    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    os.dup2(target, fd)
+                    os.close(target)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                code = main(request["args"])
+            except SystemExit as exc:
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["serve"]:
+        return serve()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", choices=["train", "logits"])
     parser.add_argument("--tp", type=int, action="append", required=True)
@@ -623,28 +749,21 @@ def main(argv=None) -> int:
     parser.add_argument("--load", default="", help="train: continue from this checkpoint directory (iter_*)")
     parser.add_argument("--shards", default="",
                         help="train, --dist-opt: write every rank's optimizer shard into this directory")
+    parser.add_argument("--spread", default="",
+                        help="train: then train TP1 × DP1 without the distributed optimizer (one bucket, no overlap) "
+                             "and write its records (as --full-records) here")
     parser.add_argument("--memory", default="",
                         help="train: write every rank's state bytes and step times into this directory")
+    model_flags(parser)
     args = parser.parse_args(argv)
+    model = Model(**{name: getattr(args, name) for name in Model.__dataclass_fields__})
     if args.instances > 1 and not args.dist_opt or args.dp % args.instances:
         parser.error(f"--instances {args.instances} needs --dist-opt and divides --dp {args.dp}")
     if args.load and (args.mode != "train" or len(args.tp) != 1):
         parser.error("--load: train at one TP degree")
     if args.shards and not args.dist_opt:
         parser.error("--shards needs --dist-opt")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    run_without_cuda()
-    # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
-    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.tokenizers  # noqa: F401
-
+    prepare()
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
         for directory in (args.shards, args.memory):
@@ -652,8 +771,12 @@ def main(argv=None) -> int:
                 Path(directory).mkdir(parents=True, exist_ok=True)
         for tp in args.tp:
             launch(Layout(tp=tp, dp=args.dp, dist_opt=args.dist_opt, instances=args.instances, overlap=args.overlap,
-                          bucket_size=args.bucket_size, micro_batch=args.micro_batch), args)
-        if args.state:  # the independent reference: nothing of ntp-megatron was imported, let alone run
+                          bucket_size=args.bucket_size, micro_batch=args.micro_batch, model=model), args)
+        if args.spread:  # the same training in Megatron's simplest layout, for the spread between the two
+            launch(Layout(micro_batch=args.micro_batch, model=model),
+                   argparse.Namespace(**{**vars(args), "out": args.spread, "state": "", "shards": "", "memory": "",
+                                         "full_records": True, "load": "", "save_at": 0}))
+        if args.state or args.spread:  # the independent reference: nothing of ntp-megatron imported, let alone run
             ours = sorted(name for name in sys.modules if name.split(".")[0] == "ntp_megatron")
             assert not ours, f"the plain Megatron-Core reference imported ntp-megatron modules: {ours[:5]}"
         return 0

@@ -3,14 +3,20 @@ tp_base 1–4, any dead slots, at most 8 ranks), GPT options (layers, uneven hea
 learned positions, LayerNorm or RMSNorm, tied or untied embeddings, gelu/swiglu/squared_relu, vocab sizes no
 width divides), DDP bucket sizes and overlap on/off, Megatron's distributed optimizer on/off with one or two
 instances.
-Each case runs a real multi-process NTP job and Megatron-Core at TP1 (this project's stack, NTP off) on the same
-samples, and compares lm loss and grad norm at every iteration, all parameters and Adam moments at the end, and
-every TP rank's checksums of the replica state after every iteration; with two distributed-optimizer instances,
-also the two holders of every optimizer shard bit for bit.
 
-That TP1 reference is anchored once against code that shares nothing with this project:
-:func:`test_ntp_equals_independent_plain_megatron_tp1` compares an NTP job with ``tests/plain_megatron.py``, plain
-Megatron-Core in a fresh interpreter that never imports ntp-megatron.
+Each case runs a real multi-process NTP job and ``tests/plain_megatron.py`` — plain Megatron-Core (GPTModel, DDP,
+optimizer, scheduler, MockGPTDataset as a Megatron user writes them, in a process that never imports ntp-megatron)
+at TP1 with the case's data-parallel size, distributed optimizer, instance count, overlap and buckets — on the same
+samples from the same initial weights (Megatron-Core's own CPU initialisation; the NTP job replays it with
+``model.init: megatron``). It compares lm loss and grad norm at every iteration, all parameters and Adam moments at
+the end, every TP rank's checksums of the replica state after every iteration; with two distributed-optimizer
+instances, also the two holders of every optimizer shard bit for bit. Plain Megatron-Core also trains each case at
+TP1 × DP1 without the distributed optimizer: its own spread between the two layouts must lie within the
+tolerance too (it is printed, and logged by the fuzz script).
+
+Not drawn: overlap with two instances and a degraded replica (refused on gloo: Megatron reduces synchronously in
+the backward hooks with more than one instance, and the healthy partner's backward would wait for the degraded
+rank's shadows), and ``overlap_param_gather`` (refused under NTP).
 
 Every suite run checks the fixed examples (``tests.equivalence_cases.EXAMPLES``) and a derandomized draw
 (:func:`test_ntp_computes_plain_megatron_tp1`), plus a few freshly drawn cases (:func:`test_fresh_cases`) from a
@@ -22,15 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 from hypothesis import HealthCheck, Phase, assume, example, given, note, seed, settings
 
-from tests.equivalence_cases import EXAMPLES, FRESH_SEED, WORKED, Case, assert_twins_bitwise, cases, clipped, \
-    compare_runs, compare_with_reference, iteration_records
-from tests.harness import REPO, TINY, assert_ok, assert_replicas_agree, run_job
+from tests.equivalence_cases import EXAMPLES, FRESH_SEED, ITERS, TOL, WORKED, Case, assert_twins_bitwise, cases, \
+    clipped, compare_with_plain, run_plain
+from tests.harness import assert_ok, assert_replicas_agree, run_job
 
 FUZZ_EXAMPLES = int(os.environ.get("NTP_FUZZ_EXAMPLES", "0"))
 FUZZ_LOG = os.environ.get("NTP_FUZZ_LOG")
@@ -39,24 +43,26 @@ FRESH_EXAMPLES = 2
 
 
 def check_case(tmp_path_factory, case: Case):
-    """One case: the NTP job against TP1 on the same samples, and every TP rank's checksums; returns the NTP job."""
+    """One case: the NTP job against plain Megatron-Core at TP1 on the same samples, and every TP rank's checksums;
+    returns the NTP job."""
     started = time.monotonic()
     outcome = {"case": case.to_json()}
     try:
         ntp_dir = tmp_path_factory.mktemp("ntp")
-        ntp = run_job(ntp_dir, case.ntp_args() + ["--set", f"logging.dump_state={ntp_dir / 'state'}"])
+        ntp = run_job(ntp_dir, case.ntp_args(init="megatron") + ["--set", f"logging.dump_state={ntp_dir / 'state'}"])
         assert_ok(ntp)
-        ref_dir = tmp_path_factory.mktemp("tp1")
-        ref = run_job(ref_dir, case.reference_args() + ["--set", f"logging.dump_state={ref_dir / 'state'}"])
-        assert_ok(ref)
-        outcome["worst"] = compare_with_reference(case, ntp, ref)
-        assert_replicas_agree(ntp, len(iteration_records(ref)))
-        if case.dist_opt and case.instances == 2:
+        plain = run_plain(case, tmp_path_factory.mktemp("plain"))
+        outcome["plain_spread"] = spread = plain.spread()
+        assert max(spread.values()) <= TOL, f"plain Megatron-Core's own spread between layouts {spread} exceeds {TOL}"
+        outcome["worst"] = compare_with_plain(case, ntp, plain)
+        assert_replicas_agree(ntp, ITERS)
+        if case.distributed_optimizer_instances == 2:
             assert_twins_bitwise(ntp, case)
         outcome["clipped"] = clipped(case, ntp)
         if case == WORKED:  # the suite's run covers clipping: this case's gradients are clipped every iteration
             assert outcome["clipped"], "the clipping case did not clip"
         outcome["ok"] = True
+        print(f"{case}: vs plain Megatron-Core TP1 {outcome['worst']}; plain's own spread {spread}")
         return ntp
     except BaseException as exc:
         outcome["ok"] = False
@@ -105,41 +111,3 @@ def test_fresh_cases(tmp_path_factory, case: Case):
     assume(case.tp_base * case.dp > 1)
     note(f"fresh equivalence cases: seed {FRESH_SEED} (replay with NTP_EQUIVALENCE_SEED={FRESH_SEED})")
     check_case(tmp_path_factory, case)
-
-
-# The anchor: NTP TP3 + TP2 (8 heads, 256 FFN units and 256 vocabulary rows, none divisible by 3: uneven blocks,
-# dealt units), 5 ranks, on the model, data and optimizer of tests/plain_megatron.py.
-ANCHOR = Case(tp_base=3, dp=2, dead=((1, 2),), num_layers=2, query_groups=8, heads_per_group=1, kv_channels=8,
-              hidden_size=64, ffn_hidden_size=256, vocab_size=256, position="learned_absolute",
-              normalization="LayerNorm", untie=False, activation="gelu", overlap=False, bucket_size=None,
-              clip_grad=1.0, micro_batches=3)
-
-
-def test_ntp_equals_independent_plain_megatron_tp1(tmp_path):
-    """NTP TP3 + TP2 against plain Megatron-Core at TP1 in ``tests/plain_megatron.py``: GPTModel, DDP, optimizer,
-    scheduler and MockGPTDataset as a Megatron user writes them, run in a fresh interpreter (it asserts that no
-    ntp-megatron module was imported) with its own CPU workarounds. The initial weights are Megatron-Core's own
-    CPU initialisation on both sides: the reference builds its TP1 model from the seed, the NTP job runs with
-    ``model.init: megatron``, which replays that initialisation and keeps each rank's units. Same tolerances as
-    the property test; lm loss, grad norm (and so the clipping) per iteration, every parameter and moment at the
-    end."""
-    from torch import load
-
-    ref_out, ref_state = tmp_path / "plain.json", tmp_path / "plain_state.pt"
-    proc = subprocess.run([sys.executable, "-m", "tests.plain_megatron", "train", "--tp", "1", "--iters", "3",
-                           "--save-at", "0", "--ckpt", str(tmp_path / "unused"), "--out", str(ref_out),
-                           "--state", str(ref_state)], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    want = {int(i): r for i, r in json.loads(ref_out.read_text()).items()}
-    ntp_dir = tmp_path / "ntp"
-    ntp = run_job(ntp_dir, [*TINY, "--set", "ntp.enabled=true", "--set", "model.init=megatron",
-                            "--set", f"parallel.tensor_model_parallel_size={ANCHOR.tp_base}",
-                            "--set", f"parallel.data_parallel_size={ANCHOR.dp}", "--set", "ntp.dead_slots=[1:2]",
-                            "--set", "training.train_iters=3", "--set", "logging.state_checksums=true",
-                            "--set", f"logging.dump_state={ntp_dir / 'state'}"])
-    assert_ok(ntp)
-    worst = compare_runs(ANCHOR, iteration_records(ntp), load(ntp_dir / "state" / "replica0.pt"), want,
-                         load(ref_state))
-    assert_replicas_agree(ntp, 3)
-    assert any(r["grad_norm"] > ANCHOR.clip_grad for r in want.values())  # clipping is part of what is compared
-    print(f"NTP TP3 + TP2 vs independent plain Megatron-Core TP1: {worst}")
