@@ -158,9 +158,9 @@ class Controller:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
             # Before the run's first commit every rank builds any unit from the seed or the loaded checkpoint.
             if in_flight is None or in_flight[0] > self.start_iteration + 1:
-                transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
-                if self.sharded is not None:
+                if self.sharded is not None:  # the state is the shards (units are gathered from them)
                     self._check_shards(base, new, dead_ranks)
+                transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
             self.store.set(keys.STOP, reason)

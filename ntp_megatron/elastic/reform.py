@@ -8,7 +8,12 @@
 4. *Reshape.* A rank whose units do not change keeps its model, DDP buffers and optimizer; every reference to
    an old process group in them is pointed at the new one. A rank whose units change (its replica lost a
    rank) builds new ones, copies what it kept, and receives the dead rank's units — parameters and optimizer
-   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`).
+   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`). Under the distributed optimizer the
+   state is the shards: a rebuilt rank (also every rank of a degraded replica, whose optimizer steps shadows
+   of its old groups) copies the shards it held and receives the others from a surviving holder, its twin in
+   the other instance; no units move. Then every rank, kept or rebuilt, gathers its parameters from the shards
+   in the new groups (a failure in the last step's gather left them partial). A process new to the job takes
+   Adam's step and the schedule from its peers.
 5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
    middle of it leaves every rank on its old layout, and the controller bases the next generation on that).
 
