@@ -609,7 +609,7 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
             found.append({"generation": g, "moved_bytes": event["moved_bytes"], "bound": bound, "fresh": fresh})
             if event["moved_bytes"] != bound:
                 wrong.append(f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined "
-                             f"{new['joined']}): moved {event['moved_bytes']} bytes, but the units that had to move "
+                             f"{new['joined']}): moved {event['moved_bytes']} bytes, but the state that had to move "
                              f"are {bound} bytes")
             if event["lower_bound_bytes"] != bound:
                 wrong.append(f"generation {g}: the rank reported a lower bound of {event['lower_bound_bytes']} bytes; "
