@@ -592,7 +592,7 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
             assert new["topology"]["units"] == base["topology"]["units"] == unit_counts(model), (
                 f"generation {g}: unit counts {new['topology']['units']}, but the model has {unit_counts(model)}")
             fresh = not any(i < event["resume_iteration"] for i in iterations)
-            sharded = cfg["parallel"].get("use_distributed_optimizer", False)
+            sharded = cfg.get("parallel", {}).get("use_distributed_optimizer", False)
             if sharded and not fresh:  # whole shards move, and no units
                 wrong += check_shard_moves(event, cfg, published[0]["topology"], base["topology"], new["topology"],
                                            new["dead_ranks"])
@@ -609,7 +609,7 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
             found.append({"generation": g, "moved_bytes": event["moved_bytes"], "bound": bound, "fresh": fresh})
             if event["moved_bytes"] != bound:
                 wrong.append(f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined "
-                             f"{new['joined']}): moved {event['moved_bytes']} bytes, but the state that had to move "
+                             f"{new['joined']}): moved {event['moved_bytes']} bytes, but the units that had to move "
                              f"are {bound} bytes")
             if event["lower_bound_bytes"] != bound:
                 wrong.append(f"generation {g}: the rank reported a lower bound of {event['lower_bound_bytes']} bytes; "
