@@ -224,8 +224,9 @@ class Controller:
             rep = next((r for r in self.latest.replicas if r.index == replica), None)
             degraded = rep is not None and rep.width < self.latest.tp_base
             decided.append((death, report, replica, slot, rep, degraded))
-        drop = self.policy == "drop_replica" and all(d[-1] for d in decided) and not (
-            self.sharded is not None and self.sharded.instances > 1)  # see _check_shards
+        # Never under the distributed optimizer: with one instance the dropped ranks' shards are lost, with more the
+        # instances' positions would renumber (_check_shards).
+        drop = self.policy == "drop_replica" and all(d[-1] for d in decided) and self.sharded is None
         retired: set[int] = set()
         for death, report, replica, slot, rep, degraded in decided:
             others = [lr for lr, s in self.identity.items() if s[0] == replica and lr not in dying

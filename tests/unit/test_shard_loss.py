@@ -2,7 +2,8 @@
 a failure that leaves every optimizer shard a surviving holder is absorbed live; one that takes every holder of a
 shard (both twins with two instances, any sync member with one) goes to ``ntp.on_unrecoverable`` with a
 ``shard_lost`` event naming the shard and its holders; and with two instances no replica is dropped live (its
-instance's positions would renumber), on a death or an out-of-memory error alike."""
+instance's positions would renumber), on a death or an out-of-memory error alike (with one, a drop loses the
+dropped ranks' shards)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_no_replica_is_dropped_live_with_two_instances():
 
 
 @pytest.mark.parametrize("sharded, dropped", [(TWO, False), (None, True)])
-def test_out_of_memory_drops_no_replica_with_two_instances(sharded, dropped):
+def test_out_of_memory_drops_no_replica_under_the_distributed_optimizer(sharded, dropped):
     job = _job(sharded, policy="drop_replica")
     assert job.die(3) is None
     job.store.set(keys.rank_error(2), json.dumps(
