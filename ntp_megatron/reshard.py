@@ -12,6 +12,10 @@ rounding (as after every step) and is rebuilt from it on arrival.
 
 Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
 the wire are exactly the units that moved.
+
+Under Megatron's distributed optimizer the state is sharded instead, and whole shards move rather than units
+(:class:`ShardTensors`, :func:`plan_shard_transfers`): every parameter is gathered from the shards afterwards.
+Both kinds of message go through one :func:`exchange`, one piece in flight at a time.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ class UnitTensors:
         the tensor the optimizer steps then its state tensors, as fp32."""
         units = t.units
         if piece is None:
-            return torch.cat([t.reshape(-1) for p in self.replicated for t in self.moved(p)]).float()
+            return torch.cat([x.reshape(-1) for p in self.replicated for x in self.moved(p)]).float()
         _, param, shard = self.params[piece]
         index = torch.tensor(self._local(units, piece), device=param.device)
         return torch.cat([tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1)
