@@ -272,6 +272,18 @@ class GradSync:
         if self.distributed_optimizer and ddp_config.overlap_param_gather:
             raise ValueError("the distributed optimizer under NTP does not support overlap_param_gather (its "
                              "gather runs in the next forward's pre-hooks, not after the optimizer step)")
+        degraded = [rep.index for rep in topology.replicas if rep.width < topology.tp_base]
+        if self.distributed_optimizer and ddp_config.overlap_grad_reduce and groups.instances > 1 and degraded:
+            # With several instances Megatron syncs each bucket synchronously inside the backward hook of a healthy
+            # rank, between its TP collectives; a proxy serves its blocks' shadows one after another after its
+            # backward: a healthy rank waits in a hook for the proxy, which waits for a bucket that needs the
+            # healthy rank's TP peers, blocked in their own hooks (seen: gloo's recv timeout at iteration 2).
+            raise ValueError(
+                f"parallel.overlap_grad_reduce with parallel.num_distributed_optimizer_instances {groups.instances} "
+                f"deadlocks while a replica is degraded (replica {degraded[0]} at TP "
+                f"{topology.replica(degraded[0]).width} of {topology.tp_base}): the gradient sync of a healthy rank "
+                "waits in its backward hooks for the degraded replica's proxy; set "
+                "parallel.overlap_grad_reduce: false")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}

@@ -20,9 +20,11 @@ the new groups. Every case asserts:
 shard from a degraded rank's shadow), which covers every phase of an iteration over three jobs:
 ``start``/``param_gather``, ``forward``/``optimizer``, ``backward``/``grad_sync``; the fourth kills launch rank 0
 while the re-formation after the first kill runs (``reform``). TP3 + TP2 started degraded, uneven blocks (five
-ranks): the degraded replica's rank dies in ``param_gather``, where its peer is in the gather's exchange with it
-(the iteration counts as done: the peer must not step it again), then a rank of the healthy replica. Both holders
-of one shard killed: the job stops (``ntp.on_unrecoverable: stop``) with a ``shard_lost`` event naming it.
+ranks): the degraded replica's rank dies in ``param_gather``, where its peer is in the
+gather's exchange with it (the iteration counts as done: the peer must not step it again), then a rank of the
+healthy replica. bf16: the main params travel, rounded into the model before the gather. Both holders of one shard
+killed: the job stops (``ntp.on_unrecoverable: stop``) with a ``shard_lost`` event naming it (one instance, where
+any death loses a shard: ``tests/jobs/test_ntp_distopt.py``).
 """
 
 from __future__ import annotations
