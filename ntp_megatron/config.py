@@ -254,7 +254,10 @@ class NTPSection(_Section):
     global batch and the data order do not change); ``stop`` ends the run with a clear message and exit 1;
     ``restart`` stops every rank and starts the job again from the newest checkpoint of ``checkpoint.save`` with
     fresh processes for the surviving slots: each replica with its live slots, replicas below ``min_tp`` dropped
-    (``dropped_replicas``), the global batch unchanged (at most ``checkpoint.max_restarts`` times)."""
+    (``dropped_replicas``), the global batch unchanged (at most ``checkpoint.max_restarts`` times). Under
+    ``parallel.use_distributed_optimizer`` a failure that leaves an optimizer shard without a holder (both twins;
+    with one instance, any failure) is one NTP cannot absorb too, and no replica is dropped live (``drop_replica``
+    stops there)."""
     heartbeat_interval_s: float = Field(0.2, gt=0.0)
     """How often every rank tells the launcher it is alive."""
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)

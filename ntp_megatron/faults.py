@@ -19,6 +19,10 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``backward``: inside the backward pass of N, when the middle micro-batch's backward begins;
 - ``grad_sync``: during the cross-replica gradient sync of N;
 - ``optimizer``: after this rank has voted to commit N and before its own parameter update;
+- ``param_gather``: after this rank's parameter update of N, before the parameter all-gather that follows it
+  under ``parallel.use_distributed_optimizer`` (without it nothing is gathered: the point is right after the
+  update). Iteration N counts as done there; the re-formation after a failure re-gathers every rank's
+  parameters from the optimizer shards;
 - ``checkpoint``: during a checkpoint save (only where checkpoints are saved);
 - ``checkpoint_write``: in the checkpoint save after iteration N, as Megatron-Core collects this rank's write
   results (an async save: where it is finalized, later; N is still the save's iteration). ``error`` here is a
@@ -60,8 +64,8 @@ from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit", "error", "oom")
-PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "checkpoint", "checkpoint_write", "eval",
-          "reform")
+PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "param_gather", "checkpoint", "checkpoint_write",
+          "eval", "reform")
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 

@@ -272,17 +272,20 @@ class GradSync:
         if self.distributed_optimizer and ddp_config.overlap_param_gather:
             raise ValueError("the distributed optimizer under NTP does not support overlap_param_gather (its "
                              "gather runs in the next forward's pre-hooks, not after the optimizer step)")
-        if (self.distributed_optimizer and ddp_config.overlap_grad_reduce and not groups.healthy
-                and ddp_config.num_distributed_optimizer_instances > 1 and dist.get_backend() == "gloo"):
-            # With more than one instance Megatron's DDP reduces a ready bucket synchronously inside the backward
-            # hook; on gloo that blocks the healthy partner's backward (and with it its replica's TP collectives)
-            # until this rank's shadow of that block answers, which it does block by block only after its own
-            # backward: with more than one bucket a deadlock.
-            k = ddp_config.num_distributed_optimizer_instances
-            raise ValueError(f"parallel.overlap_grad_reduce with parallel.use_distributed_optimizer and "
-                             f"parallel.num_distributed_optimizer_instances {k} cannot serve a degraded replica on "
-                             "gloo (Megatron reduces every bucket synchronously in the backward hooks with more than "
-                             "one instance): set one of them off, or the instances to 1")
+        degraded = [rep.index for rep in topology.replicas if rep.width < topology.tp_base]
+        if (self.distributed_optimizer and ddp_config.overlap_grad_reduce and groups.instances > 1 and degraded
+                and dist.get_backend() == "gloo"):
+            # With several instances Megatron syncs each bucket synchronously inside the backward hook of a healthy
+            # rank (on gloo the host waits there; NCCL would only enqueue it), between its TP collectives; a proxy
+            # serves its blocks' shadows one after another after its backward: a healthy rank waits in a hook for
+            # the proxy, which waits for a bucket that needs the healthy rank's TP peers, blocked in their own
+            # hooks (seen: gloo's recv timeout at iteration 2).
+            raise ValueError(
+                f"parallel.overlap_grad_reduce with parallel.num_distributed_optimizer_instances {groups.instances} "
+                f"deadlocks on gloo while a replica is degraded (replica {degraded[0]} at TP "
+                f"{topology.replica(degraded[0]).width} of {topology.tp_base}): the gradient sync of a healthy rank "
+                "waits in its backward hooks for the degraded replica's proxy; set "
+                "parallel.overlap_grad_reduce: false")
         self._cached_norm: Optional[float] = None
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}

@@ -12,19 +12,24 @@ rounding (as after every step) and is rebuilt from it on arrival.
 
 Everything a rank keeps (its own units, replicated parameters, step counters) is copied locally; the bytes on
 the wire are exactly the units that moved.
+
+Under Megatron's distributed optimizer the state is sharded instead, and whole shards move rather than units
+(:class:`ShardTensors`, :func:`plan_shard_transfers`): every parameter is gathered from the shards afterwards.
+Both kinds of message go through one :func:`exchange`, one piece in flight at a time.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
+from ntp_megatron.shard_layout import ShardId, shard_plan
 
 Unit = tuple[str, int]  # (family, unit id)
 
@@ -97,6 +102,10 @@ class UnitTensors:
     def _state(self, main: torch.Tensor) -> list[torch.Tensor]:
         return [self.state[main][key] for key in self.keys]
 
+    @property
+    def device(self) -> torch.device:
+        return self.params[0][1].device
+
     def unit_numel(self, family: str) -> int:
         """Elements one unit of ``family`` occupies in a message."""
         per_param = sum(s.outer * s.inner for _, _, s in self.params if s.family == family)
@@ -105,39 +114,40 @@ class UnitTensors:
     def replicated_numel(self) -> int:
         return sum(p.numel() for p in self.replicated) * (1 + len(self.keys))
 
-    def pieces(self, units: tuple[Unit, ...], replicated: bool = False) -> list[Optional[int]]:
-        """The pieces one message is sent in, in order: None for every replicated parameter (with ``replicated``),
-        then the index in :attr:`params` of each TP-split parameter of a family ``units`` has units of. Every
-        rank's model has the same parameters, so both ends of a message cut it alike."""
-        families = {family for family, _ in units}
+    def pieces(self, t: Transfer) -> list[Optional[int]]:
+        """The pieces the message of ``t`` is sent in, in order: None for every replicated parameter (with
+        ``t.replicated``), then the index in :attr:`params` of each TP-split parameter of a family ``t.units`` has
+        units of. Every rank's model has the same parameters, so both ends of a message cut it alike."""
+        families = {family for family, _ in t.units}
         split = [i for i, (_, _, shard) in enumerate(self.params) if shard.family in families]
-        return ([None] if replicated and self.replicated else []) + split
+        return ([None] if t.replicated and self.replicated else []) + split
 
     def _local(self, units: tuple[Unit, ...], piece: int) -> list[int]:
         _, _, shard = self.params[piece]
         return [shard.units.index(u) for f, u in units if f == shard.family]
 
-    def pack(self, units: tuple[Unit, ...], piece: Optional[int]) -> torch.Tensor:
-        """One piece of a message (:meth:`pieces`): ``units`` of one parameter (or every replicated parameter),
+    def pack(self, t: Transfer, piece: Optional[int]) -> torch.Tensor:
+        """One piece of a message (:meth:`pieces`): ``t.units`` of one parameter (or every replicated parameter),
         the tensor the optimizer steps then its state tensors, as fp32."""
+        units = t.units
         if piece is None:
-            return torch.cat([t.reshape(-1) for p in self.replicated for t in self.moved(p)]).float()
+            return torch.cat([x.reshape(-1) for p in self.replicated for x in self.moved(p)]).float()
         _, param, shard = self.params[piece]
         index = torch.tensor(self._local(units, piece), device=param.device)
         return torch.cat([tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1)
                           for tensor in self.moved(param)]).float()
 
-    def piece_numel(self, units: tuple[Unit, ...], piece: Optional[int]) -> int:
+    def piece_numel(self, t: Transfer, piece: Optional[int]) -> int:
         if piece is None:
             return self.replicated_numel()
         _, _, shard = self.params[piece]
-        return shard.outer * len(self._local(units, piece)) * shard.inner * (1 + len(self.keys))
+        return shard.outer * len(self._local(t.units, piece)) * shard.inner * (1 + len(self.keys))
 
     def numel(self, units: tuple[Unit, ...], replicated: bool = False) -> int:
         return sum(self.unit_numel(family) for family, _ in units) + (self.replicated_numel() if replicated else 0)
 
-    def unpack(self, units: tuple[Unit, ...], piece: Optional[int], buffer: torch.Tensor) -> None:
-        offset = 0
+    def unpack(self, t: Transfer, piece: Optional[int], buffer: torch.Tensor) -> None:
+        units, offset = t.units, 0
         if piece is None:
             for param in self.replicated:
                 for tensor in self.moved(param):
@@ -164,7 +174,7 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
     """Into a rebuilt model and optimizer: every unit this rank already held, every replicated parameter and its
     state, and the step counters (which every parameter shares)."""
     old_by_name = dict(old_model.named_parameters())
-    step = _any_step(old.state)
+    step = any_step(old.state)
     for name, param in new_model.named_parameters():
         before = old_by_name[name]
         if step is not None:
@@ -184,7 +194,8 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
             target.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, dst, view.index_select(1, src))
 
 
-def _any_step(state) -> Optional[torch.Tensor]:
+def any_step(state) -> Optional[torch.Tensor]:
+    """The step counter of any parameter in a torch optimizer's ``state`` (they all share it), None if none has one."""
     for entry in state.values():
         if "step" in entry:
             step = entry["step"]
@@ -205,10 +216,28 @@ def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
         tensors.state[main] = {key: torch.zeros_like(main.data) for key in tensors.keys}
 
 
-def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], new: Optional[UnitTensors],
+class Side(Protocol):
+    """One end of the messages :func:`exchange` moves: how a transfer's message is cut into pieces (alike on both
+    ends), and each piece packed (sender) or unpacked (receiver). :class:`UnitTensors` for units,
+    :class:`ShardTensors` for distributed-optimizer shards."""
+
+    def pieces(self, t) -> list: ...
+
+    def piece_numel(self, t, piece) -> int: ...
+
+    def pack(self, t, piece) -> torch.Tensor: ...
+
+    def unpack(self, t, piece, buffer: torch.Tensor) -> None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+def exchange(transfers: list, rank: int, old: Optional[Side], new: Optional[Side],
              group: Optional[dist.ProcessGroup] = None) -> int:
-    """Run this rank's side of every transfer (sends from ``old``, receives into ``new``), one piece
-    (:meth:`UnitTensors.pieces`) at a time, in the order of ``transfers``; returns the bytes received.
+    """Run this rank's side of every transfer (sends from ``old``, receives into ``new``; each has ``src`` and
+    ``dst``), one piece (:meth:`Side.pieces`) at a time, in the order of ``transfers``; returns the bytes
+    received.
 
     Every rank walks the same list in the same order, so the earliest piece not yet moved always has both its
     ends at it: nothing waits in a cycle. One piece in flight bounds the messages a rank holds at once to its
@@ -218,30 +247,25 @@ def exchange(transfers: list[Transfer], rank: int, old: Optional[UnitTensors], n
     received = 0
     for t in transfers:
         if t.dst == rank:
-            for piece in new.pieces(t.units, t.replicated):
-                buffer = torch.empty(new.piece_numel(t.units, piece), dtype=torch.float32, device=_device(new))
+            for piece in new.pieces(t):
+                buffer = torch.empty(new.piece_numel(t, piece), dtype=torch.float32, device=new.device)
                 dist.recv(buffer, src=t.src, group=group)
-                new.unpack(t.units, piece, buffer)
+                new.unpack(t, piece, buffer)
                 received += buffer.numel() * buffer.element_size()
         elif t.src == rank:
-            for piece in old.pieces(t.units, t.replicated):
-                dist.send(old.pack(t.units, piece), dst=t.dst, group=group)
+            for piece in old.pieces(t):
+                dist.send(old.pack(t, piece), dst=t.dst, group=group)
     return received
 
 
-def largest_piece_bytes(transfers: list[Transfer], rank: int, old: Optional[UnitTensors],
-                        new: Optional[UnitTensors]) -> int:
+def largest_piece_bytes(transfers: list, rank: int, old: Optional[Side], new: Optional[Side]) -> int:
     """The largest message piece :func:`exchange` holds on ``rank`` (fp32), 0 if it sends and receives none."""
     sizes = [0]
     for t in transfers:
         side = new if t.dst == rank else old if t.src == rank else None
         if side is not None:
-            sizes += [side.piece_numel(t.units, piece) for piece in side.pieces(t.units, t.replicated)]
+            sizes += [side.piece_numel(t, piece) for piece in side.pieces(t)]
     return 4 * max(sizes)
-
-
-def _device(tensors: UnitTensors) -> torch.device:
-    return tensors.params[0][1].device
 
 
 def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int], unit_numel: dict[str, int],
@@ -264,3 +288,142 @@ def join_lower_bound_bytes(new: Topology, joined: list[tuple[int, int]], unit_nu
     slots (a process that brings a dropped replica back alone holds all of its units)."""
     return sum(len(new.units_of(new.rank_of(replica, slot), family)) * per_unit * element_size
                for replica, slot in joined for family, per_unit in unit_numel.items())
+
+
+# -- distributed-optimizer shards -----------------------------------------------------------------------------
+# Under Megatron's distributed optimizer a rank's state is its shard of each block it serves: one position's part
+# of the block's canonical buckets, the same elements on every holder of that shard (one per instance: twins).
+# A re-formation moves whole shards — the fp32 main parameter and the optimizer's per-element state of every piece
+# in it — and no units: every rank's parameters are then gathered from the shards (``GradSync.param_gather``).
+
+
+@dataclass(frozen=True)
+class ShardTransfer:
+    """Shards (block, position) that new-generation rank ``src`` sends to new-generation rank ``dst``."""
+
+    src: int
+    dst: int
+    shards: tuple[ShardId, ...]
+
+
+def plan_shard_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int], dp: int,
+                         instances: int) -> list[ShardTransfer]:
+    """The moves of :func:`ntp_megatron.shard_layout.shard_plan` (each new sync member's shard it did not hold:
+    from its twin in another instance, or from its own replica's old holder), one message per (source,
+    destination) pair, both numbered in the new generation. Raises ``ShardLostError`` if a shard has no
+    holder left (the controller does not publish such a generation)."""
+    dead = list(dead_old_ranks)
+    survivors = survivor_ranks(old, new, dead)
+    grouped: dict[tuple[int, int], list[ShardId]] = defaultdict(list)
+    for move in shard_plan(old, new, dead, dp, instances):
+        grouped[(survivors[move.src], move.dst)].append(move.shard)
+    return [ShardTransfer(src, dst, tuple(sorted(shards))) for (src, dst), shards in sorted(grouped.items())]
+
+
+def distributed_optimizer(optimizer):
+    """The one ``DistributedOptimizer`` of a rank's optimizer (Megatron wraps it in a ``ChainedOptimizer``)."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(parts) != 1:
+        raise ValueError(f"expected one distributed optimizer, got a chain of {len(parts)}")
+    return parts[0]
+
+
+class ShardTensors:
+    """One rank's shards, by block: for each block it serves (``sources``: block and the Megatron buffers that
+    hold it, :meth:`ntp_megatron.grad_sync.GradSync.shard_sources`), the pieces of its shard bucket by bucket, each
+    piece the dict of references Megatron's ``get_parameter_state_dp_reshardable`` gives (main param and state
+    tensors, no copies), in the optimizer's ``gbuf_ranges`` order. Both holders of a shard have identical buffers
+    (the block's canonical slot-shaped buckets, sharded over equal groups), so their pieces correspond one to one.
+
+    A message (:class:`ShardTransfer`) is sent one bucket's shard at a time: per piece the fp32 main parameter,
+    then each state tensor of ``keys`` (Adam: ``exp_avg``, ``exp_avg_sq``). Adam's step is the same for every
+    piece and every rank; it does not travel here."""
+
+    def __init__(self, optimizer, sources: list[tuple[int, list]], keys: tuple[str, ...]) -> None:
+        self.optimizer = distributed_optimizer(optimizer)
+        self.keys = ("param", *keys)
+        state = self.optimizer.get_parameter_state_dp_reshardable()
+        block_of = {id(buffer): block for block, buffers in sources for buffer in buffers}
+        self.buckets: dict[int, list[list[dict]]] = defaultdict(list)
+        self.position: dict[int, int] = {}
+        for index, buffer in enumerate(self.optimizer.buffers):
+            block = block_of[id(buffer)]
+            self.position[block] = buffer.data_parallel_group.rank()
+            for buckets in state[index].values():
+                self.buckets[block] += buckets
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.buckets.values()))[0][0]["param"].device
+
+    def _blocks(self, t: ShardTransfer) -> list[int]:
+        for block, position in t.shards:
+            if self.position.get(block) != position:
+                raise RuntimeError(f"shard (block {block}, position {position}) moves, but this rank holds "
+                                   f"position {self.position.get(block)} of block {block}")
+        return [block for block, _ in t.shards]
+
+    def pieces(self, t: ShardTransfer) -> list[tuple[int, int]]:
+        """(block, bucket index) of every bucket's shard of the message, in order."""
+        return [(block, i) for block in self._blocks(t) for i in range(len(self.buckets[block]))]
+
+    def piece_numel(self, t: ShardTransfer, piece: tuple[int, int]) -> int:
+        block, i = piece
+        return sum(p["param"].numel() for p in self.buckets[block][i]) * len(self.keys)
+
+    def numel(self, block: int) -> int:
+        """Parameter elements of this rank's shard of ``block`` (what one holder's state covers)."""
+        return sum(p["param"].numel() for bucket in self.buckets[block] for p in bucket)
+
+    def pack(self, t: ShardTransfer, piece: tuple[int, int]) -> torch.Tensor:
+        block, i = piece
+        return torch.cat([p[key].detach().reshape(-1).float() for p in self.buckets[block][i] for key in self.keys])
+
+    @torch.no_grad()
+    def unpack(self, t: ShardTransfer, piece: tuple[int, int], buffer: torch.Tensor) -> None:
+        block, i = piece
+        offset = 0
+        for p in self.buckets[block][i]:
+            for key in self.keys:
+                target = p[key]
+                target.view(-1).copy_(buffer[offset:offset + target.numel()])
+                offset += target.numel()
+        assert offset == buffer.numel(), f"shard piece of {buffer.numel()} elements, {offset} used"
+
+    @torch.no_grad()
+    def copy_from(self, other: "ShardTensors", block: int) -> None:
+        """This rank's shard of ``block`` from ``other`` (the same rank's old objects, which held the same shard:
+        its old healthy optimizer, or an old shadow of the block at the same position), locally."""
+        if other.position.get(block) != self.position[block]:
+            raise RuntimeError(f"block {block}: the old objects hold position {other.position.get(block)}, the new "
+                               f"ones position {self.position[block]}")
+        ours, theirs = self.buckets[block], other.buckets[block]
+        if [[p["param"].numel() for p in b] for b in ours] != [[p["param"].numel() for p in b] for b in theirs]:
+            raise RuntimeError(f"block {block}: the old and the new shard are cut differently")
+        for bucket, old_bucket in zip(ours, theirs):
+            for p, q in zip(bucket, old_bucket):
+                for key in self.keys:
+                    p[key].copy_(q[key])
+
+
+@torch.no_grad()
+def init_shard_state(optimizer, keys: tuple[str, ...], step: Optional[int]) -> None:
+    """A freshly built distributed optimizer's state before it is filled: every per-element state tensor of
+    ``keys`` created (a fresh torch optimizer has none until its first step), Adam's ``step`` set (``step``:
+    the steps its peers took), and every main parameter and state element NaN, so that an element no copy or
+    message fills cannot pass unnoticed (the next loss is NaN)."""
+    inner = distributed_optimizer(optimizer).optimizer
+    for group in inner.param_groups:
+        for main in group["params"]:
+            state = inner.state[main]
+            for key in keys:
+                state[key] = torch.full_like(main.data, float("nan"))
+            if step is not None:
+                state["step"] = torch.tensor(float(step))
+            main.data.fill_(float("nan"))
+
+
+def copy_main_params_to_model(optimizer) -> None:
+    """Under bf16 / fp16: the model's 16-bit shard of the parameter buffer from the fp32 main params (Megatron's
+    own copy, as after every step); with fp32 parameters the main params are views of the buffer already."""
+    distributed_optimizer(optimizer)._copy_main_params_to_model_params()

@@ -478,6 +478,79 @@ def reformation_lower_bound(model: dict, optimizer: str, base: dict, new: dict, 
     return elements * BYTES_PER_ELEMENT * (1 + _STATE_TENSORS[optimizer])
 
 
+def _member_slot(rep: dict, block: int) -> int:
+    """The slot of replica ``rep`` (topology JSON) that is its member of sync group ``block``: slot ``block``, or
+    the proxy of that dead block."""
+    return block if block in rep["slots"] else dict(map(tuple, rep["proxies"]))[block]
+
+
+def needed_shards(base: dict, new: dict, dead_ranks: Sequence[int], dp: int, instances: int) -> dict:
+    """Under the distributed optimizer: (block, position, destination (replica, slot)) -> the (replica, slot)
+    processes of ``base`` that could send it, for every shard a member of a sync group in ``new`` did not hold in
+    ``base``. Megatron's instances: instance i is replicas ``[i·dp/k, (i+1)·dp/k)``, a replica's position is its
+    place in its instance, and the holders of shard (block, position) are the block's sync members of the replicas
+    at that position (one per instance). A possible source is a surviving holder: the destination's own replica's
+    old member (a slot rejoining takes its shard back), else its twin in another instance."""
+    per = dp // instances
+    dead = {_slot_of_rank(base)[r] for r in dead_ranks}
+    old = {rep["index"]: rep for rep in base["replicas"]}
+    out = {}
+    for rep in new["replicas"]:
+        position = rep["index"] % per
+        for block in range(new["tp_base"]):
+            dst = (rep["index"], _member_slot(rep, block))
+            before = old.get(rep["index"])
+            if before is not None and (rep["index"], _member_slot(before, block)) == dst and dst not in dead:
+                continue  # it held this shard and lives on
+            sources = [(r, _member_slot(o, block)) for r, o in sorted(old.items()) if r % per == position]
+            out[block, position, dst] = [src for src in sources if src not in dead]
+    return out
+
+
+def shard_bytes(model: dict, optimizer: str, tp_base: int, block: int, positions: int) -> Optional[int]:
+    """Bytes of one shard of ``block`` (its parameter elements, as fp32, with the optimizer's state) where the
+    whole of a block's buffers is one shard (one position per instance): the block's units and every replicated
+    parameter; None where shards cut buffers (more positions: where the cut falls depends on Megatron's padding)."""
+    if positions != 1:
+        return None
+    per_unit, replicated = unit_elements(model)
+    counts = unit_counts(model)
+    elements = sum(len(_canonical_block(counts[f], tp_base, block)) * per_unit[f] for f in per_unit) + replicated
+    return elements * BYTES_PER_ELEMENT * (1 + _STATE_TENSORS[optimizer])
+
+
+def check_shard_moves(event: dict, cfg: dict, launch: dict, base: dict, new: dict,
+                      dead_ranks: Sequence[int]) -> list[str]:
+    """What is wrong with a ``reformed`` event of a job with the distributed optimizer: its ``shard_moves`` (block,
+    position, source and destination launch ranks, bytes) must be exactly the shards :func:`needed_shards` finds,
+    each from one of its possible sources, each of the bytes :func:`shard_bytes` says (where it can say), and
+    ``moved_bytes`` their sum. ``launch``: the segment's generation 0 topology (its ranks are launch ranks)."""
+    p = cfg["parallel"]
+    dp, instances = p["data_parallel_size"], p["num_distributed_optimizer_instances"]
+    slot_of = _slot_of_rank(launch)
+    g = event["generation"]
+    moves = event.get("shard_moves")
+    if moves is None:
+        return [f"generation {g}: no shard_moves in the reformed event"]
+    needed = needed_shards(base, new, dead_ranks, dp, instances)
+    got = {(m["block"], m["position"], slot_of[m["dst"]]): m for m in moves}
+    wrong = []
+    if len(got) != len(moves) or sorted(got) != sorted(needed):
+        wrong.append(f"generation {g}: shards moved (block, position, to) {sorted(got)}, needed {sorted(needed)}")
+    for key, m in got.items():
+        if key in needed and slot_of[m["src"]] not in needed[key]:
+            wrong.append(f"generation {g}: shard {key[:2]} came from {slot_of[m['src']]}, not from a surviving "
+                         f"holder {needed[key]}")
+        expected = shard_bytes(cfg["model"], cfg["training"]["optimizer"], new["tp_base"], m["block"],
+                               dp // instances)
+        if expected is not None and m["bytes"] != expected:
+            wrong.append(f"generation {g}: shard {key[:2]} moved {m['bytes']} bytes; its state is {expected} bytes")
+    if sum(m["bytes"] for m in moves) != event["moved_bytes"]:
+        wrong.append(f"generation {g}: moved {event['moved_bytes']} bytes, the shards listed are "
+                     f"{sum(m['bytes'] for m in moves)} bytes")
+    return wrong
+
+
 class ReformationBoundError(AssertionError):
     """A re-formation moved other bytes than the units that had to move, or a rank reported another lower bound;
     ``result``: the job (every re-formation of it was checked)."""
@@ -500,7 +573,9 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
     """Every ``reformed`` event moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
     dimensions and the topologies in the ``generation_published`` events, and reported that bound (else
     :class:`ReformationBoundError`, once every re-formation is checked); the unit counts the controller published
-    are the model's."""
+    are the model's. Under the distributed optimizer whole shards move instead of units: the event's shard moves
+    must be the needed ones, from surviving holders, and the bound is their state's bytes
+    (:func:`check_shard_moves`)."""
     found, wrong = [], []
     for segment in segments(records):
         reformed = [r for r in segment.records if r.get("event") == "reformed"]
@@ -517,8 +592,20 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
             assert new["topology"]["units"] == base["topology"]["units"] == unit_counts(model), (
                 f"generation {g}: unit counts {new['topology']['units']}, but the model has {unit_counts(model)}")
             fresh = not any(i < event["resume_iteration"] for i in iterations)
-            bound = reformation_lower_bound(model, optimizer, base["topology"], new["topology"], new["dead_ranks"],
-                                            fresh)
+            sharded = cfg.get("parallel", {}).get("use_distributed_optimizer", False)
+            if sharded and not fresh:  # whole shards move, and no units
+                wrong += check_shard_moves(event, cfg, published[0]["topology"], base["topology"], new["topology"],
+                                           new["dead_ranks"])
+                p = cfg["parallel"]
+                positions = p["data_parallel_size"] // p["num_distributed_optimizer_instances"]
+                sizes = [shard_bytes(model, optimizer, new["topology"]["tp_base"], m["block"], positions)
+                         for m in event.get("shard_moves", [])]
+                # Where shards cut the buffers the harness has no geometry of its own: the figure the ranks computed
+                # from Megatron's layout, which the moved bytes (received into the real objects) must equal.
+                bound = event["lower_bound_bytes"] if None in sizes else sum(sizes)
+            else:
+                bound = reformation_lower_bound(model, optimizer, base["topology"], new["topology"],
+                                                new["dead_ranks"], fresh)
             found.append({"generation": g, "moved_bytes": event["moved_bytes"], "bound": bound, "fresh": fresh})
             if event["moved_bytes"] != bound:
                 wrong.append(f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined "

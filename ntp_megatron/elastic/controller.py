@@ -32,6 +32,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
+from ntp_megatron.shard_layout import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
 
@@ -57,9 +58,11 @@ class Controller:
                  say: Callable[[str], None], emit: Callable[[dict], None],
                  dump_stacks: Callable[[list[int]], None] = lambda ranks: None,
                  hold: Callable[[], None] = lambda: None, release: Callable[[], None] = lambda: None,
-                 start_iteration: int = 0, start_consumed: int = 0) -> None:
+                 start_iteration: int = 0, start_consumed: int = 0,
+                 sharded: Optional["ShardedOptimizer"] = None) -> None:
         """``start_iteration`` / ``start_consumed``: where a run resumed from a checkpoint begins (the store's
         committed iteration starts there, so settling and re-forming after a resume work as in a fresh run).
+        ``sharded``: the job trains with the distributed optimizer (what its shards are; None otherwise).
         ``hold`` / ``release``: hold the ranks' output back while a failure's report waits for the survivors, so
         that what they print about the failure (a re-formation) comes after its "rank failed" line."""
         self.store = store
@@ -67,6 +70,7 @@ class Controller:
         self.completed = topology
         self.published: dict[int, Topology] = {0: topology}
         self.min_tp, self.policy = min_tp, policy
+        self.sharded = sharded
         self.say, self.emit = say, emit
         self.dump_stacks = dump_stacks
         self.hold, self.release = hold, release
@@ -154,6 +158,8 @@ class Controller:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
             # Before the run's first commit every rank builds any unit from the seed or the loaded checkpoint.
             if in_flight is None or in_flight[0] > self.start_iteration + 1:
+                if self.sharded is not None:  # the state is the shards (units are gathered from them)
+                    self._check_shards(base, new, dead_ranks)
                 transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
@@ -178,6 +184,32 @@ class Controller:
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
 
+    def _check_shards(self, base: Topology, new: Topology, dead_ranks: list[int]) -> None:
+        """Under the distributed optimizer: every optimizer shard must keep a surviving holder (else a
+        ``shard_lost`` event per lost shard), and no replica may be dropped while there are several instances:
+        each instance shards over its replicas' positions, which a drop would renumber — the shards would have to
+        be cut anew, which nothing does live. Raises :class:`TopologyError` saying which (``ntp.on_unrecoverable``
+        decides: a restart from the newest checkpoint, or a stop)."""
+        dp, k = self.sharded.data_parallel_size, self.sharded.instances
+        lost = lost_shards(base, dead_ranks, dp, k)
+        if lost:
+            launch_of = {base.rank_of(*slot): lr for lr, slot in self.identity.items()
+                         if base.rank_of(*slot) is not None}
+            for block, position in lost:
+                holders = shard_holders(base, dp, k, (block, position))
+                self.emit({"kind": "event", "event": "shard_lost", "generation": base.generation, "block": block,
+                           "position": position, "holders": sorted(launch_of[r] for r in holders),
+                           "numel": self.sharded.shard_numel(block, position), "time": time.time()})
+            one = " (one instance: every shard has a single holder)" if k == 1 else ""
+            raise TopologyError(f"distributed-optimizer shards (block, position) {lost} lost: every holder died"
+                                f"{one}; nothing live holds them any more")
+        dropped = sorted({rep.index for rep in base.replicas} - {rep.index for rep in new.replicas})
+        if dropped and k > 1:
+            raise TopologyError(
+                f"replica{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} would be dropped, which "
+                f"parallel.use_distributed_optimizer with {k} instances does not support live (the instances' "
+                "shards would be cut anew)")
+
     def _out_of_memory(self, errors: list[tuple[Death, dict]], dying: set[int]) -> Optional[list[int]]:
         """Ranks ran out of memory (``errors``: every error reported in this batch of deaths). On a rank of a
         degraded replica (re-forming into it, or training in it) its layout does not fit that device: under policy
@@ -192,7 +224,9 @@ class Controller:
             rep = next((r for r in self.latest.replicas if r.index == replica), None)
             degraded = rep is not None and rep.width < self.latest.tp_base
             decided.append((death, report, replica, slot, rep, degraded))
-        drop = self.policy == "drop_replica" and all(d[-1] for d in decided)
+        # Never under the distributed optimizer: with one instance the dropped ranks' shards are lost, with more the
+        # instances' positions would renumber (_check_shards).
+        drop = self.policy == "drop_replica" and all(d[-1] for d in decided) and self.sharded is None
         retired: set[int] = set()
         for death, report, replica, slot, rep, degraded in decided:
             others = [lr for lr, s in self.identity.items() if s[0] == replica and lr not in dying
@@ -337,6 +371,41 @@ class Controller:
                           else "survivors not all aware" if survivors else ending)
             self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} (replica {replica}, slot {slot}) | "
                      f"iteration {iteration}, phase {phase} | {d.cause} | {aware_text}")
+
+
+@dataclass(frozen=True)
+class ShardedOptimizer:
+    """What the controller knows of a job's distributed-optimizer shards: the launch data-parallel size, the
+    instances (Megatron's ``num_distributed_optimizer_instances``), and per block the parameter elements of each
+    position's shard (``numel[block][position]``: :func:`ntp_megatron.shard_layout.shard_numel` over that
+    block's buffers), for the ``shard_lost`` event."""
+
+    data_parallel_size: int
+    instances: int
+    numel: tuple[tuple[int, ...], ...] = ()
+
+    def shard_numel(self, block: int, position: int) -> Optional[int]:
+        return self.numel[block][position] if block < len(self.numel) else None
+
+    @classmethod
+    def of(cls, cfg) -> Optional["ShardedOptimizer"]:
+        """A :class:`ntp_megatron.config.JobConfig`'s, None without the distributed optimizer."""
+        from ntp_megatron import memory_plan
+        from ntp_megatron.shard_layout import buffer_layout, shard_numel
+
+        p = cfg.parallel
+        if not p.use_distributed_optimizer:
+            return None
+        dims, training = memory_plan.ModelDims.of(cfg.model), memory_plan.training_of(cfg)
+        topology = cfg.topology()
+        params = memory_plan.gpt_params(dims)
+        numel = []
+        for block in range(topology.tp_base):
+            units = {family: len(topology.block(family, block)) for family in dims.units}
+            layout = buffer_layout(memory_plan.param_specs(params, units), training.bucket_size,
+                                   training.shard_over, True)
+            numel.append(tuple(shard_numel(layout, training.shard_over, j) for j in range(training.shard_over)))
+        return cls(p.data_parallel_size, p.num_distributed_optimizer_instances, tuple(numel))
 
 
 def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:

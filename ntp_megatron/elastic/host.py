@@ -31,6 +31,13 @@ class RankObjects(Protocol):
     """``optimizer.optimizer`` is the torch optimizer whose state moves."""
     scheduler: OptimizerParamScheduler
 
+    def param_gather(self) -> None:
+        """Under the distributed optimizer: every rank's parameters from the shards (collective over the
+        generation's groups the objects are bound to); nothing otherwise."""
+
+    def shard_sources(self) -> list[tuple[int, list]]:
+        """Under the distributed optimizer: (block, the buffers holding this rank's shard of it), per block served."""
+
     def release(self) -> None:
         """Drop what the objects hold beyond themselves (they were replaced)."""
 

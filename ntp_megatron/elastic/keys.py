@@ -125,6 +125,12 @@ def moved(generation: int) -> str:
     return f"{PREFIX}gen{generation}/moved"
 
 
+def shards_received(generation: int, rank: int) -> str:
+    """The distributed-optimizer shards rank ``rank`` of generation ``g`` received while forming it: a JSON list of
+    [block, position, bytes]."""
+    return f"{PREFIX}gen{generation}/shards_received/{rank}"
+
+
 def started(generation: int, iteration: int) -> str:
     """Ranks that began iteration ``k`` in generation ``g`` (whether an aborted iteration cost any work)."""
     return f"{PREFIX}gen{generation}/iter{iteration}/started"

@@ -8,7 +8,12 @@
 4. *Reshape.* A rank whose units do not change keeps its model, DDP buffers and optimizer; every reference to
    an old process group in them is pointed at the new one. A rank whose units change (its replica lost a
    rank) builds new ones, copies what it kept, and receives the dead rank's units — parameters and optimizer
-   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`).
+   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`). Under the distributed optimizer the
+   state is the shards: a rebuilt rank (also every rank of a degraded replica, whose optimizer steps shadows
+   of its old groups) copies the shards it held and receives the others from a surviving holder, its twin in
+   the other instance; no units move. Then every rank, kept or rebuilt, gathers its parameters from the shards
+   in the new groups (a failure in the last step's gather left them partial). A process new to the job takes
+   Adam's step and the schedule from its peers.
 5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
    middle of it leaves every rank on its old layout, and the controller bases the next generation on that).
 
@@ -22,6 +27,7 @@ record: whether it rebuilt its objects or kept them (and that the kept ones are 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import sys
 import time
@@ -29,16 +35,21 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
+
 from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
-from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, OwnError, caused_by_peer
+from ntp_megatron.elastic.controller import ShardedOptimizer
+from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
-from ntp_megatron.reshard import UnitTensors, copy_kept, exchange, init_state, join_lower_bound_bytes, \
-    largest_piece_bytes, lower_bound_bytes, plan_transfers, set_step, state_keys
+from ntp_megatron.reshard import ShardTensors, UnitTensors, any_step as _any_step, copy_kept, \
+    copy_main_params_to_model, exchange, init_shard_state, init_state, join_lower_bound_bytes, largest_piece_bytes, \
+    lower_bound_bytes, plan_shard_transfers, plan_transfers, set_step, state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -59,26 +70,6 @@ def settle_voted(training: Training, commit: CommitProtocol, await_newer: Callab
     training.settle(committed)
     if committed:
         logger.info("iteration %d was committed before the failure: stepped it", iteration)
-
-
-def distributed_optimizer_refusal(cfg: JobConfig, launch: Topology, topology: Topology) -> Optional[str]:
-    """Why this process cannot form ``topology`` under the distributed optimizer, or None. Replicas train with it
-    in the layout they were launched in (degraded ones too); a replica whose layout a live failure changed
-    (degraded further, or dropped) has lost optimizer shards that are not recovered yet: such a generation stops
-    the job, in one line, at once."""
-    if not cfg.parallel.use_distributed_optimizer:
-        return None
-    launched = {rep.index: rep.width for rep in launch.replicas}
-    what = [f"replica {rep.index} at TP {rep.width} of {topology.tp_base}" for rep in topology.replicas
-            if rep.width != launched.get(rep.index)]
-    kept = {rep.index for rep in topology.replicas}
-    what += [f"replica {rep.index} dropped" for rep in launch.replicas if rep.index not in kept]
-    if not what:
-        return None
-    return (f"generation {topology.generation} would leave {', '.join(what)}: parallel.use_distributed_optimizer "
-            "under NTP trains replicas in their launch layout only so far (the optimizer shards a changed layout "
-            "needs are not moved live yet); the job stops (parallel.use_distributed_optimizer: false survives "
-            "failures live)")
 
 
 class Reformer:
@@ -182,9 +173,6 @@ class Reformer:
             raise RuntimeError(f"generation {topology.generation} builds on generation {info['base']}, but this "
                                f"process holds generation {base.generation}")
         dead = [base.rank_of(r, s) for r, s in info["dead"] if base.rank_of(r, s) is not None]
-        refusal = distributed_optimizer_refusal(cfg, elastic.topology(0), topology)
-        if refusal is not None:
-            raise OwnError(refusal)
         generation = elastic.join(topology)
         self.generation = generation
         with elastic.scope(generation):
@@ -200,9 +188,14 @@ class Reformer:
         from_checkpoint = fresh and cfg.checkpoint.load is not None
         phases.point("reform")
         old_rank = base.rank_of(*elastic.identity)
+        sharded = cfg.parallel.use_distributed_optimizer
+        # Under the distributed optimizer a degraded rank's optimizer steps the shadows of the groups it was built
+        # in: it builds anew in every generation (its shards are copied over locally).
         changed = from_checkpoint or old is None or old_rank is None or any(
-            base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units)
+            base.units_of(old_rank, f) != topology.units_of(generation.rank, f) for f in topology.units) or (
+            sharded and not topology.is_healthy(topology.replica_of(generation.rank).index))
         state = state_keys(cfg.training.optimizer)
+        adam = cfg.training.optimizer == "adam"
         old_tensors = UnitTensors(old.model.module, old.optimizer, state, not fresh) if old is not None else None
         new_parts, new_tensors = None, None
         received = 0
@@ -210,7 +203,14 @@ class Reformer:
         memory.begin()
         memory.sample(old)
         held: dict[str, int] = {}
+        progress = None
+        moves: list[dict] = []
         try:
+            if not fresh:
+                progress = peers_progress(old)
+            if not changed:
+                # Kept objects take the new groups now: the parameter gather below runs in them.
+                self.builder.rebind(old, setup)
             if changed:
                 if old is not None and not fresh:
                     # The iteration that filled the old gradients was settled: they are dead. Freed before the
@@ -224,19 +224,31 @@ class Reformer:
                     held["held_after_build_bytes"] = memory.sample(old, new_parts)
                     # Nothing fills the new gradients before the first iteration: allocated when adopted.
                     memory.free_gradients(new_parts)
-                    init_state(new_parts.model.module, new_tensors)
-                    if old is not None:
-                        copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
-                    elif cfg.training.optimizer == "adam":
-                        set_step(new_tensors, self.optimizer_steps(training))
-            if not fresh:
+                    if sharded:
+                        init_shard_state(new_parts.optimizer, state, progress.adam_step if adam else None)
+                    else:
+                        init_state(new_parts.model.module, new_tensors)
+                        if old is not None:
+                            copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
+                        elif adam:
+                            set_step(new_tensors, progress.adam_step)
+            if not fresh and sharded:
+                received, moves = self._move_shards(topology, base, dead, old, new_parts, state, held, memory)
+            elif not fresh:
                 transfers = plan_transfers(base, topology, dead)
                 message = largest_piece_bytes(transfers, generation.rank, old_tensors, new_tensors)
                 memory.sample(old, new_parts, transient=message)  # exchange() holds one piece at a time
                 received = exchange(transfers, generation.rank, old_tensors, new_tensors)
                 held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
                 held["largest_message_bytes"] = message
+            if not fresh:
+                # Every rank's parameters from the committed shards, in the new groups (a failure in the gather
+                # of the last step, or in this one, leaves partial buffers; nothing to do without the
+                # distributed optimizer).
+                (new_parts or old).param_gather()
             elastic.ctl.add(keys.moved(topology.generation), received)
+            if moves:
+                elastic.ctl.set(keys.shards_received(topology.generation, generation.rank), json.dumps(moves))
             if generation.commit.form() != COMPLETE:
                 raise GenerationEnded(f"forming generation {topology.generation} did not complete")
         except BaseException:
@@ -246,7 +258,43 @@ class Reformer:
         tensors = old_tensors or new_tensors
         unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
         return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started, fresh,
-                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint, memory=held)
+                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint, memory=held,
+                       progress=progress)
+
+    def _move_shards(self, topology: Topology, base: Topology, dead: list[int], old: Optional[RankObjects],
+                     new_parts: Optional[RankObjects], state: tuple[str, ...], held: dict,
+                     memory) -> tuple[int, list[list[int]]]:
+        """Under the distributed optimizer: a rebuilt rank copies the shards it held locally, from its old
+        objects, and receives the others (each from a surviving holder, :func:`plan_shard_transfers`), while
+        every rank sends what others need; under bf16 the received main params are then rounded into the model's
+        shard. Returns the bytes received, and per shard received [block, position, bytes]."""
+        p = self.cfg.parallel
+        rank = self.generation.rank
+        transfers = plan_shard_transfers(base, topology, dead, p.data_parallel_size,
+                                         p.num_distributed_optimizer_instances)
+        old_shards = ShardTensors(old.optimizer, old.shard_sources(), state) if old is not None else None
+        new_shards = (ShardTensors(new_parts.optimizer, new_parts.shard_sources(), state)
+                      if new_parts is not None else None)
+        incoming = {block for t in transfers if t.dst == rank for block, _ in t.shards}
+        if incoming and new_shards is None:
+            raise RuntimeError(f"rank {rank} keeps its objects but is to receive shards of blocks {sorted(incoming)}")
+        if new_shards is not None:
+            for block in new_shards.buckets:
+                if block in incoming:
+                    continue
+                if old_shards is None or block not in old_shards.buckets:
+                    raise RuntimeError(f"rank {rank}: its shard of block {block} neither moves nor was held")
+                new_shards.copy_from(old_shards, block)
+        message = largest_piece_bytes(transfers, rank, old_shards, new_shards)
+        memory.sample(old, new_parts, transient=message)  # exchange() holds one bucket's shard at a time
+        received = exchange(transfers, rank, old_shards, new_shards)
+        held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
+        held["largest_message_bytes"] = message
+        if new_parts is not None:
+            copy_main_params_to_model(new_parts.optimizer)
+        moves = [[block, position, 4 * len(new_shards.keys) * new_shards.numel(block)]
+                 for t in transfers if t.dst == rank for block, position in t.shards]
+        return received, moves
 
     @property
     def start_iteration(self) -> int:
@@ -254,14 +302,6 @@ class Reformer:
         if self._start_iteration is None:
             self._start_iteration = int(self.elastic.ctl.get(keys.START).decode())
         return self._start_iteration
-
-    def optimizer_steps(self, training: Training) -> int:
-        """Steps the optimizer and the schedule of every rank have taken: one per committed iteration since they
-        started — at iteration 0, or at the checkpoint's iteration when the run loaded it without its optimizer
-        (``checkpoint.no_load_optim``: fresh optimizer and schedule there). What a process new to the job, with no
-        state of its own, starts its Adam step and its schedule at."""
-        fresh_at = self.start_iteration if self.cfg.checkpoint.no_load_optim else 0
-        return training.iteration - fresh_at
 
     def _load_start(self, training: Training, parts: RankObjects) -> None:
         """Read the checkpoint the run resumes from into ``parts`` (this generation's layout)."""
@@ -279,13 +319,11 @@ class Reformer:
                 if not staged.loaded:
                     staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
                 old.release()
-            elif training.iteration and not staged.loaded:
-                staged.new_parts.scheduler.step(
-                    increment=self.optimizer_steps(training) * self.cfg.training.global_batch_size)
+            elif staged.progress is not None and not staged.loaded:  # a process new to the job: its peers' schedule
+                staged.new_parts.scheduler.step(increment=staged.progress.scheduler_steps)
             training.parts = staged.new_parts
         else:
-            memory.restore_gradients(old)  # freed by a re-formation that did not complete
-            self.builder.rebind(old, staged.setup)
+            memory.restore_gradients(old)  # freed by a re-formation that did not complete (rebound in _reform)
         self._report_rank(old, training.parts, staged)
         del old
         self.completed = staged.topology
@@ -313,8 +351,13 @@ class Reformer:
         topology, info = staged.topology, staged.info
         moved = int(self.elastic.ctl.add(keys.moved(topology.generation), 0))
         joined = [tuple(slot) for slot in info.get("joined", [])]
+        shard_moves = self._shard_moves(staged) if self.cfg.parallel.use_distributed_optimizer else None
         if staged.fresh:
             bound = 0  # before the first step every rank draws its initial weights: nothing has to move
+        elif shard_moves is not None:  # every shard a new holder lacked, from the geometry of the layout
+            sharded = ShardedOptimizer.of(self.cfg)
+            per_element = 4 * (1 + len(state_keys(self.cfg.training.optimizer)))
+            bound = sum(per_element * sharded.shard_numel(m["block"], m["position"]) for m in shard_moves)
         elif joined:  # the new processes' units, and the replicated parameters they have none of
             bound = (join_lower_bound_bytes(topology, joined, staged.unit_numel)
                      + len(joined) * staged.replicated_bytes)
@@ -329,6 +372,8 @@ class Reformer:
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
                  "iterations_redone": redone, "resume_iteration": resume, "time": time.time(),
                  "reform_s": time.time() - staged.started, "joined": [list(j) for j in joined]}
+        if shard_moves is not None:
+            event["shard_moves"] = shard_moves
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
         what = ("rejoined: " + ", ".join(f"replica {r} slot {s}" for r, s in joined)) if joined else (
@@ -336,6 +381,30 @@ class Reformer:
         redo = f"iteration {resume} redone" if redone else f"resuming at iteration {resume}"
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
               f"moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |", flush=True)
+
+
+    def _shard_moves(self, staged: "_Staged") -> list[dict]:
+        """The distributed-optimizer shards the re-formation moved: block, position, the launch ranks of source and
+        destination, and the bytes the destination received."""
+        if staged.fresh:
+            return []
+        topology, p = staged.topology, self.cfg.parallel
+        launch = self.elastic.topology(0)
+
+        def launch_rank(rank: int) -> int:
+            return launch.rank_of(*topology.slot_of(rank))
+
+        out = []
+        transfers = plan_shard_transfers(staged.base, topology, staged.dead, p.data_parallel_size,
+                                         p.num_distributed_optimizer_instances)
+        for dst in sorted({t.dst for t in transfers}):
+            received = {(b, j): n for b, j, n in json.loads(self.elastic.ctl.get(
+                keys.shards_received(topology.generation, dst)).decode())}
+            for t in transfers:
+                if t.dst == dst:
+                    out += [{"block": b, "position": j, "src": launch_rank(t.src), "dst": launch_rank(dst),
+                             "bytes": received[b, j]} for b, j in t.shards]
+        return out
 
 
 def tp_per_replica(topology: Topology, num_replicas: int) -> list[int]:
@@ -365,6 +434,34 @@ class _Staged:
     """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
     memory: dict = field(default_factory=dict)
     """What the rank held at the re-formation's steps (bytes, for its ``memory`` record)."""
+    progress: Optional["Progress"] = None
+    """The steps the optimizer and the schedule of the ranks that hold state took (None before the first
+    committed iteration)."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    adam_step: int
+    """Adam's step counter (-1 without Adam state)."""
+    scheduler_steps: int
+    """The learning-rate schedule's ``num_steps`` (samples)."""
+
+
+def peers_progress(old: Optional[RankObjects]) -> Progress:
+    """The optimizer's and the schedule's progress, from the ranks that hold state (every one of them has taken the
+    same steps: one per committed iteration since the run's optimizer state began — at iteration 0, at a loaded
+    checkpoint's, or fresh after ``checkpoint.no_load_optim``), for a process that holds none (a replacement).
+    Taken from them rather than derived, since only they know where their state began. A maximum over the
+    generation (collective): a process without state contributes -1."""
+    step, scheduled = -1.0, -1.0
+    if old is not None:
+        found = _any_step(old.optimizer.optimizer.state)
+        step = float(found) if found is not None else -1.0
+        scheduled = float(old.scheduler.num_steps)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    both = torch.tensor([step, scheduled], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return Progress(adam_step=int(both[0]), scheduler_steps=int(both[1]))
 
 
 def _try(action: Callable[[], None]) -> None:

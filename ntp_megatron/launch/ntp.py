@@ -10,7 +10,7 @@ from typing import Optional
 from ntp_megatron.config import JobConfig
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.elastic.controller import Controller, Death, ShardedOptimizer
 from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
@@ -78,7 +78,7 @@ class ControllerPolicy(NTPPolicy):
                                            "start_consumed": start.samples(host.cfg.training.global_batch_size)}
         return Controller(host.store, host.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable, host.console.say,
                           host.console.emit, dump_stacks=host.processes.dump_stacks, hold=host.console.hold,
-                          release=host.console.release, **resume)
+                          release=host.console.release, sharded=ShardedOptimizer.of(host.cfg), **resume)
 
     def admitted(self, launch_rank: int) -> bool:
         c = self.controller

@@ -34,6 +34,11 @@ class Components:
         if self.setup.grad_sync is not None:
             self.setup.grad_sync.param_gather()
 
+    def shard_sources(self) -> list[tuple[int, list]]:
+        """Under the distributed optimizer: (block, the Megatron buffers holding this rank's shard of it) for every
+        block it serves (:meth:`ntp_megatron.grad_sync.GradSync.shard_sources`)."""
+        return self.setup.grad_sync.shard_sources()
+
     def release(self) -> None:
         """Drop what these objects hold beyond themselves (called on objects a re-formation replaced)."""
         if self.setup.grad_sync is not None:

@@ -2,8 +2,9 @@
 
 Per iteration ``k``: forward/backward (Megatron's schedule; the gradient sync and the token count run in
 ``finalize_model_grads``), the loss for the log and the grad norm — every cross-rank reduction of the step —
-then the commit point, then the local optimizer step, and under the distributed optimizer the parameter all-gather
-as a step of its own (:meth:`ntp_megatron.training.components.Components.param_gather`). The live path is one object, the
+then the commit point, then the local optimizer step (after which the iteration counts as done), and under the
+distributed optimizer the parameter all-gather as a step of its own (phase ``param_gather``;
+:meth:`ntp_megatron.training.components.Components.param_gather`). The live path is one object, the
 :class:`ntp_megatron.elastic.session.Session`: under NTP each step is committed exactly once and a collective
 action a peer's failure interrupts is left for the next generation without stopping (the rank rolls a committed
 step forward or drops an aborted one, and training goes on at the settled iteration); with NTP off the session
@@ -70,6 +71,9 @@ class Trainer:
     consumed_samples: int = 0
     pending: Optional[dict] = field(default=None, repr=False)
     """The record of the iteration voted on and not yet stepped."""
+    unreported: Optional[dict] = field(default=None, repr=False)
+    """The record of an iteration stepped whose parameter all-gather a peer's failure interrupted: reported
+    after the re-formation (which gathers again)."""
     _resources_reported: Optional[int] = field(default=None, repr=False)
     _memory_reported: dict[int, int] = field(default_factory=dict, repr=False)
     """Per generation: how many of its iterations had a ``memory`` record (its first two do)."""
@@ -139,28 +143,42 @@ class Trainer:
     def complete_step(self, gather: bool = True) -> dict[str, Any]:
         """A committed iteration after its commit point: the optimizer step (local), then, as a step of its own,
         the parameter all-gather the distributed optimizer needs under NTP (``gather=False``: left to the
-        re-formation that follows a roll-forward, in its new groups); returns the iteration's record."""
+        re-formation that follows a roll-forward, in its new groups); returns the iteration's record.
+
+        The iteration counts as done (iteration, schedule, samples, record) as soon as the local step is: the
+        gather is collective, and a peer's failure in it must not make this rank redo the iteration (its
+        optimizer would step twice). The re-formation that follows re-gathers every rank's parameters from the
+        committed shards; the record is reported then (:attr:`unreported`)."""
         record = self.pending
         self.pending = None
         parts = self.parts
         update_ok, grad_norm, _ = parts.optimizer.step()
-        if gather:
-            parts.param_gather()
-        phase = record.pop("_memory")
-        if phase is not None:
-            self._memory_reported[record["generation"]] = self._memory_reported.get(record["generation"], 0) + 1
-            self.memory.report(phase, parts, iteration=record["iteration"])
         parts.scheduler.step(increment=self.cfg.training.global_batch_size)
         self.iteration = record["iteration"]
         self.consumed_samples += record["global_batch_size"]
         record["consumed_samples"] = self.consumed_samples
-        elapsed = time.perf_counter() - record.pop("_start")
         if record["grad_norm"] is None and grad_norm is not None:
             record["grad_norm"] = float(grad_norm)
-        record.update(elapsed_ms=elapsed * 1e3, skipped=0 if update_ok else 1, time=time.time(),
-                      tokens_per_s=record["global_batch_size"] * self.cfg.model.seq_length / elapsed)
+        phase = record.pop("_memory")
+        start = record.pop("_start")
+        record.update(skipped=0 if update_ok else 1)
+        self._finish_record(record, start)
         self.checks.step_done(record)
+        if gather:
+            self.unreported = record
+            phases.point("param_gather")
+            parts.param_gather()
+            self.unreported = None
+            self._finish_record(record, start)  # the gather's time counts too
+        if phase is not None:
+            self._memory_reported[record["generation"]] = self._memory_reported.get(record["generation"], 0) + 1
+            self.memory.report(phase, parts, iteration=record["iteration"])
         return record
+
+    def _finish_record(self, record: dict[str, Any], start: float) -> None:
+        elapsed = time.perf_counter() - start
+        record.update(elapsed_ms=elapsed * 1e3, time=time.time(),
+                      tokens_per_s=record["global_batch_size"] * self.cfg.model.seq_length / elapsed)
 
     # -- the loop's side of a re-formation (ntp_megatron.elastic.host.Training) ------------------------------------
     def pending_iteration(self) -> Optional[int]:
@@ -213,6 +231,8 @@ class Trainer:
             while self.iteration < t.train_iters:
                 # None: a failed generation; recovered, the iteration is redone (or was rolled forward)
                 record = session.guarded(self.train_step)
+                if record is None and self.unreported is not None:  # stepped, its gather interrupted
+                    record, self.unreported = self.unreported, None
                 if record is not None:
                     self.report(record)
                 self._boundary()

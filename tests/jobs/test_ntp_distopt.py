@@ -20,8 +20,9 @@ failure it cannot survive yet stops the job at once.
   different bucket offsets in the slots' buffers: three healthy replicas, and TP2 + TP1 with two instances
   (the degraded rank's shadows twin the healthy ranks), against TP1 within 1e-5; every (replica, TP rank) reports
   the same gathered state checksums after every iteration.
-- A rank killed mid-run would change its replica's layout: the job stops with one line naming the limitation,
-  within seconds, without a re-formation or a timeout.
+- A rank killed mid-run with one instance loses the only copy of its shard: the job stops with one line naming
+  it, within seconds, without a re-formation or a timeout (live failures with two instances:
+  ``tests/jobs/test_ntp_distopt_live.py``).
 """
 
 from __future__ import annotations
@@ -164,16 +165,20 @@ def test_uneven_blocks(tmp_path_factory, case):
     check_case(tmp_path_factory, case)
 
 
-def test_a_failure_that_would_degrade_a_replica_stops_the_job_naming_why(tmp_path):
+def test_a_failure_with_one_instance_loses_a_shard_and_stops_the_job_naming_it(tmp_path):
+    """With one instance every shard has a single holder: the controller stops the job at once (no restart is
+    configured) with a ``shard_lost`` event naming the shard, without a re-formation or a timeout."""
     args = ntp_args(2, 2, iters=4, extra=("--set", "parallel.use_distributed_optimizer=true",
                                           "--set", "parallel.num_distributed_optimizer_instances=1"))
     result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=2,phase=backward"])
     assert result.returncode != 0, result.stderr[-3000:]
     [stopped] = result.events("job_stopped")
     reason = stopped["reason"]
-    for text in ("replica 1 at TP 1 of 2", "parallel.use_distributed_optimizer", "the job stops"):
+    for text in ("distributed-optimizer shards (block, position) [(1, 1)] lost", "one instance"):
         assert text in reason, reason
     assert reason in result.stderr
+    [lost] = result.events("shard_lost")
+    assert (lost["block"], lost["position"], lost["holders"]) == (1, 1, [3]) and lost["numel"] > 0
     assert not result.events("reformed")
     killed = [f for f in result.events("rank_failed") if f["launch_rank"] == 3]
     assert killed, result.events("rank_failed")

@@ -42,13 +42,13 @@ class Job:
     """Generation 0 of a ``tp`` x ``dp`` job on ``store`` (the controller's store may be a proxy of it)."""
 
     def __init__(self, store, tp: int, dp: int, start: int = 0, policy: str = "drop_replica", min_tp: int = 1,
-                 controller_store=None) -> None:
+                 controller_store=None, sharded=None) -> None:
         self.store = store
         self.said: list[str] = []
         self.events: list[dict] = []
         self.controller = Controller(controller_store if controller_store is not None else store,
                                      make_topology(tp, dp, UNITS), min_tp, policy, self.said.append,
-                                     self.events.append, start_iteration=start)
+                                     self.events.append, start_iteration=start, sharded=sharded)
         self.alive = set(range(tp * dp))
 
     # -- what the store says -------------------------------------------------------------------------------------

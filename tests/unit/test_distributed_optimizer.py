@@ -147,27 +147,6 @@ def test_a_deferred_step_is_local_and_the_gather_completes_it(megatron):
         defer_param_sync(SimpleNamespace())
 
 
-@pytest.mark.parametrize("launched, dead, dropped, expected", [
-    ((), (), (), None),
-    (((1, 1),), ((1, 1),), (), None),  # degraded at launch: its layout is the one it trains in
-    ((), ((1, 1),), (), "generation 0 would leave replica 1 at TP 1 of 2: parallel.use_distributed_optimizer"),
-    ((), (), (0,), "generation 0 would leave replica 0 dropped: parallel.use_distributed_optimizer"),
-    (((1, 1),), (), (), "generation 0 would leave replica 1 at TP 2 of 2: parallel.use_distributed_optimizer"),
-])
-def test_reformations_the_distributed_optimizer_cannot_survive_yet_are_named(launched, dead, dropped, expected):
-    from ntp_megatron.elastic.reform import distributed_optimizer_refusal
-
-    counts = {"heads": 4, "ffn": 8, "vocab": 16}
-    launch = make_topology(2, 2, counts, dead_slots=launched)
-    topology = make_topology(2, 2, counts, dead_slots=dead, dropped=dropped)
-    on = load_job_config(None, ["ntp.enabled=true", "parallel.use_distributed_optimizer=true"])
-    off = load_job_config(None, ["ntp.enabled=true"])
-    reason = distributed_optimizer_refusal(on, launch, topology)
-    assert reason is None if expected is None else reason.startswith(expected), reason
-    assert reason is None or "\n" not in reason
-    assert distributed_optimizer_refusal(off, launch, topology) is None
-
-
 def test_gathered_state_of_a_bf16_distributed_optimizer(megatron):
     """The state checks' view of a distributed optimizer (one member here): before the first step only the
     parameters and their fp32 main params, read without adding entries to the optimizer's state (a second look

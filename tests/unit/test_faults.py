@@ -16,12 +16,13 @@ def test_parse_every_form_and_round_trip():
     specs = [parse_failure_spec("kill:rank=1,iter=5"), parse_failure_spec("exit:rank=3,iter=2,code=9", 4),
              parse_failure_spec("hang:rank=0,iter=3,phase=backward", 4, 10),
              parse_failure_spec("kill:rank=2,iter=4,phase=optimizer"),
+             parse_failure_spec("kill:rank=2,iter=4,phase=param_gather", 4, 10),
              parse_failure_spec("kill:rank=1,iter=2,phase=checkpoint", checkpoints=True),
              parse_failure_spec("kill:rank=3,after=7.5", 4), parse_failure_spec("random:mtbf=30"),
              parse_failure_spec("random:mtbf=5,seed=3,max=2,action=hang")]
     assert specs == [RankFailure("kill", 1, 5), RankFailure("exit", 3, 2, code=9),
                      RankFailure("hang", 0, 3, "backward"), RankFailure("kill", 2, 4, "optimizer"),
-                     RankFailure("kill", 1, 2, "checkpoint"), TimedKill(3, 7.5), RandomFailures(30.0),
+                     RankFailure("kill", 2, 4, "param_gather"), RankFailure("kill", 1, 2, "checkpoint"), TimedKill(3, 7.5), RandomFailures(30.0),
                      RandomFailures(5.0, seed=3, max=2, action="hang")]
     assert [str(s) for s in specs[:3]] == ["kill:rank=1,iter=5", "exit:rank=3,iter=2,code=9",
                                            "hang:rank=0,iter=3,phase=backward"]
