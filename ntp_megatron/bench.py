@@ -467,7 +467,7 @@ def reform_memory(records: list[dict]) -> list[dict]:
 def measure_memory(sizes: Sizes, run: RunModule, workdir: Path, failure_records: Sequence[list[dict]]) -> dict:
     """The cases of :func:`memory_cases`, interleaved over ``sizes.rounds`` (memory is the same every round; step
     times pooled), then the re-formations of the failure part's NTP jobs (``failure_records``) and, with
-    ``sizes.reform_tp``, of one job of its own."""
+    ``sizes.reform_tp``, of two jobs of its own (without the distributed optimizer, and with it at two instances)."""
     cases = memory_cases(sizes)
     runs: dict[str, list[dict]] = {name: [] for name in cases}
     for round_index in range(sizes.rounds):
@@ -499,11 +499,14 @@ def measure_memory(sizes: Sizes, run: RunModule, workdir: Path, failure_records:
                    reform_memory(records) for i, records in enumerate(failure_records)}
     if sizes.reform_tp is not None:
         tp = sizes.reform_tp
-        records = run_job_records(
-            [*_layout(tp, 2, True), "--inject-failure", f"kill:rank={2 * tp - 1},iter=3,phase=backward"], 5,
-            workdir, run, f"reform tp{tp}", model=MEMORY_MODEL)
-        reform_jobs[f"TP{tp} x 2, launch rank {2 * tp - 1} killed in iteration 3"] = reform_memory(records)
-        print(f"memory reform tp{tp} done", file=sys.stderr)
+        kill = ["--inject-failure", f"kill:rank={2 * tp - 1},iter=3,phase=backward"]
+        dist_opt = ["--set", "parallel.use_distributed_optimizer=true",
+                    "--set", "parallel.num_distributed_optimizer_instances=2"]
+        for extra, label in (([], ""), (dist_opt, ", dist-opt k=2")):
+            records = run_job_records([*_layout(tp, 2, True), *extra, *kill], 5, workdir, run,
+                                      f"reform tp{tp}{label}", model=MEMORY_MODEL)
+            reform_jobs[f"TP{tp} x 2{label}, launch rank {2 * tp - 1} killed in iteration 3"] = reform_memory(records)
+            print(f"memory reform tp{tp}{label} done", file=sys.stderr)
     return {"layout": f"TP{sizes.memory_tp} x DP{sizes.memory_dp}", "iterations": sizes.memory_iters,
             "rounds": sizes.rounds, "cases": figures, "ratios": ratios, "reform": reform_jobs}
 
