@@ -286,7 +286,7 @@ class Reformer:
                     raise RuntimeError(f"rank {rank}: its shard of block {block} neither moves nor was held")
                 new_shards.copy_from(old_shards, block)
         message = largest_piece_bytes(transfers, rank, old_shards, new_shards)
-        memory.sample(old, new_parts, transient=message)  # exchange() holds one bucket's shard at a time
+        memory.sample(old, new_parts, transient=message)  # exchange() holds one parameter's piece at a time
         received = exchange(transfers, rank, old_shards, new_shards)
         held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
         held["largest_message_bytes"] = message
