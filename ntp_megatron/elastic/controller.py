@@ -156,10 +156,12 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         try:
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
+            if self.sharded is not None:  # before the first commit too: a drop would cut the shards anew
+                self._check_no_drop(base, new)
             # Before the run's first commit every rank builds any unit from the seed or the loaded checkpoint.
             if in_flight is None or in_flight[0] > self.start_iteration + 1:
                 if self.sharded is not None:  # the state is the shards (units are gathered from them)
-                    self._check_shards(base, new, dead_ranks)
+                    self._check_shards(base, dead_ranks)
                 transition_plan(base, new, dead_ranks)  # every lost unit must have a surviving holder somewhere
         except TopologyError as exc:
             reason = f"NTP cannot absorb the failure: {exc}"
@@ -184,12 +186,10 @@ class Controller:
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
 
-    def _check_shards(self, base: Topology, new: Topology, dead_ranks: list[int]) -> None:
-        """Under the distributed optimizer: every optimizer shard must keep a surviving holder (else a
-        ``shard_lost`` event per lost shard), and no replica may be dropped while there are several instances:
-        each instance shards over its replicas' positions, which a drop would renumber — the shards would have to
-        be cut anew, which nothing does live. Raises :class:`TopologyError` saying which (``ntp.on_unrecoverable``
-        decides: a restart from the newest checkpoint, or a stop)."""
+    def _check_shards(self, base: Topology, dead_ranks: list[int]) -> None:
+        """Under the distributed optimizer: every optimizer shard must keep a surviving holder, else a
+        ``shard_lost`` event per lost shard and a :class:`TopologyError` (``ntp.on_unrecoverable`` decides: a
+        restart from the newest checkpoint, or a stop)."""
         dp, k = self.sharded.data_parallel_size, self.sharded.instances
         lost = lost_shards(base, dead_ranks, dp, k)
         if lost:
@@ -203,6 +203,13 @@ class Controller:
             one = " (one instance: every shard has a single holder)" if k == 1 else ""
             raise TopologyError(f"distributed-optimizer shards (block, position) {lost} lost: every holder died"
                                 f"{one}; nothing live holds them any more")
+
+    def _check_no_drop(self, base: Topology, new: Topology) -> None:
+        """Under the distributed optimizer with several instances no replica may be dropped, before the first
+        commit as after it: each instance shards over its replicas' positions, which a drop would renumber (the
+        shards would have to be cut anew, and the instances would shard differently), which nothing does live.
+        Raises :class:`TopologyError` (``ntp.on_unrecoverable`` decides)."""
+        k = self.sharded.instances
         dropped = sorted({rep.index for rep in base.replicas} - {rep.index for rep in new.replicas})
         if dropped and k > 1:
             raise TopologyError(

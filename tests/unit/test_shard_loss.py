@@ -62,8 +62,14 @@ def test_with_one_instance_every_death_loses_a_shard():
     assert (event["block"], event["position"], event["holders"], event["numel"]) == (0, 1, [2], 60)
 
 
-def test_no_replica_is_dropped_live_with_two_instances():
-    job = _job(TWO, min_tp=2, policy="drop_replica")
+@pytest.mark.parametrize("commits", [2, 0])
+def test_no_replica_is_dropped_live_with_two_instances(commits):
+    """After the run's first commit and before it (where units and shards are not checked: every rank builds its
+    state from the seed or the checkpoint, but the instances would still shard over different positions)."""
+    job = Job(hash_store(), 2, 2, sharded=TWO, min_tp=2, policy="drop_replica")
+    job.form(0)
+    for iteration in range(1, commits + 1):
+        job.commit(0, iteration)
     reason = job.die(3)
     assert reason is not None and "replica 1 would be dropped" in reason and "2 instances" in reason
     assert _lost(job) == [] and job.latest() == 0
