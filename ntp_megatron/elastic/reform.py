@@ -452,16 +452,24 @@ def peers_progress(old: Optional[RankObjects]) -> Progress:
     same steps: one per committed iteration since the run's optimizer state began — at iteration 0, at a loaded
     checkpoint's, or fresh after ``checkpoint.no_load_optim``), for a process that holds none (a replacement).
     Taken from them rather than derived, since only they know where their state began. A maximum over the
-    generation (collective): a process without state contributes -1."""
+    generation (collective): a process without state contributes -1; the minimum over the holders comes with it,
+    and holders that disagree are an error (a step taken twice or missed), never papered over."""
     step, scheduled = -1.0, -1.0
     if old is not None:
         found = _any_step(old.optimizer.optimizer.state)
         step = float(found) if found is not None else -1.0
         scheduled = float(old.scheduler.num_steps)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    both = torch.tensor([step, scheduled], dtype=torch.float64, device=device)
+    # [max step, max schedule, -min step, -min schedule]; a process without state leaves the minimum alone
+    missing = float("-inf")
+    both = torch.tensor([step, scheduled, -step if step >= 0 else missing, -scheduled if old is not None else missing],
+                        dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return Progress(adam_step=int(both[0]), scheduler_steps=int(both[1]))
+    high, low = both[:2].tolist(), (-both[2:]).tolist()
+    for what, h, lo in zip(("Adam step", "schedule steps"), high, low):
+        if h >= 0 and lo != h:
+            raise RuntimeError(f"the ranks holding optimizer state disagree on the {what}: {lo:g} to {h:g}")
+    return Progress(adam_step=int(high[0]), scheduler_steps=int(high[1]))
 
 
 def _try(action: Callable[[], None]) -> None:
