@@ -58,8 +58,9 @@ def test_failed_rank_is_reported_and_nothing_is_left(tmp_path, spec, cause):
     assert result.losses(), "no iteration completed before the injected failure"
 
 
-def test_rank_output_is_prefixed(tmp_path):
-    result = run_job(tmp_path / "run", layout_args(1, 2, 2))
+def test_rank_output_is_prefixed(jobs):
+    # The TP1 x DP2 run of tests/jobs/test_equivalence.py (the session runs it once): any healthy job prints so.
+    result = jobs.run("tp1dp2", layout_args(1, 2, 10))
     assert result.returncode == 0, result.stderr[-3000:]
     iteration_lines = [l for l in result.stdout.splitlines() if " iteration " in l]
     assert iteration_lines and all(l.startswith("[rank 0] ") for l in iteration_lines)
