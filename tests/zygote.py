@@ -8,8 +8,9 @@ plain Megatron-Core helper of the checkpoint tests), output to the given files, 
 forking it is as safe as the launcher forking its ranks.
 
 What a launcher imports only once its job has ended (matplotlib, for the run plot: seconds per job under load) the
-zygote imports once, while its first job runs (:func:`_import_late`): its own start stays as short as it was, and
-every later job skips those imports too.
+zygote imports once, while its first launcher job runs (:func:`_import_late`; not while a module runs: the short
+refusals of the unit tests do not wait for it): its own start stays as short as it was, and every later job skips
+those imports too.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def main() -> None:
             _child(request)
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
-        if not late_imported:  # while the first job runs: the next ones are forked with these imports done
-            _import_late()
+        if not late_imported and "module" not in request:  # while the first job runs: the next ones are forked
+            _import_late()                                     # with these imports done
             late_imported = True
         _, status = os.waitpid(pid, 0)
         reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
