@@ -163,6 +163,8 @@ class Forked:
               cwd: Path = REPO) -> "Forked":
         for forked in list(cls._busy):  # a test that killed its process and did not wait: collect it now
             forked.poll()
+        for path in (stdout, stderr):  # there to read at once (the child truncates and writes them)
+            path.touch()
         if cls._idle:
             zygote, lines = cls._idle.pop()
         else:
@@ -183,6 +185,15 @@ class Forked:
         forked = cls(zygote, lines, pid)
         cls._busy.append(forked)
         return forked
+
+    @classmethod
+    def ready(cls, count: int, out_dir: Path) -> None:
+        """At least ``count`` zygotes started and idle: processes started together then wait for no one's imports
+        (a node that must join another within a timeout)."""
+        # All started before any ends: each takes an idle zygote or starts one, and all come back idle.
+        starting = [cls.start(["--help"], out_dir / f"zygote{i}.stdout", out_dir / f"zygote{i}.stderr",
+                              module="ntp_megatron.launcher") for i in range(count)]
+        assert [forked.wait() for forked in starting] == [0] * count
 
     def _read_exit(self, timeout: float) -> Optional[int]:
         if self.returncode is None:

@@ -40,8 +40,9 @@ def _two_nodes(tmp_path: Path, extra: list[str]) -> tuple[tuple[int, str], tuple
     """Node 0 as a process of its own on a port its store picks, node 1 from the test zygote once node 0 says which;
     (exit code, stderr) of each, node 0's records."""
     run_dir = tmp_path / "run"
-    # The zygote's own start (its imports) must not count against node 0's wait for node 1: it is up first.
+    # The zygotes' own starts (their imports) must not count against node 0's wait for node 1: they are up first.
     assert run_module("ntp_megatron.launcher", ["--help"], tmp_path / "zygote")[0] == 0
+    Forked.ready(1, tmp_path)
     node0 = launch_node(0, run_dir, [*JOB, "--store-port", "0", *extra])
     try:
         port = store_port(run_dir, node0)
