@@ -141,6 +141,94 @@ class _Zygote:
         cls._proc = None
 
 
+class Forked:
+    """A process forked from a zygote of its own, running while the test acts on it (signals it, reads its files,
+    starts another node against it): ``ntp-launch args``, or ``python -m module args``, with
+    ``subprocess.Popen``'s ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal`` and ``kill``. Like a process
+    started with ``start_new_session=True``, it leads a process group of its own.
+
+    Its zygote (``tests/zygote.py``, one per process running at a time) answers only when the process has ended, so
+    it runs no other process meanwhile; once the exit has been read, the next :meth:`start` reuses it. The
+    imports are paid once per zygote, not once per process."""
+
+    _idle: list[tuple[subprocess.Popen, _Lines]] = []
+    _busy: list["Forked"] = []
+
+    def __init__(self, zygote: subprocess.Popen, lines: _Lines, pid: int) -> None:
+        self._zygote, self._lines, self.pid = zygote, lines, pid
+        self.returncode: Optional[int] = None
+
+    @classmethod
+    def start(cls, args: Sequence[str], stdout: Path, stderr: Path, module: Optional[str] = None,
+              cwd: Path = REPO) -> "Forked":
+        for forked in list(cls._busy):  # a test that killed its process and did not wait: collect it now
+            forked.poll()
+        for path in (stdout, stderr):  # there to read at once (the child truncates and writes them)
+            path.touch()
+        if cls._idle:
+            zygote, lines = cls._idle.pop()
+        else:
+            zygote = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE)
+            lines = _Lines(zygote.stdout.fileno())
+        request = {"args": list(args), "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+        if module is not None:
+            request["module"] = module
+        try:
+            zygote.stdin.write((json.dumps(request) + "\n").encode())
+            zygote.stdin.flush()
+            pid = json.loads(lines.read(time.monotonic() + _Zygote.START_S))["pid"]
+        except BaseException:
+            zygote.kill()
+            zygote.wait(timeout=_Zygote.START_S)
+            raise
+        forked = cls(zygote, lines, pid)
+        cls._busy.append(forked)
+        return forked
+
+    @classmethod
+    def ready(cls, count: int, out_dir: Path) -> None:
+        """At least ``count`` zygotes started and idle: processes started together then wait for no one's imports
+        (a node that must join another within a timeout)."""
+        # All started before any ends: each takes an idle zygote or starts one, and all come back idle.
+        starting = [cls.start(["--help"], out_dir / f"zygote{i}.stdout", out_dir / f"zygote{i}.stderr",
+                              module="ntp_megatron.launcher") for i in range(count)]
+        assert [forked.wait() for forked in starting] == [0] * count
+
+    def _read_exit(self, timeout: float) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self._lines.read(time.monotonic() + timeout))["returncode"]
+            except TimeoutError:
+                return None
+            except (EOFError, OSError):  # the zygote itself died: the process went with it
+                self.returncode = -signal.SIGKILL
+                self._busy.remove(self)
+                return self.returncode
+            self._busy.remove(self)
+            self._idle.append((self._zygote, self._lines))
+        return self.returncode
+
+    def poll(self) -> Optional[int]:
+        return self._read_exit(0.0)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        code = self._read_exit(_Zygote.START_S if timeout is None else timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(f"forked pid {self.pid}", timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
 def _run_process(cmd: list[str], cwd: Path, timeout: float) -> tuple[int, str, str]:
     """``cmd`` in a process group of its own, killed whole on a timeout or an interruption."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

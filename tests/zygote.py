@@ -6,6 +6,11 @@ a child that becomes the launcher (``ntp_megatron.launcher.main(args)``; or ``<m
 plain Megatron-Core helper of the checkpoint tests), output to the given files, its own process group, answers
 ``{"pid": ...}``, waits for it and answers ``{"returncode": ...}``. The zygote starts no thread, so
 forking it is as safe as the launcher forking its ranks.
+
+What a launcher imports only once its job has ended (matplotlib, for the run plot: seconds per job under load) the
+zygote imports once, while its first launcher job runs (:func:`_import_late`; not while a module runs: the short
+refusals of the unit tests do not wait for it): its own start stays as short as it was, and every later job skips
+those imports too.
 """
 
 from __future__ import annotations
@@ -45,8 +50,21 @@ def _child(request: dict) -> None:
     run_forked_child(start)
 
 
+def _import_late() -> None:
+    """The launcher's end-of-job imports (``ntp_megatron.run_report.plot``: matplotlib with its Agg backend, which
+    writes PNGs through Pillow). None of them starts a thread."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # what run_report.plot selects
+    import matplotlib.backends.backend_agg  # noqa: F401
+    import matplotlib.pyplot  # noqa: F401
+    import PIL.Image  # noqa: F401
+    import PIL.PngImagePlugin  # noqa: F401
+
+
 def main() -> None:
     reply = sys.stdout
+    late_imported = False
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
@@ -54,6 +72,9 @@ def main() -> None:
             _child(request)
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
+        if not late_imported and "module" not in request:  # while the first job runs: the next ones are forked
+            _import_late()                                     # with these imports done
+            late_imported = True
         _, status = os.waitpid(pid, 0)
         reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
         reply.flush()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import assert_ok, layout_args, relative_difference, run_job, wait_until
+from tests.harness import JobResult, assert_ok, layout_args, relative_difference, run_job, wait_until
 
 WRITERS = 3
 """Processes an async save starts under a rank: the results-queue Manager, the writer, at least one worker."""
@@ -66,12 +66,20 @@ def _tensors(path: Path) -> dict:
 
 
 SAVES = ["--set", "checkpoint.save_interval=3"]
+SYNC_ITERS = 8
 
 
-def test_async_save_equals_sync_save_and_resumes(tmp_path):
-    iters = 8
-    sync_ckpt, async_ckpt = tmp_path / "sync", tmp_path / "async"
-    sync = run_job(tmp_path / "sync_run", layout_args(2, 2, iters) + SAVES + ["--set", f"checkpoint.save={sync_ckpt}"])
+def sync_saving_run(jobs, tmp_path_factory) -> tuple[JobResult, Path]:
+    """TP2 x DP2 for SYNC_ITERS iterations, saving (synchronously) at 3, 6 and 8: the job and its checkpoint root.
+    Run once per session: tests/jobs/test_checkpoint_resume.py resumes from the same checkpoints."""
+    ckpt = tmp_path_factory.getbasetemp() / "sync-saving-run-ckpt"
+    return jobs.run("sync-saving", layout_args(2, 2, SYNC_ITERS) + SAVES + ["--set", f"checkpoint.save={ckpt}"]), ckpt
+
+
+def test_async_save_equals_sync_save_and_resumes(tmp_path, jobs, tmp_path_factory):
+    iters = SYNC_ITERS
+    async_ckpt = tmp_path / "async"
+    sync, sync_ckpt = sync_saving_run(jobs, tmp_path_factory)
     assert_ok(sync)
     run = run_job(tmp_path / "async_run", layout_args(2, 2, iters) + SAVES + [
         "--set", f"checkpoint.save={async_ckpt}", "--set", "checkpoint.async_save=true"])

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 
-from tests.harness import REPO, assert_ok, layout_args, run_job
+from tests.harness import assert_ok, layout_args, run_job, run_module
 
 
-def test_preprocess_then_train_on_indexed_data(tmp_path):
+def test_preprocess_then_train_on_indexed_data(tmp_path, jobs):
     prefix = tmp_path / "data" / "corpus"
-    proc = subprocess.run([sys.executable, "-m", "ntp_megatron.preprocess", "--output-prefix", str(prefix)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    returncode, stderr = run_module("ntp_megatron.preprocess", ["--output-prefix", str(prefix)], tmp_path / "prep",
+                                    timeout=120)
+    assert returncode == 0, stderr
     data_prefix = f"{prefix}_text_document"
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -32,6 +29,8 @@ def test_preprocess_then_train_on_indexed_data(tmp_path):
     assert sorted(losses) == list(range(1, 9))
     assert losses[8] < losses[1]
 
-    mock = run_job(tmp_path / "mock", layout_args(1, 2, 2))
+    # Iteration 1's loss (before any update: the model and the first batch alone) on mock data, from the TP1 x DP2
+    # run of tests/jobs/test_equivalence.py (the session runs it once).
+    mock = jobs.run("tp1dp2", layout_args(1, 2, 10))
     assert_ok(mock)
     assert mock.losses()[1] != losses[1], "the --data-path run must not be training on mock data"

@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import psutil
 import pytest
 
 from ntp_megatron import faults
-from tests.harness import REPO, layout_args, run_job
+from tests.harness import Forked, layout_args, run_job
 from tests.jobs.test_live_failure import ntp_args
 
 
@@ -58,21 +56,21 @@ def test_failed_rank_is_reported_and_nothing_is_left(tmp_path, spec, cause):
     assert result.losses(), "no iteration completed before the injected failure"
 
 
-def test_rank_output_is_prefixed(tmp_path):
-    result = run_job(tmp_path / "run", layout_args(1, 2, 2))
+def test_rank_output_is_prefixed(jobs):
+    # The TP1 x DP2 run of tests/jobs/test_equivalence.py (the session runs it once): any healthy job prints so.
+    result = jobs.run("tp1dp2", layout_args(1, 2, 10))
     assert result.returncode == 0, result.stderr[-3000:]
     iteration_lines = [l for l in result.stdout.splitlines() if " iteration " in l]
     assert iteration_lines and all(l.startswith("[rank 0] ") for l in iteration_lines)
     assert "tp per replica: [1, 1]" in iteration_lines[-1]
-def _launch(run_dir: Path, args: list[str]) -> subprocess.Popen:
-    """``ntp-launch`` as a process of its own (so the test can signal it), output to files in ``run_dir``."""
+def _launch(run_dir: Path, args: list[str]) -> Forked:
+    """``ntp-launch`` as a process of its own (so the test can signal it; forked from a zygote of its own), output
+    to files in ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "launcher.stdout", "w") as out, open(run_dir / "launcher.stderr", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(run_dir), *args],
-                                cwd=REPO, stdout=out, stderr=err, start_new_session=True)
+    return Forked.start(["--run-dir", str(run_dir), *args], run_dir / "launcher.stdout", run_dir / "launcher.stderr")
 
 
-def _wait_for_line(proc: subprocess.Popen, path: Path, pattern: str, timeout: float) -> re.Match:
+def _wait_for_line(proc: Forked, path: Path, pattern: str, timeout: float) -> re.Match:
     """The first line of ``path`` matching ``pattern``, once it is written (bounded; fails if ``proc`` ends)."""
     deadline = time.monotonic() + timeout
     while True:

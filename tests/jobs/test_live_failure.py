@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.harness import TINY, JobResult, alive, assert_replicas_agree, relative_difference, run_job
+from tests.harness import TINY, JobResult, alive, assert_replicas_agree, layout_args, relative_difference, run_job
 
 ITERS = 10
 TOL = 1e-5
@@ -63,9 +63,22 @@ def reference_tp4(jobs):
     return jobs.run("live-ref-tp4x2", ntp_args(4, 2))
 
 
+def kill_in_phase(jobs, phase: str) -> JobResult:
+    """Launch rank 3 (replica 1, slot 1) killed in iteration 5, in ``phase``: one job per phase and session (the
+    state-check tests of tests/jobs/test_state_checks.py read the same jobs)."""
+    return jobs.run(f"live-kill-{phase}", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
+
+
+def kill_during_a_reformation(jobs) -> JobResult:
+    """Rank 7 killed in iteration 4, rank 2 in the re-formation that follows: one job per session (read by
+    tests/jobs/test_state_checks.py too)."""
+    return jobs.run("live-kill-in-reform", ntp_args(4, 2) + ["--inject-failure", "kill:rank=7,iter=4,phase=backward",
+                                                             "--inject-failure", "kill:rank=2,iter=4,phase=reform"])
+
+
 @pytest.mark.parametrize("phase", ["start", "forward", "backward", "grad_sync", "optimizer"])
-def test_kill_in_each_phase(tmp_path, reference_tp2, phase):
-    result = run_job(tmp_path / "run", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
+def test_kill_in_each_phase(jobs, reference_tp2, phase):
+    result = kill_in_phase(jobs, phase)
     assert_same_run(result, reference_tp2)
     assert_replicas_agree(result, ITERS)
     [failed] = result.events("rank_failed")
@@ -133,12 +146,10 @@ def test_kills_in_two_replicas_in_the_same_iteration(tmp_path, reference_tp4):
     assert sorted(e["launch_rank"] for e in result.events("rank_failed")) == [1, 6], launcher_lines(result)
 
 
-def test_kill_while_a_reformation_is_in_progress(tmp_path, reference_tp4):
+def test_kill_while_a_reformation_is_in_progress(jobs, reference_tp4):
     """Rank 2 dies after joining the generation that rank 7's death started, before any unit moved: the
     survivors fall back to the layout they hold and form the next generation without both."""
-    args = ntp_args(4, 2) + ["--inject-failure", "kill:rank=7,iter=4,phase=backward",
-                             "--inject-failure", "kill:rank=2,iter=4,phase=reform"]
-    result = run_job(tmp_path / "run", args)
+    result = kill_during_a_reformation(jobs)
     assert_same_run(result, reference_tp4)
     assert_replicas_agree(result, ITERS)
     reformed = result.events("reformed")
@@ -249,9 +260,8 @@ def test_restart_below_min_tp(tmp_path, jobs, dp, micro_batch):
 def test_ntp_off_restarts_from_the_last_checkpoint(tmp_path, jobs):
     """The baseline every benchmark compares against: NTP off, checkpoints on, a failure restarts every rank
     from the newest checkpoint; iterations after it are computed again, the loss curve is unchanged."""
-    plain = [*TINY, "--set", "parallel.tensor_model_parallel_size=2", "--set", "parallel.data_parallel_size=2",
-             "--set", f"training.train_iters={ITERS}"]
-    reference = jobs.run("live-ref-plain", plain)
+    plain = layout_args(2, 2, ITERS)
+    reference = jobs.run("live-ref-plain", plain)  # the TP2 x DP2 run of tests/jobs/test_equivalence.py: run once
     ckpt = tmp_path / "ckpt"
     args = plain + ["--set", f"checkpoint.save={ckpt}", "--set", "checkpoint.save_interval=3",
                     "--inject-failure", "kill:rank=1,iter=5,phase=backward"]

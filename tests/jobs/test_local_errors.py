@@ -10,16 +10,13 @@ regular file; the first save is due many iterations later.
 from __future__ import annotations
 
 import json
-import select
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, JobResult, run_job
+from tests.harness import Forked, JobResult, run_job
 from tests.jobs.test_live_failure import leftover_processes, ntp_args
 
 STOP_WITHIN_S = 30.0
@@ -35,37 +32,31 @@ def read_records(run_dir: Path) -> list[dict]:
 
 
 def launch_and_break_save(run_dir: Path, args: list[str], ckpt: Path) -> JobResult:
-    """Run the launcher; once it printed the first iteration, make ``ckpt`` a regular file."""
+    """Run the launcher (forked from a zygote of its own); once it printed the first iteration, make ``ckpt`` a
+    regular file."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(run_dir),
-           "--metrics-file", str(run_dir / "metrics.jsonl"), *args]
-    stderr_path = run_dir / "launcher.stderr"
-    with open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1)
-        out: list[str] = []
-        broken = False
+    stdout_path, stderr_path = run_dir / "launcher.stdout", run_dir / "launcher.stderr"
+    proc = Forked.start(["--run-dir", str(run_dir), "--metrics-file", str(run_dir / "metrics.jsonl"), *args],
+                        stdout_path, stderr_path)
+    broken = False
+    try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            while True:
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-                if not ready:
-                    raise AssertionError(f"no output within {START_TIMEOUT_S:.0f} s:\n{''.join(out)[-3000:]}")
-                line = proc.stdout.readline()
-                if not line:
-                    break
-                out.append(line)
-                if not broken and " iteration        1/" in line:
-                    shutil.rmtree(ckpt)
-                    ckpt.write_text("not a directory\n")
-                    broken = True
-                    deadline = time.monotonic() + START_TIMEOUT_S
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        while proc.poll() is None:
+            if " iteration        1/" in stdout_path.read_text(errors="replace"):
+                shutil.rmtree(ckpt)
+                ckpt.write_text("not a directory\n")
+                broken = True
+                break
+            assert time.monotonic() < deadline, (
+                f"no first iteration within {START_TIMEOUT_S:.0f} s:\n{stdout_path.read_text()[-3000:]}")
+            time.sleep(0.02)  # the poll of a file another process appends to (line-buffered)
+        proc.wait(timeout=START_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert broken, "the job never printed its first iteration:\n" + stderr_path.read_text()[-3000:]
-    return JobResult(proc.returncode, "".join(out), stderr_path.read_text(), read_records(run_dir), run_dir)
+    return JobResult(proc.returncode, stdout_path.read_text(), stderr_path.read_text(), read_records(run_dir), run_dir)
 
 
 def events(result: JobResult, name: str) -> list[dict]:

@@ -6,20 +6,18 @@ and a node that never comes is named in one line. Node 0's store takes a port of
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, TINY, run_module
+from tests.harness import TINY, Forked, run_module
 
 JOB = ["--nnodes", "2", "--tensor-model-parallel-size", "2", "--data-parallel-size", "2", "--train-iters", "3",
        *TINY[:6], "--micro-batch-size", "2", "--global-batch-size", "4", "--lr-warmup-iters", "1"]
 
 
-def store_port(run_dir: Path, node0: subprocess.Popen, timeout: float = 240) -> int:
+def store_port(run_dir: Path, node0: Forked, timeout: float = 240) -> int:
     """The port node 0's store took (``--store-port 0``), once node 0 wrote it to ``run_dir/store.json``."""
     path = run_dir / "store.json"
     deadline = time.monotonic() + timeout
@@ -30,21 +28,21 @@ def store_port(run_dir: Path, node0: subprocess.Popen, timeout: float = 240) -> 
     return json.loads(path.read_text())["port"]
 
 
-def launch_node(node: int, run_dir: Path, args: list[str]) -> subprocess.Popen:
-    """One node's ``ntp-launch`` (a process of its own; output to ``node<n>.stdout/.stderr`` in ``run_dir``)."""
+def launch_node(node: int, run_dir: Path, args: list[str]) -> Forked:
+    """One node's ``ntp-launch`` (a process of its own, forked from a zygote of its own; output to
+    ``node<n>.stdout/.stderr`` in ``run_dir``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / f"node{node}.stdout", "w") as out, open(run_dir / f"node{node}.stderr", "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "ntp_megatron.launcher", "--node-rank", str(node),
-                                 "--run-dir", str(run_dir), *args], cwd=REPO, stdout=out, stderr=err,
-                                start_new_session=True)
+    return Forked.start(["--node-rank", str(node), "--run-dir", str(run_dir), *args], run_dir / f"node{node}.stdout",
+                        run_dir / f"node{node}.stderr")
 
 
 def _two_nodes(tmp_path: Path, extra: list[str]) -> tuple[tuple[int, str], tuple[int, str], list[dict]]:
-    """Node 0 as its own process on a port its store picks, node 1 from the test zygote once node 0 says which;
+    """Node 0 as a process of its own on a port its store picks, node 1 from the test zygote once node 0 says which;
     (exit code, stderr) of each, node 0's records."""
     run_dir = tmp_path / "run"
-    # The zygote's own start (its imports) must not count against node 0's wait for node 1: it is up first.
+    # The zygotes' own starts (their imports) must not count against node 0's wait for node 1: they are up first.
     assert run_module("ntp_megatron.launcher", ["--help"], tmp_path / "zygote")[0] == 0
+    Forked.ready(1, tmp_path)
     node0 = launch_node(0, run_dir, [*JOB, "--store-port", "0", *extra])
     try:
         port = store_port(run_dir, node0)

@@ -7,7 +7,7 @@ import json
 import signal
 import time
 
-from tests.harness import TINY
+from tests.harness import TINY, Forked
 from tests.jobs.test_multi_node import launch_node, store_port
 
 
@@ -23,6 +23,7 @@ def test_two_launchers_on_one_host_with_a_dead_slot_and_a_rejoin(tmp_path):
               "--set", "parallel.data_parallel_size=2", "--set", "ntp.dead_slots=[0:1]",
               "--set", "training.train_iters=100000", "--set", "ntp.rejoin_after_s=0", "--set", "parallel.timeout_s=60",
               "--inject-failure", "kill:rank=2,iter=3,phase=backward"]
+    Forked.ready(2, tmp_path)  # the nodes' zygotes are up first: node 0's wait for node 1 counts no import
     nodes = [launch_node(0, run_dir, [*common, "--store-port", "0", "--metrics-file", str(metrics)])]
     try:
         nodes.append(launch_node(1, run_dir, [*common, "--store-port", str(store_port(run_dir, nodes[0]))]))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from ntp_megatron.layout import Topology
-from tests.harness import JobResult, assert_replicas_agree, run_job
-from tests.jobs.test_live_failure import assert_same_run, ntp_args
+from tests.harness import JobResult, assert_replicas_agree
+from tests.jobs.test_live_failure import assert_same_run, kill_during_a_reformation, kill_in_phase, ntp_args
 
 
 def published(result: JobResult) -> dict[int, tuple[Topology, list]]:
@@ -19,21 +19,19 @@ def published(result: JobResult) -> dict[int, tuple[Topology, list]]:
 
 
 @pytest.mark.parametrize("phase", ["start", "optimizer"])
-def test_checksums_from_every_rank_at_every_iteration(tmp_path, jobs, phase):
+def test_checksums_from_every_rank_at_every_iteration(jobs, phase):
     """``optimizer``: rank 3 dies after voting for iteration 5, so its TP peer's check of 5 (a gather with it)
     always fails in generation 0. ``start``: rank 3 dies as iteration 5 begins, while the ranks of the other
     replica may still be checking iteration 4."""
     reference = jobs.run("live-ref-tp2x2", ntp_args(2, 2))
-    result = run_job(tmp_path / "run", ntp_args(2, 2) + ["--inject-failure", f"kill:rank=3,iter=5,phase={phase}"])
+    result = kill_in_phase(jobs, phase)  # the job of test_live_failure.test_kill_in_each_phase, run once
     assert_same_run(result, reference)
     assert_replicas_agree(result)  # the checks made up in generation 1 agree with those of generation 0
 
 
-def test_checksums_after_a_second_failure_in_the_re_formation(tmp_path, jobs):
+def test_checksums_after_a_second_failure_in_the_re_formation(jobs):
     """Rank 2 dies in the re-formation after rank 7's death: the checks are made up in generation 2."""
     reference = jobs.run("live-ref-tp4x2", ntp_args(4, 2))
-    args = ntp_args(4, 2) + ["--inject-failure", "kill:rank=7,iter=4,phase=backward",
-                             "--inject-failure", "kill:rank=2,iter=4,phase=reform"]
-    result = run_job(tmp_path / "run", args)
+    result = kill_during_a_reformation(jobs)  # test_live_failure.test_kill_while_a_reformation_is_in_progress's
     assert_same_run(result, reference)
     assert_replicas_agree(result)

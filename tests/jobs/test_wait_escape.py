@@ -113,9 +113,18 @@ def _swallow(action) -> None:
         pass
 
 
+def _context():
+    """Fresh processes, not forks of this test process (whose threads and native thread pools a fork would
+    copy), started from one server process that imported this module (torch.distributed with it) once: each skips
+    the imports a spawned interpreter pays."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
 def _run(escape: bool) -> list[str]:
     master = store_server()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     receiver = ctx.Process(target=_receiver, args=(master.port,), daemon=True)
     sender = ctx.Process(target=_sender, args=(master.port, escape), daemon=True)
     receiver.start()
@@ -146,7 +155,7 @@ def test_collective_waits_in_slices_and_keeps_its_own_outcome():
     """With an escape installed and no reason to give up, a collective returns its result and a failed one
     raises its own error; once the escape gives a reason, a collective a peer never joins is given up."""
     master = store_server()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     procs = [ctx.Process(target=_collective_rank, args=(master.port, rank), daemon=True) for rank in (0, 1)]
     for proc in procs:
         proc.start()
