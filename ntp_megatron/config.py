@@ -121,7 +121,8 @@ class ParallelSection(_Section):
     use_distributed_optimizer: bool = False
     """Megatron's distributed optimizer (optimizer state sharded over the data-parallel group). Under NTP it
     shards each sync group's buckets over the replicas, degraded ones (``ntp.dead_slots``) included, and saves and
-    loads checkpoints in any of them; a live failure that would change a replica's layout stops the job."""
+    loads checkpoints in any of them. A live failure re-forms (with two instances the dead rank's shard comes
+    from its twin); a lost shard goes to ``ntp.on_unrecoverable``, and no replica is dropped live."""
     num_distributed_optimizer_instances: Optional[int] = Field(None, ge=1)
     """Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances``): the replicas form
     this many instances of consecutive replica indices; the optimizer state is sharded inside each instance and
