@@ -73,7 +73,24 @@ def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional
     lg = cfg.logging
     metrics_file = None if lg.metrics_file == "" else Path(lg.metrics_file or run_dir / "metrics.jsonl").resolve()
     tb_dir = None
-    if lg.tensorboard_dir != "":
-        tb_dir = Path(lg.tensorboard_dir).resolve() if lg.tensorboard_dir else (
-            run_dir / "tensorboard" / time.strftime("%Y%m%d-%H%M%S"))
+    if lg.tensorboard_dir == "":
+        pass
+    elif lg.tensorboard_dir:
+        tb_dir = Path(lg.tensorboard_dir).resolve()
+    else:
+        tb_dir = _new_run_series(run_dir / "tensorboard", time.strftime("%Y%m%d-%H%M%S"))
     return metrics_file, tb_dir
+
+
+def _new_run_series(parent: Path, stamp: str) -> Path:
+    """``parent/stamp``, created now, or ``stamp-2``, ``-3``, ... when a run that started in the same second has
+    it (a finished run's relaunch can start within its second)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = parent / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"no free TensorBoard directory for {stamp} under {parent}")

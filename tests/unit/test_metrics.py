@@ -39,3 +39,16 @@ def test_sink_writes_json_lines_with_required_fields(tmp_path):
     assert set(metrics.ITERATION_FIELDS) <= set(rows[0])
     assert rows[1]["event"] == "rank_failed" and rows[1]["rank"] == 3
     assert any((tmp_path / "tb").iterdir()), "no TensorBoard event file"
+
+
+def test_two_runs_started_in_one_second_get_a_tensorboard_series_each(tmp_path, monkeypatch):
+    """A run relaunched in the second its predecessor started (a finished run's ``nothing to do`` and the next,
+    say) must not write into the other's TensorBoard series."""
+    from ntp_megatron.config import JobConfig
+    from ntp_megatron.launch import console
+
+    monkeypatch.setattr(console.time, "strftime", lambda fmt: "20261202-080000")
+    cfg = JobConfig()
+    dirs = [console.run_outputs(cfg, tmp_path)[1] for _ in range(3)]
+    assert [d.name for d in dirs] == ["20261202-080000", "20261202-080000-2", "20261202-080000-3"]
+    assert all(d.is_dir() for d in dirs)
