@@ -12,8 +12,6 @@ import json
 import os
 import secrets
 import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -21,7 +19,7 @@ from typing import Optional
 import torch
 from hypothesis import strategies as st
 
-from tests.harness import REPO, JobResult, relative_difference
+from tests.harness import JobResult, _Zygote, relative_difference
 
 MAX_RANKS = 8
 ITERS = 3
@@ -277,58 +275,18 @@ class PlainRun:
                 for key in ("lm_loss", "grad_norm")}
 
 
-class PlainServer:
+class PlainServer(_Zygote):
     """Client of ``python -m tests.plain_megatron serve``: one process that imported torch and Megatron-Core (never
     ntp-megatron) once and forks a plain Megatron-Core run per request, so that a case does not pay a fresh
-    interpreter's imports (tens of seconds on a loaded machine). Every answer is read with a deadline; a run that
-    does not end in time has its process group killed; a server that does not answer is killed and started again
-    for the next request. It ends with this process (its input closes)."""
+    interpreter's imports (tens of seconds on a loaded machine). The client is the zygote's (every answer read with
+    a deadline, a run that does not end in time killed with its process group, a server that does not answer
+    started again), with a server of its own. It ends with this process (its input closes)."""
 
+    COMMAND = ("-m", "tests.plain_megatron", "serve")
     START_S = 180.0
     """Bound on the server's imports (its first answer) and on collecting a killed run's exit."""
-    _proc: Optional[subprocess.Popen] = None
+    _proc: Optional[subprocess.Popen] = None  # its own server, never the zygote
     _lines = None
-
-    @classmethod
-    def run(cls, args: list[str], out_dir: Path, timeout: float = PLAIN_TIMEOUT_S) -> tuple[int, str]:
-        """``tests.plain_megatron`` with ``args``; returns (exit code, stderr)."""
-        from tests.harness import _Lines
-
-        if cls._proc is None or cls._proc.poll() is not None:
-            cls._proc = subprocess.Popen([sys.executable, "-m", "tests.plain_megatron", "serve"], cwd=REPO,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            cls._lines = _Lines(cls._proc.stdout.fileno())
-        stdout, stderr = out_dir / "plain_megatron.stdout", out_dir / "plain_megatron.stderr"
-        request = {"args": args, "stdout": str(stdout), "stderr": str(stderr)}
-        pid = None
-        try:
-            cls._proc.stdin.write((json.dumps(request) + "\n").encode())
-            cls._proc.stdin.flush()
-            pid = json.loads(cls._lines.read(time.monotonic() + cls.START_S))["pid"]
-            try:
-                returncode = json.loads(cls._lines.read(time.monotonic() + timeout))["returncode"]
-            except TimeoutError:
-                raise subprocess.TimeoutExpired(args, timeout) from None
-        except BaseException:
-            cls._abandon(pid)
-            raise
-        return returncode, stderr.read_text(errors="replace")
-
-    @classmethod
-    def _abandon(cls, pid: Optional[int]) -> None:
-        """Kill the run (its process group) and collect its exit; kill the server if that fails."""
-        from tests.harness import _kill_group
-
-        if pid is not None:
-            _kill_group(pid)
-            try:
-                cls._lines.read(time.monotonic() + cls.START_S)
-                return
-            except (TimeoutError, EOFError, OSError):
-                pass
-        cls._proc.kill()
-        cls._proc.wait(timeout=cls.START_S)
-        cls._proc = None
 
 
 def run_plain(case: Case, out_dir: Path) -> PlainRun:
@@ -336,10 +294,11 @@ def run_plain(case: Case, out_dir: Path) -> PlainRun:
     (:class:`PlainServer`: a process that never imports ntp-megatron; the run asserts so)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records, state, dp1 = out_dir / "records.json", out_dir / "state.pt", out_dir / "dp1.json"
-    returncode, stderr = PlainServer.run(["train", *case.plain_args(), "--save-at", "0", "--ckpt",
-                                          str(out_dir / "unused"), "--out", str(records), "--state", str(state),
-                                          "--spread", str(dp1)], out_dir)
-    assert returncode == 0, f"plain Megatron-Core failed ({returncode}):\n{stderr[-4000:]}"
+    stdout, stderr = out_dir / "plain_megatron.stdout", out_dir / "plain_megatron.stderr"
+    returncode = PlainServer.run(["train", *case.plain_args(), "--save-at", "0", "--ckpt", str(out_dir / "unused"),
+                                  "--out", str(records), "--state", str(state), "--spread", str(dp1)],
+                                 stdout, stderr, PLAIN_TIMEOUT_S)
+    assert returncode == 0, f"plain Megatron-Core failed ({returncode}):\n{stderr.read_text(errors='replace')[-4000:]}"
 
     def read(path: Path) -> dict[int, dict]:
         return {int(i): r for i, r in json.loads(path.read_text()).items()}

@@ -92,6 +92,8 @@ class _Zygote:
     runs (pytest-timeout raises inside the test), the job's process group is killed and its exit is collected,
     so the zygote is free for the next test; a zygote that does not answer then is killed and started again."""
 
+    COMMAND: tuple[str, ...] = ("-m", "tests.zygote")
+    """The server's arguments to the interpreter (a subclass serves other requests the same way)."""
     _proc: Optional[subprocess.Popen] = None
     _lines: Optional[_Lines] = None
     START_S = 120.0
@@ -101,7 +103,7 @@ class _Zygote:
     def run(cls, args: list[str], stdout: Path, stderr: Path, timeout: float, module: Optional[str] = None,
             cwd: Path = REPO) -> int:
         if cls._proc is None or cls._proc.poll() is not None:
-            cls._proc = subprocess.Popen([sys.executable, "-m", "tests.zygote"], cwd=REPO, stdin=subprocess.PIPE,
+            cls._proc = subprocess.Popen([sys.executable, *cls.COMMAND], cwd=REPO, stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE)
             cls._lines = _Lines(cls._proc.stdout.fileno())
         proc, lines = cls._proc, cls._lines

@@ -96,11 +96,13 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tests import forked
 
 SEED = 1234
 VOCAB = 256
@@ -689,37 +691,27 @@ def serve() -> int:
     ``{"returncode": ...}`` at its end. Ends at the end of the input (its client's exit). It never imports
     ntp-megatron (a ``train`` request with ``--state`` or ``--spread`` asserts so)."""
     prepare()
-    reply = sys.stdout
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.setsid()
-                for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-                    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    os.dup2(target, fd)
-                    os.close(target)
-                sys.stdout = open(1, "w", buffering=1, closefd=False)
-                sys.stderr = open(2, "w", buffering=1, closefd=False)
-                code = main(request["args"])
-            except SystemExit as exc:
-                if isinstance(exc.code, str):
-                    print(exc.code, file=sys.stderr)
-                code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:  # noqa: BLE001
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+    forked.serve(_serve_one)
     return 0
+
+
+def _serve_one(request: dict) -> NoReturn:
+    """A forked child of :func:`serve`: ``main(args)`` in a process group of its own, its exit code the run's."""
+    code = 1
+    try:
+        os.setsid()
+        forked.redirect_output(request)
+        code = main(request["args"])
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,6 @@ those imports too.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 
@@ -26,18 +25,14 @@ runtime.quiet_optional_dependency_warnings()
 import ntp_megatron.training.pretrain  # noqa: E402,F401 - the imports every job then skips
 from ntp_megatron import launcher  # noqa: E402
 from ntp_megatron.launch.forkserver import run_forked_child  # noqa: E402
+from tests import forked  # noqa: E402
 
 
 def _child(request: dict) -> None:
     def start() -> object:
         os.setsid()
         os.chdir(request["cwd"])
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(target, fd)
-            os.close(target)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        forked.redirect_output(request)
         module = request.get("module")
         sys.argv = [module or "ntp-launch", *request["args"]]
         main = launcher.main
@@ -63,21 +58,14 @@ def _import_late() -> None:
 
 
 def main() -> None:
-    reply = sys.stdout
-    late_imported = False
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _child(request)
-        reply.write(json.dumps({"pid": pid}) + "\n")
-        reply.flush()
+    late_imported = []
+
+    def while_running(request: dict) -> None:
         if not late_imported and "module" not in request:  # while the first job runs: the next ones are forked
             _import_late()                                     # with these imports done
-            late_imported = True
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        reply.flush()
+            late_imported.append(True)
+
+    forked.serve(_child, while_running)
 
 
 if __name__ == "__main__":

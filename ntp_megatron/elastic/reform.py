@@ -235,12 +235,8 @@ class Reformer:
             if not fresh and sharded:
                 received, moves = self._move_shards(topology, base, dead, old, new_parts, state, held, memory)
             elif not fresh:
-                transfers = plan_transfers(base, topology, dead)
-                message = largest_piece_bytes(transfers, generation.rank, old_tensors, new_tensors)
-                memory.sample(old, new_parts, transient=message)  # exchange() holds one piece at a time
-                received = exchange(transfers, generation.rank, old_tensors, new_tensors)
-                held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
-                held["largest_message_bytes"] = message
+                received = _measured_exchange(plan_transfers(base, topology, dead), generation.rank, old_tensors,
+                                              new_tensors, memory, held, old, new_parts)
             if not fresh:
                 # Every rank's parameters from the committed shards, in the new groups (a failure in the gather
                 # of the last step, or in this one, leaves partial buffers; nothing to do without the
@@ -285,11 +281,7 @@ class Reformer:
                 if old_shards is None or block not in old_shards.buckets:
                     raise RuntimeError(f"rank {rank}: its shard of block {block} neither moves nor was held")
                 new_shards.copy_from(old_shards, block)
-        message = largest_piece_bytes(transfers, rank, old_shards, new_shards)
-        memory.sample(old, new_parts, transient=message)  # exchange() holds one parameter's piece at a time
-        received = exchange(transfers, rank, old_shards, new_shards)
-        held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
-        held["largest_message_bytes"] = message
+        received = _measured_exchange(transfers, rank, old_shards, new_shards, memory, held, old, new_parts)
         if new_parts is not None:
             copy_main_params_to_model(new_parts.optimizer)
         moves = [[block, position, 4 * len(new_shards.keys) * new_shards.numel(block)]
@@ -382,7 +374,6 @@ class Reformer:
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
               f"moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |", flush=True)
 
-
     def _shard_moves(self, staged: "_Staged") -> list[dict]:
         """The distributed-optimizer shards the re-formation moved: block, position, the launch ranks of source and
         destination, and the bytes the destination received."""
@@ -405,6 +396,19 @@ class Reformer:
                     out += [{"block": b, "position": j, "src": launch_rank(t.src), "dst": launch_rank(dst),
                              "bytes": received[b, j]} for b, j in t.shards]
         return out
+
+
+def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, held: dict,
+                       old: Optional[RankObjects], new_parts: Optional[RankObjects]) -> int:
+    """:func:`ntp_megatron.reshard.exchange` of units or shards, with what the rank holds sampled around it
+    (``exchange`` holds one piece in flight at a time: the largest is the message part of the peak) into
+    ``held``; returns the bytes received."""
+    message = largest_piece_bytes(transfers, rank, old_side, new_side)
+    memory.sample(old, new_parts, transient=message)
+    received = exchange(transfers, rank, old_side, new_side)
+    held["held_after_exchange_bytes"] = memory.sample(old, new_parts)
+    held["largest_message_bytes"] = message
+    return received
 
 
 def tp_per_replica(topology: Topology, num_replicas: int) -> list[int]:
