@@ -163,10 +163,24 @@ def _rank_killed_during_an_async_save(path: str) -> None:
     def writing() -> bool:  # the writer and its workers exist and have begun to write the checkpoint's files
         return len(me.children(recursive=True)) >= WRITERS and any(Path(path).glob("*.distcp"))
 
+    def armed(writer: psutil.Process) -> bool:
+        """Each of the stopped writer's workers has a file of the checkpoint open (it is past its
+        ``die_with_parent``) or has ended. A worker stopped a moment after its fork, before that, would stay
+        stopped for good once orphaned — a state only this test's SIGSTOP makes: running, it would see its parent
+        gone and exit."""
+        try:  # stopped first: a signal is delivered some time after it is sent, and a fork can come in between
+            return writer.status() == psutil.STATUS_STOPPED and all(w.status() == psutil.STATUS_ZOMBIE
+                       or any(f.path.startswith(path + os.sep) for f in w.open_files()) for w in writer.children())
+        except psutil.NoSuchProcess:  # one ended while we looked
+            return False
+
     try:
         wait_until(writing, 60, "the async save's processes writing")
-    except AssertionError as exc:  # said at once (the rank's exit would wait for its writer)
-        Path(path + ".descendants").write_text(json.dumps(str(exc)))
+        writer = next(p for p in me.children() if p.children())
+        writer.send_signal(signal.SIGSTOP)  # it forks no more workers
+        wait_until(lambda: armed(writer), 60, "the writer's workers armed")
+    except (AssertionError, StopIteration) as exc:  # said at once (the rank's exit would wait for its writer)
+        Path(path + ".descendants").write_text(json.dumps(repr(exc)))
         os.kill(os.getpid(), signal.SIGKILL)
     descendants = {}
     for p in me.children(recursive=True):
