@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ntp_megatron.adam_step import read_step, write_step
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
 from ntp_megatron.shard_layout import ShardId, shard_plan
@@ -86,7 +87,9 @@ class UnitTensors:
             (name, p, p.ntp_shard) for name, p in model.named_parameters() if hasattr(p, "ntp_shard")]
         self.replicated: list[torch.nn.Parameter] = [p for p in model.parameters() if not hasattr(p, "ntp_shard")]
         self.keys = keys if with_state else ()
-        self.state = optimizer.optimizer.state if optimizer is not None else {}
+        self.optimizer: Optional[torch.optim.Optimizer] = optimizer.optimizer if optimizer is not None else None
+        """The torch optimizer inside Megatron's."""
+        self.state = self.optimizer.state if self.optimizer is not None else {}
 
     def tensors(self, param: torch.nn.Parameter) -> list[torch.Tensor]:
         """Every per-element tensor of ``param`` this rank holds: the parameter, its fp32 main param (bf16 /
@@ -174,11 +177,11 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
     """Into a rebuilt model and optimizer: every unit this rank already held, every replicated parameter and its
     state, and the step counters (which every parameter shares)."""
     old_by_name = dict(old_model.named_parameters())
-    step = any_step(old.state)
+    step = read_step(old.optimizer) if old.optimizer is not None else None
+    if step is not None:
+        write_step(new.optimizer, step)
     for name, param in new_model.named_parameters():
         before = old_by_name[name]
-        if step is not None:
-            new.state[optimizer_param(param)]["step"] = step.clone()
         shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
         if shard is None:
             for target, source in zip(new.tensors(param), old.tensors(before)):
@@ -192,21 +195,6 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
         for target, source in zip(new.tensors(param), old.tensors(before)):
             view = source.view(previous.outer, len(previous.units), previous.inner)
             target.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, dst, view.index_select(1, src))
-
-
-def any_step(state) -> Optional[torch.Tensor]:
-    """The step counter of any parameter in a torch optimizer's ``state`` (they all share it), None if none has one."""
-    for entry in state.values():
-        if "step" in entry:
-            step = entry["step"]
-            return step if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-    return None
-
-
-def set_step(tensors: UnitTensors, steps: int) -> None:
-    """Adam's step counter on every parameter of a freshly built optimizer (a process that holds no old one)."""
-    for entry in tensors.state.values():
-        entry["step"] = torch.tensor(float(steps))
 
 
 def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:
@@ -421,9 +409,9 @@ def init_shard_state(optimizer, keys: tuple[str, ...], step: Optional[int]) -> N
             state = inner.state[main]
             for key in keys:
                 state[key] = torch.full_like(main.data, float("nan"))
-            if step is not None:
-                state["step"] = torch.tensor(float(step))
             main.data.fill_(float("nan"))
+    if step is not None:
+        write_step(inner, step)
 
 
 def copy_main_params_to_model(optimizer) -> None:

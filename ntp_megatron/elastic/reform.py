@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_megatron import metrics, phases
+from ntp_megatron.adam_step import read_step, write_step
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
@@ -47,9 +48,9 @@ from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron.layout import Topology
-from ntp_megatron.reshard import ShardTensors, UnitTensors, any_step as _any_step, copy_kept, \
+from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
     copy_main_params_to_model, exchange, init_shard_state, init_state, join_lower_bound_bytes, largest_piece_bytes, \
-    lower_bound_bytes, plan_shard_transfers, plan_transfers, set_step, state_keys
+    lower_bound_bytes, plan_shard_transfers, plan_transfers, state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ class Reformer:
                         if old is not None:
                             copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
                         elif adam:
-                            set_step(new_tensors, progress.adam_step)
+                            write_step(new_tensors.optimizer, progress.adam_step)
             if not fresh and sharded:
                 received, moves = self._move_shards(topology, base, dead, old, new_parts, state, held, memory)
             elif not fresh:
@@ -460,7 +461,7 @@ def peers_progress(old: Optional[RankObjects]) -> Progress:
     and holders that disagree are an error (a step taken twice or missed), never papered over."""
     step, scheduled = -1.0, -1.0
     if old is not None:
-        found = _any_step(old.optimizer.optimizer.state)
+        found = read_step(old.optimizer.optimizer)
         step = float(found) if found is not None else -1.0
         scheduled = float(old.scheduler.num_steps)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None

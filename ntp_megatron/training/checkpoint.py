@@ -88,6 +88,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
+from ntp_megatron.adam_step import keeps_step_in_groups
 from ntp_megatron.elastic.errors import OwnError
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
 from ntp_megatron.sharding import (
@@ -817,6 +818,11 @@ def _start_adam_state(dist_opt: DistributedOptimizer) -> None:
     if all(torch_optimizer.state[p] for group in torch_optimizer.param_groups for p in group["params"]):
         return
     dist_opt.init_state_fn(torch_optimizer, dist_opt.config)
+    if keeps_step_in_groups(torch_optimizer):
+        for group in torch_optimizer.param_groups:
+            if group["params"]:
+                group.setdefault("step", 0)
+        return
     for state in torch_optimizer.state.values():
         state.setdefault("step", torch.tensor(0.0))
 
@@ -826,7 +832,9 @@ def _restore_steps(torch_optimizer) -> None:
     keeps it). Upstream's ``DistributedOptimizer.load_state_dict`` (torch's Adam, without Apex or Transformer
     Engine) gives all parameters one shared step tensor, which torch's Adam would advance once per parameter and
     step (torch's ``load_state_dict`` copies no step), and ``dp_reshardable``'s parameter state then copies in the
-    step the request was built with."""
+    step the request was built with. (Transformer Engine's and Apex's Adam read the groups' step: nothing to do.)"""
+    if keeps_step_in_groups(torch_optimizer):
+        return
     for group in torch_optimizer.param_groups:
         for param in group["params"]:
             torch_optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
