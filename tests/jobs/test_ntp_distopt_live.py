@@ -23,8 +23,9 @@ while the re-formation after the first kill runs (``reform``). TP3 + TP2 started
 ranks): the degraded replica's rank dies in ``param_gather``, where its peer is in the
 gather's exchange with it (the iteration counts as done: the peer must not step it again), then a rank of the
 healthy replica. bf16: the main params travel, rounded into the model before the gather. Both holders of one shard
-killed: the job stops (``ntp.on_unrecoverable: stop``) with a ``shard_lost`` event naming it (one instance, where
-any death loses a shard: ``tests/jobs/test_ntp_distopt.py``).
+killed: a ``shard_lost`` event names it and ``ntp.on_unrecoverable`` decides (``restart`` here, from the checkpoint;
+``stop``, and one instance, where any death loses a shard: ``tests/jobs/test_ntp_distopt.py``). A warm spare rejoining in a dead rank's place takes its
+shard from the surviving holder in its instance and its Adam step from its peers.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from collections import defaultdict
 import pytest
 
 from tests.harness import JobResult, assert_replicas_agree, relative_difference, run_job
-from tests.jobs.test_live_failure import assert_same_run, launcher_lines, leftover_processes, ntp_args
+from tests.jobs.test_live_failure import assert_same_run, launcher_lines, leftover_processes, ntp_args, \
+    widths_by_iteration
 
 ITERS = 7
 DISTOPT = ("--set", "parallel.use_distributed_optimizer=true", "--set", "parallel.num_distributed_optimizer_instances=2")
@@ -92,10 +94,10 @@ def replica_of(result: JobResult) -> dict[int, int]:
     return {rank: rep["index"] for rep in first["topology"]["replicas"] for rank in rep["ranks"]}
 
 
-def check_live_run(result: JobResult, reference: JobResult) -> None:
-    assert_same_run(result, reference, ITERS)
-    assert_replicas_agree(result, ITERS)
-    assert_twins_agree(result)
+def check_live_run(result: JobResult, reference: JobResult, iters: int = ITERS) -> None:
+    assert_same_run(result, reference, iters)
+    assert_replicas_agree(result, iters)
+    assert_twins_agree(result, iters)
     replicas = replica_of(result)
     for event in result.events("reformed"):
         for m in event["shard_moves"]:
@@ -166,6 +168,32 @@ def test_both_holders_of_a_shard_killed_restart_the_job_from_its_checkpoint(tmp_
     assert not result.events("reformed") and not result.events("job_stopped")
     assert "timed out" not in result.stderr.lower()
     assert_same_run(result, reference, ITERS)
+
+
+REJOIN_ITERS = 16
+"""Long enough for a warm spare's admission after the failure at iteration 3 (seen at iteration 5 to 6)."""
+
+
+def test_a_replacement_takes_its_shard_from_its_twin(tmp_path, jobs):
+    """Launch rank 3 (replica 1, slot 1) dies at iteration 3; replica 1 goes on at TP1, its survivor taking block
+    1's shard from launch rank 1. A warm spare is admitted in launch rank 3's place as soon as it can be
+    (``ntp.rejoin_after_s: 0``): it holds nothing, so its shard of block 1 comes from the holder in its own
+    instance, replica 1's survivor (launch rank 2, whose shadow of block 1 took the shard from launch rank 1), its
+    units from that survivor too, and its Adam step and schedule from its peers (a wrong step would change the next
+    loss: Adam's bias correction)."""
+    args = ntp_args(2, 2, iters=REJOIN_ITERS, extra=DISTOPT)
+    reference = jobs.run("distopt-live-ref-tp2x2-rejoin", args)
+    result = run_job(tmp_path / "run", args + ["--set", "ntp.rejoin_after_s=0", "--set", "ntp.warm_spares=1"]
+                     + kills("kill:rank=3,iter=3,phase=forward"), timeout=300)
+    assert_same_run(result, reference, REJOIN_ITERS)
+    assert_replicas_agree(result, REJOIN_ITERS)
+    assert_twins_agree(result, REJOIN_ITERS)
+    reformed = result.events("reformed")
+    assert [e["tp_per_replica"] for e in reformed] == [[2, 1], [2, 2]], launcher_lines(result)
+    assert reformed[-1]["joined"] == [[1, 1]]
+    assert_from_twins(result, [[(1, 1, 2)], [(1, 2, 3)]])
+    widths = widths_by_iteration(result)
+    assert widths[REJOIN_ITERS] == [2, 2]
 
 
 def test_shards_cut_inside_each_instance(jobs, tmp_path):
