@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.plain_megatron import Layout, build, dataset, process_groups, run_rank, run_without_cuda, train_step
+from tests.plain_megatron import Layout, build, dataset, fork_ranks, process_groups, run_rank, run_without_cuda, \
+    train_step
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 
@@ -82,18 +81,13 @@ def run(rank: int, tp: int, args) -> None:
         Path(args.out).write_text(json.dumps(records))
 
 
-def _worker(rank: int, world: int, port: int, args) -> None:
+def _worker(rank: int, port: int, world: int, args) -> None:
     run_rank(rank, Layout(tp=world), port, lambda: run(rank, world, args))
 
 
 def launch(world: int, args) -> None:
     """Fork ``world`` ranks of a TP-``world`` job, every wait bounded."""
-    ctx = multiprocessing.get_context("fork")
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
-                          wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, world, store.port, args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, store = fork_ranks(world, _worker, world, args)  # noqa: F841 - the store serves them
     for p in procs:
         p.join(timeout=300)
     failed = [r for r, p in enumerate(procs) if p.exitcode != 0]

@@ -90,6 +90,8 @@ import json
 import multiprocessing
 import os
 import queue
+import select
+import struct
 import sys
 import time
 import traceback
@@ -582,6 +584,37 @@ def run_logits(rank: int, layout: Layout, args) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+PORT = struct.Struct("<q")
+
+
+def fork_ranks(world: int, target, *args) -> tuple[list, object]:
+    """Fork ``world`` processes running ``target(rank, port, *args)``, then host their TCPStore here and tell them
+    its port through a pipe. Forked first so that no thread runs while forking: the store's server thread, when the
+    store was started before the forks, once left a rank stuck for good before it joined the store (a lock held by
+    that thread at the fork). Returns the processes and the store (keep it until they end)."""
+    ctx = multiprocessing.get_context("fork")
+    read_fd, write_fd = os.pipe()
+    procs = [ctx.Process(target=_with_port, args=(read_fd, target, rank, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    os.close(read_fd)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
+                          wait_for_workers=False)
+    os.write(write_fd, PORT.pack(store.port) * world)  # one write under PIPE_BUF: each rank reads one whole record
+    os.close(write_fd)
+    return procs, store
+
+
+def _with_port(read_fd: int, target, rank: int, *args) -> None:
+    ready, _, _ = select.select([read_fd], [], [], 120)
+    record = os.read(read_fd, PORT.size) if ready else b""
+    os.close(read_fd)
+    if len(record) != PORT.size:
+        print(f"rank {rank}: no store port from the parent within 120 s", file=sys.stderr, flush=True)
+        os._exit(1)
+    target(rank, PORT.unpack(record)[0], *args)
+
+
 def run_rank(rank: int, layout: Layout, port: int, body) -> None:
     """One forked rank: join the job's gloo world through the store on ``port``, Megatron's groups for
     ``layout``, then ``body()`` under :class:`CpuForCuda`; any exception is printed and ends the process with
@@ -605,7 +638,7 @@ def run_rank(rank: int, layout: Layout, port: int, body) -> None:
         os._exit(1)
 
 
-def _worker(rank: int, layout: Layout, port: int, args, results) -> None:
+def _worker(rank: int, port: int, layout: Layout, args, results) -> None:
     def body() -> None:
         if args.mode == "train":
             run_train(rank, layout, args)
@@ -621,12 +654,7 @@ def launch(layout: Layout, args):
     """Fork the ranks of a TP × DP job (this process imported torch and Megatron once)."""
     ctx = multiprocessing.get_context("fork")
     results = ctx.Queue()
-    # The ranks' store, hosted here on a port the OS picks (started before the fork, served by its own thread).
-    store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
-                          wait_for_workers=False)
-    procs = [ctx.Process(target=_worker, args=(r, layout, store.port, args, results)) for r in range(layout.world)]
-    for p in procs:
-        p.start()
+    procs, store = fork_ranks(layout.world, _worker, layout, args, results)  # noqa: F841 - the store serves them
     out = None
     if args.mode == "logits":
         while out is None:
