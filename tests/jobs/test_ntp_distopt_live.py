@@ -80,7 +80,7 @@ def assert_twins_agree(result: JobResult, iters: int = ITERS) -> int:
 
 def assert_from_twins(result: JobResult, expected: list[list[tuple[int, int, int]]]) -> None:
     """The re-formations moved exactly ``expected`` (per re-formation: (block, source launch rank, destination
-    launch rank)), every shard from the other instance (replica 0 is instance 0, replica 1 instance 1)."""
+    launch rank)), and each moved the bytes of its bound. (Which instance a source is in: :func:`check_live_run`.)"""
     reformed = result.events("reformed")
     got = [sorted((m["block"], m["src"], m["dst"]) for m in e["shard_moves"]) for e in reformed]
     assert got == [sorted(e) for e in expected], (got, launcher_lines(result))
