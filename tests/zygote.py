@@ -58,12 +58,13 @@ def _import_late() -> None:
 
 
 def main() -> None:
-    late_imported = []
+    late_imported = False
 
     def while_running(request: dict) -> None:
+        nonlocal late_imported
         if not late_imported and "module" not in request:  # while the first job runs: the next ones are forked
             _import_late()                                     # with these imports done
-            late_imported.append(True)
+            late_imported = True
 
     forked.serve(_child, while_running)
 
