@@ -90,6 +90,19 @@ def release_ddp(ddp: DistributedDataParallel) -> None:
     ddp.param_to_bucket_group.clear()
 
 
+def abandon_collectives(ddp: DistributedDataParallel) -> None:
+    """Forget what a Megatron DDP's bucket groups had in flight when a failure cut the iteration short: those
+    collectives went with the old groups. Upstream's ``reset`` (at the next ``zero_grad_buffer``) keeps a
+    dispatched group's handle, and ``start_grad_sync`` then refuses to dispatch again ("multiple communication
+    calls outstanding"); in the first batch it would wait on the stale handle instead, and a half-counted first
+    batch fails ``reset``'s check of the gradient counts. For kept objects, before the iteration is redone."""
+    for group in [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]:
+        group.grad_reduce_handle = None
+        group.param_gather_handle = None
+        group.param_gather_dispatched = False
+        group.per_param_grad_ready_counts = {}
+
+
 def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> torch.Size:
     """The shape ``param`` has on a rank that holds ``num_units`` units of its family (any layout)."""
     dim = param.partition_dim

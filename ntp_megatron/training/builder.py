@@ -9,6 +9,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from ntp_megatron.config import JobConfig
+from ntp_megatron.grad_sync import abandon_collectives
 from ntp_megatron.groups import rebind_process_groups
 from ntp_megatron.layout import Topology
 from ntp_megatron.training import checkpoint
@@ -37,7 +38,8 @@ class RankBuilder:
 
     def rebind(self, objects: Components, setup: ParallelSetup) -> None:
         """Every reference to an old process group in the model and the optimizer is pointed at the new one; the
-        grad sync is made anew for the new groups."""
+        grad sync is made anew for the new groups. Whatever the old groups had in flight is forgotten."""
+        abandon_collectives(objects.model)
         rebind_process_groups([objects.model, objects.optimizer], objects.setup.groups, setup.groups)
         objects.setup.grad_sync.close()
         objects.setup = setup

@@ -166,10 +166,16 @@ def test_launch_rank_0_killed(tmp_path, reference_tp4):
 
 
 def test_hung_rank_is_fenced(tmp_path, reference_tp2):
-    args = ntp_args(2, 2) + ["--inject-failure", "hang:rank=2,iter=4,phase=backward"]
+    """Also with ``overlap_grad_reduce``: while the hung rank is being fenced, the healthy replica dispatches its
+    buckets' reductions during backward and waits on them; its kept DDP must forget them, or the redone iteration
+    cannot dispatch its own. Overlap changes no bit of the sums (the same buckets in the same order)."""
+    args = ntp_args(2, 2, extra=("--set", "parallel.overlap_grad_reduce=true")) + [
+        "--inject-failure", "hang:rank=2,iter=4,phase=backward"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)
     assert_replicas_agree(result, ITERS)
+    kept = [r for r in result.records if r.get("kind") == "reform_rank" and r["generation"] == 1 and r["replica"] == 0]
+    assert len(kept) == 2 and all(not r["rebuilt"] and r["same_ddp"] for r in kept), kept
     [failed] = result.events("rank_failed")
     assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
     assert "stopped responding" in result.stderr
