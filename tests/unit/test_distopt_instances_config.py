@@ -81,3 +81,17 @@ def test_refusals_name_the_key_and_the_allowed_values(overrides, expected):
 def test_megatrons_flag_sets_the_key():
     assert translate(["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]) == [
         "parallel.use_distributed_optimizer=true", f"{KEY}=2"]
+
+
+def test_overlap_with_two_instances_on_gloo_warns_that_a_failure_would_end_the_run(warnings_seen):
+    def cfg(*overrides: str):
+        return load_job_config(overrides=["ntp.enabled=true", "parallel.use_distributed_optimizer=true",
+                                          "parallel.data_parallel_size=2", "training.device=cpu", *overrides])
+
+    cfg()
+    cfg("parallel.overlap_grad_reduce=true", f"{KEY}=1")
+    cfg("parallel.overlap_grad_reduce=true", "parallel.backend=nccl", "training.device=cuda")
+    assert not [r for r in warnings_seen.records if "overlap_grad_reduce" in r.getMessage()]
+    cfg("parallel.overlap_grad_reduce=true")
+    [warned] = [r.getMessage() for r in warnings_seen.records if "overlap_grad_reduce" in r.getMessage()]
+    assert "the first failure would end the run" in warned and "parallel.overlap_grad_reduce: false" in warned
