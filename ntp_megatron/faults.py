@@ -31,8 +31,8 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``eval``: in the evaluation after iteration N, before its middle batch (N must be an evaluation iteration: a
   multiple of ``training.eval_interval``, or ``train_iters`` for the final one);
 - ``reform``: in the first re-formation this process takes part in at iteration N or later (a re-formation
-  counts as the iteration it resumes at, in every rank alike; NTP only: after joining the new generation, before
-  units move) — a second failure in the middle of a re-formation after
+  counts as the iteration it resumes at, in every rank alike; NTP only: after joining the new generation and
+  building its objects, before units move) — a second failure in the middle of a re-formation after
   another rank's failure, or a replacement process dying while it is being admitted.
 
 Controller-side (the launcher does it from outside)::

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import copy
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -72,7 +73,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
 from ntp_megatron import phases
-from ntp_megatron.groups import NTPGroups
+from ntp_megatron.groups import NTPGroups, rebind_process_groups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
 from ntp_megatron.shard_layout import Bucket, BufferLayout, ParamPlace, shard_pieces
@@ -82,10 +83,16 @@ _PARAM_ATTRS = ("allreduce", "shared_embedding", "tensor_model_parallel", "parti
                 "sequence_parallel")
 
 
-def release_ddp(ddp: DistributedDataParallel) -> None:
+def release_ddp(ddp: DistributedDataParallel, owner: object) -> None:
     """Break the reference cycle a Megatron DDP keeps through autograd: it holds each parameter's gradient
     accumulator, whose hook holds the DDP. The accumulator is a C++ object the garbage collector cannot see
-    through, so without this a discarded DDP — its buffers and process groups with it — lives forever."""
+    through, so without this a discarded DDP — its buffers and process groups with it — lives forever.
+
+    Only by its ``owner``: a DDP newer objects adopted (:class:`_Shadow`, ``adopted``) is theirs now, and its
+    old holder leaves it alone."""
+    claimed = getattr(ddp, "ntp_owner", None)
+    if claimed is not None and claimed() is not owner:
+        return
     ddp.grad_accs.clear()
     ddp.param_to_bucket_group.clear()
 
@@ -211,6 +218,19 @@ def shard_square_sums(buffers, split: set[int], position: int, size: int) -> tup
     return sums[True], sums[False]
 
 
+@dataclass
+class Adoptable:
+    """A DDP of the objects a rank holds now that its objects for a new layout may take over as their shadow of
+    ``block`` (under the distributed optimizer: a healthy rank's own DDP, or a degraded rank's shadow, whose buffers
+    hold the block's slot-shaped buckets and this rank's shard of them), so the rank never holds the block twice."""
+
+    block: int
+    ddp: DistributedDataParallel
+    groups: NTPGroups
+    """The groups it is bound to now (it is pointed at the new ones, and back if the formation fails)."""
+    previous_owner: object = None
+
+
 class _Shadow:
     """Slot-shaped buckets of one block on a degraded rank: Megatron's DDP over a :func:`shadow_module`.
 
@@ -220,13 +240,17 @@ class _Shadow:
     steps this rank's shard of them."""
 
     def __init__(self, module: torch.nn.Module, topology: Topology, block: int, groups: NTPGroups, tf_config,
-                 ddp_config, distributed_optimizer: bool = False) -> None:
+                 ddp_config, distributed_optimizer: bool = False, adopted: Optional["Adoptable"] = None) -> None:
         self.block = block
-        device = next(module.parameters()).device if distributed_optimizer else None
-        self.module = shadow_module(module, topology, block, device)
         pg = (groups.with_sync_groups(block) if distributed_optimizer
               else groups.with_data_parallel(groups.sync[block]))
-        self.ddp = DistributedDataParallel(tf_config, copy.deepcopy(ddp_config), self.module, pg_collection=pg)
+        self.adopted, self.groups = adopted, groups
+        if adopted is not None:
+            self._adopt(module, topology, groups, pg)
+        else:
+            device = next(module.parameters()).device if distributed_optimizer else None
+            self.module = shadow_module(module, topology, block, device)
+            self.ddp = DistributedDataParallel(tf_config, copy.deepcopy(ddp_config), self.module, pg_collection=pg)
         self.params = dict(self.module.named_parameters())
         self.grads = {name: p.main_grad for name, p in self.params.items()}
         self.block_units = {family: len(topology.block(family, block)) for family in topology.units}
@@ -237,8 +261,42 @@ class _Shadow:
         tensor = self.grads[piece.name] if what == "grad" else self.params[piece.name].data
         return _unit_view(tensor, piece.shard, self.block_units[piece.shard.family])
 
-    def close(self) -> None:
-        release_ddp(self.ddp)
+    def _adopt(self, module: torch.nn.Module, topology: Topology, groups: NTPGroups, pg) -> None:
+        """Take over ``self.adopted``'s DDP (its buffers hold this block's slot-shaped buckets, with this rank's
+        shard of them at the same position): pointed at ``groups``, with nothing in flight, and back in its first
+        batch, as a DDP that never runs backward is (its sync is started by ``finish_grad_sync``)."""
+        ddp, expected = self.adopted.ddp, shadow_module(module, topology, self.block)
+        shapes = [(n, p.shape, p.dtype) for n, p in ddp.module.named_parameters()]
+        if shapes != [(n, p.shape, p.dtype) for n, p in expected.named_parameters()]:
+            raise RuntimeError(f"block {self.block}: the DDP to adopt does not hold the block's slot-shaped "
+                               "parameters")
+        abandon_collectives(ddp)
+        rebind_process_groups([ddp], self.adopted.groups, groups)
+        bound = {"dp_group": pg.dp, "dp_cp_group": pg.dp_cp, "intra_dp_cp_group": pg.intra_dp_cp, "tp_group": pg.tp,
+                 "inter_dist_opt_group": getattr(pg, "inter_dist_opt", None)}
+        wrong = [name for name, group in bound.items() if getattr(ddp, name, group) is not group]
+        wrong += [f"buffer {i}" for i, b in enumerate(ddp.buffers) if b.data_parallel_group is not pg.intra_dp_cp]
+        if wrong:
+            raise RuntimeError(f"block {self.block}: the adopted DDP is not bound to the new groups ({wrong})")
+        for group in ddp.bucket_groups:
+            group.is_first_batch = True
+            group.golden_per_param_grad_ready_counts = {}
+        self.adopted.previous_owner = getattr(ddp, "ntp_owner", None)
+        # A weak reference: the rebinding walk follows attributes, and must not reach this generation's groups.
+        ddp.ntp_owner = weakref.ref(self)
+        self.ddp, self.module = ddp, ddp.module
+
+    def close(self, hand_back: bool = False) -> None:
+        """Release the DDP; ``hand_back`` (the formation these objects were built for did not complete): an
+        adopted one goes back to the objects it came from, bound to their groups again."""
+        if hand_back and self.adopted is not None:
+            rebind_process_groups([self.ddp], self.groups, self.adopted.groups)
+            if self.adopted.previous_owner is None:
+                del self.ddp.ntp_owner
+            else:
+                self.ddp.ntp_owner = self.adopted.previous_owner
+        else:
+            release_ddp(self.ddp, self)
         self.ddp = self.module = None
         self.params, self.grads = {}, {}
 
@@ -263,8 +321,11 @@ class GradSync:
     the model config's ``finalize_model_grads_func`` and :meth:`grad_norm` as the grad-norm override."""
 
     def __init__(self, topology: Topology, rank: int, groups: NTPGroups, model: DistributedDataParallel,
-                 tf_config, ddp_config) -> None:
-        """``ddp_config``: the job's DDP config as given to every healthy rank (before DDP mutated it)."""
+                 tf_config, ddp_config, adopt: Optional[dict[int, Adoptable]] = None, fill: bool = True) -> None:
+        """``ddp_config``: the job's DDP config as given to every healthy rank (before DDP mutated it). ``adopt``:
+        block -> a DDP to take over as that block's shadow (a degraded rank under the distributed optimizer).
+        ``fill``: the shadows' parameters from the model (not when the caller fills them: a re-formation gathers
+        them from the optimizer's shards, a checkpoint load refills them)."""
         self.topology, self.rank, self.groups = topology, rank, groups
         replica = topology.replica_of(rank)
         self.replica = replica.index
@@ -305,17 +366,17 @@ class GradSync:
         self.incoming: list[_Transfer] = []
         self.outgoing: list[_Transfer] = []
         if not groups.healthy:
-            self._plan_degraded(model, tf_config, ddp_config)
-            if self.distributed_optimizer:
+            self._plan_degraded(model, tf_config, ddp_config, adopt or {})
+            if self.distributed_optimizer and fill:
                 self._fill_shadows()
 
     # -- degraded replica: shadows and in-replica transfers ---------------------------------------------------
-    def _plan_degraded(self, model, tf_config, ddp_config) -> None:
+    def _plan_degraded(self, model, tf_config, ddp_config, adopt: dict[int, Adoptable]) -> None:
         topo, rank = self.topology, self.rank
         device = self.params[0][1].main_grad.device
         for block in self.members:
             self.shadows[block] = _Shadow(model.module, topo, block, self.groups, tf_config, ddp_config,
-                                          distributed_optimizer=self.distributed_optimizer)
+                                          distributed_optimizer=self.distributed_optimizer, adopted=adopt.get(block))
             self.own[block] = _pieces(topo, rank, block, self.split, device)
         replica = topo.replica(self.replica)
         for block in range(self.tp_base):
@@ -444,11 +505,16 @@ class GradSync:
             param.data.copy_(first.params[name].data)
         self._exchange(self.outgoing, self.incoming, to_member=False, what="param")
 
-    def close(self) -> None:
-        """Release the shadows (and, with them, this generation's sync groups)."""
+    def close(self, hand_back: bool = False) -> None:
+        """Release the shadows (and, with them, this generation's sync groups); ``hand_back``: the formation did
+        not complete, and the DDPs the shadows adopted go back to the objects they came from."""
         for shadow in self.shadows.values():
-            shadow.close()
+            shadow.close(hand_back)
         self.shadows = {}
+
+    def adopted_blocks(self) -> dict[int, DistributedDataParallel]:
+        """Block -> the DDP its shadow adopted."""
+        return {block: shadow.ddp for block, shadow in self.shadows.items() if shadow.adopted is not None}
 
     # -- every rank ------------------------------------------------------------------------------------------
     def finalize_model_grads(self, model, num_tokens: Optional[torch.Tensor] = None, pg_collection=None,

@@ -397,15 +397,62 @@ class ShardTensors:
                     p[key].copy_(q[key])
 
 
+def _main_param(optimizer, model_param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor a Megatron ``DistributedOptimizer`` steps for ``model_param`` (this rank's shard of it)."""
+    group, order = optimizer.model_param_group_index_map[model_param]
+    return optimizer.optimizer.param_groups[group]["params"][order]
+
+
 @torch.no_grad()
-def init_shard_state(optimizer, keys: tuple[str, ...], step: Optional[int]) -> None:
+def adopt_shard_state(new_optimizer, old_optimizer, params) -> frozenset[int]:
+    """The shards' state of ``params`` (model parameters both distributed optimizers step: those of a DDP the new
+    objects adopted) from the old optimizer into the new one, by reference: the new optimizer's state of each is
+    the old tensors; its main parameter is the old one's view of the same buffer (fp32), or under bf16 / fp16 the
+    old fp32 copy's values (the new optimizer cloned its own from the 16-bit model when it was built; Megatron
+    keeps it in several places, so it is filled rather than swapped). Returns the ids of the new main parameters
+    (which :func:`init_shard_state` must leave alone)."""
+    new, old = distributed_optimizer(new_optimizer), distributed_optimizer(old_optimizer)
+    adopted = set()
+    for param in params:
+        held = param in new.model_param_group_index_map
+        if held != (param in old.model_param_group_index_map):
+            raise RuntimeError("an adopted parameter has a piece in the shard of one optimizer and not the other's")
+        if not held:  # no element of it in this rank's shard
+            continue
+        ours, theirs = _main_param(new, param), _main_param(old, param)
+        if ours.shape != theirs.shape:
+            raise RuntimeError(f"an adopted parameter's shard is {tuple(theirs.shape)} in the old optimizer and "
+                               f"{tuple(ours.shape)} in the new one")
+        if ours.data_ptr() != theirs.data_ptr():
+            ours.copy_(theirs)
+        new.optimizer.state[ours] = dict(old.optimizer.state[theirs])
+        adopted.add(id(ours))
+    return frozenset(adopted)
+
+
+def point_main_params(optimizer, params) -> None:
+    """Under bf16 / fp16 every model parameter names its fp32 main copy (``main_param``, which Megatron's QK
+    clipping reads), and building a distributed optimizer over a parameter re-points it: after a formation that
+    did not complete, the adopted parameters point at ``optimizer``'s copies (the old optimizer's) again."""
+    opt = distributed_optimizer(optimizer)
+    for param in params:
+        if getattr(param, "main_param", None) is not None and param in opt.model_param_group_index_map:
+            param.main_param = _main_param(opt, param)
+
+
+@torch.no_grad()
+def init_shard_state(optimizer, keys: tuple[str, ...], step: Optional[int],
+                     adopted: frozenset[int] = frozenset()) -> None:
     """A freshly built distributed optimizer's state before it is filled: every per-element state tensor of
     ``keys`` created (a fresh torch optimizer has none until its first step), Adam's ``step`` set (``step``:
     the steps its peers took), and every main parameter and state element NaN, so that an element no copy or
-    message fills cannot pass unnoticed (the next loss is NaN)."""
+    message fills cannot pass unnoticed (the next loss is NaN). Main parameters in ``adopted`` (ids) keep the
+    state :func:`adopt_shard_state` gave them."""
     inner = distributed_optimizer(optimizer).optimizer
     for group in inner.param_groups:
         for main in group["params"]:
+            if id(main) in adopted:
+                continue
             state = inner.state[main]
             for key in keys:
                 state[key] = torch.full_like(main.data, float("nan"))

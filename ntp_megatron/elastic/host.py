@@ -38,8 +38,16 @@ class RankObjects(Protocol):
     def shard_sources(self) -> list[tuple[int, list]]:
         """Under the distributed optimizer: (block, the buffers holding this rank's shard of it), per block served."""
 
+    adopted: dict[int, frozenset[int]]
+    """Block -> the ids of the optimizer's main parameters whose shard state came by reference from the objects
+    these were built beside (``Builder.build``'s ``adopt_from``), with the buffers that hold the block."""
+
     def release(self) -> None:
         """Drop what the objects hold beyond themselves (they were replaced)."""
+
+    def discard(self) -> None:
+        """Drop objects built for a formation that did not complete: what they took over from ``adopt_from``
+        goes back to it."""
 
 
 class Builder(Protocol):
@@ -47,9 +55,11 @@ class Builder(Protocol):
         """The parallel setup of ``rank`` in ``topology``: its groups (collective over each group's members),
         the samples it reads. Opaque here: handed back to :meth:`build` and :meth:`rebind`."""
 
-    def build(self, setup: Any, initialize: bool) -> RankObjects:
+    def build(self, setup: Any, initialize: bool, adopt_from: Optional[RankObjects] = None) -> RankObjects:
         """Fresh objects for ``setup``'s layout; ``initialize`` draws the initial weights (a function of the
-        seed alone), else the caller fills them."""
+        seed alone), else the caller fills them. ``adopt_from``: the objects the rank holds now; the new ones may
+        take over buffers of theirs that hold what they would hold (under the distributed optimizer: a block's
+        buckets and its shard state), rather than a second copy (``RankObjects.adopted``)."""
 
     def load_start(self, objects: RankObjects) -> int:
         """Read the checkpoint the run starts from (``checkpoint.load``) into ``objects``; returns its iteration.
@@ -75,6 +85,10 @@ class Memory(Protocol):
 
     def restore_gradients(self, objects: RankObjects) -> None:
         """Re-allocate, zeroed, what :meth:`free_gradients` freed (nothing if nothing was)."""
+
+    def free_parameters(self, objects: RankObjects) -> int:
+        """Free the storage of the objects' model parameters (dead: the objects are never trained with again);
+        returns the bytes freed."""
 
 
 class Training(Protocol):

@@ -10,8 +10,9 @@
    rank) builds new ones, copies what it kept, and receives the dead rank's units — parameters and optimizer
    state — from the ranks that hold them (:mod:`ntp_megatron.reshard`). Under the distributed optimizer the
    state is the shards: a rebuilt rank (also every rank of a degraded replica, whose optimizer steps shadows
-   of its old groups) copies the shards it held and receives the others from a surviving holder, its twin in
-   the other instance; no units move. Then every rank, kept or rebuilt, gathers its parameters from the shards
+   of its old groups) takes over the buffers of every block it keeps serving with their shard state (it adopts
+   them: never a block twice), copies any other shard it held, and receives the rest from a surviving holder,
+   its twin in the other instance; no units move. Then every rank, kept or rebuilt, gathers its parameters from the shards
    in the new groups (a failure in the last step's gather left them partial). A process new to the job takes
    Adam's step and the schedule from its peers.
 5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
@@ -187,7 +188,6 @@ class Reformer:
         phases.at_iteration(training.iteration + 1)
         fresh = training.iteration == self.start_iteration
         from_checkpoint = fresh and cfg.checkpoint.load is not None
-        phases.point("reform")
         old_rank = base.rank_of(*elastic.identity)
         sharded = cfg.parallel.use_distributed_optimizer
         # Under the distributed optimizer a degraded rank's optimizer steps the shadows of the groups it was built
@@ -217,7 +217,15 @@ class Reformer:
                     # The iteration that filled the old gradients was settled: they are dead. Freed before the
                     # new objects exist, so the two never hold gradients at once (restored if old is kept).
                     held["freed_gradient_bytes"] = memory.free_gradients(old)
-                new_parts = self.builder.build(setup, fresh and not from_checkpoint)
+                    if sharded and not base.is_healthy(base.replica_of(old_rank).index):
+                        # Under the distributed optimizer a degraded rank's model parameters are dead too: the new
+                        # objects gather theirs from the shards, and these objects are rebuilt by every later
+                        # formation (a degraded replica's always are), never trained with again.
+                        held["freed_parameter_bytes"] = memory.free_parameters(old)
+                # Under the distributed optimizer the new objects take over the old buffers of blocks they keep
+                # serving, with their optimizer state: the rank never holds a block twice.
+                new_parts = self.builder.build(setup, fresh and not from_checkpoint,
+                                               adopt_from=old if sharded and not fresh else None)
                 if from_checkpoint:
                     self._load_start(training, new_parts)
                 new_tensors = UnitTensors(new_parts.model.module, new_parts.optimizer, state, not fresh)
@@ -226,13 +234,15 @@ class Reformer:
                     # Nothing fills the new gradients before the first iteration: allocated when adopted.
                     memory.free_gradients(new_parts)
                     if sharded:
-                        init_shard_state(new_parts.optimizer, state, progress.adam_step if adam else None)
+                        init_shard_state(new_parts.optimizer, state, progress.adam_step if adam else None,
+                                         adopted=frozenset().union(*new_parts.adopted.values()))
                     else:
                         init_state(new_parts.model.module, new_tensors)
                         if old is not None:
                             copy_kept(old_tensors, new_tensors, old.model.module, new_parts.model.module)
                         elif adam:
                             write_step(new_tensors.optimizer, progress.adam_step)
+            phases.point("reform")  # objects built (or rebound), nothing moved yet
             if not fresh and sharded:
                 received, moves = self._move_shards(topology, base, dead, old, new_parts, state, held, memory)
             elif not fresh:
@@ -250,7 +260,7 @@ class Reformer:
                 raise GenerationEnded(f"forming generation {topology.generation} did not complete")
         except BaseException:
             if new_parts is not None:
-                new_parts.release()
+                new_parts.discard()
             raise
         tensors = old_tensors or new_tensors
         unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
@@ -277,7 +287,7 @@ class Reformer:
             raise RuntimeError(f"rank {rank} keeps its objects but is to receive shards of blocks {sorted(incoming)}")
         if new_shards is not None:
             for block in new_shards.buckets:
-                if block in incoming:
+                if block in incoming or block in new_parts.adopted:  # adopted: the old tensors themselves
                     continue
                 if old_shards is None or block not in old_shards.buckets:
                     raise RuntimeError(f"rank {rank}: its shard of block {block} neither moves nor was held")
@@ -338,6 +348,7 @@ class Reformer:
                       "same_model": old is not None and new.model.module is old.model.module,
                       "same_ddp": old is not None and new.model is old.model,
                       "same_optimizer": old is not None and new.optimizer is old.optimizer,
+                      "adopted_blocks": sorted(new.adopted) if staged.new_parts is not None else [],
                       "time": time.time()}, sys.stdout)
 
     def _report(self, training: Training, staged: "_Staged") -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -24,11 +25,11 @@ class RankBuilder:
     def setup(self, topology: Topology, rank: int) -> ParallelSetup:
         return ntp_parallel(self.cfg, topology, rank)
 
-    def build(self, setup: ParallelSetup, initialize: bool) -> Components:
+    def build(self, setup: ParallelSetup, initialize: bool, adopt_from: Optional[Components] = None) -> Components:
         seed = self.cfg.training.seed
         torch.manual_seed(seed)  # initial weights are a function of the seed alone
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        return build_components(self.cfg, setup, self.device, initialize=initialize)
+        return build_components(self.cfg, setup, self.device, initialize=initialize, adopt_from=adopt_from)
 
     def load_start(self, objects: Components) -> int:
         coords = checkpoint.ParallelCoords.of(objects.setup, self.cfg.parallel)

@@ -4,19 +4,23 @@ re-formation changed (healthy replicas keep theirs; only their process groups ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron.config import JobConfig
-from ntp_megatron.grad_sync import GradSync, release_ddp
+from ntp_megatron.grad_sync import Adoptable, GradSync, release_ddp
 from ntp_megatron.patches.optimizer_distrib_optimizer import defer_param_sync
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
+from ntp_megatron.reshard import adopt_shard_state, point_main_params
 from ntp_megatron.training import model as model_lib
 from ntp_megatron.training.parallel import ParallelSetup
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,6 +30,10 @@ class Components:
     model: Any       # megatron.core.distributed.DistributedDataParallel
     optimizer: Any   # megatron.core.optimizer.MegatronOptimizer
     scheduler: OptimizerParamScheduler
+    adopted: dict[int, frozenset[int]] = field(default_factory=dict)
+    """Block -> the ids of the optimizer's main parameters whose state came by reference from ``adopted_from``,
+    with the DDP the block's shadow took over from it (:func:`adoptable`)."""
+    adopted_from: Optional["Components"] = None
 
     def param_gather(self) -> None:
         """The collective part of an optimizer step that NTP keeps out of ``optimizer.step()``: the parameter
@@ -40,10 +48,53 @@ class Components:
         return self.setup.grad_sync.shard_sources()
 
     def release(self) -> None:
-        """Drop what these objects hold beyond themselves (called on objects a re-formation replaced)."""
+        """Drop what these objects hold beyond themselves (called on objects a re-formation replaced). Their model's
+        config may outlive them (the model of a DDP newer objects adopted): its callbacks, which hold the optimizer
+        and the grad sync, go."""
         if self.setup.grad_sync is not None:
             self.setup.grad_sync.close()
-        release_ddp(self.model)
+        release_ddp(self.model, self)
+        for name in ("finalize_model_grads_func", "grad_scale_func", "no_sync_func"):
+            setattr(self.tf_config, name, None)
+
+    def discard(self) -> None:
+        """Drop objects built for a formation that did not complete: the DDPs they adopted go back to the objects
+        they came from (bound to those objects' groups, their parameters naming those objects' main copies); the
+        rest is released."""
+        grad_sync = self.setup.grad_sync
+        if grad_sync is not None:
+            adopted = grad_sync.adopted_blocks()
+            grad_sync.close(hand_back=True)
+            for ddp in adopted.values():
+                point_main_params(self.adopted_from.optimizer, trained(ddp))
+            if adopted:
+                logger.info("the formation did not complete: the buffers of blocks %s go back to the objects held "
+                            "before", sorted(adopted))
+        release_ddp(self.model, self)
+
+
+def trained(ddp) -> list[torch.nn.Parameter]:
+    """The parameters of a DDP's module that its buffers hold and the optimizer steps."""
+    return [p for p in ddp.module.parameters() if p.requires_grad]
+
+
+def adoptable(cfg: JobConfig, held: "Components", setup: ParallelSetup) -> dict[int, Adoptable]:
+    """Block -> a DDP of ``held`` (the objects the rank trains with now) that its objects for ``setup``'s layout
+    take over as their shadow of the block, under the distributed optimizer on a rank of a degraded replica: for
+    every block it serves in both layouts at the same shard position, its healthy DDP or its shadow of it, whose
+    buffers hold the block's slot-shaped buckets (the same whatever the layout) and its shard of them. The rank
+    then never holds the block twice, and its optimizer state moves by reference (:func:`adopt_shard_state`)."""
+    if setup.topology is None or not cfg.parallel.use_distributed_optimizer or setup.groups.healthy:
+        return {}
+    old, new = held.setup.groups, setup.groups
+    if (old.instance, old.position) != (new.instance, new.position):
+        return {}
+    if old.healthy:
+        [block] = old.sync
+        ddps = {block: held.model}
+    else:
+        ddps = {block: shadow.ddp for block, shadow in held.setup.grad_sync.shadows.items()}
+    return {block: Adoptable(block, ddp, old) for block, ddp in ddps.items() if block in new.sync}
 
 
 def sharding_groups(cfg: JobConfig, setup: ParallelSetup):
@@ -133,20 +184,24 @@ def build_scheduler(cfg: JobConfig, optimizer) -> OptimizerParamScheduler:
 
 
 def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
-                     initialize: bool = True) -> Components:
+                     initialize: bool = True, adopt_from: Optional[Components] = None) -> Components:
     """Everything for ``setup``'s layout. ``initialize=False``: weights are left for the caller to fill (a
     re-formation copies them from the old layout and from peers). Under NTP the grad sync comes before the
     optimizer: on a degraded rank under the distributed optimizer it builds the shadows the optimizer steps,
-    filled from the model (a collective over the replica)."""
+    filled from the model when ``initialize`` (a collective over the replica). ``adopt_from``: the objects the
+    rank holds now, whose DDPs the new shadows may take over with their optimizer state (:func:`adoptable`)."""
     tf_config = model_lib.transformer_config(cfg, device)
     healthy = setup.groups is None or setup.groups.healthy
+    adopt = adoptable(cfg, adopt_from, setup) if adopt_from is not None else {}
     model = model_lib.build_model(cfg, tf_config, sharding_groups(cfg, setup), device, setup.topology, setup.rank,
                                   own_buckets_sync=healthy, initialize=initialize)
     if setup.topology is not None:
-        _install_grad_sync(cfg, setup, model, tf_config)
+        _install_grad_sync(cfg, setup, model, tf_config, adopt=adopt, fill=initialize)
     optimizer = build_optimizer(cfg, tf_config, model, setup)
+    adopted = {block: adopt_shard_state(optimizer, adopt_from.optimizer, trained(a.ddp)) for block, a in adopt.items()}
     return Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,
-                      scheduler=build_scheduler(cfg, optimizer))
+                      scheduler=build_scheduler(cfg, optimizer), adopted=adopted,
+                      adopted_from=adopt_from if adopted else None)
 
 
 def attach_grad_sync(cfg: JobConfig, parts: Components) -> None:
@@ -161,10 +216,11 @@ def attach_grad_sync(cfg: JobConfig, parts: Components) -> None:
     _install_grad_sync(cfg, setup, parts.model, parts.tf_config)
 
 
-def _install_grad_sync(cfg: JobConfig, setup: ParallelSetup, model, tf_config) -> None:
+def _install_grad_sync(cfg: JobConfig, setup: ParallelSetup, model, tf_config,
+                       adopt: Optional[dict[int, Adoptable]] = None, fill: bool = True) -> None:
     if setup.grad_sync is not None:
         setup.grad_sync.close()
     setup.grad_sync = GradSync(setup.topology, setup.rank, setup.groups, model, tf_config,
-                               model_lib.ddp_config(cfg))
+                               model_lib.ddp_config(cfg), adopt=adopt, fill=fill)
     tf_config.finalize_model_grads_func = setup.grad_sync.finalize_model_grads
     set_grad_norm_override(setup.grad_sync.grad_norm)

@@ -11,8 +11,19 @@ from __future__ import annotations
 from collections import defaultdict
 
 from tests.harness import TINY, assert_ok, run_job
+from tests.jobs.test_live_failure import assert_same_run
 
 PEAK_OVER_STEADY = 1.5
+
+
+def memory_records(result) -> dict[int, dict[tuple[int, str], dict]]:
+    """Launch rank -> (generation, phase) -> its ``memory`` record; every record's measured state is the plan."""
+    by = defaultdict(dict)
+    for r in result.records:
+        if r.get("kind") == "memory":
+            by[r["launch_rank"]][(r["generation"], r["phase"])] = r
+            assert {k: v for k, v in r["state"].items() if k != "total"} == r["planned"], r
+    return by
 
 
 def test_a_re_forming_rank_holds_at_most_one_and_a_half_times_its_steady_state(tmp_path):
@@ -21,11 +32,7 @@ def test_a_re_forming_rank_holds_at_most_one_and_a_half_times_its_steady_state(t
         "--set", "training.train_iters=4", "--set", "ntp.enabled=true", "--set", "parallel.timeout_s=60",
         "--inject-failure", "kill:rank=5,iter=3,phase=backward"])
     assert_ok(result)
-    records = [r for r in result.records if r.get("kind") == "memory"]
-    by = defaultdict(dict)
-    for r in records:
-        by[r["launch_rank"]][(r["generation"], r["phase"])] = r
-        assert {k: v for k, v in r["state"].items() if k != "total"} == r["planned"], r
+    by = memory_records(result)
     assert sorted(by) == list(range(6))
     roles = {}
     for launch_rank, seen in by.items():
@@ -42,3 +49,38 @@ def test_a_re_forming_rank_holds_at_most_one_and_a_half_times_its_steady_state(t
             old = before["state"]
             assert reform["freed_gradient_bytes"] == old["grads"] + old["shadow_grads"] > 0
     assert roles == {0: "healthy", 1: "healthy", 2: "healthy", 3: "proxy", 4: "survivor"}
+
+
+def test_under_the_distributed_optimizer_a_re_forming_rank_holds_only_its_new_state(tmp_path):
+    """Under the distributed optimizer (two instances) a rank of the degraded replica takes over the DDP of every
+    block it keeps serving — its healthy DDP, or after a second failure its old shadows — with the optimizer state
+    of its shard by reference, and frees its old model's parameters (dead: the new model's are gathered from the
+    shards). Once its messages are in, it holds exactly its new objects' state, bar the gradients (allocated when it
+    adopts them): nothing of its old objects beside, where building beside them held its old model and its
+    moments twice. TP3 x 2: launch rank 5 killed in iteration 3 (replica 1 at TP2: a proxy and a survivor), then
+    launch rank 4 in iteration 5 (replica 1 at TP1: the proxy alone, re-formed from its two shadows); the loss is
+    the failure-free run's."""
+    args = [*TINY, "--set", "parallel.tensor_model_parallel_size=3", "--set", "parallel.data_parallel_size=2",
+            "--set", "training.train_iters=7", "--set", "ntp.enabled=true", "--set", "parallel.timeout_s=60",
+            "--set", "parallel.use_distributed_optimizer=true",
+            "--set", "parallel.num_distributed_optimizer_instances=2"]
+    reference = run_job(tmp_path / "reference", args)
+    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=5,iter=3,phase=backward",
+                                               "--inject-failure", "kill:rank=4,iter=5,phase=optimizer"])
+    assert_same_run(result, reference, iters=7)
+    by = memory_records(result)
+    adopted = {(r["launch_rank"], r["generation"]): r["adopted_blocks"] for r in result.records
+               if r.get("kind") == "reform_rank" and r["rebuilt"] and r["generation"] > 0}
+    assert adopted == {(3, 1): [0], (4, 1): [1], (3, 2): [0, 2]}, adopted
+    for (launch_rank, generation), blocks in adopted.items():
+        before, reform = by[launch_rank][(generation - 1, "steady")], by[launch_rank][(generation, "reform")]
+        after = by[launch_rank][(generation, "steady")]["state"]
+        assert reform["held_after_exchange_bytes"] == after["total"] - after["grads"] - after["shadow_grads"], (
+            launch_rank, generation, reform, after)
+        assert reform["peak_bytes"] / after["total"] <= PEAK_OVER_STEADY, (launch_rank, generation, reform)
+        old = before["state"]
+        assert reform["freed_gradient_bytes"] == old["grads"] + old["shadow_grads"] > 0
+        if generation == 2:  # a degraded rank's own model: its parameters went before the new ones were built
+            assert reform["freed_parameter_bytes"] == old["params"] > 0
+        else:  # a healthy rank's model is the DDP it adopted
+            assert "freed_parameter_bytes" not in reform
