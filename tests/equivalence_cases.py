@@ -210,7 +210,14 @@ TWO_OVERLAP = Case(tp_base=2, dp=2, dead=(), num_layers=2, query_groups=4, heads
                    hidden_size=32, ffn_hidden_size=50, vocab_size=265, position="learned_absolute",
                    normalization="RMSNorm", untie=False, activation="squared_relu", overlap=True, bucket_size=700,
                    clip_grad=0.05, micro_batches=2, dist_opt=True, instances=2)
-EXAMPLES = (WORKED, UNEVEN, THREE_UNEVEN, TWO_OVERLAP)
+# Two instances of two replicas each, so every block's buffer is cut in two positions inside an instance (with
+# one replica per instance nothing is cut), the last replica degraded (its proxy's shadow of the dead block
+# twins replica 1's rank), blocks of unequal size with four replicas (replicated state from block 0).
+CUT_INSTANCES = Case(tp_base=2, dp=4, dead=((3, 1),), num_layers=1, query_groups=3, heads_per_group=1,
+                     kv_channels=8, hidden_size=24, ffn_hidden_size=39, vocab_size=269, position="rope",
+                     normalization="RMSNorm", untie=True, activation="gelu", overlap=False, bucket_size=None,
+                     clip_grad=1.0, micro_batches=1, dist_opt=True, instances=2)
+EXAMPLES = (WORKED, UNEVEN, THREE_UNEVEN, TWO_OVERLAP, CUT_INSTANCES)
 """Checked on every suite run. A freshly drawn case that failed is added here (the ``Case(...)`` hypothesis
 printed as its falsifying example), so that it is checked on every run from then on."""
 
