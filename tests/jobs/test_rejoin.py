@@ -7,12 +7,14 @@ from __future__ import annotations
 from tests.harness import run_job
 from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
-ITERS = 150  # long enough for two replacement processes to start (a fresh interpreter: several seconds each)
+ITERS = 30  # two warm spares take the two attempts: neither waits for an interpreter to boot (a cold replacement
+# rejoins in tests/jobs/test_rejoin_dropped.py)
 
 
 def test_failed_rank_rejoins_after_a_failed_admission(tmp_path, jobs):
     reference = jobs.run("rejoin-ref", ntp_args(2, 2, iters=ITERS))
-    args = ntp_args(2, 2, iters=ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=2"))
+    args = ntp_args(2, 2, iters=ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=2",
+                                                 "--set", "ntp.warm_spares=2"))
     args += ["--inject-failure", "kill:rank=3,iter=5,phase=backward",   # the failure
              "--inject-failure", "kill:rank=3,iter=6,phase=reform"]     # the first replacement dies being admitted
     result = run_job(tmp_path / "run", args, timeout=400)
