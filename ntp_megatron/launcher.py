@@ -280,6 +280,21 @@ class Launcher:
             deaths.append(Death(proc.rank, when, cause, proc.pid, error, bool(reported and reported.get("echo"))))
             timeout = DEBOUNCE_S
 
+    def _report_unfired(self) -> None:
+        """Every in-rank ``--inject-failure`` that never fired, in one line each and an event: the run never reached
+        its iteration and phase (a ``reform`` with no re-formation after it, an iteration past the end of a run
+        that stopped early), so a run that was meant to test it did not."""
+        from ntp_megatron.elastic import keys
+        from ntp_megatron.launch.nodes import try_check
+
+        if self.store is None:
+            return
+        for spec in self.failures:
+            if isinstance(spec, faults.RankFailure) and not try_check(self.store, keys.fired(str(spec))):
+                self.console.say(f"injected failure {spec} did not fire: the run never reached iteration "
+                                 f"{spec.iteration} in phase {spec.phase} on launch rank {spec.rank}")
+                self.console.sink.event("failure_not_fired", spec=str(spec))
+
     def _summarize(self, exit_code: int) -> None:
         """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""
         from ntp_megatron import run_report
@@ -288,6 +303,8 @@ class Launcher:
         self.console.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
         for line in run_report.summary_lines(summary):
             self.console.say(line)
+        if self.args.node_rank == 0:
+            self._report_unfired()
         saves = [r for r in self.console.sink.records if r.get("event") == "checkpoint_saved"]
         if saves:
             self.console.say(f"checkpoints: {Path(self.cfg.checkpoint.save).resolve()} (latest: iteration "
