@@ -456,13 +456,14 @@ class JobConfig(_Section):
                                             data_parallel_size=p.data_parallel_size)
         if p.num_distributed_optimizer_instances != k:
             p.num_distributed_optimizer_instances = k
-        gloo = p.backend == "gloo" or (p.backend == "auto" and self.training.device == "cpu")
+        # gloo, or maybe (auto: gloo where there is no CUDA, which the configuration does not know)
+        gloo = p.backend == "gloo" or (p.backend == "auto" and self.training.device != "cuda")
         if self.ntp.enabled and k > 1 and p.overlap_grad_reduce and gloo and _warn_once("overlap on gloo"):
             # grad_sync.GradSync refuses the layout once a replica is degraded (the deadlock is described there).
-            logger.warning("parallel.overlap_grad_reduce with %d distributed-optimizer instances on gloo cannot "
-                           "train a degraded replica: the first failure would end the run (a healthy rank's "
-                           "gradient sync waits in its backward hooks for the degraded replica); set "
-                           "parallel.overlap_grad_reduce: false to survive failures", k)
+            logger.warning("parallel.overlap_grad_reduce with %d distributed-optimizer instances cannot train a "
+                           "degraded replica if the job runs on gloo (CPU): the first failure would end the run (a "
+                           "healthy rank's gradient sync waits in its backward hooks for the degraded replica); set "
+                           "parallel.overlap_grad_reduce: false to survive failures there", k)
         return self
 
     @model_validator(mode="after")

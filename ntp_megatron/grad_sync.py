@@ -91,7 +91,8 @@ def release_ddp(ddp: DistributedDataParallel, owner: object) -> None:
     Only by its ``owner``: a DDP newer objects adopted (:class:`_Shadow`, ``adopted``) is theirs now, and its
     old holder leaves it alone."""
     claimed = getattr(ddp, "ntp_owner", None)
-    if claimed is not None and claimed() is not owner:
+    holder = claimed() if claimed is not None else None
+    if holder is not None and holder is not owner:
         return
     ddp.grad_accs.clear()
     ddp.param_to_bucket_group.clear()
@@ -276,15 +277,29 @@ class _Shadow:
                  "inter_dist_opt_group": getattr(pg, "inter_dist_opt", None)}
         wrong = [name for name, group in bound.items() if getattr(ddp, name, group) is not group]
         wrong += [f"buffer {i}" for i, b in enumerate(ddp.buffers) if b.data_parallel_group is not pg.intra_dp_cp]
+        # Megatron keeps the group's size and this rank's place in it as numbers (they cut the buffers): the same
+        # only where the block's group did not change in size or order (no replica is dropped live under the
+        # distributed optimizer, and the caller checked the position).
+        size, rank = pg.intra_dp_cp.size(), pg.intra_dp_cp.rank()
+        wrong += [f"buffer {i} size" for i, b in enumerate(ddp.buffers) if b.data_parallel_world_size != size]
+        wrong += [f"bucket group {i} place" for i, g in enumerate(ddp.bucket_groups)
+                  if (g.intra_distributed_optimizer_instance_size, g.intra_distributed_optimizer_instance_rank)
+                  != (size, rank)]
         if wrong:
+            rebind_process_groups([ddp], groups, self.adopted.groups)  # not adopted: back as it was
             raise RuntimeError(f"block {self.block}: the adopted DDP is not bound to the new groups ({wrong})")
-        for group in ddp.bucket_groups:
+        for group in ddp.bucket_groups:  # (a hand-back leaves them so: handed-back objects never train again)
             group.is_first_batch = True
             group.golden_per_param_grad_ready_counts = {}
         self.adopted.previous_owner = getattr(ddp, "ntp_owner", None)
         # A weak reference: the rebinding walk follows attributes, and must not reach this generation's groups.
         ddp.ntp_owner = weakref.ref(self)
         self.ddp, self.module = ddp, ddp.module
+
+    def settle(self) -> None:
+        """The formation completed: the DDP is this shadow's for good; what a hand-back needed (the old groups,
+        the old owner) goes, so that nothing keeps an ended generation alive."""
+        self.adopted = None
 
     def close(self, hand_back: bool = False) -> None:
         """Release the DDP; ``hand_back`` (the formation these objects were built for did not complete): an
@@ -366,9 +381,13 @@ class GradSync:
         self.incoming: list[_Transfer] = []
         self.outgoing: list[_Transfer] = []
         if not groups.healthy:
-            self._plan_degraded(model, tf_config, ddp_config, adopt or {})
-            if self.distributed_optimizer and fill:
-                self._fill_shadows()
+            try:
+                self._plan_degraded(model, tf_config, ddp_config, adopt or {})
+                if self.distributed_optimizer and fill:
+                    self._fill_shadows()
+            except BaseException:
+                self.close(hand_back=True)  # what was adopted goes back before the error goes on
+                raise
 
     # -- degraded replica: shadows and in-replica transfers ---------------------------------------------------
     def _plan_degraded(self, model, tf_config, ddp_config, adopt: dict[int, Adoptable]) -> None:
@@ -513,8 +532,13 @@ class GradSync:
         self.shadows = {}
 
     def adopted_blocks(self) -> dict[int, DistributedDataParallel]:
-        """Block -> the DDP its shadow adopted."""
+        """Block -> the DDP its shadow adopted (until :meth:`settle`)."""
         return {block: shadow.ddp for block, shadow in self.shadows.items() if shadow.adopted is not None}
+
+    def settle(self) -> None:
+        """The formation these objects were built for completed: the adopted DDPs are theirs for good."""
+        for shadow in self.shadows.values():
+            shadow.settle()
 
     # -- every rank ------------------------------------------------------------------------------------------
     def finalize_model_grads(self, model, num_tokens: Optional[torch.Tensor] = None, pg_collection=None,

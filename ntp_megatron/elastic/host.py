@@ -45,6 +45,9 @@ class RankObjects(Protocol):
     def release(self) -> None:
         """Drop what the objects hold beyond themselves (they were replaced)."""
 
+    def settle(self) -> None:
+        """The formation they were built for completed: they let go of the objects they adopted from."""
+
     def discard(self) -> None:
         """Drop objects built for a formation that did not complete: what they took over from ``adopt_from``
         goes back to it."""

@@ -325,6 +325,7 @@ class Reformer:
             elif staged.progress is not None and not staged.loaded:  # a process new to the job: its peers' schedule
                 staged.new_parts.scheduler.step(increment=staged.progress.scheduler_steps)
             training.parts = staged.new_parts
+            staged.new_parts.settle()
         else:
             memory.restore_gradients(old)  # freed by a re-formation that did not complete (rebound in _reform)
         self._report_rank(old, training.parts, staged)

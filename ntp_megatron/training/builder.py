@@ -40,6 +40,8 @@ class RankBuilder:
     def rebind(self, objects: Components, setup: ParallelSetup) -> None:
         """Every reference to an old process group in the model and the optimizer is pointed at the new one; the
         grad sync is made anew for the new groups. Whatever the old groups had in flight is forgotten."""
+        if objects.parameters_freed:  # a degraded rank's objects under the distributed optimizer: always rebuilt
+            raise RuntimeError("objects whose model parameters were freed for a re-formation cannot be kept")
         abandon_collectives(objects.model)
         rebind_process_groups([objects.model, objects.optimizer], objects.setup.groups, setup.groups)
         objects.setup.grad_sync.close()

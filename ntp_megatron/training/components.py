@@ -34,6 +34,9 @@ class Components:
     """Block -> the ids of the optimizer's main parameters whose state came by reference from ``adopted_from``,
     with the DDP the block's shadow took over from it (:func:`adoptable`)."""
     adopted_from: Optional["Components"] = None
+    """Until :meth:`settle`: the objects whose DDPs these adopted (a hand-back needs their optimizer)."""
+    parameters_freed: bool = False
+    """The model's parameter storage was given back (``training.memory.free_parameters``): never train these."""
 
     def param_gather(self) -> None:
         """The collective part of an optimizer step that NTP keeps out of ``optimizer.step()``: the parameter
@@ -57,20 +60,32 @@ class Components:
         for name in ("finalize_model_grads_func", "grad_scale_func", "no_sync_func"):
             setattr(self.tf_config, name, None)
 
+    def settle(self) -> None:
+        """The formation these objects were built for completed: what they adopted is theirs for good, and nothing
+        keeps the objects it came from (or their generation's groups) alive."""
+        if self.setup.grad_sync is not None:
+            self.setup.grad_sync.settle()
+        self.adopted_from = None
+
     def discard(self) -> None:
         """Drop objects built for a formation that did not complete: the DDPs they adopted go back to the objects
         they came from (bound to those objects' groups, their parameters naming those objects' main copies); the
         rest is released."""
-        grad_sync = self.setup.grad_sync
-        if grad_sync is not None:
-            adopted = grad_sync.adopted_blocks()
-            grad_sync.close(hand_back=True)
-            for ddp in adopted.values():
-                point_main_params(self.adopted_from.optimizer, trained(ddp))
-            if adopted:
-                logger.info("the formation did not complete: the buffers of blocks %s go back to the objects held "
-                            "before", sorted(adopted))
+        _hand_back(self.setup.grad_sync, self.adopted_from)
         release_ddp(self.model, self)
+
+
+def _hand_back(grad_sync: Optional[GradSync], held: Optional["Components"]) -> None:
+    """The DDPs ``grad_sync``'s shadows adopted from ``held`` go back to it (and its optimizer's main copies)."""
+    if grad_sync is None:
+        return
+    adopted = grad_sync.adopted_blocks()
+    grad_sync.close(hand_back=True)
+    for ddp in adopted.values():
+        point_main_params(held.optimizer, trained(ddp))
+    if adopted:
+        logger.info("the formation did not complete: the buffers of blocks %s go back to the objects held before",
+                    sorted(adopted))
 
 
 def trained(ddp) -> list[torch.nn.Parameter]:
@@ -195,10 +210,16 @@ def build_components(cfg: JobConfig, setup: ParallelSetup, device: torch.device,
     adopt = adoptable(cfg, adopt_from, setup) if adopt_from is not None else {}
     model = model_lib.build_model(cfg, tf_config, sharding_groups(cfg, setup), device, setup.topology, setup.rank,
                                   own_buckets_sync=healthy, initialize=initialize)
-    if setup.topology is not None:
-        _install_grad_sync(cfg, setup, model, tf_config, adopt=adopt, fill=initialize)
-    optimizer = build_optimizer(cfg, tf_config, model, setup)
-    adopted = {block: adopt_shard_state(optimizer, adopt_from.optimizer, trained(a.ddp)) for block, a in adopt.items()}
+    try:
+        if setup.topology is not None:
+            _install_grad_sync(cfg, setup, model, tf_config, adopt=adopt, fill=initialize)
+        optimizer = build_optimizer(cfg, tf_config, model, setup)
+        adopted = {block: adopt_shard_state(optimizer, adopt_from.optimizer, trained(a.ddp))
+                   for block, a in adopt.items()}
+    except BaseException:  # (an out-of-memory error, say): what was adopted goes back before the error goes on
+        if adopt:
+            _hand_back(setup.grad_sync, adopt_from)
+        raise
     return Components(setup=setup, tf_config=tf_config, model=model, optimizer=optimizer,
                       scheduler=build_scheduler(cfg, optimizer), adopted=adopted,
                       adopted_from=adopt_from if adopted else None)

@@ -131,6 +131,7 @@ def free_parameters(parts) -> int:
             seen.add(storage.data_ptr())
             freed += storage.nbytes()
             storage.resize_(0)
+    parts.parameters_freed = True
     return freed
 
 

@@ -57,7 +57,8 @@ def test_under_the_distributed_optimizer_a_re_forming_rank_holds_only_its_new_st
     of its shard by reference, and frees its old model's parameters (dead: the new model's are gathered from the
     shards). Once its messages are in, it holds exactly its new objects' state, bar the gradients (allocated when it
     adopts them): nothing of its old objects beside, where building beside them held its old model and its
-    moments twice. TP3 x 2: launch rank 5 killed in iteration 3 (replica 1 at TP2: a proxy and a survivor), then
+    moments twice; and once the new objects are adopted they let go of the old ones (their generation's groups
+    too). TP3 x 2: launch rank 5 killed in iteration 3 (replica 1 at TP2: a proxy and a survivor), then
     launch rank 4 in iteration 5 (replica 1 at TP1: the proxy alone, re-formed from its two shadows); the loss is
     the failure-free run's."""
     args = [*TINY, "--set", "parallel.tensor_model_parallel_size=3", "--set", "parallel.data_parallel_size=2",
@@ -84,3 +85,9 @@ def test_under_the_distributed_optimizer_a_re_forming_rank_holds_only_its_new_st
             assert reform["freed_parameter_bytes"] == old["params"] > 0
         else:  # a healthy rank's model is the DDP it adopted
             assert "freed_parameter_bytes" not in reform
+    # Once adopted, the new objects let go of the old ones: no socket of an ended generation stays open (a
+    # generation held by a collective gloo never woke is released later, as in test_live_failure.py).
+    resources = [r for r in result.records if r.get("kind") == "resources" and not r["held_generations"]]
+    assert {r["generation"] for r in resources if r["launch_rank"] == 3} == {0, 1, 2}
+    assert all(r["stale_sockets"] == 0 for r in resources), [
+        (r["launch_rank"], r["generation"], r["stale_sockets"]) for r in resources if r["stale_sockets"]]

@@ -92,6 +92,6 @@ def test_overlap_with_two_instances_on_gloo_warns_that_a_failure_would_end_the_r
     cfg("parallel.overlap_grad_reduce=true", f"{KEY}=1")
     cfg("parallel.overlap_grad_reduce=true", "parallel.backend=nccl", "training.device=cuda")
     assert not [r for r in warnings_seen.records if "overlap_grad_reduce" in r.getMessage()]
-    cfg("parallel.overlap_grad_reduce=true")
+    cfg("parallel.overlap_grad_reduce=true", "training.device=auto")  # the default config's device: gloo on CPU
     [warned] = [r.getMessage() for r in warnings_seen.records if "overlap_grad_reduce" in r.getMessage()]
     assert "the first failure would end the run" in warned and "parallel.overlap_grad_reduce: false" in warned
