@@ -230,7 +230,8 @@ def test_out_of_memory_in_a_degraded_replica(tmp_path, reference_tp2, phase, pol
 
 def test_a_failure_that_never_fires_is_reported(tmp_path):
     """A ``reform`` failure with no re-formation to fire in: the run ends normally, and says it did not fire."""
-    result = run_job(tmp_path / "run", ntp_args(2, 1, iters=2) + ["--inject-failure", "kill:rank=1,iter=2,phase=reform"])
+    result = run_job(tmp_path / "run", ntp_args(2, 1, iters=2) + [
+        "--inject-failure", "kill:rank=1,iter=2,phase=reform"])
     assert result.returncode == 0, result.stderr[-4000:]
     assert "injected failure kill:rank=1,iter=2,phase=reform did not fire" in result.stdout + result.stderr
     assert [e["spec"] for e in result.events("failure_not_fired")] == ["kill:rank=1,iter=2,phase=reform"]
