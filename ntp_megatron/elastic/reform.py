@@ -13,8 +13,8 @@
    of its old groups) takes over the buffers of every block it keeps serving with their shard state (it adopts
    them: never a block twice), copies any other shard it held, and receives the rest from a surviving holder,
    its twin in the other instance; no units move. Then every rank, kept or rebuilt, gathers its parameters from
-   the shards in the new groups (a failure in the last step's gather left them partial). A process new to the job takes
-   Adam's step and the schedule from its peers.
+   the shards in the new groups (a failure in the last step's gather left them partial). A process new to the
+   job takes Adam's step and the schedule from its peers.
 5. *Complete.* Every rank votes that it is done; only a complete re-formation is adopted (a failure in the
    middle of it leaves every rank on its old layout, and the controller bases the next generation on that).
 
