@@ -34,6 +34,7 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.grad_scaler",  # fp16's loss scale
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",  # stage boundaries: receive buffers, the sync after p2p
     "megatron.core.tensor_parallel.layers",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
