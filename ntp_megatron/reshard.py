@@ -397,7 +397,7 @@ class ShardTensors:
                     p[key].copy_(q[key])
 
 
-def _main_param(optimizer, model_param: torch.nn.Parameter) -> torch.Tensor:
+def main_param_of(optimizer, model_param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor a Megatron ``DistributedOptimizer`` steps for ``model_param`` (this rank's shard of it)."""
     group, order = optimizer.model_param_group_index_map[model_param]
     return optimizer.optimizer.param_groups[group]["params"][order]
@@ -419,7 +419,7 @@ def adopt_shard_state(new_optimizer, old_optimizer, params) -> frozenset[int]:
             raise RuntimeError("an adopted parameter has a piece in the shard of one optimizer and not the other's")
         if not held:  # no element of it in this rank's shard
             continue
-        ours, theirs = _main_param(new, param), _main_param(old, param)
+        ours, theirs = main_param_of(new, param), main_param_of(old, param)
         if ours.shape != theirs.shape:
             raise RuntimeError(f"an adopted parameter's shard is {tuple(theirs.shape)} in the old optimizer and "
                                f"{tuple(ours.shape)} in the new one")
@@ -437,7 +437,7 @@ def point_main_params(optimizer, params) -> None:
     opt = distributed_optimizer(optimizer)
     for param in params:
         if getattr(param, "main_param", None) is not None and param in opt.model_param_group_index_map:
-            param.main_param = _main_param(opt, param)
+            param.main_param = main_param_of(opt, param)
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.ntp_gpt import family_geometry
-from ntp_megatron.reshard import optimizer_param, state_keys
+from ntp_megatron.reshard import main_param_of, optimizer_param, state_keys
 
 
 class UncoveredState(RuntimeError):
@@ -99,8 +99,7 @@ def _shard_tensors(optimizer: DistributedOptimizer, param: torch.nn.Parameter) -
     """This rank's shard of ``param``: the tensor the optimizer steps (``param``) and its state, read without
     adding an entry to the optimizer's state (upstream's ``_get_main_param_and_optimizer_states`` indexes the
     state's defaultdict)."""
-    group_index, group_order = optimizer.model_param_group_index_map[param]
-    main = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+    main = main_param_of(optimizer, param)
     return {"param": main, **optimizer.optimizer.state.get(main, {})}
 
 
