@@ -102,10 +102,15 @@ class ModelSection(_Section):
 
 
 class ParallelSection(_Section):
-    """How the ranks are laid out: tensor × data parallel (pipeline, context and expert parallelism are 1)."""
+    """How the ranks are laid out: tensor × data × pipeline parallel (context and expert parallelism are 1)."""
 
     tensor_model_parallel_size: int = Field(1, ge=1)
     """TP degree of a healthy replica (under NTP, its slots: tp_base)."""
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+    """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``): the layers are cut into this many stages of
+    ``model.num_layers / pipeline_model_parallel_size`` consecutive layers, run by Megatron-Core's 1F1B schedule.
+    Ranks are numbered as Megatron numbers them (TP fastest, then data parallel, then stage). Needs
+    ``ntp.enabled: false`` for now."""
     data_parallel_size: int = Field(1, ge=1)
     """Replicas. The job starts tensor × data parallel size ranks, less the slots of ``ntp.dead_slots`` and
     ``ntp.dropped_replicas``."""
@@ -136,7 +141,7 @@ class ParallelSection(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.tensor_model_parallel_size * self.data_parallel_size
+        return self.tensor_model_parallel_size * self.data_parallel_size * self.pipeline_model_parallel_size
 
 
 class TrainingSection(_Section):
@@ -406,6 +411,7 @@ class JobConfig(_Section):
             )
         tp = p.tensor_model_parallel_size
         groups = m.num_query_groups or m.num_attention_heads
+        self._check_pipeline()
         if self.ntp.enabled:
             self._check_ntp()
         elif self.ntp.dead_slots or self.ntp.dropped_replicas:
@@ -474,6 +480,21 @@ class JobConfig(_Section):
 
             check_budget(self)
         return self
+
+    def _check_pipeline(self) -> None:
+        pp, m = self.parallel.pipeline_model_parallel_size, self.model
+        if pp == 1:
+            return
+        if self.ntp.enabled:
+            raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) is not supported with ntp.enabled yet: "
+                             "set parallel.pipeline_model_parallel_size: 1 or ntp.enabled: false")
+        if m.num_layers % pp:
+            allowed = ", ".join(str(d) for d in range(1, m.num_layers + 1) if m.num_layers % d == 0)
+            raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers "
+                             f"({m.num_layers}): allowed {allowed}")
+        if self.parallel.sequence_parallel:
+            raise ValueError("parallel.sequence_parallel is not supported with parallel.pipeline_model_parallel_size "
+                             f"({pp}) above 1 yet; switch one of them off")
 
     def _check_ntp(self) -> None:
         if self.parallel.sequence_parallel:

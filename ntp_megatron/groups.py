@@ -30,6 +30,7 @@ from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron import shard_layout
+from ntp_megatron.grid import Grid
 from ntp_megatron.layout import Topology
 from ntp_megatron.patches import parallel_state as ps_patch
 
@@ -94,41 +95,48 @@ class GroupMaker:
 
 
 def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, distributed_optimizer: bool = False,
-                 instances: int = 1) -> ps_patch.RankGroups:
-    """``rank``'s groups in Megatron's dense grid at PP = CP = 1 (upstream's rank order: TP innermost):
-    ``world_size / tp_size`` replicas of consecutive ranks, ``tp_size`` data-parallel groups across them.
+                 instances: int = 1, pp_size: int = 1) -> ps_patch.RankGroups:
+    """``rank``'s groups in Megatron's dense grid at CP = 1 (upstream's rank order, :class:`ntp_megatron.grid.Grid`):
+    its TP group, its data-parallel group and, with ``pp_size`` stages, its pipeline lane, its replica's
+    model-parallel group and the embedding groups.
 
     With the distributed optimizer, its grad-norm group: the world with one instance (the default group, not a
     copy); with ``instances`` k > 1 (Megatron's ``num_distributed_optimizer_instances``) the ranks of this
-    rank's instance, together with the intra-instance part of its data-parallel group and its twins'
-    inter-instance group, by Megatron's rule (:func:`ntp_megatron.shard_layout.instances`). The three are
-    partitions of the world, made by their members alone: three more calls per rank, whatever the world."""
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"world size {world_size} is not a multiple of tensor_model_parallel_size {tp_size}")
+    rank's instance (every stage of it), together with the intra-instance part of its data-parallel group and its
+    twins' inter-instance group, by Megatron's rule (:func:`ntp_megatron.shard_layout.instances`). Every group but
+    the first is a partition of the world made by its members alone: a few calls per rank, whatever the world."""
+    grid = Grid.of_world(tp_size, pp_size, world_size)
     if instances > 1 and not distributed_optimizer:
         raise ValueError(f"{instances} distributed-optimizer instances need the distributed optimizer")
-    replica, tp_rank = divmod(rank, tp_size)
+    stage, replica, slot = grid.coords(rank)
     make = GroupMaker(rank, timeout)
-    tp_ranks = tuple(range(replica * tp_size, (replica + 1) * tp_size))
+    tp_ranks = grid.tp_ranks(stage, replica)
     tp = make.first_local(tp_ranks)
     alone = make.alone()
-    dp, dp_ranks = None, ()
-    for slot in range(tp_size):
-        ranks = tuple(range(slot, world_size, tp_size))
-        group = make.every_rank(ranks)
-        if slot == tp_rank:
-            dp, dp_ranks = group, ranks
+    dp_ranks = grid.dp_ranks(stage, slot)
+    dp = make.partition(grid.partition(lambda p, r, s: (p, s)))
+    pipeline = None
+    if grid.pp > 1:
+        lane = make.partition(grid.partition(lambda p, r, s: (r, s)))
+        mp = make.partition(grid.partition(lambda p, r, s: r))
+        # The first and last stage of each lane; a middle stage's rank is in no embedding group (a part of its own).
+        ends = (0, grid.pp - 1)
+        embd = make.partition(grid.partition(lambda p, r, s: (r, s) if p in ends else ("alone", p, r, s)))
+        pipeline = ps_patch.PipelineGroups(
+            lane=lane, lane_ranks=grid.lane(replica, slot), mp=mp, mp_ranks=grid.mp_ranks(replica),
+            embd=embd if stage in ends else None, embd_ranks=grid.embedding_ranks(replica, slot) if stage in ends else (),
+            pos_embd=alone if stage == 0 else None, pos_embd_ranks=(rank,) if stage == 0 else ())
     grad_stats = dist.group.WORLD if distributed_optimizer else None
     intra_dp = inter = None
     if instances > 1:
-        members = shard_layout.instances(world_size // tp_size, instances)
-        slots = range(tp_size)
-        intra_dp = make.partition([r * tp_size + s for r in inst] for inst in members for s in slots)
-        inter = make.partition([inst[j] * tp_size + s for inst in members] for j in range(len(members[0]))
-                               for s in slots)
-        grad_stats = make.partition([r * tp_size + s for r in inst for s in slots] for inst in members)
+        def place(r: int) -> tuple[int, int]:  # (instance, position) of replica r
+            return shard_layout.instance_of(r, grid.dp, instances)
+
+        intra_dp = make.partition(grid.partition(lambda p, r, s: (p, s, place(r)[0])))
+        inter = make.partition(grid.partition(lambda p, r, s: (p, s, place(r)[1])))
+        grad_stats = make.partition(grid.partition(lambda p, r, s: place(r)[0]))
     return ps_patch.RankGroups(tp=tp, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone, rank=rank,
-                               grad_stats=grad_stats, intra_dp=intra_dp, inter_dist_opt=inter)
+                               grad_stats=grad_stats, intra_dp=intra_dp, inter_dist_opt=inter, pipeline=pipeline)
 
 
 @dataclass

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import logging
 import math
+import re
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -205,17 +206,34 @@ def megatron_init_of(name: str, tf_config) -> Optional[Callable]:
     raise ValueError(f"model.init: layout_free does not know how Megatron initialises parameter {name!r}")
 
 
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+TIED_OUTPUT = "output_layer.weight"
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+
+
+def global_name(name: str, layer_offset: int, tied_copy: bool = False) -> str:
+    """The name a parameter of one pipeline stage has in the whole model: its transformer layer numbered globally
+    (a stage numbers its layers from 0; ``layer_offset`` is Megatron's ``get_transformer_layer_offset``), and the
+    last stage's copy of tied word embeddings (``tied_copy``) named as the first stage's original."""
+    if tied_copy and name.endswith(TIED_OUTPUT):
+        return name[:-len(TIED_OUTPUT)] + WORD_EMBEDDINGS
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
+
+
 @torch.no_grad()
 def initialize_layout_free(model: torch.nn.Module, tf_config, seed: int,
-                           shard_of: Callable[[str, torch.nn.Parameter], Optional[UnitShard]]) -> None:
-    """Initialise every parameter of ``model`` (an unwrapped GPTModel, NTP or plain) from (seed, name, index).
+                           shard_of: Callable[[str, torch.nn.Parameter], Optional[UnitShard]],
+                           layer_offset: int = 0) -> None:
+    """Initialise every parameter of ``model`` (an unwrapped GPTModel, NTP or plain, or one pipeline stage of it,
+    its first layer being global layer ``layer_offset``) from (seed, global name, index).
 
     ``shard_of(name, param)`` says which units of a TP-split parameter this rank holds (None: replicated).
     """
     for name, param in model.named_parameters():
-        init_method = megatron_init_of(name, tf_config)
+        name_in_model = global_name(name, layer_offset, tied_copy=getattr(param, "shared_embedding", False))
+        init_method = megatron_init_of(name_in_model, tf_config)
         if init_method is not None:
-            fill_normal_(param, stream_key(seed, name), normal_std(init_method), shard_of(name, param))
+            fill_normal_(param, stream_key(seed, name_in_model), normal_std(init_method), shard_of(name, param))
         elif name.endswith(".bias"):
             param.zero_()  # Megatron zeroes linear biases; norm biases are constructed as zeros
     logger.debug("layout-free initialisation: %d elements on this rank", sum(p.numel() for p in model.parameters()))

@@ -73,9 +73,10 @@ class Launcher:
         fixed device of a fixed node, live or not, so a dead slot leaves its device idle and a replacement starts
         on the same device. Every node computes the same map from the config alone."""
         p = cfg.parallel
-        placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes)
+        placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes,
+                              p.pipeline_model_parallel_size)
         slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size,
-                             cfg.topology() if cfg.ntp.enabled else None)
+                             cfg.topology() if cfg.ntp.enabled else None, p.pipeline_model_parallel_size)
         if not placement.node_ranks(0, slots):
             raise ConfigError(f"node 0 (which hosts the store and the controller) would run no rank: its replicas "
                               f"{list(placement.replicas_on(0))} are all dropped (ntp.dropped_replicas); "

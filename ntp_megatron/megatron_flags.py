@@ -81,15 +81,20 @@ ALIASES: dict[str, tuple[Callable[[Optional[str]], list[str]], str]] = {
     "distributed-timeout-minutes": (_renamed("parallel.timeout_s", _minutes), "parallel.timeout_s (× 60)"),
     "data-cache-path": (_renamed("data.cache_dir"), "data.cache_dir"),
     "tokenizer-type": (_tokenizer, "byte-level only"),
-    "pipeline-model-parallel-size": (_at_most_one("pipeline parallelism"), "1 only"),
     "context-parallel-size": (_at_most_one("context parallelism"), "1 only"),
     "expert-model-parallel-size": (_at_most_one("expert parallelism (mixture of experts)"), "1 only"),
 }
 """Megatron flag → (its translation, what it sets: for ``--help``)."""
 
 UNSUPPORTED: dict[str, str] = {
-    "virtual-pipeline-model-parallel-size": "pipeline parallelism is not supported yet",
-    "num-layers-per-virtual-pipeline-stage": "pipeline parallelism is not supported yet",
+    "virtual-pipeline-model-parallel-size": "virtual pipeline stages (the interleaved schedule) are not supported "
+                                            "yet: only Megatron's 1F1B schedule",
+    "num-layers-per-virtual-pipeline-stage": "virtual pipeline stages (the interleaved schedule) are not supported "
+                                             "yet: only Megatron's 1F1B schedule",
+    "decoder-first-pipeline-num-layers": "uneven pipeline stages are not supported yet: every stage has "
+                                         "num-layers / pipeline-model-parallel-size layers",
+    "decoder-last-pipeline-num-layers": "uneven pipeline stages are not supported yet: every stage has "
+                                        "num-layers / pipeline-model-parallel-size layers",
     "num-experts": "mixture of experts is not supported yet",
     "fp8-format": "FP8 training is not supported yet",
     "train-samples": "sample-based training is not supported yet: use --train-iters",

@@ -1,13 +1,15 @@
 """Which node and which local device each slot runs on: a fixed place, computed from the configuration alone.
 
-The job's full grid of ``data_parallel_size × tensor_model_parallel_size`` slots is laid out over the nodes in
-(replica, slot) order, ``devices_per_node`` slots per node, whether a slot is live, dead from the start, or in a
-dropped replica. So a slot's place never depends on which other slots are live: a dead slot leaves its device
+The job's full grid of ``pipeline_model_parallel_size × data_parallel_size × tensor_model_parallel_size`` slots
+is laid out over the nodes in Megatron's rank order ((stage, replica, slot): :class:`ntp_megatron.grid.Grid`),
+``devices_per_node`` slots per node, whether a slot is live, dead from the start, or in a dropped replica. So a slot's place never depends on which other slots are live: a dead slot leaves its device
 idle instead of shifting every later rank to another device or node, a replacement process for a slot starts on
 the slot's own device, and every node's launcher computes the same map without talking to the others.
 
-Rule: ``--nnodes`` must divide ``data_parallel_size``, i.e. each node hosts whole replicas (``devices_per_node`` is
-a multiple of the TP size), so a replica's TP group — NTP's fast scale-up domain — never straddles two nodes.
+Rule: ``--nnodes`` must divide ``data_parallel_size × pipeline_model_parallel_size``, i.e. each node hosts whole
+TP groups (``devices_per_node`` is a multiple of the TP size), so the TP group of a replica's stage — NTP's fast
+scale-up domain — never straddles two nodes. At PP 1 a node hosts whole replicas; with stages, the stages of one
+replica may run on different nodes (stage-major order: a node hosts consecutive stages of every replica first).
 
 Pure math: no torch, no process groups (the launcher and the tests call it).
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ntp_megatron.config_io import ConfigError
+from ntp_megatron.grid import Grid
 
 
 class PlacementError(ConfigError):
@@ -39,64 +42,69 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Placement:
-    """The slot → device map of a ``tp_base × dp`` grid on ``nnodes`` nodes."""
+    """The slot → device map of a ``tp_base × dp × pp`` grid on ``nnodes`` nodes."""
 
     tp_base: int
     dp: int
     nnodes: int
+    pp: int = 1
 
     def __post_init__(self) -> None:
         for name, value in (("tensor_model_parallel_size", self.tp_base), ("data_parallel_size", self.dp),
-                            ("--nnodes", self.nnodes)):
+                            ("pipeline_model_parallel_size", self.pp), ("--nnodes", self.nnodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlacementError(f"{name} must be a positive integer, got {value!r}")
-        if self.dp % self.nnodes:
-            allowed = ", ".join(map(str, _divisors(self.dp)))
+        groups = self.dp * self.pp
+        if groups % self.nnodes:
+            allowed = ", ".join(map(str, _divisors(groups)))
+            what = "parallel.data_parallel_size" if self.pp == 1 else \
+                "parallel.data_parallel_size × pipeline_model_parallel_size"
             raise PlacementError(
-                f"--nnodes {self.nnodes} does not divide parallel.data_parallel_size {self.dp}: each node hosts whole "
-                f"replicas of tensor_model_parallel_size {self.tp_base} slots (a TP group never straddles nodes); "
+                f"--nnodes {self.nnodes} does not divide {what} {groups}: each node hosts whole TP groups of "
+                f"tensor_model_parallel_size {self.tp_base} slots (a TP group never straddles nodes); "
                 f"allowed --nnodes: {allowed}")
 
     @property
     def devices_per_node(self) -> int:
-        """Devices each node provides: its replicas' slots, live or not."""
-        return self.tp_base * self.dp // self.nnodes
+        """Devices each node provides: its slots, live or not."""
+        return self.tp_base * self.dp * self.pp // self.nnodes
 
-    @property
-    def replicas_per_node(self) -> int:
-        return self.dp // self.nnodes
-
-    def device(self, replica: int, slot: int) -> Device:
-        """The fixed place of slot ``slot`` of replica ``replica``."""
-        if not (0 <= replica < self.dp and 0 <= slot < self.tp_base):
-            raise ValueError(f"slot ({replica}, {slot}) is outside the {self.dp} × {self.tp_base} grid")
-        node, index = divmod(replica * self.tp_base + slot, self.devices_per_node)
+    def device(self, replica: int, slot: int, stage: int = 0) -> Device:
+        """The fixed place of slot ``slot`` of replica ``replica``'s stage ``stage``."""
+        if not (0 <= replica < self.dp and 0 <= slot < self.tp_base and 0 <= stage < self.pp):
+            raise ValueError(f"slot ({replica}, {slot}) of stage {stage} is outside the {self.pp} × {self.dp} × "
+                             f"{self.tp_base} grid")
+        node, index = divmod(Grid(self.tp_base, self.dp, self.pp).rank(stage, replica, slot), self.devices_per_node)
         return Device(node, index)
 
-    def replicas_on(self, node: int) -> range:
-        """Replica indices node ``node`` hosts."""
+    def replicas_on(self, node: int) -> list[int]:
+        """Replica indices node ``node`` hosts a slot of."""
         if not 0 <= node < self.nnodes:
             raise ValueError(f"node {node} out of range 0..{self.nnodes - 1}")
-        return range(node * self.replicas_per_node, (node + 1) * self.replicas_per_node)
+        return sorted({r for r in range(self.dp) for p in range(self.pp) if self.device(r, 0, p).node == node})
 
-    def node_ranks(self, node: int, launch_slots: Sequence[tuple[int, int]]) -> dict[int, int]:
+    def node_ranks(self, node: int, launch_slots: Sequence[tuple[int, ...]]) -> dict[int, int]:
         """Launch rank → local device index, for the launch ranks node ``node`` starts, ascending.
 
-        ``launch_slots[r]`` is the (replica, slot) that launch rank ``r`` runs (live slots only: dead slots and
-        dropped replicas have no launch rank, and their devices stay idle)."""
-        hosted = self.replicas_on(node)
+        ``launch_slots[r]`` is the (replica, slot) or, with stages, (replica, slot, stage) that launch rank ``r``
+        runs (live slots only: dead slots and dropped replicas have no launch rank, and their devices stay idle)."""
         out = {}
-        for rank, (replica, slot) in enumerate(launch_slots):
-            if replica in hosted:
-                out[rank] = self.device(replica, slot).index
+        for rank, where in enumerate(launch_slots):
+            device = self.device(*where)
+            if device.node == node:
+                out[rank] = device.index
         return out
 
 
-def launch_slots(tp_base: int, dp: int, topology=None) -> list[tuple[int, int]]:
+def launch_slots(tp_base: int, dp: int, topology=None, pp: int = 1) -> list[tuple[int, ...]]:
     """(replica, slot) of each launch rank, in launch-rank order: the starting NTP ``topology``'s live slots (its
     generation-0 ranks), or, without NTP (None), Megatron's dense grid, where rank ``r`` is slot ``r % tp`` of
-    replica ``r // tp`` (TP groups are consecutive ranks)."""
+    replica ``r // tp`` (TP groups are consecutive ranks); with ``pp`` stages (NTP off) (replica, slot, stage), in
+    Megatron's order (:class:`ntp_megatron.grid.Grid`)."""
     if topology is None:
-        return [divmod(rank, tp_base) for rank in range(tp_base * dp)]
+        grid = Grid(tp_base, dp, pp)
+        if pp == 1:
+            return [divmod(rank, tp_base) for rank in range(grid.world_size)]
+        return [(replica, slot, stage) for stage, replica, slot in map(grid.coords, range(grid.world_size))]
     return [topology.slot_of(rank) for rank in range(topology.world_size)]
 

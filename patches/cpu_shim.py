@@ -9,11 +9,17 @@ and gloo collectives are synchronous, so there is nothing to order). Rather than
 process (a global TorchFunctionMode would intercept every op), each listed module gets its own view of
 ``torch`` whose ``cuda`` namespace answers for the CPU and whose tensor factories map ``'cuda'`` to ``'cpu'``.
 Everything else is the real ``torch``. Apply only in processes without CUDA.
+
+One call site moves a tensor with the ``Tensor.cuda`` method, which no module's view of ``torch`` reaches:
+``LanguageModule.setup_embeddings_and_output_layer`` (``megatron.core.models.common.language_module``), before
+the embedding-group all-reduce that copies the first stage's tied word embeddings into the last stage's output
+layer (pipeline stages only). While it runs, ``Tensor.cuda`` returns the tensor itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import types
@@ -135,10 +141,29 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
     return make
 
 
+def _tensor_cuda_is_identity(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    run.ntp_cpu_shim = True
+    return run
+
+
 def apply() -> None:
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is not torch:
             raise RuntimeError(f"cpu_shim: {name} does not use the plain torch module; patch written for 0.16.x")
         module.torch = _CpuTorch(name)
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    if not getattr(LanguageModule.setup_embeddings_and_output_layer, "ntp_cpu_shim", False):
+        LanguageModule.setup_embeddings_and_output_layer = _tensor_cuda_is_identity(
+            LanguageModule.setup_embeddings_and_output_layer)
     logger.debug("cpu_shim: %d Megatron-Core modules see a CPU torch.cuda", len(PATCHED_MODULES))

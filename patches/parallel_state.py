@@ -9,12 +9,14 @@ looks (the RNG tracker's TP and expert ranks, vocab-parallel cross entropy, the 
 state dicts' data-parallel group). The same groups go into the explicit ``ProcessGroupCollection`` it
 returns for the model, DDP and the optimizer.
 
-With pipeline, context and expert parallelism all 1 (the only shapes this package runs), upstream's grid
-has, for one rank: the tensor-parallel group, the data-parallel group, the rank by itself for every
-trivial role (pipeline, context, expert, embedding and position embedding), the tensor-parallel group
-again for the roles that combine it with a trivial one (model, tensor+context, expert tensor), the
-data-parallel group again for expert data parallelism, and the distributed optimizer's grad-norm group (the
-ranks of its instance: the world with one instance). With ``num_distributed_optimizer_instances`` k > 1 it also
+With context and expert parallelism 1 (the only shapes this package runs), upstream's grid has, for one rank:
+the tensor-parallel group, the data-parallel group, the rank by itself for every trivial role (context, expert, and
+at PP 1 pipeline, embedding and position embedding), the tensor-parallel group again for the roles that combine it
+with a trivial one (tensor+context, expert tensor, and at PP 1 model), the data-parallel group again for expert
+data parallelism, and the distributed optimizer's grad-norm group (the ranks of its instance: the world with one
+instance). With pipeline stages (:class:`PipelineGroups`) it also has its pipeline lane, its replica's
+model-parallel group (every stage) and, in the first and last stage, the embedding group. With
+``num_distributed_optimizer_instances`` k > 1 it also
 has the partial groups: the intra-instance part of its data-parallel group (what the optimizer shards over and
 DDP reduce-scatters in) and the inter-instance group of its twins (what DDP all-reduces the shards across);
 with k = 1 the intra-instance group is the data-parallel group and there is no inter-instance group. The
@@ -51,6 +53,27 @@ class RankGroups:
     """The intra-instance part of ``dp`` (k > 1 instances); None: ``dp`` itself (one instance)."""
     inter_dist_opt: Optional[dist.ProcessGroup] = None
     """This rank's twins, one per instance (k > 1 instances); None with one instance."""
+    pipeline: Optional["PipelineGroups"] = None
+    """With pipeline stages: the groups that cross them; None at PP 1 (every pipeline role is this rank alone)."""
+
+
+@dataclass(frozen=True)
+class PipelineGroups:
+    """The groups of one rank that cross pipeline stages (:class:`ntp_megatron.grid.Grid`), with their global
+    ranks in group-rank order."""
+
+    lane: dist.ProcessGroup
+    """Megatron's pipeline group: this rank's slot of its replica, one rank per stage."""
+    lane_ranks: tuple[int, ...]
+    mp: dist.ProcessGroup
+    """Megatron's model-parallel group: every stage and slot of this rank's replica."""
+    mp_ranks: tuple[int, ...]
+    embd: Optional[dist.ProcessGroup]
+    """The first and the last stage's ranks of the lane (tied word embeddings); None in a middle stage."""
+    embd_ranks: tuple[int, ...]
+    pos_embd: Optional[dist.ProcessGroup]
+    """The first stage's rank of the lane, alone; None in a later stage."""
+    pos_embd_ranks: tuple[int, ...]
 
 
 def install(groups: RankGroups) -> ProcessGroupCollection:
@@ -59,15 +82,20 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
     tp_ranks, dp_ranks, me = list(groups.tp_ranks), list(groups.dp_ranks), [groups.rank]
     ps._TENSOR_MODEL_PARALLEL_GROUP = groups.tp
     ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
-    ps._MODEL_PARALLEL_GROUP = groups.tp  # PP = 1: model parallel = tensor parallel
-    ps._MODEL_PARALLEL_GLOBAL_RANKS = tp_ranks
+    pipe = groups.pipeline
+    mp, mp_ranks = (pipe.mp, list(pipe.mp_ranks)) if pipe else (groups.tp, tp_ranks)  # PP 1: mp = tp
+    lane, lane_ranks = (pipe.lane, list(pipe.lane_ranks)) if pipe else (groups.alone, me)
+    embd, embd_ranks = (pipe.embd, list(pipe.embd_ranks)) if pipe else (groups.alone, me)
+    pos_embd, pos_embd_ranks = (pipe.pos_embd, list(pipe.pos_embd_ranks)) if pipe else (groups.alone, me)
+    ps._MODEL_PARALLEL_GROUP = mp
+    ps._MODEL_PARALLEL_GLOBAL_RANKS = mp_ranks
     ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = groups.tp  # CP = 1
-    ps._PIPELINE_MODEL_PARALLEL_GROUP = groups.alone
-    ps._PIPELINE_GLOBAL_RANKS = me
-    ps._EMBEDDING_GROUP = groups.alone  # first and last pipeline stage: this rank
-    ps._EMBEDDING_GLOBAL_RANKS = me
-    ps._POSITION_EMBEDDING_GROUP = groups.alone
-    ps._POSITION_EMBEDDING_GLOBAL_RANKS = me
+    ps._PIPELINE_MODEL_PARALLEL_GROUP = lane
+    ps._PIPELINE_GLOBAL_RANKS = lane_ranks
+    ps._EMBEDDING_GROUP = embd  # first and last pipeline stage (PP 1: this rank)
+    ps._EMBEDDING_GLOBAL_RANKS = embd_ranks or None
+    ps._POSITION_EMBEDDING_GROUP = pos_embd
+    ps._POSITION_EMBEDDING_GLOBAL_RANKS = pos_embd_ranks or None
     ps._CONTEXT_PARALLEL_GROUP = groups.alone
     ps._CONTEXT_PARALLEL_GLOBAL_RANKS = me
     ps._DATA_PARALLEL_GROUP = groups.dp
@@ -83,14 +111,14 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
     ps._EXPERT_MODEL_PARALLEL_RANKS = me
     ps._EXPERT_TENSOR_PARALLEL_GROUP = groups.tp
     ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = groups.tp
-    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = groups.tp
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = mp
     ps._EXPERT_DATA_PARALLEL_GROUP = groups.dp
     ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = intra_dp
     ps._INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = groups.inter_dist_opt
     ps._set_global_memory_buffer()
     return ProcessGroupCollection(
-        tp=groups.tp, pp=groups.alone, mp=groups.tp, embd=groups.alone, pos_embd=groups.alone, cp=groups.alone,
-        tp_cp=groups.tp, hcp=None, ep=groups.alone, expt_tp=groups.tp, tp_ep=groups.tp, tp_ep_pp=groups.tp,
+        tp=groups.tp, pp=lane, mp=mp, embd=embd, pos_embd=pos_embd, cp=groups.alone,
+        tp_cp=groups.tp, hcp=None, ep=groups.alone, expt_tp=groups.tp, tp_ep=groups.tp, tp_ep_pp=mp,
         tp_dp_cp=None, dp=groups.dp, dp_cp=groups.dp, expt_dp=groups.dp, intra_dp_cp=intra_dp,
         intra_expt_dp=intra_dp, inter_dist_opt=groups.inter_dist_opt, intra_dist_opt=groups.grad_stats,
     )

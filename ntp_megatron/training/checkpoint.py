@@ -184,11 +184,14 @@ class ParallelCoords:
     tp_size: int
     dp_rank: int
     dp_size: int
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @classmethod
     def of(cls, setup, parallel) -> "ParallelCoords":
         """From a :class:`ntp_megatron.training.parallel.ParallelSetup` and the config's ``parallel`` section."""
-        return cls(setup.tp_rank, parallel.tensor_model_parallel_size, setup.replica, parallel.data_parallel_size)
+        return cls(setup.tp_rank, parallel.tensor_model_parallel_size, setup.replica, parallel.data_parallel_size,
+                   setup.stage, parallel.pipeline_model_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,8 @@ def _layout(model, coords: ParallelCoords) -> _Layout:
     """Plain: the grid. NTP: every rank's replica, width, TP rank and units, gathered (one collective over
     the job's default group), from which each rank's :class:`CheckpointRole` follows."""
     if not _is_ntp(model):
-        return _Layout(parallel={"tp": coords.tp_size, "dp": coords.dp_size})
+        grid = {"tp": coords.tp_size, "dp": coords.dp_size}
+        return _Layout(parallel=grid if coords.pp_size == 1 else {**grid, "pp": coords.pp_size})
     gpt = model.module
     tp = gpt.pg_collection.tp
     units = gpt.ntp_units
@@ -230,6 +234,9 @@ def _layout(model, coords: ParallelCoords) -> _Layout:
 def _rng_object(coords: ParallelCoords, layout: _Layout, state: Any) -> ShardedObject:
     if layout.role is not None:  # NTP: replicas differ in width, so one object per rank of this layout
         return ShardedObject("rng_state", state, (layout.world_size,), (layout.rank,), replica_id=0)
+    if coords.pp_size > 1:
+        return ShardedObject("rng_state", state, (coords.pp_size, coords.dp_size, coords.tp_size),
+                             (coords.pp_rank, coords.dp_rank, coords.tp_rank), replica_id=0)
     return ShardedObject(
         "rng_state", state, (coords.dp_size, coords.tp_size), (coords.dp_rank, coords.tp_rank), replica_id=0
     )

@@ -11,12 +11,11 @@ import time
 from typing import Any
 
 import torch
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, microbatches
 from ntp_megatron.training.loop_state import LoopState
-from ntp_megatron.training.steps import evaluation_step
+from ntp_megatron.training.steps import evaluation_step, loss_of, run_schedule
 
 
 class Evaluations:
@@ -51,20 +50,14 @@ class Evaluations:
                 for b, samples in enumerate(batches):
                     if b == len(batches) // 2:
                         phases.point("eval")
-                    reported = get_forward_backward_func()(
-                        forward_step_func=evaluation_step,
-                        data_iterator=microbatches(dataset, samples, t.micro_batch_size, trainer.device),
-                        model=[parts.model],
-                        num_microbatches=len(samples) // t.micro_batch_size,
-                        seq_length=trainer.cfg.model.seq_length,
-                        micro_batch_size=t.micro_batch_size,
-                        forward_only=True,
-                        pg_collection=s.pg,
-                    )
-                    total += torch.stack([r["lm loss"] for r in reported]).double().sum(dim=0)
+                    reported = run_schedule(s, parts.tf_config, parts.model, evaluation_step,
+                                            microbatches(dataset, samples, t.micro_batch_size, trainer.device),
+                                            len(samples) // t.micro_batch_size, trainer.cfg.model.seq_length,
+                                            t.micro_batch_size, forward_only=True)
+                    total += loss_of(reported, torch.float64)
         finally:
             parts.model.train()
-        loss_sum, tokens = s.sum_over_replicas(total).tolist()
+        loss_sum, tokens = s.loss_over_replicas(total).tolist()
         loss = loss_sum / tokens
         record = {"kind": "evaluation", "split": split, "iteration": trainer.iteration, "final": final,
                   "lm_loss": loss, "ppl": math.exp(min(20.0, loss)), "eval_iters": t.eval_iters,

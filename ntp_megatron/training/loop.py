@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.config import JobConfig
@@ -36,7 +35,7 @@ from ntp_megatron.training.evaluation import Evaluations
 from ntp_megatron.training.memory import RankMemory
 from ntp_megatron.training.parallel import ParallelSetup
 from ntp_megatron.training.saving import Checkpoints
-from ntp_megatron.training.steps import ForwardStep
+from ntp_megatron.training.steps import ForwardStep, loss_of, run_schedule
 from ntp_megatron.training.verification import StateChecks
 
 
@@ -115,17 +114,10 @@ class Trainer:
         for share in s.shares:
             samples += list(replica_sample_range(k - 1, share, s.num_replicas, t.global_batch_size))[:per_share]
         lr = parts.optimizer.param_groups[0]["lr"]
-        reported = get_forward_backward_func()(
-            forward_step_func=ForwardStep(s.microbatches),
-            data_iterator=microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
-            model=[parts.model],
-            num_microbatches=s.microbatches,
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            forward_only=False,
-            pg_collection=s.pg,
-        )
-        loss_and_tokens = s.sum_over_replicas(torch.stack([r["lm loss"] for r in reported]).sum(dim=0))
+        reported = run_schedule(s, parts.tf_config, parts.model, ForwardStep(s.microbatches),
+                                microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
+                                s.microbatches, self.cfg.model.seq_length, t.micro_batch_size, forward_only=False)
+        loss_and_tokens = s.loss_over_replicas(loss_of(reported, torch.float32))
         grad_norm = None
         if s.grad_sync is not None and t.clip_grad > 0:
             grad_norm = s.grad_sync.compute_grad_norm()  # the last reduction before the commit point

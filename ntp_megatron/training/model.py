@@ -50,6 +50,7 @@ def transformer_config(cfg: JobConfig, device: Optional[torch.device] = None) ->
         # Under NTP the TP degree differs per replica and comes from the process group; the config's value
         # only feeds upstream's divisibility asserts, which uneven layouts must not hit.
         tensor_model_parallel_size=1 if cfg.ntp.enabled else p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,  # a stage builds num_layers / pp layers
         sequence_parallel=p.sequence_parallel,
         # Megatron allocates parameters on the current CUDA device unless this is set; on CPU it must be.
         use_cpu_initialization=not on_cuda,
@@ -155,10 +156,11 @@ def build_model(
     under the distributed optimizer they are not sharded either.
     """
     m = cfg.model
+    pp = pg_collection.pp
     common = dict(
         max_sequence_length=m.max_position_embeddings or m.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=pp.rank() == 0,  # the first stage embeds the tokens
+        post_process=pp.rank() == pp.size() - 1,  # the last one computes the logits and the loss
         share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
         position_embedding_type=m.position_embedding_type,
         pg_collection=pg_collection,
@@ -169,7 +171,7 @@ def build_model(
         if not tf_config.perform_initialization:
             mark_tensor_parallel(gpt, tf_config)
             if initialize:
-                initialize_uniform_layout_free(gpt, tf_config, cfg.training.seed, pg_collection.tp)
+                initialize_uniform_layout_free(gpt, tf_config, cfg.training.seed, pg_collection.tp, pp.rank())
     else:
         from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
 
@@ -207,10 +209,15 @@ def mark_tensor_parallel(gpt: torch.nn.Module, tf_config: TransformerConfig) -> 
             set_tensor_model_parallel_attributes(weight, True, 1, 1)
 
 
-def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerConfig, seed: int, tp_group) -> None:
-    """``model.init: layout_free`` for a plain Megatron model at uniform TP: the same values as every NTP layout."""
+def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerConfig, seed: int, tp_group,
+                                   stage: int = 0) -> None:
+    """``model.init: layout_free`` for a plain Megatron model at uniform TP, any stage: the same values as every NTP
+    layout (and every pipeline layout: layers are named by their global number)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
     from ntp_megatron.init import initialize_layout_free
     from ntp_megatron.ntp_gpt import uniform_shard
 
     rank, size = tp_group.rank(), tp_group.size()
-    initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size))
+    initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size),
+                           layer_offset=get_transformer_layer_offset(tf_config, pp_rank=stage))

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.config import JobConfig
+from ntp_megatron.grid import Grid
 from ntp_megatron.groups import build_groups, dense_groups
 from ntp_megatron.patches import parallel_state as ps_patch
 
@@ -40,13 +41,33 @@ class ParallelSetup:
     topology: Optional[object] = None
     groups: Optional[object] = None  # ntp_megatron.groups.NTPGroups when NTP is on
     grad_sync: Optional[object] = field(default=None, repr=False)  # ntp_megatron.grad_sync.GradSync (NTP)
+    stage: int = 0                   # pipeline stage
+    stages: int = 1                  # pipeline stages of a replica
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        """Where the loss is computed (Megatron's ``post_process``)."""
+        return self.stage == self.stages - 1
 
     @property
     def microbatches(self) -> int:
         return self.microbatches_per_share * len(self.shares)
 
+    def loss_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
+        """A loss sum (and token count) of this rank's stage summed over replicas, on every rank: only the last
+        stage computes the loss (the other stages hold zeros), and it broadcasts the sum along the pipeline."""
+        if self.last_stage:
+            value = self.sum_over_replicas(value)
+        if self.stages > 1:
+            dist.broadcast(value, group=self.pg.pp, group_src=self.stages - 1)
+        return value
+
     def sum_over_replicas(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a value every rank of a replica holds alike, each replica once (the loss for the log)."""
+        """Sum a value every rank of a replica's stage holds alike, each replica once (the loss for the log)."""
         if self.grad_sync is not None:
             return self.grad_sync.sum_over_replicas(value)
         value = value.clone()
@@ -80,9 +101,10 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = dense_groups(p.tensor_model_parallel_size, rank, world, timedelta(seconds=p.timeout_s),
                           distributed_optimizer=p.use_distributed_optimizer,
-                          instances=p.num_distributed_optimizer_instances)
+                          instances=p.num_distributed_optimizer_instances, pp_size=p.pipeline_model_parallel_size)
     pg = ps_patch.install(groups)
-    replica, tp_rank = divmod(rank, p.tensor_model_parallel_size)
+    stage, replica, tp_rank = Grid.of_world(p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                                            world).coords(rank)
     return ParallelSetup(
         pg=pg,
         replica=replica,
@@ -93,6 +115,8 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
         microbatches_per_share=cfg.num_microbatches,
         samples_per_iteration=cfg.training.global_batch_size,
         rank=rank,
+        stage=stage,
+        stages=p.pipeline_model_parallel_size,
     )
 
 

@@ -1,10 +1,36 @@
-"""Megatron's ``forward_step_func`` for training and for evaluation, and the per-token loss they report."""
+"""Megatron's ``forward_step_func`` for training and for evaluation, the per-token loss they report, and the
+schedule that runs them (Megatron-Core's: no pipelining at PP 1, 1F1B across stages)."""
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ntp_megatron import phases
+
+
+def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iterator: Iterator, num_microbatches: int,
+                 seq_length: int, micro_batch_size: int, forward_only: bool) -> list[dict]:
+    """Megatron-Core's forward/backward schedule over ``num_microbatches`` micro-batches in ``setup``'s groups (a
+    :class:`ntp_megatron.training.parallel.ParallelSetup`); returns the last stage's per-micro-batch records (none
+    on the other stages)."""
+    groups = {"pg_collection": setup.pg}
+    if setup.stages > 1:  # the 1F1B schedule takes explicit groups only together with its communicator
+        groups["p2p_communicator"] = P2PCommunicator(pp_group=setup.pg.pp, config=tf_config)
+    return get_forward_backward_func(pp_size=setup.stages, vp_size=None)(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=[model],
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=forward_only, **groups)
+
+
+def loss_of(reported: list[dict], dtype: torch.dtype) -> torch.Tensor:
+    """``[loss sum, tokens]`` of the records :func:`run_schedule` returned (zeros on a stage without any)."""
+    if not reported:
+        return torch.zeros(2, dtype=dtype)
+    return torch.stack([r["lm loss"] for r in reported]).to(dtype).sum(dim=0)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -31,7 +31,7 @@ def _launch(cwd: Path, args: list[str], out: Path) -> tuple[int, str]:
     (["--swiglu"], ["model.gated_linear_unit=true", "model.activation=swiglu"]),
     (["--untie-embeddings-and-output-weights"], ["model.untie_embeddings_and_output_weights=true"]),
     (["--tokenizer-type", "byte-level"], ["data.tokenizer=byte-level"]),
-    (["--pipeline-model-parallel-size", "1"], []),
+    (["--pipeline-model-parallel-size", "2"], ["parallel.pipeline_model_parallel_size=2"]),
     (["--distributed-timeout-minutes", "2"], ["parallel.timeout_s=120.0"]),
     (["--norm-epsilon=1e-6"], ["model.layernorm_epsilon=1e-6"]),
 ])
@@ -41,7 +41,8 @@ def test_megatron_spellings_are_accepted(flags, expected):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size: pipeline parallelism is not supported yet"),
+    (["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size: virtual pipeline "
+                                                      "stages (the interleaved schedule) are not supported yet"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type: tokenizer 'GPT2BPETokenizer' is not supported"),
     (["--num-experts", "8"], "--num-experts: mixture of experts is not supported yet"),
     (["--train-samples", "1000"], "--train-samples: sample-based training is not supported yet: use --train-iters"),
@@ -62,7 +63,8 @@ def test_help_lists_megatron_flags_and_multi_node_options(capsys):
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for text in ("--bf16 training.precision=bf16", "--swiglu", "--train-iters", "--eval-iters", "--eval-interval",
-                 "--tokenizer-type byte-level only", "--pipeline-model-parallel-size 1 only",
+                 "--tokenizer-type byte-level only", "--pipeline-model-parallel-size",
+                 "--virtual-pipeline-model-parallel-size",
                  "--nnodes NNODES nodes in the job", "--node-rank NODE_RANK this node's index"):
         assert text in out, text
 
@@ -79,8 +81,11 @@ def test_help_lists_megatron_flags_and_multi_node_options(capsys):
                              "training.train_iters (lr_decay_iters unset) = 5: shorten the warmup (--lr-warmup-iters 4)"),
     (["--inject-failure", "kill:rank=1,iter=60"], "ntp-launch: --inject-failure 'kill:rank=1,iter=60': iter 60 is "
                                                   "past training.train_iters (50)"),
-    (["--pipeline-model-parallel-size", "4"], "ntp-launch: --pipeline-model-parallel-size: pipeline parallelism"),
-], ids=["data", "cuda", "nccl", "load", "warmup", "failure-past-end", "pipeline"])
+    (["--pipeline-model-parallel-size", "4"], "ntp-launch: parallel.pipeline_model_parallel_size (4) is not "
+                                              "supported with ntp.enabled yet"),
+    (["--pipeline-model-parallel-size", "3", "--set", "ntp.enabled=false"],
+     "ntp-launch: parallel.pipeline_model_parallel_size (3) must divide model.num_layers (2): allowed 1, 2"),
+], ids=["data", "cuda", "nccl", "load", "warmup", "failure-past-end", "pipeline-ntp", "pipeline-layers"])
 def test_refused_in_one_line_before_any_rank_starts(tmp_path, args, expected):
     import torch
 

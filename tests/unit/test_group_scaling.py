@@ -123,17 +123,54 @@ def test_ntp_groups_do_not_grow_with_the_world(fake_world, replicas):
 
 @pytest.mark.parametrize("replicas", [1280, 12800])
 def test_plain_groups_do_not_grow_with_the_world(fake_world, replicas):
-    """Uniform TP8 × ``replicas``: ten calls per rank (its TP group and itself, made locally; the eight DP
-    groups, made by every rank), laid out as upstream's grid (TP innermost)."""
+    """Uniform TP8 × ``replicas``: three calls per rank, each made by the group's members alone (its TP group,
+    itself, its DP group as its part of the partition of the world into DP groups), laid out as upstream's grid
+    (TP innermost)."""
     cfg = _cfg(replicas, ntp=False)
     world_size = TP * replicas
     for rank in (0, world_size // 2 + 3, world_size - 1):
         world = fake_world(world_size, rank)
         setup = uniform_parallel(cfg)
-        _check_calls(world, largest_allowed=replicas)
+        assert len(world.calls) == 3 and all(c["local"] and rank in c["ranks"] and c["timeout"] for c in world.calls)
         replica, slot = divmod(rank, TP)
         assert (setup.replica, setup.tp_rank) == (replica, slot)
         assert setup.pg.tp.ranks == list(range(replica * TP, replica * TP + TP))
         assert setup.pg.dp.ranks == list(range(slot, world_size, TP))
         assert ps.get_data_parallel_group() is setup.pg.dp and ps.get_tensor_model_parallel_group() is setup.pg.tp
         assert ps.get_data_parallel_rank() == replica and ps.get_tensor_model_parallel_rank() == slot
+
+
+@pytest.mark.parametrize("tp, dp, pp", [(2, 2, 2), (1, 3, 4), (4, 160, 3)])
+def test_plain_pipeline_groups_are_megatrons(fake_world, tp, dp, pp):
+    """Uniform TP × DP × PP: every group Megatron-Core's schedule, DDP, optimizer and finalize_model_grads read
+    (explicit and global) is the one upstream's ``RankGenerator`` makes for this rank, at six calls per rank, all
+    made by the members alone."""
+    from megatron.core.parallel_state import RankGenerator
+
+    cfg = load_job_config(None, ["ntp.enabled=false", f"parallel.tensor_model_parallel_size={tp}",
+                                 f"parallel.data_parallel_size={dp}", f"parallel.pipeline_model_parallel_size={pp}",
+                                 "training.micro_batch_size=1", f"training.global_batch_size={dp}",
+                                 "model.num_attention_heads=16", "model.hidden_size=128", f"model.num_layers={pp}"])
+    world_size = tp * dp * pp
+    upstream = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+    for rank in sorted({0, tp, world_size // 2 + 1, world_size - 1}):
+        mine = {mode: next(g for g in upstream.get_ranks(mode) if rank in g) for mode in ("tp", "dp", "pp", "tp-pp")}
+        world = fake_world(world_size, rank)
+        setup = uniform_parallel(cfg)
+        assert len(world.calls) == 6 and all(c["local"] and rank in c["ranks"] and c["timeout"] for c in world.calls)
+        pg, lane = setup.pg, mine["pp"]
+        assert pg.tp.ranks == mine["tp"] and pg.dp.ranks == pg.dp_cp.ranks == mine["dp"]
+        assert pg.pp.ranks == lane and pg.mp.ranks == pg.tp_ep_pp.ranks == mine["tp-pp"]
+        stage = lane.index(rank)
+        assert (setup.stage, setup.stages, setup.first_stage, setup.last_stage) == \
+            (stage, pp, stage == 0, stage == pp - 1)
+        assert (setup.replica, setup.tp_rank) == (mine["dp"].index(rank), mine["tp"].index(rank))
+        ends = stage in (0, pp - 1)
+        assert (pg.embd.ranks if ends else pg.embd) == ([lane[0], lane[-1]] if ends else None)
+        assert (pg.pos_embd.ranks if stage == 0 else pg.pos_embd) == ([rank] if stage == 0 else None)
+        assert ps.get_pipeline_model_parallel_group() is pg.pp and ps.get_model_parallel_group() is pg.mp
+        assert ps.get_pipeline_model_parallel_rank() == stage
+        assert ps.get_pipeline_model_parallel_world_size() == pp
+        assert ps.is_pipeline_first_stage() == (stage == 0) and ps.is_pipeline_last_stage() == (stage == pp - 1)
+        assert ps.is_rank_in_embedding_group() == ends
+        assert ps.get_pipeline_model_parallel_next_rank() == lane[(stage + 1) % pp]
