@@ -214,9 +214,10 @@ WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 def global_name(name: str, layer_offset: int, tied_copy: bool = False) -> str:
     """The name a parameter of one pipeline stage has in the whole model: its transformer layer numbered globally
     (a stage numbers its layers from 0; ``layer_offset`` is Megatron's ``get_transformer_layer_offset``), and the
-    last stage's copy of tied word embeddings (``tied_copy``) named as the first stage's original."""
-    if tied_copy and name.endswith(TIED_OUTPUT):
-        return name[:-len(TIED_OUTPUT)] + WORD_EMBEDDINGS
+    last stage's copy of tied word embeddings (``tied_copy``) named as the first stage's original (also in the
+    name of its state: ``output_layer.weight.exp_avg``)."""
+    if tied_copy and TIED_OUTPUT in name:
+        return name.replace(TIED_OUTPUT, WORD_EMBEDDINGS, 1)
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
 
 

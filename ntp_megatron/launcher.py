@@ -86,6 +86,22 @@ class Launcher:
         """Launch rank -> local device index (``LOCAL_RANK``), for the ranks this node runs."""
         self.local_ranks = list(self.devices)
 
+    def _stages(self) -> list[str]:
+        """With pipeline stages, where each runs: its launch ranks, as (replica, slot), and their nodes."""
+        p = self.cfg.parallel
+        if p.pipeline_model_parallel_size == 1:
+            return []
+        layers = self.cfg.model.num_layers // p.pipeline_model_parallel_size
+        lines = []
+        for stage in range(p.pipeline_model_parallel_size):
+            ranks = [r for r, (_, _, st) in enumerate(self.launch_slots) if st == stage]
+            nodes = sorted({self.placement.device(*self.launch_slots[r]).node for r in ranks})
+            lines.append(f"stage {stage} (layers {stage * layers}..{(stage + 1) * layers - 1}): launch ranks "
+                         f"{_spans(ranks)} = replicas 0..{p.data_parallel_size - 1} x slots "
+                         f"0..{p.tensor_model_parallel_size - 1}, on node{'s' if len(nodes) > 1 else ''} "
+                         f"{_spans(nodes)}")
+        return lines
+
     def _where(self) -> str:
         """Where this node's ranks run, for the start message: which local devices, and which stay idle."""
         idle = [i for i in range(self.placement.devices_per_node) if i not in self.devices.values()]
@@ -198,7 +214,8 @@ class Launcher:
         if self.args.node_rank == 0:
             self.metrics_file, self.tensorboard_dir = run_outputs(self.cfg, self.run_dir)
             self.console.sink = metrics.MetricsSink(self.metrics_file, self.tensorboard_dir)
-            self.console.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg))
+            self.console.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg),
+                                    pipeline_stages=self.cfg.parallel.pipeline_model_parallel_size)
         self.policy = choose(self)
         self.policy.begin()
         if self.start is not None:
@@ -206,6 +223,8 @@ class Launcher:
                              f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
         self.console.say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
                          f"(store {self.args.store_host}:{self.nodes.port}, run dir {self.run_dir})")
+        for line in self._stages():
+            self.console.say(line)
 
         def on_signal(signum, _frame):
             raise KeyboardInterrupt(signal.Signals(signum).name)

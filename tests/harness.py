@@ -423,56 +423,68 @@ def assert_replicas_agree(result: JobResult, iters: Optional[int] = None) -> Non
     The only rows allowed missing are those of :func:`interrupted_iterations`; the assertion message names them."""
     checked: set[int] = set()
     all_segments = segments(result.records)
+    stages = next((r.get("pipeline_stages", 1) for r in result.records if r.get("event") == "job_started"), 1)
     for n, segment in enumerate(all_segments):
-        generations, iterations = segment.published(), segment.iterations()
-        rows: dict[int, dict[tuple[int, int, int], dict]] = defaultdict(dict)
-        for r in segment.records:
-            if r.get("kind") == "state_checksums":
-                key = (r.get("generation", 0), r["replica"], r["tp_rank"])
-                assert key not in rows[r["iteration"]], f"iteration {r['iteration']}: {key} reported twice"
-                rows[r["iteration"]][key] = r
-        interrupted = interrupted_iterations(segment, last_segment=n == len(all_segments) - 1)
-        for iteration, record in sorted(iterations.items()):
-            widths = record["tp_per_replica"]
-            generation = record.get("generation", 0)
-            if generations:
-                topology = generations[generation]["topology"]
-                assert _widths(topology, len(widths)) == widths, (
-                    f"iteration {iteration}: tp_per_replica {widths}, but generation {generation} has "
-                    f"{_widths(topology, len(widths))}")
-            reports = rows.get(iteration, {})
-            for g, replica, tp_rank in reports:
-                live = _live_tp_ranks(generations[g]["topology"]) if generations else {
-                    (rep, t) for rep, w in enumerate(widths) for t in range(w)}
-                assert (replica, tp_rank) in live, (
-                    f"iteration {iteration}: a report from {(replica, tp_rank)}, which is not live in generation {g}")
-            due_in, required = _required_reporters(segment, iteration)
-            missing = sorted(required - {(rep, t) for g, rep, t in reports if g == due_in})
-            if missing:
-                assert iteration in interrupted, (
-                    f"iteration {iteration}: no state checksums from (replica, TP rank) {missing} in generation "
-                    f"{due_in}; only the rows of {interrupted or 'no iteration'} may be missing")
-                if not reports:
-                    checked.add(iteration)  # nothing to compare, for the reason interrupted_iterations gives
-                    continue
-            first_key = min(reports)
-            first = reports[first_key]
-            for who, other in sorted(reports.items()):
-                differing = [k for k in set(first["checksums"]) | set(other["checksums"])
-                             if first["checksums"].get(k) != other["checksums"].get(k)]
-                assert not differing, (
-                    f"iteration {iteration}: {who} differs from {first_key} in {sorted(differing)[:3]}")
-                assert other["grad_norm"] == first["grad_norm"], (
-                    f"iteration {iteration}: grad-norm bits differ between {who} and {first_key}")
-            checked.add(iteration)
-        complete = [i for i in sorted(iterations) if i in checked and i not in interrupted]
-        if len(complete) > 1:  # the state changes: a report of something constant would agree trivially
-            a, b = rows[complete[0]], rows[complete[-1]]
-            assert a[min(a)]["checksums"] != b[min(b)]["checksums"], "the state checksums never change"
+        for stage in range(stages):  # each pipeline stage holds its own tensors: its rows are compared
+            checked |= _check_stage_rows(Segment([r for r in segment.records if r.get("stage", 0) == stage]),
+                                         last_segment=n == len(all_segments) - 1, stage=stage)
     assert checked, "no state checksums were reported (logging.state_checksums off?)"
     if iters is not None:
         unchecked = sorted(set(range(1, iters + 1)) - checked)
         assert not unchecked, f"iterations without checksums: {unchecked}"
+
+
+def _check_stage_rows(segment: Segment, last_segment: bool, stage: int) -> set[int]:
+    """:func:`assert_replicas_agree` for one run segment's records of one pipeline stage (iteration records and
+    events are every stage's); returns the iterations checked."""
+    checked: set[int] = set()
+    where = f" (stage {stage})" if stage else ""
+    generations, iterations = segment.published(), segment.iterations()
+    rows: dict[int, dict[tuple[int, int, int], dict]] = defaultdict(dict)
+    for r in segment.records:
+        if r.get("kind") == "state_checksums":
+            key = (r.get("generation", 0), r["replica"], r["tp_rank"])
+            assert key not in rows[r["iteration"]], f"iteration {r['iteration']}{where}: {key} reported twice"
+            rows[r["iteration"]][key] = r
+    interrupted = interrupted_iterations(segment, last_segment=last_segment)
+    for iteration, record in sorted(iterations.items()):
+        widths = record["tp_per_replica"]
+        generation = record.get("generation", 0)
+        if generations:
+            topology = generations[generation]["topology"]
+            assert _widths(topology, len(widths)) == widths, (
+                f"iteration {iteration}{where}: tp_per_replica {widths}, but generation {generation} has "
+                f"{_widths(topology, len(widths))}")
+        reports = rows.get(iteration, {})
+        for g, replica, tp_rank in reports:
+            live = _live_tp_ranks(generations[g]["topology"]) if generations else {
+                (rep, t) for rep, w in enumerate(widths) for t in range(w)}
+            assert (replica, tp_rank) in live, (
+                f"iteration {iteration}{where}: a report from {(replica, tp_rank)}, which is not live in generation {g}")
+        due_in, required = _required_reporters(segment, iteration)
+        missing = sorted(required - {(rep, t) for g, rep, t in reports if g == due_in})
+        if missing:
+            assert iteration in interrupted, (
+                f"iteration {iteration}{where}: no state checksums from (replica, TP rank) {missing} in generation "
+                f"{due_in}; only the rows of {interrupted or 'no iteration'} may be missing")
+            if not reports:
+                checked.add(iteration)  # nothing to compare, for the reason interrupted_iterations gives
+                continue
+        first_key = min(reports)
+        first = reports[first_key]
+        for who, other in sorted(reports.items()):
+            differing = [k for k in set(first["checksums"]) | set(other["checksums"])
+                         if first["checksums"].get(k) != other["checksums"].get(k)]
+            assert not differing, (
+                f"iteration {iteration}{where}: {who} differs from {first_key} in {sorted(differing)[:3]}")
+            assert other["grad_norm"] == first["grad_norm"], (
+                f"iteration {iteration}{where}: grad-norm bits differ between {who} and {first_key}")
+        checked.add(iteration)
+    complete = [i for i in sorted(iterations) if i in checked and i not in interrupted]
+    if len(complete) > 1:  # the state changes: a report of something constant would agree trivially
+        a, b = rows[complete[0]], rows[complete[-1]]
+        assert a[min(a)]["checksums"] != b[min(b)]["checksums"], f"the state checksums never change{where}"
+    return checked
 
 
 # -- what a re-formation must move -----------------------------------------------------------------------------------

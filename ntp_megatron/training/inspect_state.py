@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from ntp_megatron.init import global_name
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.ntp_gpt import family_geometry
 from ntp_megatron.reshard import main_param_of, optimizer_param, state_keys
@@ -169,10 +170,12 @@ def _side_by_side(blocks: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple
 
 
 def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int,
-               replicated_state_source: Optional[int] = None) -> dict[str, torch.Tensor]:
+               replicated_state_source: Optional[int] = None, layer_offset: int = 0) -> dict[str, torch.Tensor]:
     """``name`` → full parameter, ``name.main_param`` → its full fp32 main param (bf16 / fp16), and
     ``name.exp_avg`` / ``name.exp_avg_sq`` → full Adam moments (all flattened). Collective over the replica's
-    TP group (and, under the distributed optimizer, over each buffer's data-parallel group).
+    TP group (and, under the distributed optimizer, over each buffer's data-parallel group). One pipeline stage's
+    tensors are named as in the whole model (:func:`ntp_megatron.init.global_name`: its first layer is
+    ``layer_offset``; the last stage's copy of tied word embeddings is named as the first stage's original).
     ``replicated_state_source``: the rank of the TP group whose optimizer state of replicated parameters is the
     replica's (where slots' copies may differ: :meth:`ntp_megatron.grad_sync.GradSync.replicated_state_source`);
     the parameters themselves are always each rank's own."""
@@ -183,6 +186,7 @@ def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group,
         tensors = covered_tensors(model, optimizer)
     out: dict[str, torch.Tensor] = {}
     for key, (name, tensor, owner) in tensors.items():
+        key = global_name(key, layer_offset, tied_copy=getattr(owner, "shared_embedding", False))
         shard = shard_of(name, owner, tf_config, num_units, tp_rank, tp_group.size())
         if shard is not None:
             out[key] = _gather_full(tensor, shard, tp_group)

@@ -213,11 +213,16 @@ def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerC
                                    stage: int = 0) -> None:
     """``model.init: layout_free`` for a plain Megatron model at uniform TP, any stage: the same values as every NTP
     layout (and every pipeline layout: layers are named by their global number)."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     from ntp_megatron.init import initialize_layout_free
     from ntp_megatron.ntp_gpt import uniform_shard
 
     rank, size = tp_group.rank(), tp_group.size()
     initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size),
-                           layer_offset=get_transformer_layer_offset(tf_config, pp_rank=stage))
+                           layer_offset=layer_offset(tf_config, stage))
+
+
+def layer_offset(tf_config: TransformerConfig, stage: int) -> int:
+    """The global number of pipeline stage ``stage``'s first transformer layer (Megatron's rule)."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(tf_config, pp_rank=stage)

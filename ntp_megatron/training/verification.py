@@ -22,6 +22,7 @@ import torch
 from ntp_megatron import metrics, phases
 from ntp_megatron.training.inspect_state import checksums, full_state, shard_checksums
 from ntp_megatron.training.loop_state import LoopState
+from ntp_megatron.training.model import layer_offset
 
 
 class StateChecks:
@@ -36,7 +37,7 @@ class StateChecks:
         p, s = self.trainer.parts, self.trainer.setup
         source = s.grad_sync.replicated_state_source() if s.grad_sync is not None else None
         return full_state(p.model, p.optimizer, p.tf_config, self.trainer.cfg.unit_counts(), s.pg.tp, s.tp_rank,
-                          replicated_state_source=source)
+                          replicated_state_source=source, layer_offset=layer_offset(p.tf_config, s.stage))
 
     def step_done(self, record: dict[str, Any]) -> None:
         self.stepped = (record["iteration"], record["grad_norm"])
@@ -56,14 +57,16 @@ class StateChecks:
             shards = (shard_checksums(trainer.parts.optimizer, s.grad_sync.shard_sources())
                       if s.grad_sync is not None and s.grad_sync.distributed_optimizer else None)
             metrics.emit({"kind": "state_checksums", "iteration": iteration, "replica": s.replica,
-                          "tp_rank": s.tp_rank, "generation": s.generation, "checksums": checksums(state),
+                          "tp_rank": s.tp_rank, "stage": s.stage, "generation": s.generation, "checksums": checksums(state),
                           "grad_norm": float(grad_norm).hex() if grad_norm is not None else None,
                           **({"shards": shards} if shards is not None else {})}, sys.stdout)
         self.checked = (iteration, s.generation)
 
     def dump(self, initial: bool) -> None:
         """With ``logging.dump_state``: TP rank 0 of each replica saves its replica's full state, before the first
-        step (``replica<r>.init.pt``: what an update is measured against) or at the end (``replica<r>.pt``)."""
+        step (``replica<r>.init.pt``: what an update is measured against) or at the end (``replica<r>.pt``); with
+        pipeline stages, each stage its own part (``replica<r>.stage<p>[.init].pt``, tensors named as in the whole
+        model)."""
         where = self.trainer.cfg.logging.dump_state
         if not where:
             return
@@ -72,4 +75,5 @@ class StateChecks:
         s = self.trainer.setup
         if s.tp_rank == 0:
             Path(where).mkdir(parents=True, exist_ok=True)
-            torch.save(state, Path(where) / f"replica{s.replica}{'.init' if initial else ''}.pt")
+            stage = f".stage{s.stage}" if s.stages > 1 else ""
+            torch.save(state, Path(where) / f"replica{s.replica}{stage}{'.init' if initial else ''}.pt")
