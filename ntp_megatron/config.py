@@ -109,8 +109,9 @@ class ParallelSection(_Section):
     pipeline_model_parallel_size: int = Field(1, ge=1)
     """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``): the layers are cut into this many stages of
     ``model.num_layers / pipeline_model_parallel_size`` consecutive layers, run by Megatron-Core's 1F1B schedule.
-    Ranks are numbered as Megatron numbers them (TP fastest, then data parallel, then stage). Needs
-    ``ntp.enabled: false`` for now."""
+    Ranks are numbered as Megatron numbers them (TP fastest, then data parallel, then stage). Under NTP each stage
+    of a replica has its own TP degree (``ntp.dead_slots`` entries ``replica:slot@stage``); it needs untied
+    embeddings, ``model.init: layout_free``, and no distributed optimizer or overlap yet."""
     data_parallel_size: int = Field(1, ge=1)
     """Replicas. The job starts tensor × data parallel size ranks, less the slots of ``ntp.dead_slots`` and
     ``ntp.dropped_replicas``."""
@@ -247,7 +248,8 @@ class NTPSection(_Section):
     """No replica may run narrower: a failure that would leave one below it is handled by
     ``on_unrecoverable``."""
     dead_slots: list[str] = Field(default_factory=list)
-    """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``."""
+    """Start degraded: ``"replica:slot"`` entries whose process is not started, e.g. ``[1:3]``; with pipeline stages
+    ``"replica:slot@stage"`` (``@0`` when omitted), e.g. ``[1:3@1]``."""
     dropped_replicas: list[int] = Field(default_factory=list)
     """Start without these replicas (none of their processes is started); their shares of every global batch go
     to the others, as after ``on_unrecoverable: drop_replica``. A ``restart`` sets it."""
@@ -485,9 +487,6 @@ class JobConfig(_Section):
         pp, m = self.parallel.pipeline_model_parallel_size, self.model
         if pp == 1:
             return
-        if self.ntp.enabled:
-            raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) is not supported with ntp.enabled yet: "
-                             "set parallel.pipeline_model_parallel_size: 1 or ntp.enabled: false")
         if m.num_layers % pp:
             allowed = ", ".join(str(d) for d in range(1, m.num_layers + 1) if m.num_layers % d == 0)
             raise ValueError(f"parallel.pipeline_model_parallel_size ({pp}) must divide model.num_layers "
@@ -495,6 +494,22 @@ class JobConfig(_Section):
         if self.parallel.sequence_parallel:
             raise ValueError("parallel.sequence_parallel is not supported with parallel.pipeline_model_parallel_size "
                              f"({pp}) above 1 yet; switch one of them off")
+        if not self.ntp.enabled:
+            return
+        key = f"with ntp.enabled and parallel.pipeline_model_parallel_size {pp}"
+        if not m.untie_embeddings_and_output_weights:
+            raise ValueError(f"tied embeddings are not supported {key} yet (the first and the last stage may hold "
+                             "different vocabulary shards): set model.untie_embeddings_and_output_weights: true")
+        if self.parallel.use_distributed_optimizer:
+            raise ValueError(f"parallel.use_distributed_optimizer is not supported {key} yet: set it to false")
+        if self.parallel.overlap_grad_reduce:
+            raise ValueError(f"parallel.overlap_grad_reduce is not supported {key} yet: set it to false")
+        if self.ntp.degraded_batch != "full":
+            raise ValueError(f"ntp.degraded_batch '{self.ntp.degraded_batch}' is not supported {key} (every stage of "
+                             "a replica runs the same micro-batches): use 'full'")
+        if self.initializer != "layout_free":
+            raise ValueError(f"model.init '{self.initializer}' is not supported {key}: use layout_free (a stage "
+                             "cannot replay the random draws of the stages before it)")
 
     def _check_ntp(self) -> None:
         if self.parallel.sequence_parallel:
@@ -531,11 +546,19 @@ class JobConfig(_Section):
         }
 
     def topology(self):
-        """The starting NTP topology (generation 0); pure, so the launcher and the tests can call it."""
-        from ntp_megatron.layout import make_topology, parse_dead_slots
+        """The starting NTP topology (generation 0): a :class:`ntp_megatron.layout.Topology`, or with pipeline stages
+        a :class:`ntp_megatron.stages.PipelineTopology`; pure, so the launcher and the tests can call it."""
+        from ntp_megatron.layout import make_topology, parse_dead_slots, parse_stage_slots
+        from ntp_megatron.stages import make_pipeline_topology
 
+        p = self.parallel
+        if p.pipeline_model_parallel_size > 1:
+            return make_pipeline_topology(
+                p.tensor_model_parallel_size, p.data_parallel_size, p.pipeline_model_parallel_size, self.unit_counts(),
+                dead_slots=parse_stage_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
+                dropped=self.ntp.dropped_replicas)
         return make_topology(
-            self.parallel.tensor_model_parallel_size, self.parallel.data_parallel_size, self.unit_counts(),
+            p.tensor_model_parallel_size, p.data_parallel_size, self.unit_counts(),
             dead_slots=parse_dead_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
             dropped=self.ntp.dropped_replicas,
         )

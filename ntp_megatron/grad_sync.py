@@ -546,8 +546,19 @@ class GradSync:
         """Megatron's ``finalize_model_grads`` for NTP: upstream's on a healthy rank, the shadow sync on a
         degraded one; then, with uneven blocks, replicated gradients from block 0's member."""
         phases.point("grad_sync")
-        if self.groups.healthy:
+        if num_tokens is not None and self.groups.pipeline is not None:
+            # Counted by the last stage only; upstream broadcasts it along a pipeline group, which NTP stages of
+            # different widths do not have: from the last stage's first rank over the replica instead.
+            dist.broadcast(num_tokens, src=self.groups.last_stage_rank, group=self.groups.mp)
+        if self.groups.healthy and self.groups.pipeline is None:
             finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+        elif self.groups.healthy:
+            finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+            if num_tokens is not None:  # upstream's reduction and arithmetic (the sync group is the DP group)
+                num_tokens.copy_(self.sum_over_replicas(num_tokens))
+                if num_tokens > 0:
+                    for chunk in model:
+                        chunk.scale_gradients(1.0 / num_tokens)
         else:
             self._sync_degraded(num_tokens)
         if self._replicated_from_block0 and not self.distributed_optimizer:
@@ -636,7 +647,21 @@ class GradSync:
             for j, (_, param) in enumerate(self.replicated):
                 table[n_split * self.tp_base + j] = param.main_grad.double().pow(2).sum()
         dist.all_reduce(table, group=self.groups.tp)
-        return math.sqrt(math.fsum(table.tolist()))
+        return math.sqrt(self._over_stages(math.fsum(table.tolist())))
+
+    def _over_stages(self, stage_sum: float) -> float:
+        """The sum of squares of the replica from its stage's: one cell per stage, filled by the stage's TP rank 0,
+        summed over the replica's model-parallel group (each cell has one contributor: exact, and the same bits in
+        every replica). Without stages, the stage's own."""
+        pipeline = self.groups.pipeline
+        if pipeline is None:
+            return stage_sum
+        stage = self.topology.stage
+        cells = torch.zeros(pipeline.num_stages, dtype=torch.float64, device=self._device)
+        if self.topology.local_rank(self.rank) == 0:
+            cells[stage] = stage_sum
+        dist.all_reduce(cells, group=self.groups.mp)
+        return math.fsum(cells.tolist())
 
     def shard_sources(self) -> list[tuple[int, list]]:
         """(block, Megatron buffers holding that block's reduced shards) for every block this rank serves."""

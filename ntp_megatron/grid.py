@@ -74,6 +74,10 @@ class Grid:
         lane = self.lane(replica, slot)
         return tuple(sorted({lane[0], lane[-1]}))
 
+    def tp_per_replica(self) -> list:
+        """Every replica's TP degree as the records give it: one number per replica, or with stages one per stage."""
+        return [self.tp if self.pp == 1 else [self.tp] * self.pp for _ in range(self.dp)]
+
     def partition(self, key) -> list[tuple[int, ...]]:
         """The world cut into groups of equal ``key(stage, replica, slot)``, each in rank order."""
         parts: dict = {}

@@ -32,6 +32,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from ntp_megatron import shard_layout
 from ntp_megatron.grid import Grid
 from ntp_megatron.layout import Topology
+from ntp_megatron.stages import PipelineTopology
 from ntp_megatron.patches import parallel_state as ps_patch
 
 
@@ -163,6 +164,17 @@ class NTPGroups:
     inter: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     """Block -> the holders of this rank's shard of ``block``, one per instance (twins: DDP all-reduces the
     shard across them), for every block in ``sync``; empty with one instance."""
+    pipeline: Optional[PipelineTopology] = None
+    """With pipeline stages: the whole generation (``topology`` is this rank's stage of it)."""
+    mp: Optional[dist.ProcessGroup] = None
+    """With pipeline stages: every rank of this rank's replica, all stages (Megatron's model-parallel group)."""
+
+    @property
+    def last_stage_rank(self) -> Optional[int]:
+        """With pipeline stages: the rank of this rank's replica that speaks for its last stage (its TP rank 0)."""
+        if self.pipeline is None:
+            return None
+        return self.pipeline.stages[-1].replica(self.topology.replica_of(self.rank).index).ranks[0]
 
     def with_data_parallel(self, group: dist.ProcessGroup) -> ProcessGroupCollection:
         """This rank's collection with ``group`` as its data-parallel group (for a slot-shaped shadow DDP)."""
@@ -196,28 +208,42 @@ def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance:
                         if r in present))
 
 
-def build_groups(topology: Topology, rank: int, timeout_s: float, dp: Optional[int] = None,
+def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: float, dp: Optional[int] = None,
                  instances: int = 1) -> NTPGroups:
     """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
     generation right after it joined (see :class:`GroupMaker`).
+
+    With pipeline stages (a :class:`ntp_megatron.stages.PipelineTopology`) the groups of ``rank``'s stage are
+    made from that stage's topology (TP group, sync groups per (stage, block): every rank makes every stage's
+    sync groups, ``tp_base`` per stage), and its replica's model-parallel group (every stage of it: the grad norm,
+    the token count and the loss cross stages in it) as a part of the partition of the world by replica.
 
     With ``instances`` k > 1 (over the ``dp`` launch replicas) it also makes, for every block, the intra-instance
     part of the sync group (k groups) and the twins' groups (dp/k): ``tp_base·(k + dp/k)`` more calls by every
     rank. They are exposed in :class:`NTPGroups` (``intra``, ``inter``, :meth:`NTPGroups.with_sync_groups`) and
     not installed: Megatron's globals and ``pg_collection`` keep one instance."""
     make = GroupMaker(rank, timedelta(seconds=timeout_s))
+    pipeline = topology if isinstance(topology, PipelineTopology) else None
+    stages = pipeline.stages if pipeline is not None else (topology,)
+    topology = pipeline.stage_of(rank) if pipeline is not None else topology
     replica = topology.replica_of(rank)
     tp_ranks = tuple(sorted(replica.ranks))
     tp_group = make.first_local(tp_ranks)
     alone = make.alone()
+    mp = None
+    if pipeline is not None:  # before the sync groups, which leave ranks members of different numbers of groups
+        mp = make.partition(pipeline.replica_ranks(r) for r in pipeline.replica_indices)
     member_of = set(topology.member_blocks(rank))
     sync: dict[int, dist.ProcessGroup] = {}
     sync_ranks: dict[int, tuple[int, ...]] = {}
-    for block in range(topology.tp_base):
-        ranks = sync_group_ranks(topology, block)
-        group = make.every_rank(ranks)
-        if block in member_of:
-            sync[block], sync_ranks[block] = group, ranks
+    for stage in stages:  # in stage order on every rank
+        for block in range(stage.tp_base):
+            ranks = sync_group_ranks(stage, block)
+            group = make.every_rank(ranks)
+            if stage is topology and block in member_of:
+                sync[block], sync_ranks[block] = group, ranks
+    if pipeline is not None and instances > 1:
+        raise ValueError("distributed-optimizer instances with pipeline stages are not supported under NTP yet")
     if dp is None:
         if instances > 1:
             raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
@@ -243,10 +269,19 @@ def build_groups(topology: Topology, rank: int, timeout_s: float, dp: Optional[i
         dp_ranks = sync_ranks[block]
     else:
         dp, dp_ranks = alone, (rank,)
+    pipe = None
+    if pipeline is not None:
+        mp_ranks = tuple(pipeline.replica_ranks(replica.index))
+        first = topology.stage == 0
+        pipe = ps_patch.PipelineGroups(
+            lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
+            mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # untied embeddings only (config.py refuses tied)
+            pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
-                                              rank=rank))
+                                              rank=rank, pipeline=pipe))
     return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy,
-                     instances=instances, instance=instance, position=position, intra=intra, inter=inter)
+                     instances=instances, instance=instance, position=position, intra=intra, inter=inter,
+                     pipeline=pipeline, mp=mp)
 
 
 def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup]:

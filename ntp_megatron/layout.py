@@ -106,6 +106,7 @@ __all__ = [
     "make_topology",
     "next_topology",
     "parse_dead_slots",
+    "parse_stage_slots",
     "restart_layout",
     "survivor_ranks",
     "transition_plan",
@@ -321,10 +322,17 @@ class Topology:
     units: Mapping[str, int]
     """Family -> number of units, e.g. ``{"heads": 8, "ffn": 256, "vocab": 256}``; each at least ``tp_base``."""
     replicas: tuple[Replica, ...]
+    stage: int = 0
+    """The pipeline stage this is the layout of (:class:`ntp_megatron.stages.PipelineTopology`); 0 without stages."""
+    rank_base: int = 0
+    """The first process-group rank of this stage: its ranks are ``rank_base .. rank_base + world_size - 1`` (the
+    stages before it hold the lower ones); 0 without stages."""
 
     def __post_init__(self) -> None:
         _check_int("generation", self.generation, 0)
         _check_int("tp_base", self.tp_base, 1)
+        _check_int("stage", self.stage, 0)
+        _check_int("rank_base", self.rank_base, 0)
         _check_units(self.units, self.tp_base)
         # Defensive copies: a frozen topology must not change because a caller mutates its own dict.
         object.__setattr__(self, "units", _FrozenDict(sorted(self.units.items())))
@@ -337,8 +345,9 @@ class Topology:
         if indices != sorted(set(indices)):
             raise ValueError(f"replica indices must be distinct and ascending, got {indices}")
         ranks = [r for rep in self.replicas for r in rep.ranks]
-        if sorted(ranks) != list(range(len(ranks))):
-            raise ValueError(f"process-group ranks must be exactly 0..{len(ranks) - 1}, got {ranks}")
+        if sorted(ranks) != list(range(self.rank_base, self.rank_base + len(ranks))):
+            raise ValueError(f"process-group ranks must be exactly {self.rank_base}..{self.rank_base + len(ranks) - 1}"
+                             f", got {ranks}")
         for rep in self.replicas:
             self._check_replica(rep)
 
@@ -373,7 +382,7 @@ class Topology:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.generation, self.tp_base, self.units, self.replicas))
+        return hash((self.generation, self.tp_base, self.units, self.replicas, self.stage, self.rank_base))
 
     def __hash__(self) -> int:
         return self._hash
@@ -382,8 +391,20 @@ class Topology:
 
     @property
     def world_size(self) -> int:
-        """Number of live ranks (processes) in this generation."""
+        """Number of live ranks (processes) in this generation (of this stage, with pipeline stages)."""
         return sum(rep.width for rep in self.replicas)
+
+    @property
+    def ranks(self) -> range:
+        """This topology's process-group ranks."""
+        return range(self.rank_base, self.rank_base + self.world_size)
+
+    def placed(self, stage: int, rank_base: int) -> "Topology":
+        """The same layout as pipeline stage ``stage`` whose ranks start at ``rank_base`` (renumbered in order)."""
+        shift = rank_base - self.rank_base
+        replicas = tuple(Replica(rep.index, rep.slots, tuple(r + shift for r in rep.ranks), rep.proxies, rep.dealt)
+                         for rep in self.replicas)
+        return Topology(self.generation, self.tp_base, self.units, replicas, stage=stage, rank_base=rank_base)
 
     @cached_property
     def _where(self) -> dict[int, tuple[Replica, int]]:
@@ -428,8 +449,9 @@ class Topology:
         try:
             return self._where[rank]
         except (KeyError, TypeError):
-            raise ValueError(f"rank {rank!r} is not live in generation {self.generation} "
-                             f"(ranks 0..{self.world_size - 1})") from None
+            where = f" stage {self.stage}," if self.stage or self.rank_base else ""
+            raise ValueError(f"rank {rank!r} is not live in generation {self.generation}{where} "
+                             f"(ranks {self.rank_base}..{self.rank_base + self.world_size - 1})") from None
 
     def _units(self, family: str) -> int:
         try:
@@ -526,16 +548,22 @@ class Topology:
     # -- serialisation ------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
-        return {"generation": self.generation, "tp_base": self.tp_base, "units": dict(self.units),
-                "replicas": [rep.to_json() for rep in self.replicas]}
+        """Plain JSON (a stage's place only when it has one: a topology without stages reads as before)."""
+        out = {"generation": self.generation, "tp_base": self.tp_base, "units": dict(self.units),
+               "replicas": [rep.to_json() for rep in self.replicas]}
+        if self.stage or self.rank_base:
+            out.update(stage=self.stage, rank_base=self.rank_base)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "Topology":
-        _expect_keys("topology", d, ("generation", "tp_base", "units", "replicas"))
+        keys = ("generation", "tp_base", "units", "replicas")
+        _expect_keys("topology", d, keys + (("stage", "rank_base") if "stage" in d else ()))
         if not isinstance(d["units"], dict) or not isinstance(d["replicas"], list):
             raise ValueError("topology JSON: 'units' must be an object and 'replicas' a list")
         return cls(generation=d["generation"], tp_base=d["tp_base"], units=dict(d["units"]),
-                   replicas=tuple(Replica.from_json(r) for r in d["replicas"]))
+                   replicas=tuple(Replica.from_json(r) for r in d["replicas"]), stage=d.get("stage", 0),
+                   rank_base=d.get("rank_base", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -692,14 +720,17 @@ def make_topology(tp_base: int, dp: int, units: Mapping[str, int], dead_slots: I
     return _build(generation, tp_base, units, drafts)
 
 
-_SLOT_RE = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*", re.ASCII)
+_SLOT_RE = re.compile(r"\s*(\d+)\s*:\s*(\d+)\s*(?:@\s*(\d+)\s*)?", re.ASCII)
 
 
-def parse_dead_slots(items: Iterable[str | tuple[int, int] | list[int]] | str | None) -> list[tuple[int, int]]:
-    """Config form ``["1:3", "0:2"]`` -> ``[(1, 3), (0, 2)]``, order kept.
+def parse_stage_slots(items: Iterable[str | tuple[int, ...] | list[int]] | str | None
+                      ) -> list[tuple[int, int, int]]:
+    """Config form ``["1:3@1", "0:2"]`` -> ``[(1, 3, 1), (0, 2, 0)]``: (replica, slot, stage), the stage 0 when
+    omitted, order kept.
 
-    Also accepts one comma-separated string (``"1:3,0:2"``, handy on a command line), ``(replica, slot)`` pairs
-    already parsed, and None/empty for no dead slots. Range checks are :func:`make_topology`'s job.
+    Also accepts one comma-separated string (``"1:3@1,0:2"``, handy on a command line), ``(replica, slot)`` pairs
+    and ``(replica, slot, stage)`` triples already parsed, and None/empty for no dead slots. Range checks are
+    :func:`make_topology`'s (and :func:`ntp_megatron.stages.make_pipeline_topology`'s) job.
     """
     if items is None:
         return []
@@ -710,13 +741,26 @@ def parse_dead_slots(items: Iterable[str | tuple[int, int] | list[int]] | str | 
         if isinstance(item, str):
             match = _SLOT_RE.fullmatch(item)
             if match:
-                out.append((int(match.group(1)), int(match.group(2))))
+                out.append((int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)))
                 continue
-        elif (isinstance(item, (tuple, list)) and len(item) == 2
+        elif (isinstance(item, (tuple, list)) and len(item) in (2, 3)
               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in item)):
-            out.append((item[0], item[1]))
+            out.append((item[0], item[1], item[2] if len(item) == 3 else 0))
             continue
-        raise ValueError(f"ntp.dead_slots: expected 'replica:slot' like '1:3', got {item!r}")
+        raise ValueError(f"ntp.dead_slots: expected 'replica:slot' like '1:3', or 'replica:slot@stage' like '1:3@1', "
+                         f"got {item!r}")
+    return out
+
+
+def parse_dead_slots(items: Iterable[str | tuple[int, int] | list[int]] | str | None) -> list[tuple[int, int]]:
+    """Config form ``["1:3", "0:2"]`` -> ``[(1, 3), (0, 2)]``, order kept (:func:`parse_stage_slots` without
+    stages: ``@0`` may be written, any other stage is refused)."""
+    out = []
+    for replica, slot, stage in parse_stage_slots(items):
+        if stage:
+            raise ValueError(f"ntp.dead_slots: '{replica}:{slot}@{stage}' names stage {stage}, but the job has one "
+                             "pipeline stage (parallel.pipeline_model_parallel_size 1): stages 0..0")
+        out.append((replica, slot))
     return out
 
 

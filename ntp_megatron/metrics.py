@@ -111,7 +111,11 @@ class MetricsSink:
                 if record.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", record[key], step)
             for replica, tp in enumerate(record.get("tp_per_replica", [])):
-                self._tb.add_scalar(f"ntp/tp_replica{replica}", tp, step)
+                if isinstance(tp, list):  # one width per pipeline stage
+                    for stage, width in enumerate(tp):
+                        self._tb.add_scalar(f"ntp/tp_replica{replica}_stage{stage}", width, step)
+                else:
+                    self._tb.add_scalar(f"ntp/tp_replica{replica}", tp, step)
         if self._tb is not None and kind == "evaluation":  # Megatron's names: "lm loss validation", "... ppl"
             self._tb.add_scalar(f"lm loss {record['split']}", record["lm_loss"], record["iteration"])
             self._tb.add_scalar(f"lm loss {record['split']} ppl", record["ppl"], record["iteration"])

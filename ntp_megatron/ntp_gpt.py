@@ -24,6 +24,7 @@ from ntp_megatron.layers import (
     NTPSelfAttention,
     NTPVocabParallelEmbedding,
     UnitShard,
+    global_to_local_index,
     initialize_like_megatron,
     tag_parameter,
     vocab_parallel_cross_entropy,
@@ -103,16 +104,19 @@ class NTPGPTModel(GPTModel):
         self.config = config
         self.vocab_size = vocab_size
         self.ntp_units = units
-        embedding = self.embedding
-        embedding.word_embeddings = NTPVocabParallelEmbedding(
-            vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
-            units=units.vocab, tp_group=tp_group,
-        )
-        self.setup_embeddings_and_output_layer()
-        position = getattr(embedding, "position_embeddings", None)
-        if position is not None:
-            position.weight.ntp_init = InitRecipe("embedding", config.embedding_init_method)
-        if self.output_layer.weight is not None:  # untied output layer: vocab rows like the embedding
+        # The vocabulary rows this rank scores (the output layer's, or the tied embedding's): global -> local.
+        self.register_buffer("global_to_local", global_to_local_index(units.vocab, vocab_size), persistent=False)
+        if self.pre_process:  # the first pipeline stage (every rank without stages) embeds the tokens
+            embedding = self.embedding
+            embedding.word_embeddings = NTPVocabParallelEmbedding(
+                vocab_size, config.hidden_size, init_method=config.embedding_init_method, config=config,
+                units=units.vocab, tp_group=tp_group,
+            )
+            self.setup_embeddings_and_output_layer()
+            position = getattr(embedding, "position_embeddings", None)
+            if position is not None:
+                position.weight.ntp_init = InitRecipe("embedding", config.embedding_init_method)
+        if self.post_process and self.output_layer.weight is not None:  # untied output layer: vocab rows
             tag_parameter(self.output_layer.weight,
                           InitRecipe("master", config.init_method, (vocab_size, config.hidden_size)),
                           UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size), dim=0)
@@ -138,20 +142,20 @@ class NTPGPTModel(GPTModel):
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from local logits ``[s, b, local vocab]``."""
         loss = vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), self.embedding.word_embeddings.global_to_local,
-            self.pg_collection.tp,
+            logits, labels.transpose(0, 1).contiguous(), self.global_to_local, self.pg_collection.tp,
         )
         return loss.transpose(0, 1).contiguous()
 
 
 def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int, initialize: bool = True,
                   init: str = "layout_free", seed: int = 0, device: Optional[torch.device] = None,
-                  **gpt_kwargs) -> NTPGPTModel:
+                  layer_offset: int = 0, **gpt_kwargs) -> NTPGPTModel:
     """Construct the model (on ``device`` if given), then give it layout-independent initial weights:
     ``init="layout_free"`` computes this rank's units from (``seed``, name, element index) in O(local);
     ``"megatron"`` replays a TP1 Megatron model's CPU initialisation from the torch RNG state at the call (every
     full-size weight drawn on every rank). ``initialize=False`` leaves the weights to the caller (a re-formation
-    copies them). The torch RNG state is left as it was at the call, or as the replay leaves it."""
+    copies them). The torch RNG state is left as it was at the call, or as the replay leaves it. ``layer_offset``:
+    the global number of this pipeline stage's first layer (layout-free values are those of the whole model's)."""
     if init not in INIT_CHOICES:
         raise ValueError(f"init must be one of {', '.join(INIT_CHOICES)}, not {init!r}")
     rng_state = torch.get_rng_state()
@@ -162,7 +166,8 @@ def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int,
     if device is not None:
         model = model.to(device)
     if initialize and init == "layout_free":  # on the device: nothing full-size, nothing through the host
-        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None))
+        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None),
+                               layer_offset=layer_offset)
     return model
 
 

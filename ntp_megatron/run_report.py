@@ -31,6 +31,14 @@ def _events(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == "event" and r.get("event") == name]
 
 
+def _width(widths: list, replica: int, stage: Optional[int]) -> int:
+    """A replica's TP degree in an iteration record (in one pipeline stage), 0 where it has none."""
+    if replica >= len(widths):
+        return 0
+    width = widths[replica]
+    return width if stage is None else (width[stage] if stage < len(width) else 0)
+
+
 def _evaluations(records: list[dict[str, Any]], split: str) -> list[dict[str, Any]]:
     return [r for r in records if r.get("kind") == "evaluation" and r.get("split") == split]
 
@@ -111,8 +119,10 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
         loss_ax.legend(loc="upper right", fontsize="small")
     widths = [iterations[i]["tp_per_replica"] for i in steps]
     for replica in range(max(len(w) for w in widths)):
-        tp_ax.step(steps, [w[replica] if replica < len(w) else 0 for w in widths], where="post",
-                   label=f"replica {replica}")
+        per_stage = any(isinstance(w[replica], list) for w in widths if replica < len(w))
+        for stage in range(max(len(w[replica]) for w in widths if replica < len(w)) if per_stage else 1):
+            tp_ax.step(steps, [_width(w, replica, stage if per_stage else None) for w in widths], where="post",
+                       label=f"replica {replica}" + (f", stage {stage}" if per_stage else ""))
     tp_ax.set_ylabel("TP degree")
     tp_ax.set_xlabel("iteration")
     tp_ax.set_ylim(bottom=0)

@@ -58,12 +58,30 @@ class RankGroups:
 
 
 @dataclass(frozen=True)
+class PipelinePosition:
+    """A rank's place in its pipeline (stage ``rank()`` of ``size()``) where no lane group exists: under NTP a
+    stage of one TP degree may border one of another, so a rank's neighbours are not one rank per stage (the
+    NTP communicator, :class:`ntp_megatron.pipeline.NTPP2PCommunicator`, sends to explicit ranks). Megatron-Core's
+    schedule, model and ``finalize_model_grads`` read only ``rank()`` and ``size()`` of a pipeline group; anything
+    that would communicate over it fails loudly (it is not a process group)."""
+
+    stage: int
+    stages: int
+
+    def rank(self) -> int:
+        return self.stage
+
+    def size(self) -> int:
+        return self.stages
+
+
+@dataclass(frozen=True)
 class PipelineGroups:
     """The groups of one rank that cross pipeline stages (:class:`ntp_megatron.grid.Grid`), with their global
     ranks in group-rank order."""
 
-    lane: dist.ProcessGroup
-    """Megatron's pipeline group: this rank's slot of its replica, one rank per stage."""
+    lane: "dist.ProcessGroup | PipelinePosition"
+    """Megatron's pipeline group: this rank's slot of its replica, one rank per stage (under NTP its position)."""
     lane_ranks: tuple[int, ...]
     mp: dist.ProcessGroup
     """Megatron's model-parallel group: every stage and slot of this rank's replica."""
@@ -91,7 +109,9 @@ def install(groups: RankGroups) -> ProcessGroupCollection:
     ps._MODEL_PARALLEL_GLOBAL_RANKS = mp_ranks
     ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = groups.tp  # CP = 1
     ps._PIPELINE_MODEL_PARALLEL_GROUP = lane
-    ps._PIPELINE_GLOBAL_RANKS = lane_ranks
+    ps._PIPELINE_GLOBAL_RANKS = lane_ranks or None
+    if isinstance(lane, PipelinePosition):  # upstream's getters read these before the group
+        ps._MPU_PIPELINE_MODEL_PARALLEL_RANK, ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = lane.stage, lane.stages
     ps._EMBEDDING_GROUP = embd  # first and last pipeline stage (PP 1: this rank)
     ps._EMBEDDING_GLOBAL_RANKS = embd_ranks or None
     ps._POSITION_EMBEDDING_GROUP = pos_embd

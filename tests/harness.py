@@ -366,14 +366,25 @@ def segments(records: list[dict]) -> list[Segment]:
 # -- every live (replica, TP rank) reports, and all agree ------------------------------------------------------------
 
 def _live_tp_ranks(topology: dict) -> set[tuple[int, int]]:
+    """(replica, TP rank) of every live rank of one stage's published topology."""
     return {(rep["index"], tp_rank) for rep in topology["replicas"] for tp_rank in range(len(rep["slots"]))}
 
 
-def _widths(topology: dict, dp: int) -> list[int]:
-    widths = [0] * dp
-    for rep in topology["replicas"]:
-        widths[rep["index"]] = len(rep["slots"])
-    return widths
+def _stage_topology(topology: dict, stage: int) -> dict:
+    """One pipeline stage's part of a published topology (the topology itself without stages)."""
+    return topology["stages"][stage] if "stages" in topology else topology
+
+
+def _widths(topology: dict, dp: int) -> list:
+    """The iteration records' ``tp_per_replica`` of a published topology."""
+    from ntp_megatron.stages import load_topology, tp_per_replica
+
+    return tp_per_replica(load_topology(topology), dp)
+
+
+def _stage_width(width, stage: int) -> int:
+    """A replica's width in one stage, from a ``tp_per_replica`` entry (a list of widths with stages)."""
+    return width[stage] if isinstance(width, list) else width
 
 
 def interrupted_iterations(segment: Segment, last_segment: bool) -> dict[int, str]:
@@ -396,7 +407,7 @@ def interrupted_iterations(segment: Segment, last_segment: bool) -> dict[int, st
     return {}
 
 
-def _required_reporters(segment: Segment, iteration: int) -> tuple[int, set[tuple[int, int]]]:
+def _required_reporters(segment: Segment, iteration: int, stage: int = 0) -> tuple[int, set[tuple[int, int]]]:
     """(generation, the (replica, TP rank) pairs that must have reported the state after ``iteration`` in it): the
     generation that trained on from that state (the next iteration's; the iteration's own for the last one), its
     live ranks except the processes it admitted (they joined with the state and never stepped the iteration)."""
@@ -405,8 +416,8 @@ def _required_reporters(segment: Segment, iteration: int) -> tuple[int, set[tupl
     after = iterations[iteration + 1].get("generation", 0) if iteration + 1 in iterations else own
     if not generations:  # NTP off: every replica at its TP degree
         widths = iterations[iteration]["tp_per_replica"]
-        return own, {(rep, t) for rep, w in enumerate(widths) for t in range(w)}
-    topology = generations[after]["topology"]
+        return own, {(rep, t) for rep, w in enumerate(widths) for t in range(_stage_width(w, stage))}
+    topology = _stage_topology(generations[after]["topology"], stage)
     joined = {tuple(s) for s in generations[after]["joined"]} if after != own else set()
     return after, {(rep["index"], t) for rep in topology["replicas"] for t, slot in enumerate(rep["slots"])
                    if (rep["index"], slot) not in joined}
@@ -457,11 +468,11 @@ def _check_stage_rows(segment: Segment, last_segment: bool, stage: int) -> set[i
                 f"{_widths(topology, len(widths))}")
         reports = rows.get(iteration, {})
         for g, replica, tp_rank in reports:
-            live = _live_tp_ranks(generations[g]["topology"]) if generations else {
-                (rep, t) for rep, w in enumerate(widths) for t in range(w)}
+            live = _live_tp_ranks(_stage_topology(generations[g]["topology"], stage)) if generations else {
+                (rep, t) for rep, w in enumerate(widths) for t in range(_stage_width(w, stage))}
             assert (replica, tp_rank) in live, (
                 f"iteration {iteration}{where}: a report from {(replica, tp_rank)}, which is not live in generation {g}")
-        due_in, required = _required_reporters(segment, iteration)
+        due_in, required = _required_reporters(segment, iteration, stage)
         missing = sorted(required - {(rep, t) for g, rep, t in reports if g == due_in})
         if missing:
             assert iteration in interrupted, (

@@ -32,6 +32,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
+from ntp_megatron.stages import PipelineTopology
 from ntp_megatron.shard_layout import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
@@ -122,9 +123,10 @@ class Controller:
             d, error = errors[0]
             reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "
                       f"phase {error['phase']}): {error['error']}")
-            replica, slot = self.identity[d.launch_rank]
+            replica, slot = self.identity[d.launch_rank][:2]
             self.emit({"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank, "replica": replica,
-                       "slot": slot, "generation": self.latest.generation, "iteration": error["iteration"],
+                       "slot": slot, **self._stage(d.launch_rank), "generation": self.latest.generation,
+                       "iteration": error["iteration"],
                        "phase": error["phase"], "cause": d.cause, "detect_s": None, "time": d.time})
             self._refresh_completed()
             self.store.set(keys.STOP, reason)
@@ -155,6 +157,8 @@ class Controller:
         dead_ranks = [base.rank_of(*slot) for slot in self.dead_since_completed.values()
                       if base.rank_of(*slot) is not None]
         try:
+            if isinstance(base, PipelineTopology):
+                raise TopologyError("a live re-formation with pipeline stages is not supported yet")
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
             if self.sharded is not None:  # before the first commit too: a drop would cut the shards anew
                 self._check_no_drop(base, new)
@@ -227,7 +231,7 @@ class Controller:
         policy was taken."""
         decided = []
         for death, report in errors:
-            replica, slot = self.identity[death.launch_rank]
+            replica, slot = self.identity[death.launch_rank][:2]
             rep = next((r for r in self.latest.replicas if r.index == replica), None)
             degraded = rep is not None and rep.width < self.latest.tp_base
             decided.append((death, report, replica, slot, rep, degraded))
@@ -281,6 +285,8 @@ class Controller:
             return False
         self.unfit.difference_update(s[0] for s in slots)
         try:
+            if isinstance(old, PipelineTopology):
+                raise TopologyError("a rejoin with pipeline stages is not supported yet")
             new = join_topology(old, slots, min_tp=self.min_tp)
         except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet
             self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
@@ -301,6 +307,11 @@ class Controller:
         self.say(f"admitting {joined} at the next iteration boundary: generation {g}, tp per replica "
                  f"{[rep.width for rep in new.replicas]}")
         return True
+
+    def _stage(self, launch_rank: int) -> dict:
+        """``{"stage": p}`` for a launch rank of a job with pipeline stages (its identity names it), else empty."""
+        identity = self.identity[launch_rank]
+        return {"stage": identity[2]} if len(identity) > 2 else {}
 
     def _published(self, topology: Topology, base: Optional[int], dead: list[int], joined: list) -> None:
         """A ``generation_published`` event: the new topology as published, the generation it builds on, the ranks
@@ -357,7 +368,7 @@ class Controller:
                      "their stacks follow")
             self.dump_stacks(missing)
         for d in deaths:
-            replica, slot = self.identity[d.launch_rank]
+            replica, slot = self.identity[d.launch_rank][:2]
             record = injected_failure(self.store, d.launch_rank)
             failed_at = record["time"] if record else d.time
             if aware:
@@ -369,14 +380,16 @@ class Controller:
             iteration = record["iteration"] if record else (settled or {}).get("iteration")
             phase = record["phase"] if record else "unknown"
             event = {"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank, "replica": replica,
-                     "slot": slot, "generation": old.generation, "iteration": iteration, "phase": phase,
+                     "slot": slot, **self._stage(d.launch_rank), "generation": old.generation, "iteration": iteration,
+                     "phase": phase,
                      "cause": d.cause, "detect_s": detect_s, "time": failed_at}
             self.emit(event)
             stamp = datetime.fromtimestamp(failed_at).strftime("%Y-%m-%d %H:%M:%S")
             ending = f"beyond NTP (policy {self.policy!r})"
             aware_text = (f"{len(aware)} survivors aware in {detect_s:.3f} s" if aware
                           else "survivors not all aware" if survivors else ending)
-            self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} (replica {replica}, slot {slot}) | "
+            where = f"replica {replica}, slot {slot}" + "".join(f", stage {p}" for p in self._stage(d.launch_rank).values())
+            self.say(f"[{stamp}] rank failed | launch rank {d.launch_rank} ({where}) | "
                      f"iteration {iteration}, phase {phase} | {d.cause} | {aware_text}")
 
 

@@ -28,6 +28,7 @@ from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketS
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.layout import Topology
+from ntp_megatron.stages import load_topology
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class ElasticRank:
         """Process groups of ended generations, kept until no thread is busy in them (:class:`_Held`)."""
 
     def topology(self, generation: int) -> Topology:
-        return Topology.from_json(json.loads(self.ctl.get(keys.topology(generation))))
+        return load_topology(json.loads(self.ctl.get(keys.topology(generation))))
 
     def latest(self) -> int:
         return int(self.ctl.get(keys.LATEST).decode())

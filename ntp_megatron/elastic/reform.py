@@ -48,6 +48,7 @@ from ntp_megatron.elastic.controller import ShardedOptimizer
 from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
+from ntp_megatron import stages
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
     copy_main_params_to_model, exchange, init_shard_state, init_state, join_lower_bound_bytes, largest_piece_bytes, \
@@ -424,10 +425,7 @@ def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, h
     return received
 
 
-def tp_per_replica(topology: Topology, num_replicas: int) -> list[int]:
-    """The TP width of every replica index of the launch (0 for a dropped replica)."""
-    widths = {rep.index: rep.width for rep in topology.replicas}
-    return [widths.get(r, 0) for r in range(num_replicas)]
+tp_per_replica = stages.tp_per_replica
 
 
 @dataclass

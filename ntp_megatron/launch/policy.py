@@ -16,7 +16,9 @@ from typing import Optional, Protocol
 
 import torch.distributed as dist
 
+from ntp_megatron import stages
 from ntp_megatron.config import JobConfig
+from ntp_megatron.grid import Grid
 from ntp_megatron.elastic.controller import Death, injected_failure
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.launch.console import Console
@@ -201,9 +203,10 @@ class RestartFromCheckpoint(StopOnFailure):
         return None
 
 
-def tp_per_replica(cfg: JobConfig) -> list[int]:
-    """TP degree per replica index (0: a dropped replica), as the iteration records give it."""
+def tp_per_replica(cfg: JobConfig) -> list:
+    """TP degree per replica index (0: a dropped replica; with pipeline stages one per stage), as the iteration
+    records give it."""
+    p = cfg.parallel
     if cfg.ntp.enabled:
-        widths = {replica.index: replica.width for replica in cfg.topology().replicas}
-        return [widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)]
-    return [cfg.parallel.tensor_model_parallel_size] * cfg.parallel.data_parallel_size
+        return stages.tp_per_replica(cfg.topology(), p.data_parallel_size)
+    return Grid(p.tensor_model_parallel_size, p.data_parallel_size, p.pipeline_model_parallel_size).tp_per_replica()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.launch.processes import describe_exit, signal_group
-from ntp_megatron.layout import Topology
+from ntp_megatron.stages import load_topology
 
 
 class Rejoins:
@@ -146,7 +146,7 @@ def slot_live(store: dist.Store, generation_key: str, slot: tuple[int, int]) -> 
     if generation < 0:
         return False
     try:
-        topology = Topology.from_json(json.loads(store.get(keys.topology(generation)).decode()))
+        topology = load_topology(json.loads(store.get(keys.topology(generation)).decode()))
     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
         return False
     return topology.rank_of(*slot) is not None

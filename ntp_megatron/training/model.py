@@ -177,7 +177,8 @@ def build_model(
 
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize,
-                            init=cfg.initializer, seed=cfg.training.seed, device=device, **common)
+                            init=cfg.initializer, seed=cfg.training.seed, device=device,
+                            layer_offset=layer_offset(tf_config, pp.rank()), **common)
     # bf16 / fp16: the whole model in 16 bits, norms included, as Megatron-LM's Float16Module casts it (the
     # wrapper itself is left out: NTP code reads the GPT module directly; the loss is fp32 either way).
     gpt = gpt.to(device=device, dtype=tf_config.params_dtype)

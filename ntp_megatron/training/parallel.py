@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from ntp_megatron import stages
 from ntp_megatron.config import JobConfig
 from ntp_megatron.grid import Grid
 from ntp_megatron.groups import build_groups, dense_groups
@@ -32,7 +33,7 @@ class ParallelSetup:
     replica: int                     # replica index (stable for the whole job)
     num_replicas: int                # shares the global batch is cut into (dp at launch)
     tp_rank: int
-    tp_per_replica: list[int]        # per replica index; 0 for a dropped replica
+    tp_per_replica: list             # per replica index; 0 for a dropped replica; with stages, one per stage
     shares: list[int]                # shares of the global batch this replica reads, ascending
     microbatches_per_share: int      # micro-batches this replica runs per share
     samples_per_iteration: int       # over all replicas
@@ -62,7 +63,9 @@ class ParallelSetup:
         stage computes the loss (the other stages hold zeros), and it broadcasts the sum along the pipeline."""
         if self.last_stage:
             value = self.sum_over_replicas(value)
-        if self.stages > 1:
+        if self.stages > 1 and self.groups is not None:  # NTP: from the last stage's first rank, over the replica
+            dist.broadcast(value, src=self.groups.last_stage_rank, group=self.groups.mp)
+        elif self.stages > 1:
             dist.broadcast(value, group=self.pg.pp, group_src=self.stages - 1)
         return value
 
@@ -110,7 +113,8 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
         replica=replica,
         num_replicas=p.data_parallel_size,
         tp_rank=tp_rank,
-        tp_per_replica=[p.tensor_model_parallel_size] * p.data_parallel_size,
+        tp_per_replica=Grid(p.tensor_model_parallel_size, p.data_parallel_size, p.pipeline_model_parallel_size
+                            ).tp_per_replica(),
         shares=[replica],
         microbatches_per_share=cfg.num_microbatches,
         samples_per_iteration=cfg.training.global_batch_size,
@@ -124,6 +128,8 @@ def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
     """Groups (collective over each group's members) and samples for ``rank`` in ``topology``."""
     groups = build_groups(topology, rank, cfg.parallel.timeout_s, dp=cfg.parallel.data_parallel_size,
                           instances=cfg.parallel.num_distributed_optimizer_instances)
+    tp_per_replica = stages.tp_per_replica(topology, cfg.parallel.data_parallel_size)
+    topology = groups.topology  # with pipeline stages: this rank's stage
     widths = {rep.index: rep.width for rep in topology.replicas}
     shares = assign_shares(list(widths), cfg.parallel.data_parallel_size)
     counts = {rep.index: microbatches_per_share(cfg, rep.width) * len(shares[rep.index])
@@ -134,7 +140,7 @@ def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
         replica=replica.index,
         num_replicas=cfg.parallel.data_parallel_size,
         tp_rank=topology.local_rank(rank),
-        tp_per_replica=[widths.get(r, 0) for r in range(cfg.parallel.data_parallel_size)],
+        tp_per_replica=tp_per_replica,
         shares=shares[replica.index],
         microbatches_per_share=microbatches_per_share(cfg, replica.width),
         samples_per_iteration=sum(counts.values()) * cfg.training.micro_batch_size,
@@ -142,4 +148,6 @@ def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
         generation=topology.generation,
         topology=topology,
         groups=groups,
+        stage=topology.stage,
+        stages=groups.pipeline.num_stages if groups.pipeline is not None else 1,
     )

@@ -18,7 +18,12 @@ def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iter
     :class:`ntp_megatron.training.parallel.ParallelSetup`); returns the last stage's per-micro-batch records (none
     on the other stages)."""
     groups = {"pg_collection": setup.pg}
-    if setup.stages > 1:  # the 1F1B schedule takes explicit groups only together with its communicator
+    if setup.stages > 1 and setup.groups is not None:  # NTP: stages of different widths border each other
+        from ntp_megatron.pipeline import NTPP2PCommunicator
+
+        device = next(model.parameters()).device
+        groups["p2p_communicator"] = NTPP2PCommunicator(setup.groups.pipeline, setup.rank, tf_config, device)
+    elif setup.stages > 1:  # the 1F1B schedule takes explicit groups only together with its communicator
         groups["p2p_communicator"] = P2PCommunicator(pp_group=setup.pg.pp, config=tf_config)
     return get_forward_backward_func(pp_size=setup.stages, vp_size=None)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=[model],

@@ -87,7 +87,8 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
     "overrides, expected",
     [
         (["ntp.dead_slots=[2:0]"], "ntp topology: dead slot (2, 0): replica 2 out of range 0..1"),
-        (["ntp.dead_slots=[x]"], "ntp.dead_slots: expected 'replica:slot' like '1:3', got 'x'"),
+        (["ntp.dead_slots=[x]"], "ntp.dead_slots: expected 'replica:slot' like '1:3', or 'replica:slot@stage' like "
+                                 "'1:3@1', got 'x'"),
         (["ntp.dead_slots=[0:0,0:1]"], "ntp topology: replica 0 has no live slot"),
         (["ntp.dropped_replicas=[0,1]"], "ntp topology: every replica (0..1) is dropped"),
         (["ntp.dropped_replicas=[2]"], "ntp topology: dropped replica 2 out of range 0..1"),

@@ -30,6 +30,7 @@ from ntp_megatron.layout import (
     make_topology,
     next_topology,
     parse_dead_slots,
+    parse_stage_slots,
     restart_layout,
     survivor_ranks,
     transition_plan,
@@ -782,10 +783,22 @@ def test_parse_dead_slots():
     assert parse_dead_slots("1:3,0:2") == [(1, 3), (0, 2)]
     assert parse_dead_slots([(1, 3), [0, 2]]) == [(1, 3), (0, 2)]
     assert parse_dead_slots([]) == [] and parse_dead_slots(None) == []
-    for bad in (["1-3"], ["1:3:4"], [63], ["a:b"], ["-1:3"], [(1, 2, 3)], [(True, 1)], ["１:3"]):
+    assert parse_dead_slots(["1:3@0", (0, 2, 0)]) == [(1, 3), (0, 2)]  # stage 0 may be named
+    for bad in (["1-3"], ["1:3:4"], [63], ["a:b"], ["-1:3"], [(1, 2, 3, 4)], [(True, 1)], ["１:3"], ["1:3@"],
+                ["1:3@-1"], ["1@3"]):
         with pytest.raises(ValueError) as err:
             parse_dead_slots(bad)
-        assert str(err.value).startswith("ntp.dead_slots: expected 'replica:slot' like '1:3', got ")
+        assert str(err.value).startswith("ntp.dead_slots: expected 'replica:slot' like '1:3', or "
+                                         "'replica:slot@stage' like '1:3@1', got "), err.value
+    for other_stage in (["1:3@1"], [(1, 2, 3)]):
+        with pytest.raises(ValueError, match="names stage [13], but the job has one pipeline stage"):
+            parse_dead_slots(other_stage)
+
+
+def test_parse_stage_slots():
+    assert parse_stage_slots(["1:3@1", "0:2", " 2 : 0 @ 3 "]) == [(1, 3, 1), (0, 2, 0), (2, 0, 3)]
+    assert parse_stage_slots("1:3@1,0:2") == [(1, 3, 1), (0, 2, 0)]
+    assert parse_stage_slots([(1, 3), [0, 2, 1]]) == [(1, 3, 0), (0, 2, 1)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Stage boundaries under NTP: Megatron-Core's pipeline schedule with a communicator that knows each stage's width.
+
+Megatron's ``P2PCommunicator`` sends to one rank and receives from one rank per direction, the neighbours in the
+rank's pipeline group (TP rank ``i`` of one stage with TP rank ``i`` of the next). Under NTP two neighbouring
+stages of a replica may have different TP degrees, so :class:`NTPP2PCommunicator` keeps upstream's schedule and
+replaces only its transfer step (``_communicate``) by the pairing of :class:`ntp_megatron.stages.PipelineTopology`:
+one receive per direction, from a live rank of the same replica, and as many sends as there are ranks of the
+neighbouring stage that take their tensor from this rank (none, one, or more). All transfers of one step are posted
+together (``batch_isend_irecv``) on the generation's default group, then waited for.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from ntp_megatron.patches.parallel_state import PipelinePosition
+from ntp_megatron.stages import PipelineTopology
+
+
+class NTPP2PCommunicator(P2PCommunicator):
+    """Upstream's communicator for ``rank`` of ``topology``: its position for the schedule, explicit peers for the
+    transfers."""
+
+    def __init__(self, topology: PipelineTopology, rank: int, config, device: torch.device) -> None:
+        # Not upstream's __init__: it looks for one next and one previous rank in a pipeline group.
+        stage = topology.stage_of(rank).stage
+        self.pp_group = PipelinePosition(stage, topology.num_stages)
+        self.config = config
+        self.virtual_pipeline_model_parallel_size = None
+        self.next_rank = self.prev_rank = None
+        self.device = device
+        self.forward_from: Optional[int] = topology.receives_from(rank, "forward")
+        self.forward_to: list[int] = topology.sends_to(rank, "forward")
+        self.backward_from: Optional[int] = topology.receives_from(rank, "backward")
+        self.backward_to: list[int] = topology.sends_to(rank, "backward")
+
+    def _communicate(self, *, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: Optional[torch.Tensor],
+                     recv_prev: bool, recv_next: bool, tensor_shape, wait_on_reqs: bool = True):
+        config = self.config
+        if (recv_prev or recv_next) and (config.pipeline_dtype is None or tensor_shape is None):
+            raise RuntimeError("receiving at a stage boundary needs config.pipeline_dtype and a tensor shape")
+        if config.variable_seq_lengths or getattr(config, "mtp_standalone", False):
+            raise RuntimeError("NTP stage boundaries carry fixed shapes only (no variable sequence lengths)")
+
+        def receive_buffer() -> torch.Tensor:
+            return torch.empty(tensor_shape, requires_grad=True, device=self.device, dtype=config.pipeline_dtype)
+
+        received_prev = received_next = None
+        ops = []
+        if tensor_send_prev is not None:  # an input gradient, to the ranks of the previous stage that take it
+            ops += [dist.P2POp(dist.isend, tensor_send_prev, peer) for peer in self.backward_to]
+        if recv_prev:  # an activation from the previous stage
+            received_prev = receive_buffer()
+            ops.append(dist.P2POp(dist.irecv, received_prev, _peer(self.forward_from, "forward")))
+        if tensor_send_next is not None:  # an activation, to the ranks of the next stage that take it
+            ops += [dist.P2POp(dist.isend, tensor_send_next, peer) for peer in self.forward_to]
+        if recv_next:  # an output gradient from the next stage
+            received_next = receive_buffer()
+            ops.append(dist.P2POp(dist.irecv, received_next, _peer(self.backward_from, "backward")))
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        if ops and self.device.type == "cuda" and config.batch_p2p_sync:
+            torch.cuda.synchronize()  # upstream's guard against batch_isend_irecv's race
+        return received_prev, received_next, None
+
+
+def _peer(rank: Optional[int], direction: str) -> int:
+    if rank is None:
+        raise RuntimeError(f"the schedule asked for a {direction} receive at the end of the pipeline")
+    return rank

@@ -1,0 +1,215 @@
+"""NTP with pipeline stages: a generation is one NTP layout per stage. Pure Python, no torch.
+
+A replica is a TP × PP grid. Each stage of it has its own live slots, dead blocks, proxies and dealt units: one
+:class:`ntp_megatron.layout.Topology` per stage, all of one generation, ``tp_base``, unit counts and set of
+replicas (a replica dropped is dropped in every stage). A process is identified across generations by
+``(replica, slot, stage)``. Ranks are numbered stage by stage, as Megatron numbers its grid (stage slowest): stage
+``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each stage's topology
+holds its own ranks (``rank_base .. rank_base + world_size - 1``) and everything that works inside one stage (TP
+groups, sync groups per (stage, block), units, transition plans) reads its stage's topology unchanged.
+
+Stage boundaries
+----------------
+Without sequence parallelism the activation a stage sends on, and the gradient it sends back, are the full
+tensor on every TP rank of the sending stage, so any one of them can serve a rank of the next stage. Between
+stage A (width ``w_a`` in a replica) and the next stage B (width ``w_b``):
+
+- forward: B's TP rank ``j`` receives from A's TP rank ``j mod w_a``; A's rank ``i`` sends to every ``j`` with
+  ``j mod w_a == i`` (maybe none: a wider A has ranks whose copy no one needs);
+- backward: A's TP rank ``i`` receives the gradient from B's TP rank ``i mod w_b``; B's rank ``j`` sends to every
+  ``i`` with ``i mod w_b == j`` (every rank of A runs the backward together, so each needs the gradient).
+
+Every rank receives exactly one tensor per boundary and direction, from a live rank of its own replica; at equal
+widths this is Megatron's own pairing (TP rank ``i`` with TP rank ``i``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Mapping, Optional
+
+from ntp_megatron.layout import Replica, Topology, make_topology
+
+
+@dataclass(frozen=True)
+class PipelineTopology:
+    """Generation ``generation`` of a job with pipeline stages: the layout of each stage (``stages[p]`` is a
+    :class:`Topology` with ``stage == p``, its ranks following stage ``p - 1``'s)."""
+
+    stages: tuple[Topology, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if len(self.stages) < 2:
+            raise ValueError(f"a pipeline topology has at least two stages, got {len(self.stages)}")
+        first = self.stages[0]
+        base = 0
+        for p, stage in enumerate(self.stages):
+            if not isinstance(stage, Topology):
+                raise ValueError(f"stage {p} must be a Topology, got {type(stage).__name__}")
+            if stage.stage != p or stage.rank_base != base:
+                raise ValueError(f"stage {p}'s topology says stage {stage.stage} with ranks from {stage.rank_base}; "
+                                 f"expected stage {p} with ranks from {base}")
+            if (stage.generation, stage.tp_base, dict(stage.units)) != (first.generation, first.tp_base,
+                                                                        dict(first.units)):
+                raise ValueError(f"stage {p} differs from stage 0 in generation, tp_base or unit counts")
+            if [rep.index for rep in stage.replicas] != [rep.index for rep in first.replicas]:
+                raise ValueError(f"stage {p} has replicas {[rep.index for rep in stage.replicas]}, stage 0 "
+                                 f"{[rep.index for rep in first.replicas]}: a replica is dropped in every stage")
+            base += stage.world_size
+
+    # -- the job as a whole -----------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        return self.stages[0].generation
+
+    @property
+    def tp_base(self) -> int:
+        return self.stages[0].tp_base
+
+    @property
+    def units(self) -> Mapping[str, int]:
+        return self.stages[0].units
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def world_size(self) -> int:
+        return sum(stage.world_size for stage in self.stages)
+
+    @property
+    def replica_indices(self) -> list[int]:
+        return [rep.index for rep in self.stages[0].replicas]
+
+    @cached_property
+    def _bases(self) -> list[int]:
+        return [stage.rank_base for stage in self.stages]
+
+    def stage_of(self, rank: int) -> Topology:
+        """The layout of the stage process-group rank ``rank`` belongs to."""
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} is not live in generation {self.generation} "
+                             f"(ranks 0..{self.world_size - 1})")
+        return self.stages[bisect.bisect_right(self._bases, rank) - 1]
+
+    def slot_of(self, rank: int) -> tuple[int, int, int]:
+        """``(replica, slot, stage)`` of a rank: the identity of a process across generations."""
+        stage = self.stage_of(rank)
+        return (*stage.slot_of(rank), stage.stage)
+
+    def rank_of(self, replica: int, slot: int, stage: int = 0) -> Optional[int]:
+        """Process-group rank of ``(replica, slot, stage)`` in this generation, None if that slot is not live."""
+        if not isinstance(stage, int) or not 0 <= stage < self.num_stages:
+            return None
+        return self.stages[stage].rank_of(replica, slot)
+
+    # what a rank's own stage says of it (the rank-addressed queries of a Topology)
+    def replica_of(self, rank: int) -> Replica:
+        """``rank``'s replica in its stage."""
+        return self.stage_of(rank).replica_of(rank)
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s TP rank in its stage."""
+        return self.stage_of(rank).local_rank(rank)
+
+    def units_of(self, rank: int, family: str) -> list[int]:
+        return self.stage_of(rank).units_of(rank, family)
+
+    def widths(self, replica: int) -> list[int]:
+        """The TP degree of each stage of replica ``replica``."""
+        return [stage.replica(replica).width for stage in self.stages]
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        """Every rank of replica ``replica``, stage by stage (its model-parallel group)."""
+        return [r for stage in self.stages for r in stage.replica(replica).ranks]
+
+    # -- stage boundaries -------------------------------------------------------------------------------------
+
+    def _neighbour(self, rank: int, step: int) -> Optional[tuple[Topology, Replica, Replica, int]]:
+        stage = self.stage_of(rank)
+        other = stage.stage + step
+        if not 0 <= other < self.num_stages:
+            return None
+        replica = stage.replica_of(rank)
+        return stage, replica, self.stages[other].replica(replica.index), stage.local_rank(rank)
+
+    def receives_from(self, rank: int, direction: str) -> Optional[int]:
+        """The rank ``rank`` receives its ``"forward"`` activation from (the previous stage) or its ``"backward"``
+        gradient from (the next stage); None at the first stage's forward and the last stage's backward."""
+        found = self._neighbour(rank, -1 if _step(direction) > 0 else 1)
+        if found is None:
+            return None
+        _, _, peer, tp_rank = found
+        return peer.ranks[tp_rank % peer.width]
+
+    def sends_to(self, rank: int, direction: str) -> list[int]:
+        """The ranks ``rank`` sends its ``"forward"`` activation to (the next stage) or its ``"backward"`` gradient
+        to (the previous stage), ascending; empty at the ends, and where no rank of the neighbour needs its copy."""
+        found = self._neighbour(rank, _step(direction))
+        if found is None:
+            return []
+        _, mine, peer, tp_rank = found
+        return [r for j, r in enumerate(peer.ranks) if j % mine.width == tp_rank]
+
+    # -- serialisation ------------------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"stages": [stage.to_json() for stage in self.stages]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineTopology":
+        if not isinstance(d, dict) or set(d) != {"stages"} or not isinstance(d["stages"], list):
+            raise ValueError("pipeline topology JSON must be an object with exactly the key 'stages' (a list)")
+        return cls(tuple(Topology.from_json(stage) for stage in d["stages"]))
+
+
+def tp_per_replica(topology: "Topology | PipelineTopology", num_replicas: int) -> list:
+    """The TP width of every replica index of the launch (0 for a dropped replica), as the records give it; with
+    pipeline stages a list per replica, one width per stage."""
+    if isinstance(topology, PipelineTopology):
+        present = set(topology.replica_indices)
+        return [topology.widths(r) if r in present else [0] * topology.num_stages for r in range(num_replicas)]
+    widths = {rep.index: rep.width for rep in topology.replicas}
+    return [widths.get(r, 0) for r in range(num_replicas)]
+
+
+def _step(direction: str) -> int:
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    return 1 if direction == "forward" else -1
+
+
+def load_topology(d: dict) -> "Topology | PipelineTopology":
+    """A published topology from its JSON, with or without pipeline stages."""
+    return PipelineTopology.from_json(d) if isinstance(d, dict) and "stages" in d else Topology.from_json(d)
+
+
+def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, int],
+                           dead_slots: Iterable[tuple[int, int, int]] = (), generation: int = 0, min_tp: int = 1,
+                           dropped: Iterable[int] = ()) -> PipelineTopology:
+    """The starting topology of ``pp`` stages: each stage's :func:`make_topology` with its own dead slots
+    (``(replica, slot, stage)`` triples), the same ``dropped`` replicas, ranks numbered stage by stage."""
+    if not isinstance(pp, int) or pp < 2:
+        raise ValueError(f"pipeline stages must be at least 2, got {pp!r}")
+    dead: dict[int, list[tuple[int, int]]] = {p: [] for p in range(pp)}
+    for item in dead_slots:
+        replica, slot, stage = item
+        if not isinstance(stage, int) or not 0 <= stage < pp:
+            raise ValueError(f"dead slot {replica}:{slot}@{stage}: stage {stage} out of range 0..{pp - 1}")
+        dead[stage].append((replica, slot))
+    dropped = list(dropped)
+    stages, base = [], 0
+    for p in range(pp):
+        try:
+            stage = make_topology(tp_base, dp, units, dead[p], generation=generation, min_tp=min_tp,
+                                  dropped=dropped)
+        except ValueError as exc:  # name the stage (a TopologyError stays one)
+            raise type(exc)(f"stage {p}: {exc}") from None
+        stages.append(stage.placed(p, base))
+        base += stage.world_size
+    return PipelineTopology(tuple(stages))
