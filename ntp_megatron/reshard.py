@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ntp_megatron.adam_step import read_step, write_step
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
+from ntp_megatron.stages import PipelineTopology
 from ntp_megatron.shard_layout import ShardId, shard_plan
 
 Unit = tuple[str, int]  # (family, unit id)
@@ -60,8 +61,12 @@ class Transfer:
 
 def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
     """The moves of :func:`transition_plan`, grouped into one message per (source, destination) pair, with
-    both ends numbered in the new generation."""
+    both ends numbered in the new generation. With pipeline stages (:class:`ntp_megatron.stages.PipelineTopology`)
+    each stage's own: nothing crosses stages."""
     dead = list(dead_old_ranks)
+    if isinstance(old, PipelineTopology):
+        return [transfer for before, after in zip(old.stages, new.stages)
+                for transfer in plan_transfers(before, after, [r for r in dead if r in before.ranks])]
     survivors = survivor_ranks(old, new, dead)
     grouped: dict[tuple[int, int], list[Unit]] = defaultdict(list)
     for move in transition_plan(old, new, dead):
@@ -69,7 +74,7 @@ def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) 
         grouped[(survivors[source], move.dst)].append((move.family, move.unit))
     # A process new to the job (a replacement) also needs the replicated parameters, once: from the first survivor
     # that sends it units, else the first survivor.
-    fresh = sorted(set(range(new.world_size)) - set(survivors.values()))
+    fresh = sorted(set(new.ranks) - set(survivors.values()))
     replicated_from: set[tuple[int, int]] = set()
     for dst in fresh:
         src = next((s for (s, d) in sorted(grouped) if d == dst), min(survivors.values()))
@@ -258,24 +263,42 @@ def largest_piece_bytes(transfers: list, rank: int, old: Optional[Side], new: Op
 
 def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int], unit_numel: dict[str, int],
                       element_size: int = 4) -> int:
-    """Bytes that any re-formation must move: every unit the dead ranks held, in replicas that live on."""
-    live = {rep.index for rep in new.replicas}
+    """Bytes that any re-formation must move: every unit the dead ranks held, in replicas that live on. With
+    pipeline stages ``unit_numel`` is the first stage's (:func:`stage_unit_numel` gives every stage's)."""
+    live = {rep.index for rep in (new.stages[0] if isinstance(new, PipelineTopology) else new).replicas}
     total = 0
     for rank in dead_old_ranks:
         if old.replica_of(rank).index not in live:
             continue
-        for family, per_unit in unit_numel.items():
+        numel = stage_unit_numel(old, rank, unit_numel)
+        for family, per_unit in numel.items():
             total += len(old.units_of(rank, family)) * per_unit * element_size
     return total
+
+
+def stage_unit_numel(topology, rank: int, first_stage: dict[str, int]) -> dict[str, int]:
+    """Elements of one unit of each family on ``rank``'s pipeline stage, from the first stage's: every stage has as
+    many layers (heads and FFN units alike); vocabulary rows live in the first stage (the word embeddings) and the
+    last (the untied output layer, as wide as the embedding), none in between. Without stages, ``first_stage``."""
+    if not isinstance(topology, PipelineTopology):
+        return first_stage
+    stage = topology.stage_of(rank).stage
+    ends = stage in (0, topology.num_stages - 1)
+    return {family: n if family != "vocab" or ends else 0 for family, n in first_stage.items()}
 
 
 def join_lower_bound_bytes(new: Topology, joined: list[tuple[int, int]], unit_numel: dict[str, int],
                            element_size: int = 4) -> int:
     """Bytes that admitting ``joined`` (replica, slot) pairs must move at least: every unit the new processes
     hold in ``new``, since they start with none — their canonical blocks, and more where their replica still lacks
-    slots (a process that brings a dropped replica back alone holds all of its units)."""
-    return sum(len(new.units_of(new.rank_of(replica, slot), family)) * per_unit * element_size
-               for replica, slot in joined for family, per_unit in unit_numel.items())
+    slots (a process that brings a dropped replica back alone holds all of its units). With pipeline stages,
+    (replica, slot, stage) triples and the first stage's ``unit_numel``."""
+    total = 0
+    for slot in joined:
+        rank = new.rank_of(*slot)
+        total += sum(len(new.units_of(rank, family)) * per_unit * element_size
+                     for family, per_unit in stage_unit_numel(new, rank, unit_numel).items())
+    return total
 
 
 # -- distributed-optimizer shards -----------------------------------------------------------------------------

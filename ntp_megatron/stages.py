@@ -21,16 +21,27 @@ stage A (width ``w_a`` in a replica) and the next stage B (width ``w_b``):
 
 Every rank receives exactly one tensor per boundary and direction, from a live rank of its own replica; at equal
 widths this is Megatron's own pairing (TP rank ``i`` with TP rank ``i``).
+
+Transitions
+-----------
+A failure re-forms the stages that lost ranks, each by :func:`ntp_megatron.layout.next_topology`'s rules; every
+other stage keeps its layout (its ranks are renumbered only when an earlier stage lost some). A replica that falls
+below ``min_tp`` in one stage is dropped from every stage (``drop_replica``), or the failure is unrecoverable.
+A rejoin widens the stages its slots belong to; a dropped replica comes back only with slots in every stage. Units
+move only inside a stage (:func:`transition_plan`). :func:`next_topology`, :func:`join_topology` and
+:func:`transition_plan` take a topology with or without stages.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Optional
 
-from ntp_megatron.layout import Replica, Topology, make_topology
+from ntp_megatron import layout
+from ntp_megatron.layout import Move, Replica, Topology, TopologyError, make_topology
 
 
 @dataclass(frozen=True)
@@ -178,6 +189,13 @@ def tp_per_replica(topology: "Topology | PipelineTopology", num_replicas: int) -
     return [widths.get(r, 0) for r in range(num_replicas)]
 
 
+def live_widths(topology: "Topology | PipelineTopology") -> list:
+    """The TP width of every live replica, in replica order (with stages, a list of widths per replica)."""
+    if isinstance(topology, PipelineTopology):
+        return [topology.widths(r) for r in topology.replica_indices]
+    return [rep.width for rep in topology.replicas]
+
+
 def _step(direction: str) -> int:
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
@@ -213,3 +231,81 @@ def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, i
         stages.append(stage.placed(p, base))
         base += stage.world_size
     return PipelineTopology(tuple(stages))
+
+
+def _renumbered(stages: Iterable[Topology]) -> PipelineTopology:
+    """Stages of one generation with their ranks numbered stage after stage."""
+    placed, base = [], 0
+    for p, stage in enumerate(stages):
+        placed.append(stage.placed(p, base))
+        base += stage.world_size
+    return PipelineTopology(tuple(placed))
+
+
+def _next_generation(stage: Topology) -> Topology:
+    return dataclasses.replace(stage, generation=stage.generation + 1)
+
+
+def with_generation(topology: "Topology | PipelineTopology", generation: int) -> "Topology | PipelineTopology":
+    """The same layout as generation ``generation``."""
+    if isinstance(topology, PipelineTopology):
+        return PipelineTopology(tuple(dataclasses.replace(stage, generation=generation) for stage in topology.stages))
+    return dataclasses.replace(topology, generation=generation)
+
+
+def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[int], min_tp: int = 1,
+                  policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
+    """:func:`ntp_megatron.layout.next_topology`, for a topology with or without stages (module docstring)."""
+    if not isinstance(current, PipelineTopology):
+        return layout.next_topology(current, dead_ranks, min_tp=min_tp, policy=policy)
+    dead = set(dead_ranks)
+    for rank in dead:
+        current.stage_of(rank)  # a ValueError for a rank that is not live
+    dropped = set()
+    for stage in current.stages:
+        for rep in stage.replicas:
+            left = sum(r not in dead for r in rep.ranks)
+            if left < min_tp:
+                if policy != "drop_replica":
+                    raise TopologyError(f"replica {rep.index} fell below ntp.min_tp ({min_tp}) in stage "
+                                        f"{stage.stage}: {left} live slots left (policy {policy!r})")
+                dropped.add(rep.index)
+    stages = []
+    for stage in current.stages:
+        gone = {r for r in stage.ranks if r in dead} | {r for rep in stage.replicas if rep.index in dropped
+                                                        for r in rep.ranks}
+        stages.append(layout.next_topology(stage, gone, min_tp=min_tp, policy=policy) if gone else
+                      _next_generation(stage))
+    return _renumbered(stages)
+
+
+def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable[tuple[int, ...]], min_tp: int = 1
+                  ) -> "Topology | PipelineTopology":
+    """:func:`ntp_megatron.layout.join_topology`, for a topology with or without stages (``(replica, slot, stage)``
+    triples with stages)."""
+    if not isinstance(current, PipelineTopology):
+        return layout.join_topology(current, joined_slots, min_tp=min_tp)
+    joining: dict[int, list[tuple[int, int]]] = {p: [] for p in range(current.num_stages)}
+    for item in joined_slots:
+        replica, slot, stage = item
+        if not 0 <= stage < current.num_stages:
+            raise ValueError(f"joined slot {item!r}: stage {stage} out of range 0..{current.num_stages - 1}")
+        joining[stage].append((replica, slot))
+    present = set(current.replica_indices)
+    returning = [{r for r, _ in joining[p]} - present for p in range(current.num_stages)]
+    if any(back != returning[0] for back in returning):
+        raise TopologyError(f"a dropped replica comes back only with slots in every stage (returning per stage: "
+                            f"{[sorted(b) for b in returning]})")
+    return _renumbered(layout.join_topology(stage, joining[p], min_tp=min_tp) if joining[p] else
+                       _next_generation(stage) for p, stage in enumerate(current.stages))
+
+
+def transition_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology",
+                    dead_ranks: Iterable[int] = ()) -> list[Move]:
+    """:func:`ntp_megatron.layout.transition_plan`, for a topology with or without stages: each stage's own
+    (units never cross stages), in stage order."""
+    if not isinstance(old, PipelineTopology):
+        return layout.transition_plan(old, new, dead_ranks)
+    dead = set(dead_ranks)
+    return [move for before, after in zip(old.stages, new.stages)
+            for move in layout.transition_plan(before, after, [r for r in before.ranks if r in dead])]

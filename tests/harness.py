@@ -506,7 +506,7 @@ BYTES_PER_ELEMENT = 4
 """Every moved tensor travels in fp32: the parameter (under bf16 its fp32 main param) and its state."""
 
 
-def unit_elements(model: dict) -> tuple[dict[str, int], int]:
+def unit_elements(model: dict, stage: int = 0, stages: int = 1) -> tuple[dict[str, int], int]:
     """Parameter elements of one unit of each TP-split family, and of the replicated parameters, for the GPT of
     this project's local layer spec (Megatron-Core's ``add_bias_linear`` default: every linear layer has a
     bias), written out from the model's dimensions:
@@ -519,8 +519,12 @@ def unit_elements(model: dict) -> tuple[dict[str, int], int]:
     - ``vocab`` (one row): the word embedding's, and the output layer's when untied.
 
     Replicated: per layer the two norms (weight, and bias under LayerNorm), the projection's and FC2's biases;
-    the final norm; learned position embeddings (``max_position_embeddings`` or ``seq_length`` rows)."""
-    h, layers = model["hidden_size"], model["num_layers"]
+    the final norm; learned position embeddings (``max_position_embeddings`` or ``seq_length`` rows).
+
+    With pipeline stages, of ``stage`` of ``stages``: its share of the layers; the word embeddings and the position
+    embeddings in the first stage, the output layer and the final norm in the last (untied only)."""
+    h, layers = model["hidden_size"], model["num_layers"] // stages
+    first, last = stage == 0, stage == stages - 1
     heads = model["num_attention_heads"]
     groups = model["num_query_groups"] or heads
     head_dim = model["kv_channels"] or h // heads
@@ -532,10 +536,11 @@ def unit_elements(model: dict) -> tuple[dict[str, int], int]:
     per_unit = {
         "heads": layers * (qkv_rows * h + qkv_rows + h * per_group * head_dim),
         "ffn": layers * (gate * h + gate + h),
-        "vocab": h * (2 if model["untie_embeddings_and_output_weights"] else 1),
+        "vocab": h * (first + (last and model["untie_embeddings_and_output_weights"])) if stages > 1 else
+        h * (2 if model["untie_embeddings_and_output_weights"] else 1),
     }
-    replicated = layers * (2 * norm + 2 * h) + norm + (
-        positions * h if model["position_embedding_type"] == "learned_absolute" else 0)
+    replicated = layers * (2 * norm + 2 * h) + norm * last + (
+        positions * h if model["position_embedding_type"] == "learned_absolute" and first else 0)
     return per_unit, replicated
 
 
@@ -578,8 +583,18 @@ def reformation_lower_bound(model: dict, optimizer: str, base: dict, new: dict, 
     checkpoint the run starts from)."""
     if fresh:
         return 0
-    per_unit, replicated = unit_elements(model)
-    dead = {_slot_of_rank(base)[r] for r in dead_ranks}
+    if "stages" in base:  # units move inside a stage only
+        return sum(_stage_lower_bound(model, optimizer, b, n, dead_ranks, p, len(base["stages"]))
+                   for p, (b, n) in enumerate(zip(base["stages"], new["stages"])))
+    return _stage_lower_bound(model, optimizer, base, new, dead_ranks)
+
+
+def _stage_lower_bound(model: dict, optimizer: str, base: dict, new: dict, dead_ranks: Sequence[int], stage: int = 0,
+                       stages: int = 1) -> int:
+    """:func:`reformation_lower_bound` of one stage's topologies (the whole job's without stages)."""
+    per_unit, replicated = unit_elements(model, stage, stages)
+    ranks = _slot_of_rank(base)
+    dead = {ranks[r] for r in dead_ranks if r in ranks}
     before, after = holdings(base), holdings(new)
     elements = 0
     for slot, held in after.items():
@@ -702,8 +717,9 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
             assert g in published, f"re-formed into generation {g}, which the controller never published"
             new = published[g]
             base = published[new["base"]]
-            assert new["topology"]["units"] == base["topology"]["units"] == unit_counts(model), (
-                f"generation {g}: unit counts {new['topology']['units']}, but the model has {unit_counts(model)}")
+            units = [_stage_topology(t["topology"], 0)["units"] for t in (new, base)]
+            assert units[0] == units[1] == unit_counts(model), (
+                f"generation {g}: unit counts {units[0]}, but the model has {unit_counts(model)}")
             fresh = not any(i < event["resume_iteration"] for i in iterations)
             sharded = cfg.get("parallel", {}).get("use_distributed_optimizer", False)
             if sharded and not fresh:  # whole shards move, and no units

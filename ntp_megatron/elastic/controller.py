@@ -31,8 +31,9 @@ import torch.distributed as dist
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
-from ntp_megatron.layout import Topology, TopologyError, join_topology, next_topology, transition_plan
-from ntp_megatron.stages import PipelineTopology
+from ntp_megatron.layout import Topology, TopologyError
+from ntp_megatron.stages import PipelineTopology, join_topology, live_widths, next_topology, transition_plan, \
+    with_generation
 from ntp_megatron.shard_layout import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
@@ -157,8 +158,6 @@ class Controller:
         dead_ranks = [base.rank_of(*slot) for slot in self.dead_since_completed.values()
                       if base.rank_of(*slot) is not None]
         try:
-            if isinstance(base, PipelineTopology):
-                raise TopologyError("a live re-formation with pipeline stages is not supported yet")
             new = next_topology(base, dead_ranks, min_tp=self.min_tp, policy=self.policy)
             if self.sharded is not None:  # before the first commit too: a drop would cut the shards anew
                 self._check_no_drop(base, new)
@@ -175,7 +174,7 @@ class Controller:
             self._report(deaths, old, settled, [], wait_s=0.0)  # nobody re-forms: report now
             return reason
         self._report_deaths(deaths, old, settled)
-        new = dataclasses.replace(new, generation=old.generation + 1)
+        new = with_generation(new, old.generation + 1)
         failed_at = min((injected_failure(self.store, d.launch_rank) or {}).get("time", d.time) for d in deaths)
         info = {"base": base.generation, "dead": [list(s) for s in self.dead_since_completed.values()],
                 "settled": settled, "failure_time": failed_at,
@@ -278,20 +277,19 @@ class Controller:
             return False
         old = self.latest
         launch_ranks = [lr for lr in launch_ranks if old.rank_of(*self.identity[lr]) is None]
-        partial = {r for r in self.unfit if sum(self.identity[lr][0] == r for lr in launch_ranks) < old.tp_base}
+        slots_per_replica = old.tp_base * (old.num_stages if isinstance(old, PipelineTopology) else 1)
+        partial = {r for r in self.unfit if sum(self.identity[lr][0] == r for lr in launch_ranks) < slots_per_replica}
         launch_ranks = [lr for lr in launch_ranks if self.identity[lr][0] not in partial]  # they wait
         slots = [self.identity[lr] for lr in launch_ranks]
         if not slots:
             return False
         self.unfit.difference_update(s[0] for s in slots)
         try:
-            if isinstance(old, PipelineTopology):
-                raise TopologyError("a rejoin with pipeline stages is not supported yet")
             new = join_topology(old, slots, min_tp=self.min_tp)
         except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet
             self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
             return False
-        new = dataclasses.replace(new, generation=old.generation + 1)
+        new = with_generation(new, old.generation + 1)
         info = {"base": old.generation, "dead": [], "joined": [list(s) for s in slots], "settled": None,
                 "failure_time": time.time(), "deaths": []}
         g = new.generation
@@ -302,10 +300,10 @@ class Controller:
         self.latest = self.published[g] = new
         self._published(new, base=old.generation, dead=[], joined=slots)
         self.dead.difference_update(launch_ranks)
-        joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]})"
-                           for lr in launch_ranks)
+        joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]}"
+                           + "".join(f", stage {p}" for p in self._stage(lr).values()) + ")" for lr in launch_ranks)
         self.say(f"admitting {joined} at the next iteration boundary: generation {g}, tp per replica "
-                 f"{[rep.width for rep in new.replicas]}")
+                 f"{live_widths(new)}")
         return True
 
     def _stage(self, launch_rank: int) -> dict:

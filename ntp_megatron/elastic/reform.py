@@ -175,7 +175,7 @@ class Reformer:
         if info["base"] != base.generation:
             raise RuntimeError(f"generation {topology.generation} builds on generation {info['base']}, but this "
                                f"process holds generation {base.generation}")
-        dead = [base.rank_of(r, s) for r, s in info["dead"] if base.rank_of(r, s) is not None]
+        dead = [base.rank_of(*slot) for slot in info["dead"] if base.rank_of(*slot) is not None]
         generation = elastic.join(topology)
         self.generation = generation
         with elastic.scope(generation):
@@ -329,7 +329,7 @@ class Reformer:
             staged.new_parts.settle()
         else:
             memory.restore_gradients(old)  # freed by a re-formation that did not complete (rebound in _reform)
-        self._report_rank(old, training.parts, staged)
+        self._report_rank(old, training.parts, staged, training)
         del old
         self.completed = staged.topology
         gc.collect()
@@ -340,13 +340,15 @@ class Reformer:
         if self.generation.rank == 0 and (staged.info.get("deaths") or staged.info.get("joined")):
             self._report(training, staged)
 
-    def _report_rank(self, old: Optional[RankObjects], new: RankObjects, staged: "_Staged") -> None:
+    def _report_rank(self, old: Optional[RankObjects], new: RankObjects, staged: "_Staged",
+                     training: Training) -> None:
         """Every rank, every generation adopted: whether it rebuilt its objects, and whether the model, its DDP
         wrapper and the optimizer it trains with now are the very objects it held before."""
         topology, rank = staged.topology, self.generation.rank
         metrics.emit({"kind": "reform_rank", "launch_rank": self.elastic.launch_rank,
                       "generation": topology.generation, "replica": topology.replica_of(rank).index,
-                      "tp_rank": topology.local_rank(rank), "rebuilt": staged.new_parts is not None,
+                      "tp_rank": topology.local_rank(rank), "stage": training.parts.setup.stage,
+                      "rebuilt": staged.new_parts is not None,
                       "same_model": old is not None and new.model.module is old.model.module,
                       "same_ddp": old is not None and new.model is old.model,
                       "same_optimizer": old is not None and new.optimizer is old.optimizer,
@@ -382,7 +384,8 @@ class Reformer:
             event["shard_moves"] = shard_moves
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        what = ("rejoined: " + ", ".join(f"replica {r} slot {s}" for r, s in joined)) if joined else (
+        what = ("rejoined: " + ", ".join(f"replica {j[0]} slot {j[1]}" + "".join(f" stage {p}" for p in j[2:])
+                                          for j in joined)) if joined else (
             f"recovered in {recovery_s:.2f} s")
         redo = f"iteration {resume} redone" if redone else f"resuming at iteration {resume}"
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
