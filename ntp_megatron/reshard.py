@@ -261,44 +261,21 @@ def largest_piece_bytes(transfers: list, rank: int, old: Optional[Side], new: Op
     return 4 * max(sizes)
 
 
-def lower_bound_bytes(old: Topology, new: Topology, dead_old_ranks: Iterable[int], unit_numel: dict[str, int],
-                      element_size: int = 4) -> int:
-    """Bytes that any re-formation must move: every unit the dead ranks held, in replicas that live on. With
-    pipeline stages ``unit_numel`` is the first stage's (:func:`stage_unit_numel` gives every stage's)."""
-    live = {rep.index for rep in (new.stages[0] if isinstance(new, PipelineTopology) else new).replicas}
+def own_lower_bound_bytes(old: Topology, new: Topology, old_rank: Optional[int], rank: int,
+                          unit_numel: dict[str, int], replicated_numel: int, element_size: int = 4) -> int:
+    """Bytes rank ``rank`` of ``new`` must receive at least (``old_rank``: the same process in ``old``, None for a
+    process new to the job, or one whose old rank died): every unit it holds in ``new`` and did not hold in ``old``
+    (a survivor keeps what it held; a dead rank's units all go to ranks that lack them), ``unit_numel`` elements
+    each, and for a new process the replicated parameters too (``replicated_numel``). Each rank counts its own, with
+    its own stage's tensor sizes; the sum over ranks is a re-formation's lower bound. Works within one stage's
+    topologies or across whole ones (with or without stages: only ``units_of`` is asked)."""
     total = 0
-    for rank in dead_old_ranks:
-        if old.replica_of(rank).index not in live:
-            continue
-        numel = stage_unit_numel(old, rank, unit_numel)
-        for family, per_unit in numel.items():
-            total += len(old.units_of(rank, family)) * per_unit * element_size
-    return total
-
-
-def stage_unit_numel(topology, rank: int, first_stage: dict[str, int]) -> dict[str, int]:
-    """Elements of one unit of each family on ``rank``'s pipeline stage, from the first stage's: every stage has as
-    many layers (heads and FFN units alike); vocabulary rows live in the first stage (the word embeddings) and the
-    last (the untied output layer, as wide as the embedding), none in between. Without stages, ``first_stage``."""
-    if not isinstance(topology, PipelineTopology):
-        return first_stage
-    stage = topology.stage_of(rank).stage
-    ends = stage in (0, topology.num_stages - 1)
-    return {family: n if family != "vocab" or ends else 0 for family, n in first_stage.items()}
-
-
-def join_lower_bound_bytes(new: Topology, joined: list[tuple[int, int]], unit_numel: dict[str, int],
-                           element_size: int = 4) -> int:
-    """Bytes that admitting ``joined`` (replica, slot) pairs must move at least: every unit the new processes
-    hold in ``new``, since they start with none — their canonical blocks, and more where their replica still lacks
-    slots (a process that brings a dropped replica back alone holds all of its units). With pipeline stages,
-    (replica, slot, stage) triples and the first stage's ``unit_numel``."""
-    total = 0
-    for slot in joined:
-        rank = new.rank_of(*slot)
-        total += sum(len(new.units_of(rank, family)) * per_unit * element_size
-                     for family, per_unit in stage_unit_numel(new, rank, unit_numel).items())
-    return total
+    for family, per_unit in unit_numel.items():
+        had = set(old.units_of(old_rank, family)) if old_rank is not None else set()
+        total += len(set(new.units_of(rank, family)) - had) * per_unit
+    if old_rank is None:
+        total += replicated_numel
+    return total * element_size
 
 
 # -- distributed-optimizer shards -----------------------------------------------------------------------------

@@ -125,6 +125,11 @@ def moved(generation: int) -> str:
     return f"{PREFIX}gen{generation}/moved"
 
 
+def lower_bound(generation: int) -> str:
+    """Bytes forming generation ``g`` must move at least (summed over its ranks: each adds what it lacks itself)."""
+    return f"{PREFIX}gen{generation}/lower_bound"
+
+
 def shards_received(generation: int, rank: int) -> str:
     """The distributed-optimizer shards rank ``rank`` of generation ``g`` received while forming it: a JSON list of
     [block, position, bytes]."""

@@ -51,8 +51,8 @@ from ntp_megatron.elastic.host import Builder, RankObjects, Training
 from ntp_megatron import stages
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
-    copy_main_params_to_model, exchange, init_shard_state, init_state, join_lower_bound_bytes, largest_piece_bytes, \
-    lower_bound_bytes, plan_shard_transfers, plan_transfers, state_keys
+    copy_main_params_to_model, exchange, init_shard_state, init_state, largest_piece_bytes, \
+    own_lower_bound_bytes, plan_shard_transfers, plan_transfers, state_keys
 
 logger = logging.getLogger(__name__)
 
@@ -255,6 +255,12 @@ class Reformer:
                 # distributed optimizer).
                 (new_parts or old).param_gather()
             elastic.ctl.add(keys.moved(topology.generation), received)
+            if not fresh and not sharded:  # what this rank lacks, with its own stage's sizes: summed over the ranks
+                tensors = old_tensors or new_tensors
+                kept = old_rank if old_rank is not None and old_rank not in dead else None
+                elastic.ctl.add(keys.lower_bound(topology.generation), own_lower_bound_bytes(
+                    base, topology, kept, generation.rank, {f: tensors.unit_numel(f) for f in topology.units},
+                    tensors.replicated_numel()))
             if moves:
                 elastic.ctl.set(keys.shards_received(topology.generation, generation.rank), json.dumps(moves))
             if generation.commit.form() != COMPLETE:
@@ -263,11 +269,8 @@ class Reformer:
             if new_parts is not None:
                 new_parts.discard()
             raise
-        tensors = old_tensors or new_tensors
-        unit_numel = {f: tensors.unit_numel(f) for f in topology.units}
-        return _Staged(topology, info, setup, new_parts, base, dead, unit_numel, started, fresh,
-                       replicated_bytes=tensors.replicated_numel() * 4, loaded=from_checkpoint, memory=held,
-                       progress=progress)
+        return _Staged(topology, info, setup, new_parts, base, dead, started, fresh, loaded=from_checkpoint,
+                       memory=held, progress=progress)
 
     def _move_shards(self, topology: Topology, base: Topology, dead: list[int], old: Optional[RankObjects],
                      new_parts: Optional[RankObjects], state: tuple[str, ...], held: dict,
@@ -366,11 +369,8 @@ class Reformer:
             sharded = ShardedOptimizer.of(self.cfg)
             per_element = 4 * (1 + len(state_keys(self.cfg.training.optimizer)))
             bound = sum(per_element * sharded.shard_numel(m["block"], m["position"]) for m in shard_moves)
-        elif joined:  # the new processes' units, and the replicated parameters they have none of
-            bound = (join_lower_bound_bytes(topology, joined, staged.unit_numel)
-                     + len(joined) * staged.replicated_bytes)
-        else:
-            bound = lower_bound_bytes(staged.base, topology, staged.dead, staged.unit_numel)
+        else:  # every rank's own lack, from the layouts alone (own_lower_bound_bytes)
+            bound = int(self.elastic.ctl.add(keys.lower_bound(topology.generation), 0))
         settled = info.get("settled") or {}
         redone = 1 if settled.get("decision") == "abort" and settled.get("started") else 0
         recovery_s = time.time() - info["failure_time"]
@@ -443,11 +443,9 @@ class _Staged:
     """Rebuilt objects for a rank whose units changed; None for a rank that keeps its own."""
     base: Topology
     dead: list[int]
-    unit_numel: dict[str, int]
     started: float
     fresh: bool
     """No iteration committed yet: every rank built the initial weights itself."""
-    replicated_bytes: int = 0
     loaded: bool = False
     """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
     memory: dict = field(default_factory=dict)
