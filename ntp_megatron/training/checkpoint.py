@@ -219,16 +219,21 @@ def _layout(model, coords: ParallelCoords) -> _Layout:
     gpt = model.module
     tp = gpt.pg_collection.tp
     units = gpt.ntp_units
-    mine = (coords.dp_rank, tp.size(), tp.rank(), (units.heads, units.ffn, units.vocab))
+    mine = (coords.dp_rank, tp.size(), tp.rank(), (units.heads, units.ffn, units.vocab), coords.pp_rank)
     members: list = [None] * dist.get_world_size()
     dist.all_gather_object(members, mine)
-    roles = checkpoint_roles([m[:3] for m in members], tp_base=coords.tp_size)
-    widths = {replica: width for replica, width, _, _ in members}
-    digest = hashlib.sha256(json.dumps(sorted(members)).encode()).hexdigest()[:16]
-    parallel = {"tp": coords.tp_size, "dp": coords.dp_size, "ntp": True,
-                "tp_per_replica": [widths.get(r, 0) for r in range(coords.dp_size)], "ntp_layout": digest}
     rank = dist.get_rank()
-    return _Layout(parallel=parallel, role=roles[rank], rank=rank, world_size=len(members))
+    # Each pipeline stage writes its own tensors (its layers; the embeddings in the first, the output layer in the
+    # last): the writer replica of each piece is chosen among the replicas of its stage.
+    ours = [r for r, m in enumerate(members) if m[4] == coords.pp_rank]
+    roles = checkpoint_roles([members[r][:3] for r in ours], tp_base=coords.tp_size)
+    widths = {(stage, replica): width for replica, width, _, _, stage in members}
+    digest = hashlib.sha256(json.dumps(sorted(members)).encode()).hexdigest()[:16]
+    per_replica = [[widths.get((p, r), 0) for p in range(coords.pp_size)] for r in range(coords.dp_size)]
+    parallel = {"tp": coords.tp_size, "dp": coords.dp_size, "ntp": True,
+                "tp_per_replica": [w[0] for w in per_replica] if coords.pp_size == 1 else per_replica,
+                "ntp_layout": digest, **({"pp": coords.pp_size} if coords.pp_size > 1 else {})}
+    return _Layout(parallel=parallel, role=roles[ours.index(rank)], rank=rank, world_size=len(members))
 
 
 def _rng_object(coords: ParallelCoords, layout: _Layout, state: Any) -> ShardedObject:
