@@ -110,8 +110,8 @@ class ParallelSection(_Section):
     """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``): the layers are cut into this many stages of
     ``model.num_layers / pipeline_model_parallel_size`` consecutive layers, run by Megatron-Core's 1F1B schedule.
     Ranks are numbered as Megatron numbers them (TP fastest, then data parallel, then stage). Under NTP each stage
-    of a replica has its own TP degree (``ntp.dead_slots`` entries ``replica:slot@stage``); it needs untied
-    embeddings, ``model.init: layout_free``, and no distributed optimizer or overlap yet."""
+    of a replica has its own TP degree (``ntp.dead_slots`` entries ``replica:slot@stage``); it needs
+    ``model.init: layout_free``, and no distributed optimizer or overlap yet."""
     data_parallel_size: int = Field(1, ge=1)
     """Replicas. The job starts tensor × data parallel size ranks, less the slots of ``ntp.dead_slots`` and
     ``ntp.dropped_replicas``."""
@@ -497,9 +497,6 @@ class JobConfig(_Section):
         if not self.ntp.enabled:
             return
         key = f"with ntp.enabled and parallel.pipeline_model_parallel_size {pp}"
-        if not m.untie_embeddings_and_output_weights:
-            raise ValueError(f"tied embeddings are not supported {key} yet (the first and the last stage may hold "
-                             "different vocabulary shards): set model.untie_embeddings_and_output_weights: true")
         if self.parallel.use_distributed_optimizer:
             raise ValueError(f"parallel.use_distributed_optimizer is not supported {key} yet: set it to false")
         if self.parallel.overlap_grad_reduce:

@@ -76,6 +76,7 @@ from ntp_megatron import phases
 from ntp_megatron.groups import NTPGroups, rebind_process_groups
 from ntp_megatron.layers import UnitShard
 from ntp_megatron.layout import Topology
+from ntp_megatron.pipeline import tied_embedding_sync
 from ntp_megatron.shard_layout import Bucket, BufferLayout, ParamPlace, shard_pieces
 
 # Attributes Megatron's DDP and optimizer read from a parameter; a shadow parameter carries them too.
@@ -376,6 +377,8 @@ class GradSync:
                 "waits in its backward hooks for the degraded replica's proxy; set "
                 "parallel.overlap_grad_reduce: false")
         self._cached_norm: Optional[float] = None
+        self.tied = tied_embedding_sync(groups.pipeline, rank, model.module)
+        """Tied word embeddings across pipeline stages: the two copies' gradients summed before the sync."""
         self.shadows: dict[int, _Shadow] = {}
         self.own: dict[int, list[_Piece]] = {}
         self.incoming: list[_Transfer] = []
@@ -546,6 +549,8 @@ class GradSync:
         """Megatron's ``finalize_model_grads`` for NTP: upstream's on a healthy rank, the shadow sync on a
         degraded one; then, with uneven blocks, replicated gradients from block 0's member."""
         phases.point("grad_sync")
+        if self.tied is not None:
+            self.tied.exchange()
         if num_tokens is not None and self.groups.pipeline is not None:
             # Counted by the last stage only; upstream broadcasts it along a pipeline group, which NTP stages of
             # different widths do not have: from the last stage's first rank over the replica instead.
@@ -635,13 +640,17 @@ class GradSync:
         n_split = len(self.split)
         table = torch.zeros(n_split * self.tp_base + len(self.replicated), dtype=torch.float64,
                             device=self._device)
+        # The last stage's copy of tied embeddings is counted once, in the first stage (upstream's
+        # param_is_not_shared): its cells stay zero.
+        counted = [(i, name) for i, (name, _) in enumerate(self.split)
+                   if not getattr(self._by_name[name], "shared", False)]
         if self.groups.healthy:
             [block] = self.members
-            for i, (name, _) in enumerate(self.split):
+            for i, name in counted:
                 table[i * self.tp_base + block] = self._by_name[name].main_grad.double().pow(2).sum()
         else:
             for block, shadow in self.shadows.items():
-                for i, (name, _) in enumerate(self.split):
+                for i, name in counted:
                     table[i * self.tp_base + block] = shadow.grads[name].double().pow(2).sum()
         if self.rank == self.block0_member:
             for j, (_, param) in enumerate(self.replicated):

@@ -275,7 +275,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
         first = topology.stage == 0
         pipe = ps_patch.PipelineGroups(
             lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
-            mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # untied embeddings only (config.py refuses tied)
+            mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.pipeline.TiedEmbeddingSync
             pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
                                               rank=rank, pipeline=pipe))

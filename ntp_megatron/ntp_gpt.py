@@ -137,7 +137,13 @@ class NTPGPTModel(GPTModel):
         if role is None:
             raise ValueError(f"NTPGPTModel.sharded_state_dict needs metadata[{ROLE_KEY!r}] (which replica writes); "
                              "see ntp_megatron.training.checkpoint")
-        return assign_replica_ids(super().sharded_state_dict(prefix, sharded_offsets, metadata), role)
+        out = assign_replica_ids(super().sharded_state_dict(prefix, sharded_offsets, metadata), role)
+        if self.share_embeddings_and_output_weights and self.post_process and not self.pre_process:
+            # The last pipeline stage's copy of tied embeddings (upstream keys it as the first stage's): never the
+            # one written, as upstream marks it (its first replica-id axis 1).
+            copy = out[f"{prefix}output_layer.weight"]
+            copy.replica_id = (1, *copy.replica_id[1:])
+        return out
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Per-token loss ``[b, s]`` from local logits ``[s, b, local vocab]``."""

@@ -72,3 +72,52 @@ def _peer(rank: Optional[int], direction: str) -> int:
     if rank is None:
         raise RuntimeError(f"the schedule asked for a {direction} receive at the end of the pipeline")
     return rank
+
+
+class TiedEmbeddingSync:
+    """Tied word embeddings across pipeline stages under NTP: the first stage's embedding and the last stage's output
+    layer are two copies of one weight, and each copy's gradient must be the sum of both uses.
+
+    Upstream all-reduces the two copies' whole shards over the embedding group, which needs equal vocabulary shards
+    at both ends; here the two ends of a replica may hold different units (different widths, dealt units). Every
+    vocabulary unit has exactly one holder in each end stage of a replica: the holders swap that unit's rows of the
+    unsynced gradient and each adds the other's (a + b on one side, b + a on the other: the same bits, addition
+    commutes), before the cross-replica sync, which then runs on equal copies. Messages go between the ranks that share units, one per
+    pair and direction, on the generation's default group."""
+
+    def __init__(self, topology: PipelineTopology, rank: int, weight: torch.nn.Parameter) -> None:
+        stage = topology.stage_of(rank)
+        other = topology.stages[-1] if stage.stage == 0 else topology.stages[0]
+        replica = stage.replica_of(rank).index
+        mine = list(weight.ntp_shard.units)  # local rows in this order
+        row = {unit: i for i, unit in enumerate(mine)}
+        self.weight = weight
+        self.peers: list[tuple[int, torch.Tensor]] = []
+        """(peer rank, local rows of the units both hold, ascending units): the same units in the same order at
+        both ends."""
+        for peer in other.replica(replica).ranks:
+            shared = sorted(set(mine) & set(other.units_of(peer, "vocab")))
+            if shared:
+                self.peers.append((peer, torch.tensor([row[u] for u in shared], dtype=torch.long)))
+
+    @torch.no_grad()
+    def exchange(self) -> None:
+        grad = self.weight.main_grad
+        outgoing = [grad.index_select(0, rows.to(grad.device)) for _, rows in self.peers]
+        incoming = [torch.empty_like(part) for part in outgoing]
+        ops = [dist.P2POp(dist.isend, part, peer) for (peer, _), part in zip(self.peers, outgoing)]
+        ops += [dist.P2POp(dist.irecv, part, peer) for (peer, _), part in zip(self.peers, incoming)]
+        for request in dist.batch_isend_irecv(ops) if ops else []:
+            request.wait()
+        for (_, rows), mine, theirs in zip(self.peers, outgoing, incoming):
+            grad.index_copy_(0, rows.to(grad.device), mine + theirs)
+
+
+def tied_embedding_sync(topology: Optional[PipelineTopology], rank: int, model: torch.nn.Module
+                        ) -> Optional[TiedEmbeddingSync]:
+    """The exchange for ``rank``'s copy of tied word embeddings (an NTP GPT model, unwrapped), or None: no stages,
+    untied embeddings, or a middle stage."""
+    if topology is None or not getattr(model, "share_embeddings_and_output_weights", False):
+        return None
+    weight = model.shared_embedding_or_output_weight()
+    return TiedEmbeddingSync(topology, rank, weight) if weight is not None else None
