@@ -139,7 +139,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
             at = event["resume_iteration"]
             for ax in (loss_ax, tp_ax):
                 ax.axvline(at, color="tab:green", linestyle="--", linewidth=1)
-            slots = ", ".join(f"replica {r} slot {s}" for r, s in event["joined"])
+            slots = ", ".join(f"replica {j[0]} slot {j[1]}" + "".join(f" stage {p}" for p in j[2:])
+                              for j in event["joined"])
             loss_ax.annotate(f"{slots} rejoined", (at, loss_ax.get_ylim()[1]), color="tab:green",
                              fontsize="small", ha="right", va="top")
     loss_ax.set_title("ntp-megatron run")

@@ -309,3 +309,23 @@ def transition_plan(old: "Topology | PipelineTopology", new: "Topology | Pipelin
     dead = set(dead_ranks)
     return [move for before, after in zip(old.stages, new.stages)
             for move in layout.transition_plan(before, after, [r for r in before.ranks if r in dead])]
+
+
+def restart_layout(tp_base: int, dp: int, live_slots: Iterable[tuple[int, ...]], min_tp: int = 1, pp: int = 1
+                   ) -> tuple[list[int], list[tuple[int, ...]]]:
+    """:func:`ntp_megatron.layout.restart_layout` with ``pp`` stages (``(replica, slot, stage)`` live slots): a
+    replica below ``min_tp`` in any stage is dropped from every stage; the dead slots are triples."""
+    if pp == 1:
+        return layout.restart_layout(tp_base, dp, [slot[:2] for slot in live_slots], min_tp)
+    by_stage: dict[int, list[tuple[int, int]]] = {p: [] for p in range(pp)}
+    for replica, slot, stage in live_slots:
+        by_stage[stage].append((replica, slot))
+    dropped: set[int] = set()
+    dead: list[tuple[int, int, int]] = []
+    for p in range(pp):
+        gone, missing = layout.restart_layout(tp_base, dp, by_stage[p], min_tp)
+        dropped.update(gone)
+        dead += [(replica, slot, p) for replica, slot in missing]
+    if len(dropped) == dp:
+        raise TopologyError(f"no replica keeps ntp.min_tp ({min_tp}) live slots in every stage")
+    return sorted(dropped), [d for d in dead if d[0] not in dropped]

@@ -150,17 +150,18 @@ class RestartSurvivorsPolicy(ControllerPolicy):
         (:func:`ntp_megatron.layout.restart_layout`), the global batch and data order unchanged. The restarted
         job has its own launch ranks (0..), store and controller; injected failures that fired stay fired. False
         if no layout or configuration is possible (the caller stops the job)."""
-        from ntp_megatron.layout import TopologyError, restart_layout
+        from ntp_megatron.layout import TopologyError
+        from ntp_megatron.stages import restart_layout
         from ntp_megatron.training import checkpoint
 
         host, c, p = self.host, self.controller, self.host.cfg.parallel
         live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]
         try:
             dropped, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
-                                                 host.cfg.ntp.min_tp)
+                                                 host.cfg.ntp.min_tp, p.pipeline_model_parallel_size)
             data = host.cfg.model_dump()
             data["ntp"]["dropped_replicas"] = dropped
-            data["ntp"]["dead_slots"] = [f"{r}:{s}" for r, s in dead_slots]
+            data["ntp"]["dead_slots"] = [f"{d[0]}:{d[1]}" + "".join(f"@{q}" for q in d[2:]) for d in dead_slots]
             if checkpoint.resolve_load_dir(Path(host.cfg.checkpoint.save)) is not None:  # the run's own: all of it
                 data["checkpoint"].update(load=host.cfg.checkpoint.save, finetune=False, no_load_optim=False,
                                           no_load_rng=False)
