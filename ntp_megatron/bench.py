@@ -100,9 +100,9 @@ class Case:
     ranks: int
 
 
-def _layout(tp: int, dp: int, ntp: bool, dead: Sequence[str] = ()) -> tuple[str, ...]:
+def _layout(tp: int, dp: int, ntp: bool, dead: Sequence[str] = (), pp: int = 1) -> tuple[str, ...]:
     args = ["--set", f"parallel.tensor_model_parallel_size={tp}", "--set", f"parallel.data_parallel_size={dp}",
-            "--set", f"ntp.enabled={'true' if ntp else 'false'}"]
+            "--set", f"ntp.enabled={'true' if ntp else 'false'}", "--set", f"parallel.pipeline_model_parallel_size={pp}"]
     if dead:
         args += ["--set", f"ntp.dead_slots=[{','.join(dead)}]"]
     return tuple(args)
@@ -115,6 +115,9 @@ CASES = [
     Case("ntp tp2x2", _layout(2, 2, True), 4),
     Case("ntp tp2+tp1", _layout(2, 2, True, ["1:1"]), 3),
     Case("ntp tp1 (of tp2)", _layout(2, 1, True, ["0:1"]), 1),
+    Case("megatron pp2 tp2x1", _layout(2, 1, False, pp=2), 4),
+    Case("ntp pp2 tp2x1", _layout(2, 1, True, pp=2), 4),
+    Case("ntp pp2, stage 1 tp1", _layout(2, 1, True, ["0:1@1"], pp=2), 3),
 ]
 
 # (label, case, baseline case, note)
@@ -123,6 +126,9 @@ RATIOS = [
     ("NTP on a uniform topology / plain Megatron, TP2 x DP2", "ntp tp2x2", "megatron tp2x2", "same ranks"),
     ("mixed TP2+TP1 / uniform TP2+TP2 (NTP)", "ntp tp2+tp1", "ntp tp2x2", "3 vs 4 ranks time-share cores"),
     ("one replica degraded TP2 -> TP1 / healthy TP2", "ntp tp1 (of tp2)", "ntp tp2x1", "1 vs 2 ranks"),
+    ("NTP on a uniform topology / plain Megatron, PP2 x TP2", "ntp pp2 tp2x1", "megatron pp2 tp2x1", "same ranks"),
+    ("one stage degraded TP2 -> TP1 / healthy, PP2 x TP2", "ntp pp2, stage 1 tp1", "ntp pp2 tp2x1",
+     "3 vs 4 ranks time-share cores"),
 ]
 
 
