@@ -81,8 +81,9 @@ def test_help_lists_megatron_flags_and_multi_node_options(capsys):
                              "training.train_iters (lr_decay_iters unset) = 5: shorten the warmup (--lr-warmup-iters 4)"),
     (["--inject-failure", "kill:rank=1,iter=60"], "ntp-launch: --inject-failure 'kill:rank=1,iter=60': iter 60 is "
                                                   "past training.train_iters (50)"),
-    (["--pipeline-model-parallel-size", "2"], "ntp-launch: tied embeddings are not supported with ntp.enabled and "
-                                              "parallel.pipeline_model_parallel_size 2 yet"),
+    (["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"],
+     "ntp-launch: parallel.use_distributed_optimizer is not supported with ntp.enabled and "
+     "parallel.pipeline_model_parallel_size 2 yet"),
     (["--pipeline-model-parallel-size", "3", "--set", "ntp.enabled=false"],
      "ntp-launch: parallel.pipeline_model_parallel_size (3) must divide model.num_layers (2): allowed 1, 2"),
 ], ids=["data", "cuda", "nccl", "load", "warmup", "failure-past-end", "pipeline-ntp", "pipeline-layers"])
