@@ -1,16 +1,28 @@
 """Plain Megatron-Core, without ntp-megatron: GPTModel (local spec), DistributedDataParallel,
 get_megatron_optimizer, OptimizerParamScheduler, MockGPTDataset and ``dist_checkpointing``, on CPU/gloo with
-one forked process per rank (TP × DP, DP1 unless ``--dp``). The other side of the NTP checkpoint tests:
+one forked process per rank (TP × DP × PP, DP1 and PP1 unless ``--dp``, ``--pp``). The other side of the NTP
+checkpoint tests:
 
-    python -m tests.plain_megatron train  --tp 2 --iters 6 --save-at 3 --ckpt DIR --out losses.json
-    python -m tests.plain_megatron logits --tp 1 --tp 2 --ckpt DIR [--ckpt DIR2] --out logits.pt
+    python -m tests.plain_megatron train  --tp 2 [--pp 2] --iters 6 --save-at 3 --ckpt DIR --out losses.json
+    python -m tests.plain_megatron train  --tp 1 --write-init init.pt --save-at 0 --ckpt DIR --out records.json
+    python -m tests.plain_megatron train  --tp 2 --pp 2 --dp 2 --init-state init.pt ... --full-records
+    python -m tests.plain_megatron logits --tp 1 --tp 2 [--pp 2] --ckpt DIR [--ckpt DIR2] --out logits.pt
 
 ``train`` trains from Megatron's own initialisation, saves ``{model, optimizer, scheduler, iteration}`` at
 ``--save-at`` into ``DIR/iter_<n>`` and writes every iteration's lm loss. ``logits`` loads a checkpoint
 (model and optimizer) at each TP degree and writes the full-vocabulary logits of :func:`fixed_batch`, as
 ``{(ckpt, tp): logits}``.
 
-``train --state FILE`` also writes the final parameters and Adam moments (TP1: every tensor whole), and ``--out``
+Whole states are one format: every tensor whole (TP shards joined as Megatron lays them out, :func:`tp_split`),
+keyed by its name in the PP1 model (global layer numbers; the last stage's copy of tied embeddings left out),
+flattened fp32. ``train --write-init FILE`` writes the model's initial parameters so, right after the build and
+before any step; ``train --init-state FILE`` starts from such parameters instead of Megatron's initialisation, at
+any TP and PP (:func:`load_whole_state`: loaded into the GPTModel before DDP and the optimizer are built, after its
+own tied-embedding copy), so that every layout trains from one initial model. Megatron's initialisation differs
+between layouts (its draws depend on the TP shard and, with PP, on the stage), so layouts are compared from one
+``--init-state``.
+
+``train --state FILE`` also writes the final parameters and Adam moments (a whole state), and ``--out``
 each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
 independent reference of the NTP equivalence property test (``tests/jobs/test_ntp_equivalence.py``), run in a
 process that never imports ntp-megatron (it asserts so). ``--spread FILE`` then trains the same model at TP1 × DP1
@@ -28,19 +40,25 @@ content metadata names, as Megatron-LM reads it) from its iteration to ``--iters
 writes the distributed optimizer in ``--sharding-type`` (Megatron-LM's default ``dp_reshardable``, or
 ``fully_reshardable``) and stores Megatron-LM's content metadata with it.
 
-``train --dp N`` runs TP × N ranks in Megatron's order (TP fastest: rank = dp_rank · TP + tp_rank), with
-``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
+``train --dp N --pp P`` runs TP × N × P ranks in Megatron's order (TP fastest, then DP, then the pipeline stage:
+rank = stage · TP · N + dp_rank · TP + tp_rank). ``--pp P`` splits the layers evenly into P stages (GPTModel's
+``pre_process`` / ``post_process`` from the stage) and runs Megatron's 1F1B schedule
+(``forward_backward_pipelining_without_interleaving`` with a ``P2PCommunicator`` on the pipeline group); every
+stage reads its DP rank's micro-batches, and the last stage's loss is broadcast along the pipeline
+(:func:`train_step`); checkpoints are Megatron's sharded ones (global layer numbers), so a PP2 checkpoint loads at
+any PP. The layout's other options: ``--dist-opt`` Megatron's distributed optimizer, ``--instances k`` its partial form
 (``num_distributed_optimizer_instances``: reduce-scatter inside each of k instances of N/k replicas, all-reduce
-across them, so every optimizer shard lives on k ranks), ``--overlap`` (``overlap_grad_reduce``) and
+across them, so every optimizer shard lives on k ranks; PP1 only), ``--overlap`` (``overlap_grad_reduce``) and
 ``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
 moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
 compared. ``--memory DIR`` writes every rank's state bytes by kind and step times (the benchmark's reference,
 ``ntp_megatron.bench``). With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
-all-gather.
+all-gather. With TP or PP, each stage's TP ranks at DP rank 0 join their shards and rank 0 gathers the stages'
+(:func:`gather_whole_state`).
 
-Groups: ``parallel_state.initialize_model_parallel`` builds the one-instance grid (its k > 1 path imports
+Groups: ``parallel_state.initialize_model_parallel(tp, pp)`` builds the one-instance grid (its k > 1 path imports
 einops); the partial groups of k > 1 are made here with ``new_group`` by Megatron's rule
 (``parallel_state.initialize_model_parallel``): instance i is the contiguous block [i·N/k, (i+1)·N/k) of each
 data-parallel group, the inter-instance group joins the ranks at one position of every instance, and the
@@ -63,7 +81,11 @@ Megatron-Core runs unmodified, and what it needs to run on a machine without CUD
 - Megatron-Core allocates DDP buffers, optimizer and schedule tensors with ``device=torch.cuda.current_device()``
   or ``device="cuda"``, moves tensors with ``.cuda()``, calls ``torch.cuda.synchronize()``, and its gradient
   clipping asserts ``grad.type() == "torch.cuda.FloatTensor"``: a torch function mode puts every such tensor on
-  the CPU and answers CUDA's type names for CPU tensors.
+  the CPU and answers CUDA's type names for CPU tensors. The same covers the pipeline: ``P2PCommunicator``'s
+  receive buffers (``device=torch.cuda.current_device()``), its ``torch.cuda.synchronize()`` after
+  ``batch_isend_irecv``, and the tied-embedding copy of ``LanguageModule.setup_embeddings_and_output_layer``
+  (``weight.data = weight.data.cuda()`` before its all-reduce over the embedding group: a Tensor method, which a
+  torch function mode sees too).
 - With more than one distributed-optimizer instance DDP makes a ``torch.cuda.Stream`` for the inter-instance
   all-reduce (even with overlap off), and its bucket groups enter ``torch.cuda.stream(...)`` and wait on
   ``torch.cuda.default_stream()``: CPU collectives are synchronous, so a null stream whose waits do nothing
@@ -90,6 +112,7 @@ import json
 import multiprocessing
 import os
 import queue
+import re
 import select
 import struct
 import sys
@@ -205,7 +228,7 @@ def run_without_cuda() -> None:
     gpt_dataset.GPTDataset.__init__ = uncached
 
 
-def transformer_config(tp: int, model: Model):
+def transformer_config(tp: int, model: Model, pp: int = 1):
     from megatron.core.activations import squared_relu
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.transformer import TransformerConfig
@@ -217,7 +240,8 @@ def transformer_config(tp: int, model: Model):
         ffn_hidden_size=model.ffn_hidden_size, hidden_dropout=0.0, attention_dropout=0.0,
         normalization=model.normalization, activation_func=activation,
         gated_linear_unit=model.activation == "swiglu", init_method_std=0.02, layernorm_epsilon=1e-5,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=True,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True,
+        perform_initialization=True,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, calculate_per_token_loss=True,
         bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -227,7 +251,7 @@ def transformer_config(tp: int, model: Model):
 
 @dataclass(frozen=True)
 class Layout:
-    """How the job is laid out and synced: TP × DP ranks, the distributed optimizer and its instances."""
+    """How the job is laid out and synced: TP × DP × PP ranks, the distributed optimizer and its instances."""
 
     tp: int = 1
     dp: int = 1
@@ -237,10 +261,16 @@ class Layout:
     bucket_size: Optional[int] = None
     micro_batch: int = MICRO
     model: Model = Model()
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp
+        return self.tp * self.dp * self.pp
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, DP rank, TP rank) of global rank ``rank`` in Megatron's order ("tp-cp-ep-dp-pp": TP
+        fastest, then DP, then the stage), i.e. rank = stage · TP · DP + dp_rank · TP + tp_rank."""
+        return rank // (self.tp * self.dp), rank // self.tp % self.dp, rank % self.tp
 
 
 def process_groups(layout: Layout):
@@ -252,6 +282,7 @@ def process_groups(layout: Layout):
     k = layout.instances
     if k == 1:
         return pg
+    assert layout.pp == 1, "the partial distributed-optimizer groups are made for one pipeline stage"
     rank, tp, per_instance = dist.get_rank(), layout.tp, layout.dp // k
     timeout = timedelta(seconds=120)
 
@@ -268,8 +299,11 @@ def process_groups(layout: Layout):
     return pg
 
 
-def build(layout: Layout, train_iters: int, pg):
-    """GPTModel in DDP, optimizer, scheduler, as Megatron-Core builds them."""
+def build(layout: Layout, train_iters: int, pg, init_state: Optional[dict] = None):
+    """GPTModel in DDP, optimizer, scheduler, as Megatron-Core builds them: this rank's pipeline stage of it
+    (``pre_process`` on the first stage, ``post_process`` on the last). ``init_state`` (whole tensors under PP1
+    names, :func:`load_whole_state`) replaces Megatron's initialisation before DDP and the optimizer are built,
+    so they start from it as from their own."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -278,11 +312,15 @@ def build(layout: Layout, train_iters: int, pg):
 
     m = layout.model
     torch.manual_seed(SEED)  # Megatron's CPU initialisation draws from the CPU generator
-    config = transformer_config(layout.tp, m)
+    config = transformer_config(layout.tp, m, layout.pp)
+    stage = pg.pp.rank()
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=m.normalization),
-                   vocab_size=m.vocab_size, max_sequence_length=m.seq_length, pre_process=True, post_process=True,
+                   vocab_size=m.vocab_size, max_sequence_length=m.seq_length, pre_process=stage == 0,
+                   post_process=stage == layout.pp - 1,
                    share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
                    position_embedding_type=m.position_embedding_type, pg_collection=pg)
+    if init_state is not None:  # after GPTModel's own first-to-last-stage copy of tied embeddings: both overwritten
+        load_whole_state(gpt, init_state, pg)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=layout.overlap, use_distributed_optimizer=layout.dist_opt,
         num_distributed_optimizer_instances=layout.instances, bucket_size=layout.bucket_size,
@@ -300,6 +338,125 @@ def build(layout: Layout, train_iters: int, pg):
         lr_decay_steps=train_iters * m.global_batch_size, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
         wd_incr_steps=train_iters * m.global_batch_size, wd_incr_style="constant")
     return model, optimizer, scheduler
+
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+OUTPUT_LAYER = "output_layer.weight"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def pp1_names(gpt, pg) -> dict[str, str]:
+    """The name each of this stage's parameters has in the PP1 model, by its name here: stage-local layer i is
+    global layer i + the stage's offset (Megatron's ``get_transformer_layer_offset``), and the last stage's copy
+    of tied embeddings (``output_layer.weight`` with ``pre_process`` off) is the word embeddings it copies."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(gpt.config, pp_rank=pg.pp.rank())
+    tied_copy = gpt.share_embeddings_and_output_weights and gpt.post_process and not gpt.pre_process
+    return {name: WORD_EMBEDDINGS if tied_copy and name == OUTPUT_LAYER else
+            _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
+            for name, _ in gpt.named_parameters()}
+
+
+def tp_split(name: str, param, config) -> Optional[tuple[int, bool]]:
+    """How Megatron lays out ``param``'s TP shards: None if every TP rank holds it whole, else (``partition_dim``,
+    gated). Shard r is chunk r of the whole on that dimension, except for ``linear_fc1`` under a gated linear unit
+    (swiglu): the whole is [gate; up] and each rank holds [its gate rows; its up rows], since its MLP splits its own
+    output in two halves. linear_qkv needs nothing special even under GQA: its rows are laid out query group by
+    query group ([q heads of group g, k_g, v_g] for each g), and each TP rank holds whole groups, a contiguous
+    chunk."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    gated = config.gated_linear_unit and name.rsplit(".", 2)[-2] == "linear_fc1"
+    return param.partition_dim, gated
+
+
+def tp_shards(whole: torch.Tensor, split: tuple[int, bool], tp: int) -> list[torch.Tensor]:
+    """The TP shards of a whole tensor, by :func:`tp_split`'s layout."""
+    dim, gated = split
+    if not gated:
+        return list(whole.chunk(tp, dim))
+    gate, up = whole.chunk(2, dim)
+    return [torch.cat(pair, dim) for pair in zip(gate.chunk(tp, dim), up.chunk(tp, dim))]
+
+
+def tp_whole(shards: list[torch.Tensor], split: tuple[int, bool]) -> torch.Tensor:
+    """The whole tensor of its TP shards (the inverse of :func:`tp_shards`)."""
+    dim, gated = split
+    if not gated:
+        return torch.cat(shards, dim)
+    halves = [shard.chunk(2, dim) for shard in shards]
+    return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim)
+
+
+def load_whole_state(gpt, state: dict, pg) -> None:
+    """Overwrite this rank's part of the model with ``state``: whole tensors under PP1 names, flattened (what
+    ``--write-init`` and ``--state`` write), at any TP and PP (:func:`pp1_names`, :func:`tp_shards`). A collective
+    over the world: every key must be some stage's (``output_layer.weight`` aside when the embeddings are tied:
+    the last stage loads the word embeddings into its copy)."""
+    tp, tp_rank = pg.tp.size(), pg.tp.rank()
+    names = pp1_names(gpt, pg)
+    with torch.no_grad():
+        for name, param in gpt.named_parameters():
+            key = names[name]
+            if key not in state:
+                raise KeyError(f"the initial state has no {key} (stage {pg.pp.rank()}'s {name})")
+            split = tp_split(name, param, gpt.config)
+            shape = list(param.shape)
+            if split is not None:
+                shape[split[0]] *= tp
+            if state[key].numel() != torch.Size(shape).numel():
+                raise ValueError(f"the initial state's {key} has {state[key].numel()} elements, not {shape}")
+            whole = state[key].reshape(shape)
+            param.copy_(whole if split is None else tp_shards(whole, split, tp)[tp_rank])
+    used: list = [None] * dist.get_world_size()
+    dist.all_gather_object(used, sorted(set(names.values())))
+    unused = set(state) - {key for keys in used for key in keys}
+    if gpt.share_embeddings_and_output_weights:
+        unused.discard(OUTPUT_LAYER)
+    if unused:
+        raise ValueError(f"the initial state has tensors no stage holds: {sorted(unused)[:5]}")
+
+
+def gather_whole_state(gpt, pg, layout: Layout, moments: Optional[dict] = None) -> Optional[dict]:
+    """Every parameter whole under its PP1 name, flattened fp32, on rank 0 (None elsewhere), with each one's Adam
+    moments (``name.exp_avg``, ``name.exp_avg_sq``) if ``moments`` (:func:`whole_moments`) is given. A collective
+    over the world: the TP ranks of each stage's DP rank 0 all-gather the shards, their TP rank 0 sends the stage's
+    tensors to rank 0 (``gather_object``), which puts them in PP1 order (stage by stage). The last stage's copy of
+    tied embeddings is left out, after checking that it equals the word embeddings."""
+    rank = dist.get_rank()
+    _, dp_rank, tp_rank = layout.place(rank)
+    names = pp1_names(gpt, pg)
+    mine: dict = {}
+    if dp_rank == 0:  # every rank of this TP group: the gathers are collectives of the group
+        for name, param in gpt.named_parameters():
+            tensors = {names[name]: param.detach()}
+            if moments is not None:
+                tensors.update({f"{names[name]}.{key}": moments[param][key].view(param.shape)
+                                for key in ("exp_avg", "exp_avg_sq")})
+            split = tp_split(name, param, gpt.config)
+            copy = gpt.share_embeddings_and_output_weights and name == OUTPUT_LAYER  # the tied copy: only compared
+            for key, local in tensors.items():
+                if split is not None and layout.tp > 1:
+                    shards = [torch.empty_like(local) for _ in range(layout.tp)]
+                    dist.all_gather(shards, local.contiguous(), group=pg.tp)
+                    local = tp_whole(shards, split)
+                mine[(copy, key)] = local.reshape(-1).float().clone()
+    parts: Optional[list] = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine if dp_rank == 0 and tp_rank == 0 else None, parts, dst=0)
+    if rank != 0:
+        return None
+    out, copies = {}, []
+    for part in parts:  # in rank order: stage by stage
+        for (copy, key), value in (part or {}).items():
+            if copy:
+                copies += [value] if key == WORD_EMBEDDINGS else []
+                continue
+            assert key not in out, f"two stages hold {key}"
+            out[key] = value
+    for value in copies:
+        assert torch.equal(value, out[WORD_EMBEDDINGS]), "the last stage's tied output layer left the word embeddings"
+    return out
 
 
 def dataset(train_iters: int, cache: Path, model: Model = Model()):
@@ -330,10 +487,18 @@ def sampler_microbatches(iteration: int, dp_rank: int, layout: Layout) -> list[r
 def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout, pg) -> dict[str, float]:
     """Iteration ``iteration`` (0-based) on global samples ``[iteration·G, (iteration+1)·G)``, this rank's part
     of them (:func:`sampler_microbatches`): the global lm loss, grad norm (before clipping, as Megatron reports
-    it) and the learning rate its step used."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    it) and the learning rate its step used.
 
-    parts = sampler_microbatches(iteration, dist.get_rank() // layout.tp, layout)
+    With PP, Megatron's 1F1B schedule (``forward_backward_pipelining_without_interleaving``, which takes explicit
+    groups only together with a ``P2PCommunicator``) runs every stage on the same micro-batches of its DP rank:
+    the first stage reads the tokens, the last the labels and loss mask. Only the last stage gets the
+    micro-batches' ``[loss sum, tokens]``; their sum over its DP group is broadcast along the pipeline, so that
+    every rank (rank 0 the one that writes them) returns the same records."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    stage, dp_rank, _ = layout.place(dist.get_rank())
+    parts = sampler_microbatches(iteration, dp_rank, layout)
 
     def batches():
         for samples in parts:
@@ -354,13 +519,17 @@ def train_step(model, optimizer, scheduler, data, iteration: int, layout: Layout
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    reported = get_forward_backward_func()(
+    pipeline = {"p2p_communicator": P2PCommunicator(pp_group=pg.pp, config=model.config)} if layout.pp > 1 else {}
+    reported = get_forward_backward_func(pp_size=layout.pp)(
         forward_step_func=forward_step, data_iterator=batches(), model=[model],
         num_microbatches=len(parts), seq_length=layout.model.seq_length, micro_batch_size=layout.micro_batch,
-        forward_only=False, pg_collection=pg)
-    total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-    if layout.dp > 1:  # the loss over the whole global batch, as Megatron-LM reports it
+        forward_only=False, pg_collection=pg, **pipeline)
+    last = stage == layout.pp - 1
+    total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0) if last else torch.zeros(2)
+    if layout.dp > 1 and last:  # the loss over the whole global batch, as Megatron-LM reports it
         dist.all_reduce(total, group=pg.dp_cp)
+    if layout.pp > 1:
+        dist.broadcast(total, src=dist.get_global_rank(pg.pp, layout.pp - 1), group=pg.pp)
     lr = optimizer.param_groups[0]["lr"]
     _, grad_norm, _ = optimizer.step()
     scheduler.step(increment=layout.model.global_batch_size)
@@ -441,7 +610,8 @@ def load_training_state(model, optimizer, scheduler, path: str, layout: Layout) 
         start_torch_adam(optimizer.chained_optimizers[0])
     state = dist_checkpointing.load(sharded_state(model, optimizer, True, metadata), path)
     model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # dp_reshardable's loader copies into fp32 main params, views of the model's leaves
+        optimizer.load_state_dict(state["optimizer"])
     if layout.dist_opt:
         restore_steps(optimizer.chained_optimizers[0])
     scheduler.load_state_dict(next(state[key] for key in ("scheduler", "opt_param_scheduler") if key in state))
@@ -459,16 +629,17 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def whole_moments(model, optimizer, dist_opt: bool) -> Optional[dict]:
-    """Every parameter's Adam moments, whole, on rank 0 (None elsewhere). With the distributed optimizer they
-    are gathered by Megatron's own ``get_parameter_state_dp_zero`` (a collective over the intra-instance
-    group: every rank calls it) and cut back into parameters by the buffer's ``param_index_map``; the world
-    tensors it returns hold each buffer's buckets back to back without their end padding."""
+    """Every parameter's Adam moments (its TP shard's: :func:`gather_whole_state` makes them whole), on every
+    rank, or with the distributed optimizer on DP rank 0 of each stage and TP rank (None elsewhere). Those are
+    gathered by Megatron's own ``get_parameter_state_dp_zero`` (a collective over the intra-instance group: every
+    rank calls it) and cut back into parameters by the buffer's ``param_index_map``; the world tensors it returns
+    hold each buffer's buckets back to back without their end padding."""
     if not dist_opt:
         state = optimizer.optimizer.state
         return {param: {key: state[param][key] for key in ("exp_avg", "exp_avg_sq")}
                 for param in model.module.parameters()}
     gathered = optimizer.get_parameter_state_dp_zero(use_gloo_comm=False)
-    if dist.get_rank() != 0:
+    if optimizer.data_parallel_group.rank() != 0:
         return None
     out = {}
     for index, buffer in enumerate(optimizer.buffers):
@@ -526,7 +697,13 @@ def run_train(rank: int, layout: Layout, args) -> None:
     from megatron.core import dist_checkpointing
 
     pg = process_groups(layout)
-    model, optimizer, scheduler = build(layout, args.iters, pg)
+    init_state = torch.load(args.init_state) if args.init_state else None
+    model, optimizer, scheduler = build(layout, args.iters, pg, init_state)
+    del init_state
+    if args.write_init:
+        initial = gather_whole_state(model.module, pg, layout)
+        if rank == 0:
+            torch.save(initial, args.write_init)
     data = dataset(args.iters, Path(args.out).parent / "plain_data_cache", layout.model)
     records, step_s = {}, []
     start = load_training_state(model, optimizer, scheduler, args.load, layout) if args.load else 0
@@ -551,16 +728,11 @@ def run_train(rank: int, layout: Layout, args) -> None:
         write_memory(Path(args.memory) / f"rank{rank}.json", model, optimizer, step_s)
     if args.shards:
         write_shard(Path(args.shards) / f"rank{rank}.pt", dist_opt, layout)
-    moments = whole_moments(model, dist_opt, layout.dist_opt) if args.state else None
+    if args.state:
+        full = gather_whole_state(model.module, pg, layout, whole_moments(model, dist_opt, layout.dist_opt))
     if rank != 0:
         return
     if args.state:
-        assert layout.tp == 1, "--state writes whole tensors: TP1 only"
-        full = {}
-        for name, param in model.module.named_parameters():
-            full[name] = param.detach().reshape(-1).clone()
-            for key in ("exp_avg", "exp_avg_sq"):
-                full[f"{name}.{key}"] = moments[param][key].reshape(-1).clone()
         torch.save(full, args.state)
     if args.state or args.full_records:
         Path(args.out).write_text(json.dumps(records))
@@ -568,20 +740,56 @@ def run_train(rank: int, layout: Layout, args) -> None:
         Path(args.out).write_text(json.dumps({i: r["lm_loss"] for i, r in records.items()}))
 
 
-def run_logits(rank: int, layout: Layout, args) -> torch.Tensor:
-    from megatron.core import dist_checkpointing, parallel_state
+def pipelined_logits(model, layout: Layout, pg) -> Optional[torch.Tensor]:
+    """The logits of :func:`fixed_batch` through the pipeline, one micro-batch in Megatron's forward-only 1F1B
+    schedule: on the last stage (its TP shard, [b, s, vocab / tp]), None elsewhere."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    model, optimizer, scheduler = build(layout, args.iters, process_groups(layout))
+    tokens, positions, mask = fixed_batch()
+
+    def forward_step(iterator, model):
+        next(iterator)
+        return model(tokens, positions, mask), None  # no loss function: the schedule keeps the last stage's output
+
+    with torch.no_grad():
+        out = get_forward_backward_func(pp_size=layout.pp)(
+            forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True, pg_collection=pg,
+            p2p_communicator=P2PCommunicator(pp_group=pg.pp, config=model.config))
+    return out[0] if pg.pp.rank() == layout.pp - 1 else None
+
+
+def run_logits(rank: int, layout: Layout, args) -> torch.Tensor:
+    """The full-vocabulary logits of :func:`fixed_batch` on rank 0 (with PP the last stage's TP rank 0 sends them
+    there), from the checkpoint ``args.load_dir``."""
+    from megatron.core import dist_checkpointing
+
+    pg = process_groups(layout)
+    model, optimizer, scheduler = build(layout, args.iters, pg)
     state = dist_checkpointing.load(sharded_state(model, optimizer, is_loading=True), args.load_dir)
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    with torch.no_grad():
-        logits = model.module(*fixed_batch())  # [b, s, vocab / tp]
-    # Megatron's gather_from_tensor_model_parallel_region allocates on CUDA; the same gather with gloo:
-    group = parallel_state.get_tensor_model_parallel_group()
-    parts = [torch.empty_like(logits) for _ in range(group.size())]
-    dist.all_gather(parts, logits.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    if layout.pp == 1:
+        with torch.no_grad():
+            logits = model.module(*fixed_batch())  # [b, s, vocab / tp]
+    else:
+        logits = pipelined_logits(model, layout, pg)
+    full = None
+    if logits is not None:
+        # Megatron's gather_from_tensor_model_parallel_region allocates on CUDA; the same gather with gloo:
+        parts = [torch.empty_like(logits) for _ in range(pg.tp.size())]
+        dist.all_gather(parts, logits.contiguous(), group=pg.tp)
+        full = torch.cat(parts, dim=-1)
+    if layout.pp > 1:
+        sender = (layout.pp - 1) * layout.tp * layout.dp  # the last stage's DP rank 0, TP rank 0
+        if rank == sender:
+            dist.send(full, dst=0)
+        elif rank == 0:
+            tokens = fixed_batch()[0]
+            full = torch.empty(*tokens.shape, layout.model.vocab_size)
+            dist.recv(full, src=sender)
+    return full
 
 
 PORT = struct.Struct("<q")
@@ -627,6 +835,7 @@ def run_rank(rank: int, layout: Layout, port: int, body) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=layout.world,
                                 timeout=timedelta(seconds=120))
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                                 pipeline_model_parallel_size=layout.pp,
                                                  create_gloo_process_groups=False)
         with CpuForCuda.make():
             body()
@@ -753,8 +962,15 @@ def main(argv=None) -> int:
     parser.add_argument("--save-at", type=int, default=3)
     parser.add_argument("--ckpt", action="append", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--state", default="", help="train, TP1: write the final parameters and Adam moments here")
-    parser.add_argument("--dp", type=int, default=1, help="train: data-parallel replicas (world = TP × DP)")
+    parser.add_argument("--state", default="",
+                        help="train: write the final parameters and Adam moments here (whole, PP1 names)")
+    parser.add_argument("--dp", type=int, default=1, help="train: data-parallel replicas (world = TP × DP × PP)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B; the layers split evenly)")
+    parser.add_argument("--write-init", default="",
+                        help="train: write the initial parameters here (whole, PP1 names, flattened fp32)")
+    parser.add_argument("--init-state", default="",
+                        help="train: start from these parameters (as --write-init or --state writes them) at any "
+                             "TP and PP, instead of Megatron's initialisation")
     parser.add_argument("--dist-opt", action="store_true", help="train: Megatron's distributed optimizer")
     parser.add_argument("--instances", type=int, default=1,
                         help="train: num_distributed_optimizer_instances (with --dist-opt)")
@@ -783,6 +999,12 @@ def main(argv=None) -> int:
         parser.error("--load: train at one TP degree")
     if args.shards and not args.dist_opt:
         parser.error("--shards needs --dist-opt")
+    if args.pp < 1 or args.num_layers % args.pp:
+        parser.error(f"--pp {args.pp} must divide --num-layers {args.num_layers}")
+    if args.pp > 1 and args.instances > 1:
+        parser.error("--instances > 1 with --pp > 1: the partial distributed-optimizer groups are made for PP1 only")
+    if (args.write_init or args.init_state) and args.mode != "train":
+        parser.error("--write-init and --init-state: train only")
     prepare()
     if args.mode == "train":
         args.ckpt = args.ckpt[0]
@@ -791,12 +1013,13 @@ def main(argv=None) -> int:
                 Path(directory).mkdir(parents=True, exist_ok=True)
         for tp in args.tp:
             launch(Layout(tp=tp, dp=args.dp, dist_opt=args.dist_opt, instances=args.instances, overlap=args.overlap,
-                          bucket_size=args.bucket_size, micro_batch=args.micro_batch, model=model), args)
+                          bucket_size=args.bucket_size, micro_batch=args.micro_batch, model=model, pp=args.pp), args)
         if args.spread:  # the same training in Megatron's simplest layout, for the spread between the two
             launch(Layout(micro_batch=args.micro_batch, model=model),
                    argparse.Namespace(**{**vars(args), "out": args.spread, "state": "", "shards": "", "memory": "",
-                                         "full_records": True, "load": "", "save_at": 0}))
-        if args.state or args.spread:  # the independent reference: nothing of ntp-megatron imported, let alone run
+                                         "full_records": True, "load": "", "save_at": 0, "write_init": ""}))
+        # the independent reference: nothing of ntp-megatron imported, let alone run
+        if args.state or args.spread or args.write_init or args.init_state:
             ours = sorted(name for name in sys.modules if name.split(".")[0] == "ntp_megatron")
             assert not ours, f"the plain Megatron-Core reference imported ntp-megatron modules: {ours[:5]}"
         return 0
@@ -804,7 +1027,7 @@ def main(argv=None) -> int:
     for ckpt in args.ckpt:
         args.load_dir = ckpt
         for tp in args.tp:
-            out[ckpt, tp] = torch.from_numpy(launch(Layout(tp=tp), args))
+            out[ckpt, tp] = torch.from_numpy(launch(Layout(tp=tp, pp=args.pp), args))
     torch.save(out, args.out)
     return 0
 

@@ -140,14 +140,16 @@ def test_plain_distributed_optimizer_with_instances_trains_what_dp1_trains(plain
 # patches/parallel_state.install): Megatron-Core's own DDP and distributed optimizer over this project's groups
 # against plain Megatron-Core over Megatron's. With one micro-batch per replica, Megatron-LM's sampler and this
 # project's shares give each replica the same samples, the buckets are the same (one, overlap off) and so are
-# the collectives (reduce-scatter in the instance, all-reduce across it), so lm loss and grad norm agree bit for
-# bit at TP1. (At smaller micro-batches a replica reads other samples than plain's DP rank of the same index: its
-# local sums then differ in the last bits, 6e-8 relative in grad norm measured at TP1 × DP4, micro-batch 1.)
-# At TP2 the lm loss is bitwise equal and the grad norm is not: it differs by up to 5.8e-8 relative (one
-# iteration of five), and by as much with one instance (8.7e-8, TP2 × DP2 with the distributed optimizer and
-# k = 1, measured), so that is a difference of this project's TP2 path from plain Megatron-Core's that predates
-# instances and shows in the norm only; it is held to GRAD_NORM_TP_TOL here.
-GRAD_NORM_TP_TOL = 1e-7
+# the collectives (reduce-scatter in the instance, all-reduce across it), so the lm loss and the learning rate
+# agree bit for bit. (At smaller micro-batches a replica reads other samples than plain's DP rank of the same
+# index: its local sums then differ in the last bits, 6e-8 relative in grad norm measured at TP1 × DP4,
+# micro-batch 1.) The grad norm is held to GRAD_NORM_TOL, not to the bit: at TP2 it differs by up to 5.8e-8
+# relative (one iteration of five), and by as much with one instance (8.7e-8, TP2 × DP2 with the distributed
+# optimizer and k = 1, measured), a difference of this project's TP2 path from plain Megatron-Core's that
+# predates instances. At TP1 it depends on the CPU's kernels: bitwise with torch's AVX2 kernels
+# (ATEN_CPU_CAPABILITY=avx2), and with its AVX-512 ones a few gradient shards differ by one fp32 ulp, so the norm
+# of iteration 3 is one ulp off (5.8e-8 relative, measured on a Xeon with AVX-512) while every loss stays equal.
+GRAD_NORM_TOL = 1e-7
 
 
 @pytest.mark.parametrize("tp, dp", [(1, 4), (2, 2)], ids=["tp1-dp4", "tp2-dp2"])
@@ -165,8 +167,8 @@ def test_ntp_off_partial_distributed_optimizer_is_plain_megatrons(plain_runs, tm
     assert sorted(got) == sorted(want.records) == list(range(1, ITERS + 1))
     for i, record in want.records.items():
         for key in ("lm_loss", "grad_norm", "lr"):
-            if key == "grad_norm" and tp > 1:
-                assert relative(got[i][key], record[key]) <= GRAD_NORM_TP_TOL, (i, got[i][key], record[key])
+            if key == "grad_norm":
+                assert relative(got[i][key], record[key]) <= GRAD_NORM_TOL, (i, got[i][key], record[key])
             else:
                 assert got[i][key] == record[key], f"iteration {i}: {key} {got[i][key]!r}, plain {record[key]!r}"
     assert any(r["grad_norm"] > 1.0 for r in want.records.values()), "clipping is part of what is compared"
