@@ -87,7 +87,8 @@ class Launcher:
         self.local_ranks = list(self.devices)
 
     def _stages(self) -> list[str]:
-        """With pipeline stages, where each runs: its launch ranks, as (replica, slot), and their nodes."""
+        """With pipeline stages, where each runs and who each launch rank is: per stage and replica, its launch
+        ranks and their slots (ascending together), its dead slots, and the nodes."""
         p = self.cfg.parallel
         if p.pipeline_model_parallel_size == 1:
             return []
@@ -96,10 +97,19 @@ class Launcher:
         for stage in range(p.pipeline_model_parallel_size):
             ranks = [r for r, (_, _, st) in enumerate(self.launch_slots) if st == stage]
             nodes = sorted({self.placement.device(*self.launch_slots[r]).node for r in ranks})
-            lines.append(f"stage {stage} (layers {stage * layers}..{(stage + 1) * layers - 1}): launch ranks "
-                         f"{_spans(ranks)} = replicas 0..{p.data_parallel_size - 1} x slots "
-                         f"0..{p.tensor_model_parallel_size - 1}, on node{'s' if len(nodes) > 1 else ''} "
-                         f"{_spans(nodes)}")
+            replicas = []
+            for replica in range(p.data_parallel_size):
+                mine = [r for r in ranks if self.launch_slots[r][0] == replica]
+                slots = [self.launch_slots[r][1] for r in mine]
+                dead = [s for s in range(p.tensor_model_parallel_size) if s not in slots]
+                if not mine:
+                    replicas.append(f"replica {replica} dropped")
+                    continue
+                dead_text = f" (dead slot{'s' if len(dead) > 1 else ''} {_spans(dead)})" if dead else ""
+                replicas.append(f"replica {replica} = launch rank{'s' if len(mine) > 1 else ''} {_spans(mine)} "
+                                f"in slot{'s' if len(mine) > 1 else ''} {_spans(slots)}{dead_text}")
+            lines.append(f"stage {stage} (layers {stage * layers}..{(stage + 1) * layers - 1}) on "
+                         f"node{'s' if len(nodes) > 1 else ''} {_spans(nodes)}: {'; '.join(replicas)}")
         return lines
 
     def _where(self) -> str:

@@ -668,15 +668,22 @@ def _build(generation: int, tp_base: int, units: Mapping[str, int], drafts: Iter
     return Topology(generation=generation, tp_base=tp_base, units=dict(units), replicas=tuple(replicas))
 
 
+def _slot_text(item: Any) -> str:
+    """A slot as the config writes it (``1:3``), anything else as itself."""
+    if isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, int) for x in item):
+        return f"{item[0]}:{item[1]}"
+    return repr(item)
+
+
 def _slot_pair(what: str, item: Any, tp_base: int) -> tuple[int, int]:
     try:
         replica, slot = item
     except (TypeError, ValueError):
         raise ValueError(f"{what} must be a (replica, slot) pair, got {item!r}") from None
-    _check_int(f"replica of {what} {item!r}", replica, 0)
-    _check_int(f"slot of {what} {item!r}", slot, 0)
+    _check_int(f"replica of {what} {_slot_text(item)}", replica, 0)
+    _check_int(f"slot of {what} {_slot_text(item)}", slot, 0)
     if slot >= tp_base:
-        raise ValueError(f"{what} {item!r}: slot {slot} out of range 0..{tp_base - 1}")
+        raise ValueError(f"{what} {_slot_text(item)}: slot {slot} out of range 0..{tp_base - 1}")
     return replica, slot
 
 
@@ -705,9 +712,9 @@ def make_topology(tp_base: int, dp: int, units: Mapping[str, int], dead_slots: I
     for item in dead_slots:
         replica, slot = _slot_pair("dead slot", item, tp_base)
         if replica >= dp:
-            raise ValueError(f"dead slot {item!r}: replica {replica} out of range 0..{dp - 1}")
+            raise ValueError(f"dead slot {_slot_text(item)}: replica {replica} out of range 0..{dp - 1}")
         if replica in gone:
-            raise ValueError(f"dead slot {item!r}: replica {replica} is dropped")
+            raise ValueError(f"dead slot {_slot_text(item)}: replica {replica} is dropped")
         dead[replica].add(slot)
     drafts = []
     for r in sorted(set(range(dp)) - gone):
@@ -736,16 +743,22 @@ def parse_stage_slots(items: Iterable[str | tuple[int, ...] | list[int]] | str |
         return []
     if isinstance(items, str):
         items = [part for part in items.split(",") if part.strip()]
-    out = []
+    out: list[tuple[int, int, int]] = []
+
+    def add(triple: tuple[int, int, int]) -> None:
+        if triple in out:
+            raise ValueError(f"ntp.dead_slots: slot {triple[0]}:{triple[1]}@{triple[2]} is listed twice")
+        out.append(triple)
+
     for item in items:
         if isinstance(item, str):
             match = _SLOT_RE.fullmatch(item)
             if match:
-                out.append((int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)))
+                add((int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)))
                 continue
         elif (isinstance(item, (tuple, list)) and len(item) in (2, 3)
               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in item)):
-            out.append((item[0], item[1], item[2] if len(item) == 3 else 0))
+            add((item[0], item[1], item[2] if len(item) == 3 else 0))
             continue
         raise ValueError(f"ntp.dead_slots: expected 'replica:slot' like '1:3', or 'replica:slot@stage' like '1:3@1', "
                          f"got {item!r}")

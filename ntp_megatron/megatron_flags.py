@@ -2,8 +2,8 @@
 
 A flag named after a config key (``--train-iters 20``) sets that key. Megatron's own spellings of what the
 project supports under another name (``--bf16``, ``--swiglu``, ``--distributed-timeout-minutes``) are translated
-here; what Megatron offers and the project does not support yet (pipeline parallelism, other tokenizers, ...) is
-refused by name, so a Megatron user learns why at once instead of reading "unknown argument".
+here; what Megatron offers and the project does not support yet (virtual or uneven pipeline stages, other
+tokenizers, ...) is refused by name, so a Megatron user learns why at once instead of reading "unknown argument".
 """
 
 from __future__ import annotations
@@ -95,6 +95,12 @@ UNSUPPORTED: dict[str, str] = {
                                          "num-layers / pipeline-model-parallel-size layers",
     "decoder-last-pipeline-num-layers": "uneven pipeline stages are not supported yet: every stage has "
                                         "num-layers / pipeline-model-parallel-size layers",
+    "pipeline-model-parallel-layout": "uneven pipeline stages are not supported yet: every stage has "
+                                      "num-layers / pipeline-model-parallel-size layers",
+    "account-for-embedding-in-pipeline-split": "uneven pipeline stages are not supported yet: every stage has "
+                                               "num-layers / pipeline-model-parallel-size layers",
+    "account-for-loss-in-pipeline-split": "uneven pipeline stages are not supported yet: every stage has "
+                                          "num-layers / pipeline-model-parallel-size layers",
     "num-experts": "mixture of experts is not supported yet",
     "fp8-format": "FP8 training is not supported yet",
     "train-samples": "sample-based training is not supported yet: use --train-iters",

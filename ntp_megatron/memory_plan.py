@@ -18,7 +18,9 @@ more.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of
-:class:`ntp_megatron.layers.UnitShard`).
+:class:`ntp_megatron.layers.UnitShard`). With pipeline stages a rank holds its stage's part of the model (its
+layers; the embeddings in the first stage, the final norm and the output layer in the last, which holds a copy
+of tied embeddings as its output layer), and a plan is the largest over the stages.
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ class ModelDims:
     gated_linear_unit: bool = False
     learned_position_embedding: bool = True
     untied_output: bool = False
+    pipeline_stages: int = 1
+    """The stages the layers are split into, evenly (``parallel.pipeline_model_parallel_size``)."""
 
     @classmethod
-    def of(cls, model) -> "ModelDims":
+    def of(cls, model, pipeline_stages: int = 1) -> "ModelDims":
         """From a :class:`ntp_megatron.config.ModelSection`, its defaults resolved as :mod:`training.model` does."""
         heads = model.num_attention_heads
         return cls(num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=heads,
@@ -71,7 +75,7 @@ class ModelDims:
                    max_position_embeddings=model.max_position_embeddings or model.seq_length,
                    normalization=model.normalization, gated_linear_unit=model.gated_linear_unit,
                    learned_position_embedding=model.position_embedding_type == "learned_absolute",
-                   untied_output=model.untie_embeddings_and_output_weights)
+                   untied_output=model.untie_embeddings_and_output_weights, pipeline_stages=pipeline_stages)
 
     @property
     def units(self) -> dict[str, int]:
@@ -79,9 +83,14 @@ class ModelDims:
         return {"heads": self.num_query_groups, "ffn": self.ffn_hidden_size, "vocab": self.vocab_size}
 
 
-def gpt_params(dims: ModelDims) -> list[ParamShape]:
-    """The GPT model's parameters in ``named_parameters()`` order (biases on, as Megatron's default
-    ``add_bias_linear``; LayerNorm has a bias, RMSNorm none)."""
+def gpt_params(dims: ModelDims, stage: int = 0) -> list[ParamShape]:
+    """Pipeline stage ``stage``'s parameters of the GPT model in ``named_parameters()`` order (biases on, as
+    Megatron's default ``add_bias_linear``; LayerNorm has a bias, RMSNorm none), layers named by their global
+    number. Without stages, the whole model."""
+    if not 0 <= stage < dims.pipeline_stages:
+        raise ValueError(f"stage {stage} out of range 0..{dims.pipeline_stages - 1}")
+    first, last = stage == 0, stage == dims.pipeline_stages - 1
+    per_stage = dims.num_layers // dims.pipeline_stages
     h = dims.hidden_size
     per_group = dims.num_attention_heads // dims.num_query_groups * dims.kv_channels  # query channels per group
     qkv_rows = per_group + 2 * dims.kv_channels  # a query group's rows: its queries, one key, one value
@@ -91,10 +100,12 @@ def gpt_params(dims: ModelDims) -> list[ParamShape]:
         out = [ParamShape(f"{prefix}.weight", None, h)]
         return out + [ParamShape(f"{prefix}.bias", None, h)] if dims.normalization == "LayerNorm" else out
 
-    params = [ParamShape("embedding.word_embeddings.weight", "vocab", h)]
-    if dims.learned_position_embedding:
-        params.append(ParamShape("embedding.position_embeddings.weight", None, dims.max_position_embeddings * h))
-    for layer in range(dims.num_layers):
+    params = []
+    if first:
+        params.append(ParamShape("embedding.word_embeddings.weight", "vocab", h))
+        if dims.learned_position_embedding:
+            params.append(ParamShape("embedding.position_embeddings.weight", None, dims.max_position_embeddings * h))
+    for layer in range(stage * per_stage, (stage + 1) * per_stage):
         p = f"decoder.layers.{layer}"
         params += norm(f"{p}.input_layernorm")
         params += [ParamShape(f"{p}.self_attention.linear_proj.weight", "heads", h * per_group),
@@ -106,9 +117,10 @@ def gpt_params(dims: ModelDims) -> list[ParamShape]:
                    ParamShape(f"{p}.mlp.linear_fc1.bias", "ffn", gate),
                    ParamShape(f"{p}.mlp.linear_fc2.weight", "ffn", h),
                    ParamShape(f"{p}.mlp.linear_fc2.bias", None, h)]
-    params += norm("decoder.final_layernorm")
-    if dims.untied_output:
-        params.append(ParamShape("output_layer.weight", "vocab", h))
+    if last:
+        params += norm("decoder.final_layernorm")
+        if dims.untied_output or not first:  # untied, or the last stage's copy of tied embeddings
+            params.append(ParamShape("output_layer.weight", "vocab", h))
     return params
 
 
@@ -170,19 +182,23 @@ def _sharded(params: Sequence[ParamShape], units: Mapping[str, int], training: T
     return layout.numel, max(shard_numel(layout, training.shard_over, j) for j in range(training.shard_over))
 
 
-def rank_state(dims: ModelDims, topology: Topology, rank: int, training: Training) -> StateBytes:
-    """The state ``rank`` of ``topology`` holds (:func:`state`)."""
+def rank_state(dims: ModelDims, topology, rank: int, training: Training) -> StateBytes:
+    """The state ``rank`` of ``topology`` (a :class:`~ntp_megatron.layout.Topology`, or with stages a
+    :class:`~ntp_megatron.stages.PipelineTopology`) holds (:func:`state`)."""
+    stage = 0
+    if hasattr(topology, "stage_of"):  # with stages: the rank's own stage, by its rules
+        stage, topology = topology.slot_of(rank)[2], topology.stage_of(rank)
     held = {family: len(topology.units_of(rank, family)) for family in dims.units}
     if topology.replica_of(rank).width == topology.tp_base:
-        return state(dims, held, None, training)
+        return state(dims, held, None, training, stage)
     blocks = [{family: len(topology.block(family, b)) for family in dims.units} for b in topology.member_blocks(rank)]
-    return state(dims, held, blocks, training)
+    return state(dims, held, blocks, training, stage)
 
 
 def state(dims: ModelDims, held: Mapping[str, int], member_blocks: Optional[Sequence[Mapping[str, int]]],
-          training: Training) -> StateBytes:
-    """The state of a rank that holds ``held[family]`` units, and is the sync-group member of blocks of
-    ``member_blocks`` sizes (None: a rank of a healthy replica).
+          training: Training, stage: int = 0) -> StateBytes:
+    """The state of a rank of pipeline stage ``stage`` that holds ``held[family]`` units, and is the sync-group
+    member of blocks of ``member_blocks`` sizes (None: a rank of a healthy replica).
 
     - A healthy rank: Megatron-Core's own, at slot ``s``. With the distributed optimizer the parameters sit in the
       DDP's padded flat buffer and the optimizer covers this rank's shard of every bucket.
@@ -192,7 +208,7 @@ def state(dims: ModelDims, held: Mapping[str, int], member_blocks: Optional[Sequ
       each shadow also holds the slot-shaped parameters, and the optimizer covers the rank's shard of each
       shadow's buckets.
     """
-    params = gpt_params(dims)
+    params = gpt_params(dims, stage)
     pb, gb, ob = training.param_bytes, 4, training.optimizer_bytes
     if member_blocks is None:
         if training.distributed_optimizer:
@@ -225,7 +241,15 @@ class Plan:
 
 
 def worst_state(dims: ModelDims, tp_base: int, width: int, training: Training) -> StateBytes:
-    """At least the state of any rank of a replica of ``width`` live slots, whatever died in what order.
+    """At least the state of any rank of a replica of ``width`` live slots, whatever died in what order, in the
+    stage that holds the most (:func:`stage_state`)."""
+    return max((stage_state(dims, tp_base, width, training, p) for p in range(dims.pipeline_stages)),
+               key=lambda s: s.total)
+
+
+def stage_state(dims: ModelDims, tp_base: int, width: int, training: Training, stage: int = 0) -> StateBytes:
+    """At least the state of any rank of a replica's stage ``stage`` at ``width`` live slots, whatever died in
+    what order.
 
     :mod:`ntp_megatron.layout` keeps a degraded replica's unit counts balanced per family (a rank holds at most
     ``ceil(N / width)`` units of a family of N) and deals proxy roles to the live slot with the fewest (a rank is
@@ -235,10 +259,10 @@ def worst_state(dims: ModelDims, tp_base: int, width: int, training: Training) -
     units = dims.units
     sizes = {f: balanced_counts(n, tp_base) for f, n in units.items()}  # block sizes, larger first
     if width == tp_base:
-        return state(dims, {f: counts[0] for f, counts in sizes.items()}, None, training)
+        return state(dims, {f: counts[0] for f, counts in sizes.items()}, None, training, stage)
     held = {f: -(-n // width) for f, n in units.items()}
     roles = 1 + -(-(tp_base - width) // width)
-    return state(dims, held, [{f: counts[b] for f, counts in sizes.items()} for b in range(roles)], training)
+    return state(dims, held, [{f: counts[b] for f, counts in sizes.items()} for b in range(roles)], training, stage)
 
 
 def plan(dims: ModelDims, tp_base: int, min_tp: int, training: Training) -> Plan:
@@ -265,9 +289,14 @@ def training_of(cfg) -> Training:
                                                 p.data_parallel_size))
 
 
+def dims_of(cfg) -> ModelDims:
+    """The :class:`ModelDims` of a :class:`ntp_megatron.config.JobConfig` (its model, split into its stages)."""
+    return ModelDims.of(cfg.model, cfg.parallel.pipeline_model_parallel_size)
+
+
 def plan_of(cfg, min_tp: Optional[int] = None) -> Plan:
     """:func:`plan` for a :class:`ntp_megatron.config.JobConfig` (down to its ``ntp.min_tp``, or ``min_tp``)."""
-    return plan(ModelDims.of(cfg.model), cfg.parallel.tensor_model_parallel_size,
+    return plan(dims_of(cfg), cfg.parallel.tensor_model_parallel_size,
                 cfg.ntp.min_tp if min_tp is None else min_tp, training_of(cfg))
 
 
@@ -283,12 +312,13 @@ def describe(plan_: Plan) -> str:
 
 def table(cfg) -> str:
     """Every width's bound, healthy down to ``ntp.min_tp``, by kind (``ntp-launch --print-memory-plan``)."""
-    dims, training, tp_base = ModelDims.of(cfg.model), training_of(cfg), cfg.parallel.tensor_model_parallel_size
+    dims, training, tp_base = dims_of(cfg), training_of(cfg), cfg.parallel.tensor_model_parallel_size
     rows = [(width, worst_state(dims, tp_base, width, training)) for width in range(tp_base, cfg.ntp.min_tp - 1, -1)]
     name, size = ("GiB", GIB) if rows[0][1].total >= GIB else ("MiB", 2**20)
     sharding = (f"distributed optimizer over {training.shard_over}" if training.distributed_optimizer
                 else "optimizer not sharded")
-    lines = [f"training state per rank: the most any rank holds at each TP degree of its replica, in {name} "
+    stages = f" (of any of its {dims.pipeline_stages} stages)" if dims.pipeline_stages > 1 else ""
+    lines = [f"training state per rank: the most any rank{stages} holds at each TP degree of its replica, in {name} "
              f"(activations, caches and communication buffers not counted); {training.precision}, "
              f"{training.optimizer}, {sharding}",
              f"{'TP':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'shadows':>10} {'total':>10}"]

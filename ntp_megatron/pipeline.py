@@ -21,6 +21,21 @@ from ntp_megatron.patches.parallel_state import PipelinePosition
 from ntp_megatron.stages import PipelineTopology
 
 
+def _check_upstream() -> None:
+    """The private method replaced below, as megatron-core 0.16's ``P2PCommunicator`` has it: a keyword-only
+    ``_communicate`` taking these arguments (and returning the received tensors and the pending requests)."""
+    import inspect
+
+    want = ["self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", "wait_on_reqs"]
+    got = list(inspect.signature(P2PCommunicator._communicate).parameters)
+    if got != want:
+        raise RuntimeError(f"NTPP2PCommunicator replaces P2PCommunicator._communicate({', '.join(want[1:])}), but "
+                           f"this megatron-core has _communicate({', '.join(got[1:])}): written for 0.16.x")
+
+
+_check_upstream()
+
+
 class NTPP2PCommunicator(P2PCommunicator):
     """Upstream's communicator for ``rank`` of ``topology``: its position for the schedule, explicit peers for the
     transfers."""
@@ -40,6 +55,9 @@ class NTPP2PCommunicator(P2PCommunicator):
 
     def _communicate(self, *, tensor_send_next: Optional[torch.Tensor], tensor_send_prev: Optional[torch.Tensor],
                      recv_prev: bool, recv_next: bool, tensor_shape, wait_on_reqs: bool = True):
+        """Upstream's contract, with every transfer waited for before returning (``wait_on_reqs=False`` asks for
+        pending requests back; the 1F1B schedule never does, and waiting is always correct: no requests are
+        returned)."""
         config = self.config
         if (recv_prev or recv_next) and (config.pipeline_dtype is None or tensor_shape is None):
             raise RuntimeError("receiving at a stage boundary needs config.pipeline_dtype and a tensor shape")

@@ -189,6 +189,14 @@ def tp_per_replica(topology: "Topology | PipelineTopology", num_replicas: int) -
     return [widths.get(r, 0) for r in range(num_replicas)]
 
 
+def replica_widths(topology: "Topology | PipelineTopology", replica: int) -> Optional[list[int]]:
+    """The TP width of each stage of replica ``replica`` (one entry without stages), None if it was dropped."""
+    if isinstance(topology, PipelineTopology):
+        return topology.widths(replica) if replica in topology.replica_indices else None
+    rep = next((r for r in topology.replicas if r.index == replica), None)
+    return None if rep is None else [rep.width]
+
+
 def live_widths(topology: "Topology | PipelineTopology") -> list:
     """The TP width of every live replica, in replica order (with stages, a list of widths per replica)."""
     if isinstance(topology, PipelineTopology):
@@ -217,8 +225,9 @@ def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, i
     dead: dict[int, list[tuple[int, int]]] = {p: [] for p in range(pp)}
     for item in dead_slots:
         replica, slot, stage = item
-        if not isinstance(stage, int) or not 0 <= stage < pp:
-            raise ValueError(f"dead slot {replica}:{slot}@{stage}: stage {stage} out of range 0..{pp - 1}")
+        for what, value, count in (("stage", stage, pp), ("replica", replica, dp), ("slot", slot, tp_base)):
+            if not isinstance(value, int) or not 0 <= value < count:
+                raise ValueError(f"dead slot {replica}:{slot}@{stage}: {what} {value} out of range 0..{count - 1}")
         dead[stage].append((replica, slot))
     dropped = list(dropped)
     stages, base = [], 0

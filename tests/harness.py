@@ -376,10 +376,16 @@ def _stage_topology(topology: dict, stage: int) -> dict:
 
 
 def _widths(topology: dict, dp: int) -> list:
-    """The iteration records' ``tp_per_replica`` of a published topology."""
-    from ntp_megatron.stages import load_topology, tp_per_replica
+    """The iteration records' ``tp_per_replica`` of a published topology, read from its JSON: every replica index
+    of the launch, its live slots (0 if it was dropped); with stages a list per replica, one entry per stage."""
+    def stage_widths(stage: dict) -> list[int]:
+        live = {rep["index"]: len(rep["slots"]) for rep in stage["replicas"]}
+        return [live.get(r, 0) for r in range(dp)]
 
-    return tp_per_replica(load_topology(topology), dp)
+    if "stages" not in topology:
+        return stage_widths(topology)
+    per_stage = [stage_widths(stage) for stage in topology["stages"]]
+    return [[widths[r] for widths in per_stage] for r in range(dp)]
 
 
 def _stage_width(width, stage: int) -> int:
@@ -522,7 +528,8 @@ def unit_elements(model: dict, stage: int = 0, stages: int = 1) -> tuple[dict[st
     the final norm; learned position embeddings (``max_position_embeddings`` or ``seq_length`` rows).
 
     With pipeline stages, of ``stage`` of ``stages``: its share of the layers; the word embeddings and the position
-    embeddings in the first stage, the output layer and the final norm in the last (untied only)."""
+    embeddings in the first stage, the final norm and the output layer in the last (untied, or tied its copy of the
+    word embeddings, which a re-formation moves as it moves the first stage's)."""
     h, layers = model["hidden_size"], model["num_layers"] // stages
     first, last = stage == 0, stage == stages - 1
     heads = model["num_attention_heads"]
@@ -536,8 +543,7 @@ def unit_elements(model: dict, stage: int = 0, stages: int = 1) -> tuple[dict[st
     per_unit = {
         "heads": layers * (qkv_rows * h + qkv_rows + h * per_group * head_dim),
         "ffn": layers * (gate * h + gate + h),
-        "vocab": h * (first + (last and model["untie_embeddings_and_output_weights"])) if stages > 1 else
-        h * (2 if model["untie_embeddings_and_output_weights"] else 1),
+        "vocab": h * (first + last) if stages > 1 else h * (2 if model["untie_embeddings_and_output_weights"] else 1),
     }
     replicated = layers * (2 * norm + 2 * h) + norm * last + (
         positions * h if model["position_embedding_type"] == "learned_absolute" and first else 0)

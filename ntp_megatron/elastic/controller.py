@@ -32,8 +32,8 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.layout import Topology, TopologyError
-from ntp_megatron.stages import PipelineTopology, join_topology, live_widths, next_topology, transition_plan, \
-    with_generation
+from ntp_megatron.stages import PipelineTopology, join_topology, live_widths, next_topology, replica_widths, \
+    transition_plan, with_generation
 from ntp_megatron.shard_layout import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
@@ -82,6 +82,8 @@ class Controller:
         self.dead: set[int] = set()
         self.failures = 0
         self.unfit: set[int] = set()
+        self._not_admitted: Optional[tuple[list[int], str]] = None
+        """The last admission refused (launch ranks, why): said once, not at every poll."""
         """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
         whole (every slot admitted at once: the launch layout, which fitted)."""
         self.settled: Optional[dict] = None
@@ -231,14 +233,14 @@ class Controller:
         decided = []
         for death, report in errors:
             replica, slot = self.identity[death.launch_rank][:2]
-            rep = next((r for r in self.latest.replicas if r.index == replica), None)
-            degraded = rep is not None and rep.width < self.latest.tp_base
-            decided.append((death, report, replica, slot, rep, degraded))
+            widths = replica_widths(self.latest, replica) or []  # with stages, degraded in any of them
+            degraded = bool(widths) and min(widths) < self.latest.tp_base
+            decided.append((death, report, replica, slot, widths, degraded))
         # Never under the distributed optimizer: with one instance the dropped ranks' shards are lost, with more the
         # instances' positions would renumber (_check_shards).
         drop = self.policy == "drop_replica" and all(d[-1] for d in decided) and self.sharded is None
         retired: set[int] = set()
-        for death, report, replica, slot, rep, degraded in decided:
+        for death, report, replica, slot, widths, degraded in decided:
             others = [lr for lr, s in self.identity.items() if s[0] == replica and lr not in dying
                       and lr not in self.dead and self.latest.rank_of(*s) is not None] if drop else []
             retired.update(others)
@@ -248,9 +250,11 @@ class Controller:
                        "retired": others, "time": time.time()})
             if drop:
                 self.unfit.add(replica)
-                self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}) ran out of memory at "
-                         f"iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
-                         f"(TP{rep.width}): dropping replica {replica} (ntp.on_unrecoverable: drop_replica)")
+                where = "".join(f", stage {p}" for p in self._stage(death.launch_rank).values())
+                self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}{where}) ran out of memory "
+                         f"at iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
+                         f"({'/'.join(f'TP{w}' for w in widths)}): dropping replica {replica} "
+                         "(ntp.on_unrecoverable: drop_replica)")
         return sorted(retired) if drop else None
 
     def _refresh_completed(self) -> None:
@@ -287,7 +291,9 @@ class Controller:
         try:
             new = join_topology(old, slots, min_tp=self.min_tp)
         except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet
-            self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
+            if self._not_admitted != (launch_ranks, str(exc)):
+                self._not_admitted = (launch_ranks, str(exc))
+                self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
             return False
         new = with_generation(new, old.generation + 1)
         info = {"base": old.generation, "dead": [], "joined": [list(s) for s in slots], "settled": None,

@@ -374,7 +374,7 @@ class Reformer:
         settled = info.get("settled") or {}
         redone = 1 if settled.get("decision") == "abort" and settled.get("started") else 0
         recovery_s = time.time() - info["failure_time"]
-        widths = tp_per_replica(topology, self.cfg.parallel.data_parallel_size)
+        widths = stages.tp_per_replica(topology, self.cfg.parallel.data_parallel_size)
         resume = training.iteration + 1
         event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
@@ -427,8 +427,6 @@ def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, h
     held["largest_message_bytes"] = message
     return received
 
-
-tp_per_replica = stages.tp_per_replica
 
 
 @dataclass

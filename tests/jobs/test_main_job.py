@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from tests.harness import REPO, run_job
+from tests.harness import REPO, assert_ok, run_job
 from tests.jobs.test_live_failure import assert_same_run, widths_by_iteration
 
 ITERS = 60
@@ -32,3 +32,21 @@ def test_the_main_job_rejoins_with_a_warm_spare(tmp_path, jobs):
     assert all(e["moved_bytes"] == e["lower_bound_bytes"] > 0 for e in reformed)
     widths = widths_by_iteration(result)
     assert widths[14] == [2, 2] and widths[15] == [2, 1] and widths[ITERS] == [2, 2]
+
+
+def test_the_main_job_on_two_pipeline_stages(tmp_path):
+    """``--pipeline-model-parallel-size 2`` on the main job's flags (8 ranks, one layer per stage), shortened: the
+    launcher says where each stage runs; launch rank 3 (stage 0, replica 1, slot 1) is killed in iteration 15,
+    replica 1's stage 0 trains at TP1 while its stage 1 stays at TP2, and the warm spare brings it back."""
+    iters = 22
+    flags = ["--config", str(REPO / "configs" / "main_job.yaml"), "--train-iters", str(iters),
+             "--pipeline-model-parallel-size", "2", "--set", "logging.tensorboard_dir="]
+    result = run_job(tmp_path / "run", flags)
+    assert_ok(result)
+    assert "stage 0 (layers 0..0) on node 0: replica 0 = launch ranks 0..1 in slots 0..1; replica 1 = launch ranks " \
+           "2..3 in slots 0..1" in result.stderr
+    [failed] = result.events("rank_failed")
+    assert (failed["launch_rank"], failed["stage"], failed["replica"], failed["slot"]) == (3, 0, 1, 1)
+    widths = widths_by_iteration(result)
+    assert widths[14] == [[2, 2], [2, 2]] and widths[15] == [[2, 2], [1, 2]] and widths[iters] == [[2, 2], [2, 2]]
+    assert result.events("reformed")[-1]["joined"] == [[1, 1, 0]]

@@ -7,7 +7,8 @@ the re-formation moved exactly what the stage's survivors lacked (``run_job`` ch
 Launch ranks in Megatron's order (TP fastest, then replica, then stage): stage 0 is launch ranks 0..3 (replica 0:
 0, 1; replica 1: 2, 3), stage 1 is 4..7 (replica 0: 4, 5; replica 1: 6, 7). Each case kills two ranks, so the four
 cases cover the first and the last stage in forward, backward, grad_sync and optimizer, and two of them degrade
-both stages of one replica at once; one more kills a rank and lets a replacement rejoin its stage.
+both stages of one replica at once; two of them have tied embeddings (a failure in the last stage moves its copy
+of them), the others untied; one more kills a rank and lets a replacement rejoin its stage.
 """
 
 from __future__ import annotations
@@ -20,30 +21,37 @@ from tests.jobs.test_live_failure import assert_same_run, launcher_lines, ntp_ar
 pytestmark = pytest.mark.job
 
 ITERS = 6
-PIPELINE = ("--set", "parallel.pipeline_model_parallel_size=2", "--set", "model.num_layers=4",
-            "--set", "model.untie_embeddings_and_output_weights=true")
+PIPELINE = ("--set", "parallel.pipeline_model_parallel_size=2", "--set", "model.num_layers=4")
 STAGE_OF = {rank: rank // 4 for rank in range(8)}
 REPLICA_OF = {rank: rank % 4 // 2 for rank in range(8)}
 
 
-def pipeline_args(extra: tuple[str, ...] = ()) -> list[str]:
-    return ntp_args(2, 2, iters=ITERS, extra=(*PIPELINE, *extra))
+def pipeline_args(extra: tuple[str, ...] = (), tied: bool = False) -> list[str]:
+    untie = ("--set", f"model.untie_embeddings_and_output_weights={str(not tied).lower()}")
+    return ntp_args(2, 2, iters=ITERS, extra=(*PIPELINE, *untie, *extra))
 
 
 @pytest.fixture(scope="module")
-def reference_pp2(jobs):
-    return jobs.run("pp-live-ref", pipeline_args())
+def references(jobs):
+    """The failure-free runs, untied and tied."""
+    return {tied: jobs.run(f"pp-live-ref-{'tied' if tied else 'untied'}", pipeline_args(tied=tied))
+            for tied in (False, True)}
 
 
-@pytest.mark.parametrize("kills", [
-    ("kill:rank=0,iter=2,phase=forward", "kill:rank=6,iter=4,phase=backward"),    # stage 0, then stage 1
-    ("kill:rank=7,iter=2,phase=forward", "kill:rank=3,iter=4,phase=backward"),    # both stages of replica 1
-    ("kill:rank=1,iter=2,phase=grad_sync", "kill:rank=4,iter=4,phase=optimizer"),  # both stages of replica 0
-    ("kill:rank=5,iter=2,phase=grad_sync", "kill:rank=2,iter=4,phase=optimizer"),
-], ids=["fwd0-bwd1", "fwd1-bwd0", "sync0-opt1", "sync1-opt0"])
-def test_a_failure_in_a_stage_re_forms_that_stage_only(tmp_path, reference_pp2, kills):
-    result = run_job(tmp_path / "run", pipeline_args(tuple(a for k in kills for a in ("--inject-failure", k))))
-    assert_same_run(result, reference_pp2, ITERS)
+@pytest.fixture(scope="module")
+def reference_pp2(references):
+    return references[False]
+
+
+@pytest.mark.parametrize("kills, tied", [
+    (("kill:rank=0,iter=2,phase=forward", "kill:rank=6,iter=4,phase=backward"), False),    # stage 0, then 1
+    (("kill:rank=7,iter=2,phase=forward", "kill:rank=3,iter=4,phase=backward"), True),     # both of replica 1
+    (("kill:rank=1,iter=2,phase=grad_sync", "kill:rank=4,iter=4,phase=optimizer"), True),  # both of replica 0
+    (("kill:rank=5,iter=2,phase=grad_sync", "kill:rank=2,iter=4,phase=optimizer"), False),
+], ids=["fwd0-bwd1", "fwd1-bwd0-tied", "sync0-opt1-tied", "sync1-opt0"])
+def test_a_failure_in_a_stage_re_forms_that_stage_only(tmp_path, references, kills, tied):
+    result = run_job(tmp_path / "run", pipeline_args(tuple(a for k in kills for a in ("--inject-failure", k)), tied))
+    assert_same_run(result, references[tied], ITERS)
     assert_replicas_agree(result, ITERS)
     dead = [int(k.split("rank=")[1].split(",")[0]) for k in kills]
     failed = [e for e in result.records if e.get("event") == "rank_failed"]

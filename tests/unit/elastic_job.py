@@ -13,6 +13,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import CommitProtocol
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.layout import Topology, make_topology
+from ntp_megatron.stages import PipelineTopology, load_topology, make_pipeline_topology
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
 WAIT_S = 10.0
@@ -42,18 +43,19 @@ class Job:
     """Generation 0 of a ``tp`` x ``dp`` job on ``store`` (the controller's store may be a proxy of it)."""
 
     def __init__(self, store, tp: int, dp: int, start: int = 0, policy: str = "drop_replica", min_tp: int = 1,
-                 controller_store=None, sharded=None) -> None:
+                 controller_store=None, sharded=None, pp: int = 1) -> None:
         self.store = store
         self.said: list[str] = []
         self.events: list[dict] = []
         self.controller = Controller(controller_store if controller_store is not None else store,
-                                     make_topology(tp, dp, UNITS), min_tp, policy, self.said.append,
+                                     make_topology(tp, dp, UNITS) if pp == 1 else
+                                     make_pipeline_topology(tp, dp, pp, UNITS), min_tp, policy, self.said.append,
                                      self.events.append, start_iteration=start, sharded=sharded)
-        self.alive = set(range(tp * dp))
+        self.alive = set(range(tp * dp * pp))
 
     # -- what the store says -------------------------------------------------------------------------------------
-    def topology(self, generation: int) -> Topology:
-        return Topology.from_json(json.loads(self.store.get(keys.topology(generation))))
+    def topology(self, generation: int) -> "Topology | PipelineTopology":
+        return load_topology(json.loads(self.store.get(keys.topology(generation))))
 
     def info(self, generation: int) -> dict:
         return json.loads(self.store.get(keys.info(generation)))

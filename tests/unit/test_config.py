@@ -86,7 +86,7 @@ def test_errors_name_the_key_and_what_is_allowed(override, expected):
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["ntp.dead_slots=[2:0]"], "ntp topology: dead slot (2, 0): replica 2 out of range 0..1"),
+        (["ntp.dead_slots=[2:0]"], "ntp topology: dead slot 2:0: replica 2 out of range 0..1"),
         (["ntp.dead_slots=[x]"], "ntp.dead_slots: expected 'replica:slot' like '1:3', or 'replica:slot@stage' like "
                                  "'1:3@1', got 'x'"),
         (["ntp.dead_slots=[0:0,0:1]"], "ntp topology: replica 0 has no live slot"),
@@ -105,6 +105,45 @@ def test_ntp_config_errors(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_job_config(overrides=["ntp.enabled=true", *overrides])
     assert str(err.value).startswith(expected), str(err.value)
+
+
+PP2 = ["parallel.pipeline_model_parallel_size=2", "model.init=layout_free"]
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.num_layers=3"], "parallel.pipeline_model_parallel_size (2) must divide model.num_layers (3): "
+                                 "allowed 1, 3"),
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel is not supported with "
+                                              "parallel.pipeline_model_parallel_size (2) above 1 yet"),
+        (["parallel.use_distributed_optimizer=true"], "parallel.use_distributed_optimizer is not supported with "
+                                                      "ntp.enabled and parallel.pipeline_model_parallel_size 2 yet"),
+        (["parallel.overlap_grad_reduce=true"], "parallel.overlap_grad_reduce is not supported with ntp.enabled and "
+                                                "parallel.pipeline_model_parallel_size 2 yet"),
+        (["ntp.degraded_batch=proportional"], "ntp.degraded_batch 'proportional' is not supported with ntp.enabled "
+                                              "and parallel.pipeline_model_parallel_size 2"),
+        (["model.init=megatron"], "model.init 'megatron' is not supported with ntp.enabled and "
+                                  "parallel.pipeline_model_parallel_size 2: use layout_free"),
+        (["ntp.dead_slots=[1:0@2]"], "ntp topology: dead slot 1:0@2: stage 2 out of range 0..1"),
+        (["ntp.dead_slots=[1:5@1]"], "ntp topology: dead slot 1:5@1: slot 5 out of range 0..1"),
+        (["ntp.dead_slots=[2:0@1]"], "ntp topology: dead slot 2:0@1: replica 2 out of range 0..1"),
+        (["ntp.dead_slots=[1:0,1:0@0]"], "ntp.dead_slots: slot 1:0@0 is listed twice"),
+    ],
+)
+def test_pipeline_config_errors(overrides, expected):
+    """With NTP, pipeline stages refuse what they do not support yet, each by name, and dead slots name their
+    stage as the user wrote them."""
+    with pytest.raises(ConfigError) as err:
+        load_job_config(overrides=["ntp.enabled=true", *PP2, *overrides])
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(expected), message
+
+
+def test_sequence_parallel_with_stages_is_refused_without_ntp_too():
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel is not supported with "
+                                          "parallel.pipeline_model_parallel_size"):
+        load_job_config(overrides=["ntp.enabled=false", *PP2, "parallel.sequence_parallel=true"])
 
 
 def test_degraded_start_sizes_the_world():

@@ -335,6 +335,24 @@ def test_out_of_memory_in_a_degraded_replica_stops_the_job_under_another_policy(
     assert _oom_event(job)["policy"] == "stop" and job.latest() == 1
 
 
+def test_out_of_memory_in_a_degraded_stage_drops_its_replica_from_every_stage():
+    """PP2 x TP2 x 2 (ranks stage by stage: 4..7 are stage 1): launch rank 6 (replica 1, slot 0, stage 1) died,
+    replica 1's stage 1 re-forms at TP1 and its survivor, launch rank 7, runs out of memory doing it. Replica 1 is
+    degraded (in one stage): it is dropped from both stages, and its stage 0 ranks (launch ranks 2 and 3) retire
+    with it; replica 0 trains on."""
+    job = Job(hash_store(), 2, 2, pp=2)
+    job.form(0)
+    job.commit(0, 1)
+    assert job.die(6) is None
+    assert job.topology(1).widths(1) == [2, 1]
+    _run_out_of_memory(job, 7)
+    assert job.die(7) is None
+    assert job.topology(2).replica_indices == [0] and job.topology(2).widths(0) == [2, 2]
+    event = _oom_event(job)
+    assert (event["launch_rank"], event["replica"], event["policy"], event["degraded"], event["retired"]) == \
+        (7, 1, "drop_replica", True, [2, 3])
+
+
 def test_out_of_memory_in_a_healthy_replica_stops_the_job():
     """A healthy replica runs the launch's own layout: running out of memory there is no layout to drop."""
     job = _job(2, 2)

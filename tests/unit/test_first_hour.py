@@ -43,6 +43,10 @@ def test_megatron_spellings_are_accepted(flags, expected):
 @pytest.mark.parametrize("flags, expected", [
     (["--virtual-pipeline-model-parallel-size", "2"], "--virtual-pipeline-model-parallel-size: virtual pipeline "
                                                       "stages (the interleaved schedule) are not supported yet"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout: uneven pipeline stages are "
+                                                     "not supported yet"),
+    (["--account-for-loss-in-pipeline-split"], "--account-for-loss-in-pipeline-split: uneven pipeline stages are "
+                                               "not supported yet"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type: tokenizer 'GPT2BPETokenizer' is not supported"),
     (["--num-experts", "8"], "--num-experts: mixture of experts is not supported yet"),
     (["--train-samples", "1000"], "--train-samples: sample-based training is not supported yet: use --train-iters"),

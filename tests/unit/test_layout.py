@@ -549,8 +549,8 @@ def test_join_of_a_dropped_replica_and_min_tp():
     [
         ([(0, 1)], ValueError, "joined slot (0, 1) is already live in generation 1"),
         ([(1, 3), (1, 3)], ValueError, "joined slot (1, 3) is listed twice"),
-        ([(1, 4)], ValueError, "joined slot (1, 4): slot 4 out of range 0..3"),
-        ([(1, -1)], ValueError, "slot of joined slot (1, -1) must be >= 0, got -1"),
+        ([(1, 4)], ValueError, "joined slot 1:4: slot 4 out of range 0..3"),
+        ([(1, -1)], ValueError, "slot of joined slot 1:-1 must be >= 0, got -1"),
         ([(1.0, 3)], ValueError, "replica of joined slot (1.0, 3) must be an int, got 1.0"),
         (["1:3"], ValueError, "joined slot must be a (replica, slot) pair, got '1:3'"),
     ],
@@ -648,7 +648,7 @@ def test_restart_layout_examples():
     assert [rep.index for rep in start.replicas] == [1] and start.world_size == 3
     with pytest.raises(ValueError, match="every replica"):
         make_topology(2, 2, {"heads": 8, "ffn": 32}, dropped=[0, 1])
-    with pytest.raises(ValueError, match=r"dead slot \(0, 1\): replica 0 is dropped"):
+    with pytest.raises(ValueError, match=r"dead slot 0:1: replica 0 is dropped"):
         make_topology(2, 2, {"heads": 8, "ffn": 32}, dead_slots=[(0, 1)], dropped=[0])
 
 
@@ -659,9 +659,9 @@ def test_restart_layout_examples():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(dead_slots=[(2, 0)]), "dead slot (2, 0): replica 2 out of range 0..1"),
-        (dict(dead_slots=[(0, 4)]), "dead slot (0, 4): slot 4 out of range 0..3"),
-        (dict(dead_slots=[(0, -1)]), "slot of dead slot (0, -1) must be >= 0, got -1"),
+        (dict(dead_slots=[(2, 0)]), "dead slot 2:0: replica 2 out of range 0..1"),
+        (dict(dead_slots=[(0, 4)]), "dead slot 0:4: slot 4 out of range 0..3"),
+        (dict(dead_slots=[(0, -1)]), "slot of dead slot 0:-1 must be >= 0, got -1"),
         (dict(dead_slots=[(1, s) for s in range(4)]), "replica 1 has no live slot"),
         (dict(dead_slots=[(1, 0), (1, 1)], min_tp=3), "replica 1 starts with 2 live slots, below ntp.min_tp (3)"),
         (dict(units={"heads": 8, "ffn": 3}), "family 'ffn' has 3 units, fewer than tp_base (4)"),

@@ -12,7 +12,7 @@ import torch
 
 from ntp_megatron.layout import make_topology, next_topology
 from ntp_megatron.memory_plan import (ModelDims, Training, gpt_params, param_specs, plan, rank_state,
-                                      worst_state)
+                                      stage_state, worst_state)
 
 DIMS = [
     ModelDims(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, kv_channels=8,
@@ -51,6 +51,44 @@ def test_dims_of_the_config_resolve_its_defaults():
     dims = ModelDims.of(cfg.model)
     assert (dims.num_query_groups, dims.kv_channels, dims.ffn_hidden_size) == (8, 8, 256)
     assert dims.units == cfg.unit_counts()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_stages_split_the_model_and_the_plan_takes_the_largest_stage(tied):
+    """PP2 and PP4 of a four-layer model: the stages hold the whole model's parameters once each, in order (the
+    embeddings in the first stage, the final norm and output layer in the last), bar the last stage's copy of
+    tied embeddings; a stage holds less than the whole model, and the plan is its largest stage's."""
+    import dataclasses
+
+    whole = dataclasses.replace(DIMS[0], num_layers=4, untied_output=not tied)
+    want = [(p.name, p.family, p.numel) for p in gpt_params(whole)]
+    for pp in (2, 4):
+        dims = dataclasses.replace(whole, pipeline_stages=pp)
+        stages = [[(p.name, p.family, p.numel) for p in gpt_params(dims, stage)] for stage in range(pp)]
+        copy = ("output_layer.weight", "vocab", whole.hidden_size)
+        assert (copy in stages[-1]) and (copy in want) != tied
+        assert [p for stage in stages for p in stage if tied is False or p != copy] == want
+        layers = [{n.split(".")[2] for n, _, _ in stage if n.startswith("decoder.layers.")} for stage in stages]
+        assert layers == [{str(i) for i in range(p * 4 // pp, (p + 1) * 4 // pp)} for p in range(pp)]
+        healthy = [stage_state(dims, 2, 2, Training(), p) for p in range(pp)]
+        assert max(s.total for s in healthy) < stage_state(whole, 2, 2, Training()).total
+        assert worst_state(dims, 2, 1, Training()).total == max(stage_state(dims, 2, 1, Training(), p).total
+                                                                for p in range(pp))
+    with pytest.raises(ValueError, match="stage 2 out of range 0..1"):
+        gpt_params(dataclasses.replace(whole, pipeline_stages=2), 2)
+
+
+def test_the_plan_of_a_pipeline_config_is_per_stage():
+    from ntp_megatron.config import load_job_config
+    from ntp_megatron.memory_plan import plan_of, table
+
+    sets = ["ntp.enabled=true", "parallel.tensor_model_parallel_size=2", "model.init=layout_free",
+            "model.num_layers=4"]
+    pp1 = plan_of(load_job_config(overrides=sets))
+    pp2_cfg = load_job_config(overrides=[*sets, "parallel.pipeline_model_parallel_size=2"])
+    pp2 = plan_of(pp2_cfg)
+    assert pp2.healthy.total < pp1.healthy.total and pp2.worst.total < pp1.worst.total
+    assert "(of any of its 2 stages)" in table(pp2_cfg)
 
 
 def _objects(megatron, cfg, topology, rank: int):

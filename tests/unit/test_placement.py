@@ -17,6 +17,7 @@ from ntp_megatron.config import load_job_config
 from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.layout import make_topology
 from ntp_megatron.placement import Device, Placement, PlacementError, launch_slots
+from ntp_megatron.stages import make_pipeline_topology
 from ntp_megatron.training import runtime
 
 UNITS = {"heads": 8, "ffn": 16, "vocab": 32}
@@ -69,6 +70,61 @@ def test_slots_keep_their_device_whatever_is_dead(grid):
     idle = {placement.device(r, s) for r in range(dp) for s in range(tp)} - set(started.values())
     gone = {(r, s) for r, s in dead} | {(r, s) for r in dropped for s in range(tp)}
     assert idle == {placement.device(r, s) for r, s in gone}
+
+
+@st.composite
+def pipeline_grids(draw):
+    """(tp, dp, pp, nnodes, dead (replica, slot, stage) triples), nnodes dividing dp·pp."""
+    tp, dp, pp = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(2, 4))
+    nnodes = draw(st.sampled_from([n for n in range(1, dp * pp + 1) if dp * pp % n == 0]))
+    dead = [(r, s, p) for p in range(pp) for r in range(dp)
+            for s in draw(st.sets(st.integers(0, tp - 1), max_size=tp - 1))]
+    return tp, dp, pp, nnodes, dead
+
+
+@settings(max_examples=200, deadline=None)
+@given(pipeline_grids())
+def test_with_stages_a_stage_tp_group_stays_on_one_node_and_every_device_is_used_once(grid):
+    """With stages: the healthy grid fills every device of every node once, launch rank r is Megatron's rank r
+    (stage-major: stage · tp · dp + replica · tp + slot, dead slots skipped), each replica's TP group of each stage
+    sits on one node, and dead slots leave exactly their own devices idle."""
+    tp, dp, pp, nnodes, dead = grid
+    placement = Placement(tp, dp, nnodes, pp)
+    every = [(r, s, p) for p in range(pp) for r in range(dp) for s in range(tp)]
+    per_node = tp * dp * pp // nnodes
+    assert sorted(placement.device(*slot) for slot in every) == \
+        [Device(n, i) for n in range(nnodes) for i in range(per_node)]
+    for index, slot in enumerate(every):  # Megatron's order, from its definition
+        assert placement.device(*slot) == Device(*divmod(index, per_node))
+    for p in range(pp):
+        for r in range(dp):
+            assert len({placement.device(r, s, p).node for s in range(tp)}) == 1, (r, p)
+    topology = make_pipeline_topology(tp, dp, pp, UNITS, dead_slots=dead)
+    slots = launch_slots(tp, dp, topology, pp)
+    assert slots == [slot for slot in every if slot not in set(dead)]
+    started = {}
+    for node in range(nnodes):
+        for rank, index in placement.node_ranks(node, slots).items():
+            assert rank not in started
+            started[rank] = Device(node, index)
+            assert started[rank] == placement.device(*slots[rank])
+    assert sorted(started) == list(range(len(slots)))
+    idle = {placement.device(*slot) for slot in every} - set(started.values())
+    assert idle == {placement.device(*slot) for slot in dead}
+
+
+def test_the_launcher_says_who_each_launch_rank_is_in_every_stage(tmp_path):
+    """PP2 × TP2 × 2 under NTP with slot 1 of replica 0 dead in stage 0: stage 0 has 3 launch ranks (0, 1, 2 are
+    0:0, 1:0, 1:1), stage 1 has 4 (3..6); the default config's 2 layers, one per stage; on 2 nodes, node 0 runs stage 0 and node 1 stage 1."""
+    node0 = _launcher(tmp_path, 2, 0, "ntp.enabled=true", "parallel.tensor_model_parallel_size=2",
+                      "parallel.data_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                      "model.init=layout_free", "ntp.dead_slots=[0:1@0]")
+    assert node0._stages() == [
+        "stage 0 (layers 0..0) on node 0: replica 0 = launch rank 0 in slot 0 (dead slot 1); "
+        "replica 1 = launch ranks 1..2 in slots 0..1",
+        "stage 1 (layers 1..1) on node 1: replica 0 = launch ranks 3..4 in slots 0..1; "
+        "replica 1 = launch ranks 5..6 in slots 0..1"]
+    assert node0.local_ranks == [0, 1, 2]
 
 
 def test_a_dead_slot_leaves_its_gpu_idle_and_shifts_nothing():
