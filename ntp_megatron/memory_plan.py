@@ -183,11 +183,11 @@ def _sharded(params: Sequence[ParamShape], units: Mapping[str, int], training: T
 
 
 def rank_state(dims: ModelDims, topology, rank: int, training: Training) -> StateBytes:
-    """The state ``rank`` of ``topology`` (a :class:`~ntp_megatron.layout.Topology`, or with stages a
-    :class:`~ntp_megatron.stages.PipelineTopology`) holds (:func:`state`)."""
-    stage = 0
-    if hasattr(topology, "stage_of"):  # with stages: the rank's own stage, by its rules
-        stage, topology = topology.slot_of(rank)[2], topology.stage_of(rank)
+    """The state ``rank`` of ``topology`` holds (:func:`state`): a :class:`~ntp_megatron.layout.Topology`, one
+    stage's with pipeline stages (its ``stage``), or a whole :class:`~ntp_megatron.stages.PipelineTopology`."""
+    if hasattr(topology, "stage_of"):
+        topology = topology.stage_of(rank)
+    stage = topology.stage
     held = {family: len(topology.units_of(rank, family)) for family in dims.units}
     if topology.replica_of(rank).width == topology.tp_base:
         return state(dims, held, None, training, stage)

@@ -46,7 +46,8 @@ class NTPPolicy(DeathPolicy):
         host = self.host
         booting = [d for d in deaths
                    if (self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
-                   and not self.admitted(d.launch_rank)]
+                   and not self.admitted(d.launch_rank)
+                   or self.training_done and self.rejoins.stranded(d.launch_rank)]  # stopped by step() at the end
         for d in booting:
             try_delete(host.store, keys.joining(d.launch_rank))  # so that it is never admitted
             self.replacement_died(d)

@@ -60,13 +60,14 @@ class Rejoins:
 
     def step(self, training_done: bool) -> None:
         """Start the replacements that are due; count completed admissions. Once the run is complete, replacements
-        still waiting to be admitted are stopped: there is nothing left to join."""
+        whose admission has not completed are stopped: there is nothing left to join (a generation may have been
+        published for one at the last iteration boundary, which the other ranks never crossed)."""
         processes = self.host.processes
         if training_done:
             self.due.clear()
             for rank in self.attempts:
                 proc = processes.ranks.get(rank)
-                if proc is not None and proc.poll() is None and not self.admitted(rank):
+                if proc is not None and proc.poll() is None and self.stranded(rank):
                     signal_group(proc.pid, signal.SIGTERM)
             return
         for rank, count in self.attempts.items():
@@ -121,6 +122,11 @@ class Rejoins:
         self.attempts.clear()
         self.started_after.clear()
         self.fill_spares()
+
+    def stranded(self, launch_rank: int) -> bool:
+        """Once the run is complete: ``launch_rank``'s process (a replacement, this node's or another's) was never
+        part of a completed formation, admitted or not, so nothing trained with it."""
+        return not self._formed_with(launch_rank)
 
     def _formed_with(self, launch_rank: int) -> bool:
         """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a

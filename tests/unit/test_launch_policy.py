@@ -156,6 +156,36 @@ def test_replacements_that_die_before_their_admission_are_bounded():
     assert [e["attempt"] for e in host.events("replacement_started")] == [1, 2, 3]
 
 
+def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_completes(monkeypatch):
+    """Launch rank 3 died; its replacement is admitted (generation 2 published, asking generation 1 to move at the
+    next iteration boundary), but the other ranks complete the run first and never cross it. The replacement,
+    waiting in generation 2's formation, is stopped, and its exit is not a failure of the job."""
+    from ntp_megatron.launch import rejoin
+
+    stopped = []
+    monkeypatch.setattr(rejoin, "signal_group", lambda pid, sig: stopped.append(pid))
+    host = _Host()
+    ntp = modes.choose(host)
+    ntp.begin()
+    _formed(host, 0)
+    ntp.step([host.processes.ranks[3].die()])
+    _aware(host, 0)
+    _formed(host, 1)
+    ntp.step([])
+    replacement = host.processes.ranks[3]
+    assert host.processes.started == [3]
+    host.store.set(keys.joining(3), "{}")
+    ntp.step([])
+    assert ntp.controller.latest.generation == 2 and ntp.admitted(3)  # published, never formed
+    ntp.rank_finished(0)  # a rank of generation 1 completed the run
+    ntp.step([])
+    assert stopped == [replacement.pid]
+    assert ntp.step([replacement.die()]) is None
+    ntp.close()
+    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3], "the stopped replacement is no failure"
+    assert ntp.controller.failures == 1
+
+
 # -- a rank's own error stops the job in every mode ------------------------------------------------------------------
 
 class _StoppingProcesses(_Processes):

@@ -76,6 +76,19 @@ def test_pipeline_stages_split_the_model_and_the_plan_takes_the_largest_stage(ti
                                                                 for p in range(pp))
     with pytest.raises(ValueError, match="stage 2 out of range 0..1"):
         gpt_params(dataclasses.replace(whole, pipeline_stages=2), 2)
+    # A rank's state is its own stage's, whether given the whole pipeline topology or its stage's (a rank's setup).
+    from ntp_megatron.stages import make_pipeline_topology
+
+    dims = dataclasses.replace(whole, pipeline_stages=2)
+    topology = make_pipeline_topology(2, 2, 2, dims.units, dead_slots=[(1, 0, 1)])
+    for rank in range(topology.world_size):
+        replica, slot, stage = topology.slot_of(rank)
+        got = rank_state(dims, topology, rank, Training())
+        assert got == rank_state(dims, topology.stage_of(rank), rank, Training())
+        width = topology.widths(replica)[stage]
+        bound = stage_state(dims, 2, width, Training(), stage)
+        # exact at width 1, and for slot 0 of a healthy stage (the larger block of the odd vocabulary)
+        assert got.total <= bound.total and (got == bound) is (width == 1 or slot == 0), (rank, stage)
 
 
 def test_the_plan_of_a_pipeline_config_is_per_stage():
