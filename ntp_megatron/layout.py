@@ -744,21 +744,25 @@ def parse_stage_slots(items: Iterable[str | tuple[int, ...] | list[int]] | str |
     if isinstance(items, str):
         items = [part for part in items.split(",") if part.strip()]
     out: list[tuple[int, int, int]] = []
+    written: dict[tuple[int, int, int], str] = {}
 
-    def add(triple: tuple[int, int, int]) -> None:
-        if triple in out:
-            raise ValueError(f"ntp.dead_slots: slot {triple[0]}:{triple[1]}@{triple[2]} is listed twice")
+    def add(triple: tuple[int, int, int], item: Any) -> None:
+        text = item.strip() if isinstance(item, str) else ":".join(map(str, item))
+        if triple in written:
+            same = f" ('{written[triple]}' and '{text}')" if written[triple] != text else ""
+            raise ValueError(f"ntp.dead_slots: slot '{text}' is listed twice{same}")
+        written[triple] = text
         out.append(triple)
 
     for item in items:
         if isinstance(item, str):
             match = _SLOT_RE.fullmatch(item)
             if match:
-                add((int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)))
+                add((int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)), item)
                 continue
         elif (isinstance(item, (tuple, list)) and len(item) in (2, 3)
               and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in item)):
-            add((item[0], item[1], item[2] if len(item) == 3 else 0))
+            add((item[0], item[1], item[2] if len(item) == 3 else 0), item)
             continue
         raise ValueError(f"ntp.dead_slots: expected 'replica:slot' like '1:3', or 'replica:slot@stage' like '1:3@1', "
                          f"got {item!r}")

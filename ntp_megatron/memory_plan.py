@@ -318,7 +318,8 @@ def table(cfg) -> str:
     sharding = (f"distributed optimizer over {training.shard_over}" if training.distributed_optimizer
                 else "optimizer not sharded")
     stages = f" (of any of its {dims.pipeline_stages} stages)" if dims.pipeline_stages > 1 else ""
-    lines = [f"training state per rank: the most any rank{stages} holds at each TP degree of its replica, in {name} "
+    lines = [f"training state per rank: the most any rank{stages} holds at each TP degree of its replica (in total, "
+             f"with that rank's parts by kind), in {name} "
              f"(activations, caches and communication buffers not counted); {training.precision}, "
              f"{training.optimizer}, {sharding}",
              f"{'TP':>4} {'params':>10} {'grads':>10} {'optimizer':>10} {'shadows':>10} {'total':>10}"]

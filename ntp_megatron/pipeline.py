@@ -33,14 +33,12 @@ def _check_upstream() -> None:
                            f"this megatron-core has _communicate({', '.join(got[1:])}): written for 0.16.x")
 
 
-_check_upstream()
-
-
 class NTPP2PCommunicator(P2PCommunicator):
     """Upstream's communicator for ``rank`` of ``topology``: its position for the schedule, explicit peers for the
     transfers."""
 
     def __init__(self, topology: PipelineTopology, rank: int, config, device: torch.device) -> None:
+        _check_upstream()
         # Not upstream's __init__: it looks for one next and one previous rank in a pipeline group.
         stage = topology.stage_of(rank).stage
         self.pp_group = PipelinePosition(stage, topology.num_stages)

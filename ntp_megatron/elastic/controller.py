@@ -82,10 +82,10 @@ class Controller:
         self.dead: set[int] = set()
         self.failures = 0
         self.unfit: set[int] = set()
-        self._not_admitted: Optional[tuple[list[int], str]] = None
-        """The last admission refused (launch ranks, why): said once, not at every poll."""
         """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
         whole (every slot admitted at once: the launch layout, which fitted)."""
+        self._not_admitted: Optional[tuple[list[int], str]] = None
+        """The last admission refused (launch ranks, why): said once, not at every poll."""
         self.settled: Optional[dict] = None
         self._threads: list[threading.Thread] = []
         store.set(keys.topology(0), json.dumps(topology.to_json()))
@@ -233,8 +233,9 @@ class Controller:
         decided = []
         for death, report in errors:
             replica, slot = self.identity[death.launch_rank][:2]
-            widths = replica_widths(self.latest, replica) or []  # with stages, degraded in any of them
-            degraded = bool(widths) and min(widths) < self.latest.tp_base
+            widths = replica_widths(self.latest, replica) or []  # one per stage
+            stage = self._stage(death.launch_rank).get("stage", 0)  # a stage at the launch width has its layout
+            degraded = bool(widths) and widths[stage] < self.latest.tp_base
             decided.append((death, report, replica, slot, widths, degraded))
         # Never under the distributed optimizer: with one instance the dropped ranks' shards are lost, with more the
         # instances' positions would renumber (_check_shards).
@@ -253,8 +254,7 @@ class Controller:
                 where = "".join(f", stage {p}" for p in self._stage(death.launch_rank).values())
                 self.say(f"launch rank {death.launch_rank} (replica {replica}, slot {slot}{where}) ran out of memory "
                          f"at iteration {report['iteration']}, phase {report['phase']}, in degraded replica {replica} "
-                         f"({'/'.join(f'TP{w}' for w in widths)}): dropping replica {replica} "
-                         "(ntp.on_unrecoverable: drop_replica)")
+                         f"(TP{widths[stage]}{where}): dropping replica {replica} (ntp.on_unrecoverable: drop_replica)")
         return sorted(retired) if drop else None
 
     def _refresh_completed(self) -> None:
@@ -287,7 +287,6 @@ class Controller:
         slots = [self.identity[lr] for lr in launch_ranks]
         if not slots:
             return False
-        self.unfit.difference_update(s[0] for s in slots)
         try:
             new = join_topology(old, slots, min_tp=self.min_tp)
         except TopologyError as exc:  # e.g. one slot of a dropped replica: not enough to bring it back yet
@@ -295,6 +294,8 @@ class Controller:
                 self._not_admitted = (launch_ranks, str(exc))
                 self.say(f"not admitting launch ranks {launch_ranks} yet: {exc}")
             return False
+        self.unfit.difference_update(s[0] for s in slots)
+        self._not_admitted = None
         new = with_generation(new, old.generation + 1)
         info = {"base": old.generation, "dead": [], "joined": [list(s) for s in slots], "settled": None,
                 "failure_time": time.time(), "deaths": []}
@@ -420,6 +421,8 @@ class ShardedOptimizer:
         p = cfg.parallel
         if not p.use_distributed_optimizer:
             return None
+        if p.pipeline_model_parallel_size > 1:  # refused by the config (JobConfig._check_pipeline) for now
+            raise ValueError("the distributed optimizer's shards are planned for one pipeline stage")
         dims, training = memory_plan.ModelDims.of(cfg.model), memory_plan.training_of(cfg)
         topology = cfg.topology()
         params = memory_plan.gpt_params(dims)

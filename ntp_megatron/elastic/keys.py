@@ -120,6 +120,12 @@ def joining(launch_rank: int) -> str:
     return f"{PREFIX}joining/{launch_rank}"
 
 
+def stopped_at_end(launch_rank: int) -> str:
+    """Set by a node's launcher before it stops ``launch_rank``'s replacement at the end of the run (it was never
+    part of a completed formation): its exit is no failure, on whichever node the controller sees it."""
+    return f"{PREFIX}stopped_at_end/{launch_rank}"
+
+
 def moved(generation: int) -> str:
     """Bytes received while forming generation ``g`` (summed over its ranks)."""
     return f"{PREFIX}gen{generation}/moved"

@@ -45,14 +45,14 @@ class NTPPolicy(DeathPolicy):
         admitted — the job never relied on them — and return the other deaths."""
         host = self.host
         booting = [d for d in deaths
-                   if (self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
-                   and not self.admitted(d.launch_rank)
-                   or self.training_done and self.rejoins.stranded(d.launch_rank)]  # stopped by step() at the end
+                   if ((self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
+                       and not self.admitted(d.launch_rank))
+                   or self.rejoins.stopped_at_end(d.launch_rank)]  # admitted, never formed, stopped at the end
         for d in booting:
             try_delete(host.store, keys.joining(d.launch_rank))  # so that it is never admitted
             self.replacement_died(d)
-            if self.training_done:
-                continue  # stopped by us: the run completed before it was admitted
+            if self.training_done or self.rejoins.stopped_at_end(d.launch_rank):
+                continue  # stopped by a launcher: the run completed before it was admitted (or formed)
             host.console.say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
                              f"admitted; the job goes on without it")
             self.rejoins.schedule(d.launch_rank)

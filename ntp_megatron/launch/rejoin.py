@@ -68,6 +68,10 @@ class Rejoins:
             for rank in self.attempts:
                 proc = processes.ranks.get(rank)
                 if proc is not None and proc.poll() is None and self.stranded(rank):
+                    try:
+                        self.host.store.set(keys.stopped_at_end(rank), str(proc.pid))
+                    except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+                        pass
                     signal_group(proc.pid, signal.SIGTERM)
             return
         for rank, count in self.attempts.items():
@@ -124,9 +128,21 @@ class Rejoins:
         self.fill_spares()
 
     def stranded(self, launch_rank: int) -> bool:
-        """Once the run is complete: ``launch_rank``'s process (a replacement, this node's or another's) was never
-        part of a completed formation, admitted or not, so nothing trained with it."""
-        return not self._formed_with(launch_rank)
+        """Once the run is complete: this node's replacement for ``launch_rank`` was never part of a completed
+        formation, admitted or not, so nothing trained with it (False when the store cannot say)."""
+        if not self.is_replacement(launch_rank):
+            return False
+        store = self.host.store
+        completed = _generation(store, keys.COMPLETED)
+        return completed >= 0 and not (completed > self.started_after.get(launch_rank, -1)
+                                       and slot_live(store, keys.COMPLETED, self.host.launch_slots[launch_rank]))
+
+    def stopped_at_end(self, launch_rank: int) -> bool:
+        """Some node's launcher stopped ``launch_rank``'s replacement at the end of the run (:meth:`step`)."""
+        try:
+            return self.host.store.check([keys.stopped_at_end(launch_rank)])
+        except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
+            return False
 
     def _formed_with(self, launch_rank: int) -> bool:
         """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a

@@ -128,7 +128,7 @@ PP2 = ["parallel.pipeline_model_parallel_size=2", "model.init=layout_free"]
         (["ntp.dead_slots=[1:0@2]"], "ntp topology: dead slot 1:0@2: stage 2 out of range 0..1"),
         (["ntp.dead_slots=[1:5@1]"], "ntp topology: dead slot 1:5@1: slot 5 out of range 0..1"),
         (["ntp.dead_slots=[2:0@1]"], "ntp topology: dead slot 2:0@1: replica 2 out of range 0..1"),
-        (["ntp.dead_slots=[1:0,1:0@0]"], "ntp.dead_slots: slot 1:0@0 is listed twice"),
+        (["ntp.dead_slots=[1:0,1:0@0]"], "ntp.dead_slots: slot '1:0@0' is listed twice ('1:0' and '1:0@0')"),
     ],
 )
 def test_pipeline_config_errors(overrides, expected):
@@ -138,6 +138,11 @@ def test_pipeline_config_errors(overrides, expected):
         load_job_config(overrides=["ntp.enabled=true", *PP2, *overrides])
     message = str(err.value)
     assert "\n" not in message and message.startswith(expected), message
+
+
+def test_a_dead_slot_listed_twice_is_named_as_written():
+    with pytest.raises(ConfigError, match=r"ntp.dead_slots: slot '1:0' is listed twice$"):
+        load_job_config(overrides=["ntp.enabled=true", "ntp.dead_slots=[1:0,1:0]"])
 
 
 def test_sequence_parallel_with_stages_is_refused_without_ntp_too():

@@ -353,6 +353,36 @@ def test_out_of_memory_in_a_degraded_stage_drops_its_replica_from_every_stage():
         (7, 1, "drop_replica", True, [2, 3])
 
 
+def test_an_admission_refused_again_for_the_same_reason_is_said_once():
+    """TP2 x 2 with ntp.min_tp 2: launch rank 1 died, replica 0 was dropped (its rank 0 retires). A replacement
+    for rank 1 alone cannot bring replica 0 back; the launcher asks at every poll, the controller says so once."""
+    job = _job(2, 2, min_tp=2)
+    job.form(0)
+    job.commit(0, 1)
+    assert job.die(1) is None
+    job.form(1)
+    job.alive.add(1)
+    for _ in range(3):
+        assert not job.controller.admit([1])
+    assert sum("not admitting launch ranks [1] yet" in line for line in job.said) == 1
+
+
+def test_out_of_memory_in_a_stage_at_the_launch_width_stops_the_job_though_another_stage_is_degraded():
+    """PP2 x TP2 x 2: replica 1's stage 1 lost launch rank 6 and trains at TP1; launch rank 2 (replica 1, stage 0,
+    still TP2: the launch's own layout) runs out of memory. That is no layout to drop: the job stops."""
+    job = Job(hash_store(), 2, 2, pp=2)
+    job.form(0)
+    job.commit(0, 1)
+    assert job.die(6) is None
+    job.form(1)
+    job.commit(1, 2)
+    _run_out_of_memory(job, 2, phase="forward", iteration=3)
+    reason = job.die(2)
+    assert reason is not None and "OutOfMemoryError" in reason
+    event = _oom_event(job)
+    assert (event["policy"], event["degraded"], event["retired"]) == ("stop", False, [])
+
+
 def test_out_of_memory_in_a_healthy_replica_stops_the_job():
     """A healthy replica runs the launch's own layout: running out of memory there is no layout to drop."""
     job = _job(2, 2)

@@ -180,10 +180,15 @@ def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_com
     ntp.rank_finished(0)  # a rank of generation 1 completed the run
     ntp.step([])
     assert stopped == [replacement.pid]
+    assert host.store.check([keys.stopped_at_end(3)])  # whichever node's controller sees the exit reads it
     assert ntp.step([replacement.die()]) is None
+    assert ntp.controller.failures == 1, "the stopped replacement is no failure"
+    ntp.step([host.processes.ranks[1].die()])  # a rank that trained, dying now: a failure as ever
+    assert ntp.controller.failures == 2
+    for rank in range(4):  # every survivor noticed, so that the report of rank 1's death does not wait for them
+        host.store.set(keys.aware(2, rank), repr(time.time()))
     ntp.close()
-    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3], "the stopped replacement is no failure"
-    assert ntp.controller.failures == 1
+    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3, 1]
 
 
 # -- a rank's own error stops the job in every mode ------------------------------------------------------------------
