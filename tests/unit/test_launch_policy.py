@@ -188,7 +188,7 @@ def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_com
     for rank in range(4):  # every survivor noticed, so that the report of rank 1's death does not wait for them
         host.store.set(keys.aware(2, rank), repr(time.time()))
     ntp.close()
-    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3, 1]
+    assert sorted(e["launch_rank"] for e in host.events("rank_failed")) == [1, 3]  # reported by threads
 
 
 # -- a rank's own error stops the job in every mode ------------------------------------------------------------------
