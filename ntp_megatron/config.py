@@ -270,8 +270,11 @@ class NTPSection(_Section):
     """How often every rank tells the launcher it is alive."""
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)
     """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
-    then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless. The heartbeat is
-    a Python thread that long GIL-holding work can delay by seconds: keep this well above that."""
+    then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless. A rank whose
+    heartbeat goes on but which has made no progress for half of this in a phase of an iteration (forward,
+    backward, grad_sync, optimizer), while another rank has waited on its peers as long, is fenced too (stuck in
+    a kernel or behind a dead link). The heartbeat is a Python thread that long GIL-holding work can delay by
+    seconds: keep this well above that."""
     rejoin_after_s: Optional[float] = Field(None, ge=0.0)
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""

@@ -10,7 +10,9 @@ program would), ``error`` (raise :class:`InjectedError` there, as a bug of ours 
 rank reports an error of its own and the job stops naming it, with no re-formation), ``oom`` (raise
 ``torch.OutOfMemoryError`` there, as a device that ran out of memory does: under NTP, on a rank of a degraded
 replica — its layout does not fit — the controller drops that replica under ``ntp.on_unrecoverable:
-drop_replica`` and stops the job otherwise, at once; see :mod:`ntp_megatron.elastic.controller`). ``R`` is the *launch
+drop_replica`` and stops the job otherwise, at once; see :mod:`ntp_megatron.elastic.controller`), ``spin`` (the
+process busy-loops with its heartbeat alive, as a rank stuck in a kernel or behind a dead link does: NTP's launcher
+fences it by its progress, :mod:`ntp_megatron.elastic.agent`; one of the phases ``SPIN_PHASES``). ``R`` is the *launch
 rank*: a process's identity for the whole run (process-group ranks are renumbered by every re-formation; launch
 ranks never are). ``N`` is the 1-based iteration. ``P``:
 
@@ -63,10 +65,13 @@ from ntp_megatron import phases
 from ntp_megatron.config_io import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
-ACTIONS = ("kill", "hang", "exit", "error", "oom")
+ACTIONS = ("kill", "hang", "exit", "error", "oom", "spin")
 PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "param_gather", "checkpoint", "checkpoint_write",
           "eval", "reform")
-USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom; P in "
+SPIN_PHASES = phases.ITERATION
+"""Where ``spin`` may fire: the phases of an iteration, where the launcher takes a rank that makes no progress while
+its peers wait on it for a stuck one (:data:`ntp_megatron.phases.ITERATION`)."""
+USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom, spin; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
 
@@ -74,7 +79,7 @@ USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang
 class RankFailure:
     """A failure the rank triggers in itself."""
 
-    action: Literal["kill", "hang", "exit", "error", "oom"]
+    action: Literal["kill", "hang", "exit", "error", "oom", "spin"]
     rank: int
     iteration: int
     phase: str = "start"
@@ -188,6 +193,12 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     phase = f.get("phase", "start")
     if phase not in PHASES:
         raise ConfigError(f"--inject-failure {text!r}: phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if action == "spin" and phase not in SPIN_PHASES:
+        raise ConfigError(f"--inject-failure {text!r}: spin needs a phase of an iteration ({', '.join(SPIN_PHASES)}),"
+                          f" got {phase!r}")
+    if action == "spin" and not ntp:
+        raise ConfigError(f"--inject-failure {text!r}: spin needs ntp.enabled (NTP's launcher fences a rank by its "
+                          "progress; without NTP the job waits for parallel.timeout_s)")
     if phase == "reform" and not ntp:
         raise ConfigError(f"--inject-failure {text!r}: phase reform needs ntp.enabled (only NTP re-forms)")
     if phase in ("checkpoint", "checkpoint_write") and not checkpoints:
@@ -278,7 +289,16 @@ class FailureTrigger:
         elif spec.action == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(3600)  # not reached unless someone sends SIGCONT: stay hung, the launcher fences us
+        elif spec.action == "spin":
+            _spin()
         os._exit(spec.code)
+
+
+def _spin() -> None:
+    """Busy-loop for good, holding a core: the interpreter still switches threads, so the heartbeat goes on while
+    nothing else of the rank moves (the launcher fences it)."""
+    while True:
+        pass
 
 
 def install(trigger: Optional[FailureTrigger]) -> None:

@@ -6,7 +6,9 @@ where an activity begins that has no such point at its start. Neither knows who 
 failures installs one hook (:func:`install`, done by :mod:`ntp_megatron.faults`): the modules that compute
 (training loop, gradient sync, checkpoints, re-formation) never import the injection code; only the processes'
 entry points (the rank's start, the launcher and its agent) do. :func:`current` tells a report of the rank's own
-error where it happened.
+error where it happened. :func:`tick` marks progress inside a phase (every micro-batch); :func:`progress` counts
+the marks and phase changes, which the heartbeat reports so that the launcher can tell a rank that works from one
+that is stuck with its heartbeat alive (:mod:`ntp_megatron.elastic.agent`).
 
 Pure Python, no imports of the package: any module may call it.
 """
@@ -15,12 +17,18 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+ITERATION = ("forward", "backward", "grad_sync", "optimizer")
+"""The phases of an iteration's work, where a rank makes progress at a bounded pace (micro-batches, collectives):
+one that makes none there while its peers wait on it is stuck (elsewhere long work without either is normal: a
+checkpoint write, building a dataset index)."""
+
 Hook = Callable[[str, int], None]
 """Called with (phase, 1-based iteration) at every :func:`point`."""
 
 _hook: Optional[Hook] = None
 _iteration = 0
 _phase = "start"
+_ticks = 0
 
 
 def install(hook: Optional[Hook]) -> None:
@@ -39,8 +47,21 @@ def at_iteration(iteration: int) -> None:
 
 def enter(phase: str) -> None:
     """An activity begins (a checkpoint save, an evaluation, a re-formation): where the rank is, for a report."""
-    global _phase
+    global _phase, _ticks
     _phase = phase
+    _ticks += 1
+
+
+def tick() -> None:
+    """Some work of the current phase was done (a micro-batch): the rank is making progress."""
+    global _ticks
+    _ticks += 1
+
+
+def progress() -> int:
+    """How many progress marks (:func:`tick`, :func:`enter`, :func:`point`) the rank has made: it grows while the
+    rank works. Read from other threads (the heartbeat): one integer, no lock needed."""
+    return _ticks
 
 
 def point(phase: str) -> None:

@@ -5,7 +5,14 @@ heartbeat (:class:`ntp_megatron.elastic.watchdog.Heartbeat`) is older than ``ntp
 stuck so hard that even its heartbeat thread cannot run — is SIGKILLed before anything else happens, so it can
 never come back and write; the reaper then reports it dead like any other. The heartbeat is a Python thread,
 which long GIL-holding work (unpickling, building a dataset index) can delay by seconds: its timeout must stay
-well above that. *Injected failures from outside*: ``kill:rank=R,after=S`` and
+well above that.
+
+*Progress, not liveness.* A rank stuck in a kernel or behind a dead link keeps its heartbeat alive while every
+peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its peers. A
+launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` says so in the store
+(:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher fences its ranks that,
+in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not progressed for half the
+timeout and do not wait themselves: the rank the others wait on, by name, within ``ntp.heartbeat_timeout_s``. *Injected failures from outside*: ``kill:rank=R,after=S`` and
 ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
 iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up.
@@ -13,6 +20,7 @@ iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn an
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -20,7 +28,7 @@ from typing import Callable, Optional, Protocol
 
 import torch.distributed as dist
 
-from ntp_megatron import faults
+from ntp_megatron import faults, phases
 from ntp_megatron.elastic import keys
 
 
@@ -32,6 +40,9 @@ class _Process(Protocol):
 
 
 STOPPED_GRACE_S = 0.5
+STALL_REFRESH_S = 0.5
+"""How often a launcher whose rank still waits confirms the stall in the store; a stall not confirmed for
+``3 * STALL_REFRESH_S`` is over."""
 
 
 def process_state(pid: int) -> str:
@@ -65,6 +76,9 @@ class Agent:
         """Launch rank -> (when, what) for ranks this agent killed: their death time and cause."""
         self.training_started: Optional[float] = None
         """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
+        self.progress: dict[int, tuple[int, float]] = {}
+        """Launch rank -> (its last progress count, since when it has had it)."""
+        self._stall_published = 0.0
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
         self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
@@ -88,6 +102,7 @@ class Agent:
         self.store = store
         self.born = dict.fromkeys(self.processes(), time.time())
         self.stopped_since.clear()
+        self.progress.clear()
         self.notes.clear()
         self.hung.clear()
 
@@ -95,6 +110,7 @@ class Agent:
         """A new process takes over ``rank`` (a replacement): nothing of the old one counts against it."""
         self.notes.pop(rank, None)
         self.stopped_since.pop(rank, None)
+        self.progress.pop(rank, None)
         self.hung.discard(rank)
         self.born[rank] = time.time()
         try:
@@ -105,6 +121,7 @@ class Agent:
     def _fence(self, now: float) -> None:
         if not self.fence:
             return
+        stale: list[tuple[int, object, dict, float]] = []
         for rank, proc in self.processes().items():
             if proc.poll() is not None or rank in self.notes:
                 continue
@@ -114,18 +131,63 @@ class Agent:
                     self._kill(rank, proc, since, f"hung: stopped (SIGSTOP), fenced after {now - since:.1f} s")
                 continue
             self.stopped_since.pop(rank, None)
-            key = keys.heartbeat(rank)
             try:
-                last = float(self.store.get(key).decode()) if self.store.check([key]) else None
+                beat = read_beat(self.store, rank)
             except Exception:  # noqa: BLE001 - the store is going away with the job
                 return
             born = self.born.get(rank, self.started)
-            silent = now - (last if last is not None and last >= born else born)
-            limit = self.heartbeat_timeout_s if last is not None and last >= born else self.startup_grace_s
+            last = beat["t"] if beat is not None and beat["t"] >= born else None
+            silent = now - (last if last is not None else born)
+            limit = self.heartbeat_timeout_s if last is not None else self.startup_grace_s
             if silent > limit:
                 # The rank stopped at about its last heartbeat: that is when it failed.
                 self._kill(rank, proc, last if last is not None else now,
                            f"hung: fenced after {silent:.1f} s without a heartbeat")
+                continue
+            if last is None:
+                continue
+            stuck_since = self._progress(rank, beat, now)
+            if stuck_since is not None:
+                stale.append((rank, proc, beat, stuck_since))
+        if stale:
+            self._fence_stuck(stale, now)
+
+    def _progress(self, rank: int, beat: dict, now: float) -> Optional[float]:
+        """Track ``rank``'s progress from its heartbeat; say in the store if it has waited on its peers for half the
+        timeout. Returns since when it has made no progress, if that is half the timeout or more while it works
+        in a phase of an iteration (None otherwise)."""
+        half = self.heartbeat_timeout_s / 2
+        waiting_since = beat.get("waiting_since")
+        if waiting_since is not None and now - waiting_since >= half:
+            if now - self._stall_published >= STALL_REFRESH_S:
+                self._stall_published = now
+                self.store.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
+        count = beat.get("progress")
+        seen = self.progress.get(rank)
+        if seen is None or seen[0] != count:
+            self.progress[rank] = (count, now)
+            return None
+        if waiting_since is not None or beat.get("phase") not in phases.ITERATION or now - seen[1] < half:
+            return None
+        return seen[1]
+
+    def _fence_stuck(self, stale: list[tuple[int, object, dict, float]], now: float) -> None:
+        """Fence the ranks that make no progress while another rank has been waiting on its peers (the stall in
+        the store is current)."""
+        try:
+            raw = self.store.get(keys.STALLED).decode() if self.store.check([keys.STALLED]) else None
+        except Exception:  # noqa: BLE001 - the store is going away with the job
+            return
+        stall = json.loads(raw) if raw else None
+        if stall is None or now - stall["t"] > 3 * STALL_REFRESH_S:
+            return
+        for rank, proc, beat, since in stale:
+            if rank == stall["launch_rank"]:
+                continue
+            self._kill(rank, proc, since,
+                       f"stuck: no progress for {now - since:.1f} s in phase {beat['phase']} of iteration "
+                       f"{beat['iteration']} while launch rank {stall['launch_rank']} has waited on its peers for "
+                       f"{now - stall['since']:.1f} s (its heartbeat goes on)")
 
     def _kill(self, rank: int, proc, failed_at: float, cause: str) -> None:
         self.notes[rank] = (failed_at, cause)
@@ -165,6 +227,12 @@ class Agent:
         else:  # hang: the process stops; the fence does the rest
             self.hung.add(rank)
             _signal(proc.pid, signal.SIGSTOP)
+
+
+def read_beat(store: dist.Store, rank: int) -> Optional[dict]:
+    """``rank``'s last heartbeat (:func:`ntp_megatron.elastic.watchdog.beat`), None if it has none yet."""
+    key = keys.heartbeat(rank)
+    return json.loads(store.get(key).decode()) if store.check([key]) else None
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
+from ntp_megatron.patches.torch_distributed_work import waiting
 
 COMMIT, ABORT = "commit", "abort"
 COMMIT_REFORM = "commit+reform"
@@ -71,7 +72,8 @@ class CommitProtocol:
         counts as ``otherwise`` (the controller's verdict). A decision written as the wait timed out stands.
         Bounded by the store's timeout."""
         try:
-            self.store.wait([key])
+            with waiting():  # on the other ranks' votes: the launcher must not take this rank for a stuck one
+                self.store.wait([key])
         except dist.DistStoreError:
             over = self.store.check([keys.abort(self.generation)])  # first: any decision is written before it
             if not self.store.check([key]):

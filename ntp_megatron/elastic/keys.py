@@ -68,7 +68,15 @@ def aware(generation: int, launch_rank: int) -> str:
 
 
 def heartbeat(launch_rank: int) -> str:
+    """JSON written by a rank's heartbeat thread (:class:`ntp_megatron.elastic.watchdog.Heartbeat`): when
+    (``t``), the iteration and phase, its progress count and since when it waits on a collective."""
     return f"{PREFIX}hb/{launch_rank}"
+
+
+STALLED = PREFIX + "stalled"
+"""JSON set by a launcher while one of its ranks has waited on a collective longer than half
+``ntp.heartbeat_timeout_s`` (launch rank, since, ``t`` the time it was last confirmed): the launchers then fence
+their ranks that make no progress while not waiting (:class:`ntp_megatron.elastic.agent.Agent`)."""
 
 
 def failure(launch_rank: int) -> str:

@@ -15,6 +15,7 @@ appeared while the generation's store client and process groups were created (:c
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -25,8 +26,9 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ntp_megatron import phases
 from ntp_megatron.elastic import keys
-from ntp_megatron.patches.torch_distributed_work import AbandonedWait
+from ntp_megatron.patches.torch_distributed_work import AbandonedWait, wait_state
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +161,11 @@ class GenerationWatchdog:
 
 
 class Heartbeat:
-    """A thread that writes this rank's heartbeat (wall-clock time) to the store every ``interval_s``, so the
-    launcher can fence a rank that stopped responding (SIGSTOP, a hung device) without waiting for a
-    collective timeout."""
+    """A thread that writes this rank's heartbeat to the store every ``interval_s``, so the launcher can fence a
+    rank that stopped responding (SIGSTOP, a hung device) without waiting for a collective timeout, and one that
+    is alive but makes no progress while its peers wait on it (a kernel that never returns, a dead link): the
+    heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far it got (its progress count:
+    phase marks, micro-batches and finished collective waits) and since when it waits on a collective."""
 
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:
         self._open_store, self._timeout = open_store, max(30.0, 10 * interval_s)
@@ -175,7 +179,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self._store.set(self._key, repr(time.time()))
+                self._store.set(self._key, json.dumps(beat()))
             except Exception:  # noqa: BLE001 - a broken connection: open a new one (the launcher may be gone)
                 try:
                     self._store = self._open_store(self._timeout)
@@ -187,6 +191,15 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def beat() -> dict:
+    """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
+    works) and ``waiting_since`` (when its main thread began waiting on a collective, or None)."""
+    iteration, phase = phases.current()
+    waiting_since, waits = wait_state()
+    return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress() + waits,
+            "waiting_since": waiting_since}
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:

@@ -58,6 +58,7 @@ class ForwardStep:
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
+        phases.tick()
         middle = self.index == self.middle
         self.index += 1
         if middle:

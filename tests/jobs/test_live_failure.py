@@ -182,6 +182,28 @@ def test_hung_rank_is_fenced(tmp_path, reference_tp2):
     assert 0.4 < failed["detect_s"] < 3.0  # seen stopped, fenced after half a second, then the abort
 
 
+SPIN_TIMEOUT_S = 3.0
+
+
+@pytest.mark.parametrize("rank, phase", [(1, "forward"), (2, "grad_sync")])
+def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, rank, phase):
+    """``spin``: the rank busy-loops with its heartbeat alive (as one stuck in a kernel does) — in forward, where
+    its TP peer waits on it, or in the gradient sync, where the other replica's ranks do. Its launcher fences it by
+    name within ``ntp.heartbeat_timeout_s`` (its progress stood still while its peers waited), the survivors
+    re-form, and the loss curve is the failure-free run's."""
+    args = ntp_args(2, 2, extra=("--set", f"ntp.heartbeat_timeout_s={SPIN_TIMEOUT_S}")) + [
+        "--inject-failure", f"spin:rank={rank},iter=4,phase={phase}"]
+    result = run_job(tmp_path / "run", args)
+    assert_same_run(result, reference_tp2)
+    assert_replicas_agree(result, ITERS)
+    [failed] = result.events("rank_failed")
+    assert failed["launch_rank"] == rank and failed["cause"].startswith(
+        f"stuck: no progress for "), failed["cause"]
+    assert f"in phase {phase} of iteration 4 while launch rank" in failed["cause"]
+    assert failed["detect_s"] < SPIN_TIMEOUT_S, failed
+    assert f"launch rank {rank} (pid" in result.stderr and "stopped responding (stuck: no progress" in result.stderr
+
+
 def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):
     """Below ``ntp.min_tp`` the replica is dropped; its share of every global batch goes to the other replica,
     so the loss curve does not change, and its surviving rank ends cleanly."""
