@@ -270,11 +270,16 @@ class NTPSection(_Section):
     """How often every rank tells the launcher it is alive."""
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)
     """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
-    then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless. A rank whose
-    heartbeat goes on but which has made no progress for half of this in a phase of an iteration (forward,
-    backward, grad_sync, optimizer), while another rank has waited on its peers as long, is fenced too (stuck in
-    a kernel or behind a dead link). The heartbeat is a Python thread that long GIL-holding work can delay by
-    seconds: keep this well above that."""
+    then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless; with
+    ``progress_fence`` a rank whose heartbeat goes on but whose progress does not is fenced at half of this. The
+    heartbeat is a Python thread that long GIL-holding work can delay by seconds: keep this well above that."""
+    progress_fence: bool = False
+    """Also fence a rank whose heartbeat goes on but which has made no progress for half of
+    ``heartbeat_timeout_s`` in a phase of an iteration (forward, backward, grad_sync, optimizer) while another rank
+    has waited on its peers as long (stuck in a kernel; ``--inject-failure spin:...``). Off by default: progress is
+    marked per micro-batch, per collective and per phase, so a rank whose one micro-batch computes longer than half
+    the timeout without a collective (a replica degraded to TP1 on a large model) would be taken for a stuck one.
+    gloo on CPU only (NCCL waits do not block the host: a healthy rank waiting on a stuck one would look stuck)."""
     rejoin_after_s: Optional[float] = Field(None, ge=0.0)
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""
@@ -451,6 +456,10 @@ class JobConfig(_Section):
         if self.ntp.on_unrecoverable == "restart" and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("ntp.on_unrecoverable 'restart' needs checkpoint.save and checkpoint.save_interval "
                              "(the checkpoints it restarts from)")
+        if self.ntp.progress_fence and "cuda" in (self.training.device, "cuda" if p.backend == "nccl" else ""):
+            raise ValueError("ntp.progress_fence is written for gloo on CPU only (an NCCL wait does not block the "
+                             "host, so a healthy rank waiting on a stuck one would look stuck): set it to false, or "
+                             "training.device: cpu")
         if self.ntp.heartbeat_timeout_s <= self.ntp.heartbeat_interval_s:
             raise ValueError(f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}) must exceed "
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")

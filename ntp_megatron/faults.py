@@ -11,8 +11,9 @@ rank reports an error of its own and the job stops naming it, with no re-formati
 ``torch.OutOfMemoryError`` there, as a device that ran out of memory does: under NTP, on a rank of a degraded
 replica — its layout does not fit — the controller drops that replica under ``ntp.on_unrecoverable:
 drop_replica`` and stops the job otherwise, at once; see :mod:`ntp_megatron.elastic.controller`), ``spin`` (the
-process busy-loops with its heartbeat alive, as a rank stuck in a kernel or behind a dead link does: NTP's launcher
-fences it by its progress, :mod:`ntp_megatron.elastic.agent`; one of the phases ``SPIN_PHASES``). ``R`` is the *launch
+process busy-loops with its heartbeat alive, as a rank stuck in a kernel does: with ``ntp.progress_fence`` NTP's
+launcher fences it by its progress, :mod:`ntp_megatron.elastic.agent`, and without it its peers wait for
+``parallel.timeout_s``; one of the phases ``SPIN_PHASES``). ``R`` is the *launch
 rank*: a process's identity for the whole run (process-group ranks are renumbered by every re-formation; launch
 ranks never are). ``N`` is the 1-based iteration. ``P``:
 

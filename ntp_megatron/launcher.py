@@ -271,7 +271,8 @@ class Launcher:
 
             self.agent = Agent(self.store, lambda: self.processes.ranks, self.cfg.ntp.heartbeat_timeout_s,
                                startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
-                               say=self.console.say, live=self.policy.live_launch_ranks, fence=self.cfg.ntp.enabled)
+                               say=self.console.say, live=self.policy.live_launch_ranks, fence=self.cfg.ntp.enabled,
+                               fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence)
         while True:
             if self.agent is not None:
                 if self.processes.first_iteration_at is not None:

@@ -10,11 +10,14 @@ error where it happened. :func:`tick` marks progress inside a phase (every micro
 the marks and phase changes, which the heartbeat reports so that the launcher can tell a rank that works from one
 that is stuck with its heartbeat alive (:mod:`ntp_megatron.elastic.agent`).
 
-Pure Python, no imports of the package: any module may call it.
+Pure Python, no imports of the package: any module may call it (the patch of ``Work.wait`` marks every
+collective wait with :class:`waiting`).
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable, Optional
 
 ITERATION = ("forward", "backward", "grad_sync", "optimizer")
@@ -29,6 +32,7 @@ _hook: Optional[Hook] = None
 _iteration = 0
 _phase = "start"
 _ticks = 0
+_waiting_since: Optional[float] = None
 
 
 def install(hook: Optional[Hook]) -> None:
@@ -58,9 +62,34 @@ def tick() -> None:
     _ticks += 1
 
 
+class waiting:
+    """``with waiting():`` the main thread waits on its peers (a collective, the commit decision, the controller's
+    verdict on an error): what :func:`wait_state` reports, and a progress mark when the wait ends. Nested waits and
+    other threads' leave the outer one's state as it is."""
+
+    def __enter__(self) -> "waiting":
+        global _waiting_since
+        self._outer = threading.current_thread() is threading.main_thread() and _waiting_since is None
+        if self._outer:
+            _waiting_since = time.time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _waiting_since, _ticks
+        if self._outer:
+            _waiting_since = None
+            _ticks += 1
+
+
+def wait_state() -> Optional[float]:
+    """When the main thread began its current wait on its peers (wall clock), None if it is not waiting. Read
+    from other threads (the heartbeat)."""
+    return _waiting_since
+
+
 def progress() -> int:
-    """How many progress marks (:func:`tick`, :func:`enter`, :func:`point`) the rank has made: it grows while the
-    rank works. Read from other threads (the heartbeat): one integer, no lock needed."""
+    """How many progress marks (:func:`tick`, :func:`enter`, :func:`point`, finished :class:`waiting`) the rank has
+    made: it grows while the rank works. Read from other threads (the heartbeat): one integer, no lock needed."""
     return _ticks
 
 

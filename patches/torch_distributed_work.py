@@ -16,19 +16,20 @@ on gloo's worker threads, so a timed wait on them has no side effect. A point-to
 and, on a timeout, closes every pair of the group — so it is waited on by a helper thread instead. Without an
 escape (NCCL, no elastic job), ``wait`` is upstream's.
 
-Every wait also says what the rank is doing (:func:`wait_state`): since when its main thread waits on a
-collective, and how many waits have finished. The heartbeat reports both, so the launcher can tell a rank that
-waits on a peer from the peer that makes no progress (:mod:`ntp_megatron.elastic.agent`).
+Every wait is also marked as one (:class:`ntp_megatron.phases.waiting`): the heartbeat reports since when the
+rank's main thread waits and counts finished waits as progress, so that the launcher can tell a rank that waits on
+a peer from the peer that makes none (:mod:`ntp_megatron.elastic.agent`).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from typing import Any, Optional, Protocol
 
 from torch._C._distributed_c10d import OpType, Work
+
+from ntp_megatron.phases import waiting
 
 SLICE = timedelta(milliseconds=50)
 NO_TIMEOUT = timedelta(0)
@@ -37,8 +38,6 @@ _POINT_TO_POINT = frozenset(int(op) for op in (OpType.SEND, OpType.RECV, OpType.
 
 _original_wait = Work.wait
 _escape: Optional["Escape"] = None
-_waiting_since: Optional[float] = None
-_finished_waits = 0
 
 
 class CollectiveAbandoned(RuntimeError):
@@ -70,30 +69,6 @@ def set_escape(escape: Optional[Escape]) -> None:
     """Install (or, with None, remove) the escape every untimed wait consults."""
     global _escape
     _escape = escape
-
-
-def wait_state() -> tuple[Optional[float], int]:
-    """(wall-clock time the main thread began its current wait on a collective or None, waits finished so far).
-    Read from other threads (the heartbeat)."""
-    return _waiting_since, _finished_waits
-
-
-class waiting:
-    """``with waiting():`` the main thread waits on its peers (a collective, or a decision in the store): what
-    :func:`wait_state` reports. Nested and other threads' waits leave the outer one's state as it is."""
-
-    def __enter__(self) -> "waiting":
-        global _waiting_since
-        self._outer = threading.current_thread() is threading.main_thread() and _waiting_since is None
-        if self._outer:
-            _waiting_since = time.time()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        global _waiting_since, _finished_waits
-        if self._outer:
-            _waiting_since = None
-            _finished_waits += 1
 
 
 def _wait(self: Work, timeout: timedelta = NO_TIMEOUT) -> bool:

@@ -7,8 +7,8 @@ never come back and write; the reaper then reports it dead like any other. The h
 which long GIL-holding work (unpickling, building a dataset index) can delay by seconds: its timeout must stay
 well above that.
 
-*Progress, not liveness.* A rank stuck in a kernel or behind a dead link keeps its heartbeat alive while every
-peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its peers. A
+*Progress, not liveness* (``ntp.progress_fence``, gloo on CPU). A rank stuck in a kernel keeps its heartbeat alive
+while every peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its peers. A
 launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` says so in the store
 (:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher fences its ranks that,
 in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not progressed for half the
@@ -57,7 +57,7 @@ def process_state(pid: int) -> str:
 class Agent:
     def __init__(self, store: dist.Store, processes: Callable[[], dict[int, _Process]], heartbeat_timeout_s: float,
                  startup_grace_s: float, specs: list, say: Callable[[str], None],
-                 live: Callable[[], list[int]], fence: bool = True) -> None:
+                 live: Callable[[], list[int]], fence: bool = True, fence_progress: bool = False) -> None:
         self.store = store
         self.processes = processes
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -66,6 +66,8 @@ class Agent:
         self.live = live
         self.fence = fence
         """Fence by heartbeat (only ranks of an NTP job beat)."""
+        self.fence_progress = fence_progress
+        """Fence by progress too (``ntp.progress_fence``)."""
         self.started = time.time()
         self.born: dict[int, float] = {}
         """Launch rank -> when its current process started (a replacement later than the job)."""
@@ -144,7 +146,7 @@ class Agent:
                 self._kill(rank, proc, last if last is not None else now,
                            f"hung: fenced after {silent:.1f} s without a heartbeat")
                 continue
-            if last is None:
+            if last is None or not self.fence_progress:
                 continue
             stuck_since = self._progress(rank, beat, now)
             if stuck_since is not None:
@@ -161,7 +163,10 @@ class Agent:
         if waiting_since is not None and now - waiting_since >= half:
             if now - self._stall_published >= STALL_REFRESH_S:
                 self._stall_published = now
-                self.store.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
+                try:
+                    self.store.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
+                except Exception:  # noqa: BLE001 - the store is going away with the job
+                    pass
         count = beat.get("progress")
         seen = self.progress.get(rank)
         if seen is None or seen[0] != count:

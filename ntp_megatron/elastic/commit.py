@@ -19,7 +19,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.patches.torch_distributed_work import waiting
+from ntp_megatron.phases import waiting
 
 COMMIT, ABORT = "commit", "abort"
 COMMIT_REFORM = "commit+reform"

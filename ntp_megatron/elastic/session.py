@@ -24,6 +24,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank
+from ntp_megatron import phases
 from ntp_megatron.elastic.host import Builder, Training
 from ntp_megatron.elastic.reform import Reformer
 
@@ -183,10 +184,13 @@ class ElasticSession(Session):
         try:
             return action()
         except OWN_OR_PEER as exc:  # noqa: BLE001
-            if not caused_by_peer(exc, lambda s: self.elastic.marked_over(generation, s)):
+            with phases.waiting():  # on the controller's verdict: the launcher must not take this rank for stuck
+                peer = caused_by_peer(exc, lambda s: self.elastic.marked_over(generation, s))
+            if not peer:
                 raise
             cause = f"{type(exc).__name__}: {str(exc)[:300]}"  # text only: the exception would pin the frames
-        self._recover(cause)
+        with phases.waiting():  # on the next generation, then on the peers it re-forms with
+            self._recover(cause)
         return None
 
     def _recover(self, cause: str) -> None:

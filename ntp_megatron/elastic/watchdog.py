@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ntp_megatron import phases
 from ntp_megatron.elastic import keys
-from ntp_megatron.patches.torch_distributed_work import AbandonedWait, wait_state
+from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class GenerationWatchdog:
 class Heartbeat:
     """A thread that writes this rank's heartbeat to the store every ``interval_s``, so the launcher can fence a
     rank that stopped responding (SIGSTOP, a hung device) without waiting for a collective timeout, and one that
-    is alive but makes no progress while its peers wait on it (a kernel that never returns, a dead link): the
+    is alive but makes no progress while its peers wait on it (a kernel that never returns; ``ntp.progress_fence``): the
     heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far it got (its progress count:
     phase marks, micro-batches and finished collective waits) and since when it waits on a collective."""
 
@@ -197,9 +197,8 @@ def beat() -> dict:
     """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
     works) and ``waiting_since`` (when its main thread began waiting on a collective, or None)."""
     iteration, phase = phases.current()
-    waiting_since, waits = wait_state()
-    return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress() + waits,
-            "waiting_since": waiting_since}
+    return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress(),
+            "waiting_since": phases.wait_state()}
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:

@@ -59,6 +59,8 @@ class ForwardStep:
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
         phases.tick()
+        if self.index == 0:
+            phases.enter("forward")  # where the rank is from the iteration's first micro-batch on
         middle = self.index == self.middle
         self.index += 1
         if middle:

@@ -187,11 +187,12 @@ SPIN_TIMEOUT_S = 3.0
 
 @pytest.mark.parametrize("rank, phase", [(1, "forward"), (2, "grad_sync")])
 def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, rank, phase):
-    """``spin``: the rank busy-loops with its heartbeat alive (as one stuck in a kernel does) — in forward, where
-    its TP peer waits on it, or in the gradient sync, where the other replica's ranks do. Its launcher fences it by
-    name within ``ntp.heartbeat_timeout_s`` (its progress stood still while its peers waited), the survivors
+    """``spin`` with ``ntp.progress_fence``: the rank busy-loops with its heartbeat alive (as one stuck in a kernel
+    does) — in forward, where its TP peer waits on it, or in the gradient sync, where the other replica's ranks do.
+    Its launcher fences it by name within ``ntp.heartbeat_timeout_s`` (its progress stood still while its peers waited), the survivors
     re-form, and the loss curve is the failure-free run's."""
-    args = ntp_args(2, 2, extra=("--set", f"ntp.heartbeat_timeout_s={SPIN_TIMEOUT_S}")) + [
+    args = ntp_args(2, 2, extra=("--set", f"ntp.heartbeat_timeout_s={SPIN_TIMEOUT_S}",
+                                 "--set", "ntp.progress_fence=true")) + [
         "--inject-failure", f"spin:rank={rank},iter=4,phase={phase}"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)

@@ -19,7 +19,7 @@ from ntp_megatron.elastic import agent as agent_module
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.agent import Agent
 from ntp_megatron.elastic.watchdog import beat
-from ntp_megatron.patches.torch_distributed_work import wait_state, waiting
+from ntp_megatron.phases import wait_state, waiting
 
 TIMEOUT_S = 4.0
 HALF = TIMEOUT_S / 2
@@ -42,7 +42,7 @@ def fence(monkeypatch):
     store = dist.HashStore()
     said: list[str] = []
     agent = Agent(store, lambda: procs, TIMEOUT_S, startup_grace_s=60.0, specs=[], say=said.append,
-                  live=lambda: list(procs))
+                  live=lambda: list(procs), fence_progress=True)
     start = agent.started
 
     def beats(now: float, **per_rank: dict) -> None:
@@ -82,30 +82,80 @@ def test_no_one_else_is_fenced(fence, case):
     assert not killed, said
 
 
-def test_a_stall_no_longer_confirmed_is_over(fence):
-    """Rank 0 waited, then its wait ended (no new stall): a rank idle since then is not fenced for it."""
+def test_without_the_progress_fence_nobody_is_fenced_for_progress(fence):
     agent, beats, said, killed, t0 = fence
-    beats(t0, r0={"waiting_since": t0}, r1={"progress": 5})
-    beats(t0 + HALF + 0.1, r0={"waiting_since": t0}, r1={"progress": 6})  # the stall is published, 1 works
-    assert json.loads(agent.store.get(keys.STALLED))["launch_rank"] == 0
-    beats(t0 + HALF + 0.2, r0={"progress": 1}, r1={"progress": 6})
-    beats(t0 + 2 * HALF + 2.0, r0={"progress": 2}, r1={"progress": 6})  # 1 idle for > half, the stall is stale
+    agent.fence_progress = False
+    waits = {"r0": {"waiting_since": t0}, "r2": {"waiting_since": t0}}
+    for now in (t0, t0 + HALF + 0.1, t0 + TIMEOUT_S - 0.1):
+        beats(now, r1={"progress": 5}, r3={"progress": int(now)}, **waits)
     assert not killed, said
 
 
+def test_a_stall_no_longer_confirmed_is_over(fence):
+    """Rank 0 waited, then its wait ended (no new stall): a rank idle since then is not fenced for it."""
+    agent, beats, said, killed, t0 = fence
+    busy = {"r2": {"progress": 1}, "r3": {"progress": 1}}
+    beats(t0, r0={"waiting_since": t0}, r1={"progress": 5}, **busy)
+    busy = {"r2": {"progress": 2}, "r3": {"progress": 2}}
+    beats(t0 + HALF + 0.1, r0={"waiting_since": t0}, r1={"progress": 6}, **busy)  # the stall is published, 1 works
+    assert json.loads(agent.store.get(keys.STALLED))["launch_rank"] == 0
+    busy = {"r2": {"progress": 3}, "r3": {"progress": 3}}
+    beats(t0 + HALF + 0.2, r0={"progress": 1}, r1={"progress": 6}, **busy)
+    busy = {"r2": {"progress": 4}, "r3": {"progress": 4}}
+    beats(t0 + 2 * HALF + 2.0, r0={"progress": 2}, r1={"progress": 6}, **busy)  # 1 idle > half, the stall stale
+    assert not killed, said
+    beats(t0 + 2 * HALF + 2.1, r0={"waiting_since": t0 + 2 * HALF + 2.0 - HALF - 0.1}, r1={"progress": 6},
+          r2={"progress": 5}, r3={"progress": 5})
+    assert agent.notes.keys() == {1}, "a new stall: the rank idle all along is the one the others wait on"
+
+
+def test_a_wait_shorter_than_half_the_timeout_is_no_stall(fence):
+    """Rank 1 froze at t0; rank 0 began waiting later and has waited less than half the timeout: nobody is
+    fenced yet (a rank may be slow for a while), and once rank 0 has waited half the timeout, rank 1 is."""
+    agent, beats, said, killed, t0 = fence
+    beats(t0, r1={"progress": 5}, r2={"progress": 1}, r3={"progress": 1})
+    late = t0 + HALF
+    beats(late + HALF - 0.2, r0={"waiting_since": late}, r1={"progress": 5}, r2={"progress": 2}, r3={"progress": 2})
+    assert not killed and not agent.store.check([keys.STALLED])
+    beats(late + HALF + 0.1, r0={"waiting_since": late}, r1={"progress": 5}, r2={"progress": 3}, r3={"progress": 3})
+    assert agent.notes.keys() == {1}
+
+
 def test_the_heartbeat_says_where_the_rank_is_and_whether_it_waits():
+    import threading
+
     phases.enter("grad_sync")
     before = beat()
     assert before["phase"] == "grad_sync" and before["waiting_since"] is None
     with waiting():
         inside = beat()
-        assert inside["waiting_since"] is not None and wait_state()[0] == inside["waiting_since"]
+        assert inside["waiting_since"] is not None and wait_state() == inside["waiting_since"]
         with waiting():  # nested: the outer wait speaks for both
             assert beat()["waiting_since"] == inside["waiting_since"]
     after = beat()
     assert after["waiting_since"] is None and after["progress"] == before["progress"] + 1
     phases.tick()
     assert beat()["progress"] == after["progress"] + 1
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(_wait_in_thread()))
+    thread.start()
+    thread.join()
+    assert seen == [None], "another thread's wait is not the rank's"
+    phases.enter("start")  # as a fresh process: later tests of this process expect no iteration phase
+
+
+def _wait_in_thread():
+    with waiting():
+        return wait_state()
+
+
+def test_every_collective_wait_is_the_patched_one():
+    from torch._C._distributed_c10d import Work
+
+    from ntp_megatron.patches import torch_distributed_work
+
+    torch_distributed_work.apply()
+    assert Work.wait is torch_distributed_work._wait
 
 
 @pytest.mark.parametrize("text, message", [
