@@ -277,9 +277,10 @@ class NTPSection(_Section):
     """Also fence a rank whose heartbeat goes on but which has made no progress for half of
     ``heartbeat_timeout_s`` in a phase of an iteration (forward, backward, grad_sync, optimizer) while another rank
     has waited on its peers as long (stuck in a kernel; ``--inject-failure spin:...``). Off by default: progress is
-    marked per micro-batch, per collective and per phase, so a rank whose one micro-batch computes longer than half
-    the timeout without a collective (a replica degraded to TP1 on a large model) would be taken for a stuck one.
-    gloo on CPU only (NCCL waits do not block the host: a healthy rank waiting on a stuck one would look stuck)."""
+    marked per layer (forward and backward), per collective and per phase, so a rank whose one layer or optimizer
+    step computes longer than half the timeout would be taken for a stuck one, and the fence is not causal yet (a
+    stall anywhere lets any frozen rank be fenced). gloo on CPU only (NCCL waits do not block the host: a healthy
+    rank waiting on a stuck one would look stuck)."""
     rejoin_after_s: Optional[float] = Field(None, ge=0.0)
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""

@@ -17,6 +17,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
 
+from ntp_megatron import phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.shard_layout import ddp_bucket_size
 
@@ -182,6 +183,8 @@ def build_model(
     # bf16 / fp16: the whole model in 16 bits, norms included, as Megatron-LM's Float16Module casts it (the
     # wrapper itself is left out: NTP code reads the GPT module directly; the loss is fp32 either way).
     gpt = gpt.to(device=device, dtype=tf_config.params_dtype)
+    if cfg.ntp.enabled and cfg.ntp.progress_fence:
+        mark_progress(gpt)
     config = ddp_config(cfg)
     if not own_buckets_sync:
         config.overlap_grad_reduce = False
@@ -194,6 +197,32 @@ def build_model(
     n_params = sum(p.numel() for p in gpt.parameters())
     logger.info("GPT model: %d parameters on this rank", n_params)
     return model
+
+
+def mark_progress(gpt: torch.nn.Module) -> None:
+    """A progress mark (:func:`ntp_megatron.phases.tick`) as every transformer layer's forward begins and as its
+    backward begins, so that a working rank's progress count moves within a micro-batch (``ntp.progress_fence``:
+    the launcher takes a rank whose count stands still while its peers wait on it for a stuck one)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for module in gpt.modules():
+        if isinstance(module, TransformerLayer):
+            module.register_forward_pre_hook(_tick_forward)
+            module.register_forward_hook(_tick_at_backward)
+
+
+def _tick_forward(module: torch.nn.Module, args) -> None:
+    phases.tick()
+
+
+def _tick_at_backward(module: torch.nn.Module, args, output) -> None:
+    hidden = output[0] if isinstance(output, tuple) else output
+    if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(_tick_gradient)
+
+
+def _tick_gradient(grad: torch.Tensor) -> None:
+    phases.tick()  # returns None: the gradient is left as it is
 
 
 def mark_tensor_parallel(gpt: torch.nn.Module, tf_config: TransformerConfig) -> None:

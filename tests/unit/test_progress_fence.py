@@ -173,3 +173,40 @@ def test_spin_needs_ntp():
     spec = faults.parse_failure_spec("spin:rank=1,iter=3,phase=backward", world_size=4, train_iters=10)
     assert (spec.action, spec.rank, spec.iteration, spec.phase) == ("spin", 1, 3, "backward")
     assert str(spec) == "spin:rank=1,iter=3,phase=backward"
+
+
+def test_every_layer_marks_progress_in_forward_and_in_backward(megatron):
+    """``ntp.progress_fence``'s model marks: a real NTP GPT (two layers, one-rank world) moves the progress count
+    at each layer's forward and backward, so a working rank's count moves within a micro-batch."""
+    import torch
+
+    from ntp_megatron.config import load_job_config
+    from ntp_megatron.layout import make_topology
+    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.training.model import mark_progress, transformer_config
+
+    cfg = load_job_config(overrides=["ntp.enabled=true", "training.device=cpu", "ntp.progress_fence=true",
+                                     "parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=1"])
+    m, tf_config = cfg.model, transformer_config(cfg, torch.device("cpu"))
+    topology = make_topology(1, 1, cfg.unit_counts())
+    units = RankUnits(*(tuple(topology.units_of(0, f)) for f in ("heads", "ffn", "vocab")))
+    gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, max_sequence_length=m.seq_length,
+                        pre_process=True, post_process=True, share_embeddings_and_output_weights=True,
+                        position_embedding_type=m.position_embedding_type, pg_collection=megatron)
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the attention's RNG fork (dropout is 0)
+    tokens = torch.randint(0, m.vocab_size, (1, 8))
+    positions = torch.arange(8).unsqueeze(0)
+
+    def run() -> tuple[int, int]:
+        start = phases.progress()
+        loss = gpt(tokens, positions, None, labels=tokens).float().mean()
+        forward = phases.progress()
+        loss.backward()
+        return forward - start, phases.progress() - forward
+
+    without = run()  # the model's own waits, if any (patched Work.wait in this process)
+    mark_progress(gpt)
+    with_marks = run()
+    assert (with_marks[0] - without[0], with_marks[1] - without[1]) == (m.num_layers, m.num_layers)
