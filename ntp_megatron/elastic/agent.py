@@ -8,12 +8,13 @@ which long GIL-holding work (unpickling, building a dataset index) can delay by 
 well above that.
 
 *Progress, not liveness* (``ntp.progress_fence``, gloo on CPU). A rank stuck in a kernel keeps its heartbeat alive
-while every peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its peers. A
-launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` says so in the store
+while every peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its
+peers. A launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` says so in the store
 (:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher fences its ranks that,
 in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not progressed for half the
-timeout and do not wait themselves: the rank the others wait on, by name, within ``ntp.heartbeat_timeout_s``. *Injected failures from outside*: ``kill:rank=R,after=S`` and
-``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
+timeout and do not wait themselves: the rank the others wait on, by name, within ``ntp.heartbeat_timeout_s``.
+
+*Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
 iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up.
 """

@@ -163,8 +163,8 @@ class GenerationWatchdog:
 class Heartbeat:
     """A thread that writes this rank's heartbeat to the store every ``interval_s``, so the launcher can fence a
     rank that stopped responding (SIGSTOP, a hung device) without waiting for a collective timeout, and one that
-    is alive but makes no progress while its peers wait on it (a kernel that never returns; ``ntp.progress_fence``): the
-    heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far it got (its progress count:
+    is alive but makes no progress while its peers wait on it (a kernel that never returns;
+    ``ntp.progress_fence``): the heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far it got (its progress count:
     phase marks, micro-batches and finished collective waits) and since when it waits on a collective."""
 
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:

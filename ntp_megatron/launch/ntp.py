@@ -44,14 +44,15 @@ class NTPPolicy(DeathPolicy):
         """Handle the deaths of replacements (this node's, or on node 0 any node's) that died before they were
         admitted — the job never relied on them — and return the other deaths."""
         host = self.host
+        stopped = {d.launch_rank for d in deaths if self.rejoins.stopped_at_end(d.launch_rank)}
         booting = [d for d in deaths
                    if ((self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
                        and not self.admitted(d.launch_rank))
-                   or self.rejoins.stopped_at_end(d.launch_rank)]  # admitted, never formed, stopped at the end
+                   or d.launch_rank in stopped]  # admitted, never formed, stopped at the end
         for d in booting:
             try_delete(host.store, keys.joining(d.launch_rank))  # so that it is never admitted
             self.replacement_died(d)
-            if self.training_done or self.rejoins.stopped_at_end(d.launch_rank):
+            if self.training_done or d.launch_rank in stopped:
                 continue  # stopped by a launcher: the run completed before it was admitted (or formed)
             host.console.say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
                              f"admitted; the job goes on without it")

@@ -130,12 +130,8 @@ class Rejoins:
     def stranded(self, launch_rank: int) -> bool:
         """Once the run is complete: this node's replacement for ``launch_rank`` was never part of a completed
         formation, admitted or not, so nothing trained with it (False when the store cannot say)."""
-        if not self.is_replacement(launch_rank):
-            return False
-        store = self.host.store
-        completed = _generation(store, keys.COMPLETED)
-        return completed >= 0 and not (completed > self.started_after.get(launch_rank, -1)
-                                       and slot_live(store, keys.COMPLETED, self.host.launch_slots[launch_rank]))
+        return (self.is_replacement(launch_rank) and _generation(self.host.store, keys.COMPLETED) >= 0
+                and not self._formed_with(launch_rank))
 
     def stopped_at_end(self, launch_rank: int) -> bool:
         """Some node's launcher stopped ``launch_rank``'s replacement at the end of the run (:meth:`step`)."""
