@@ -13,8 +13,10 @@ A rank makes ``tp_base + 2`` groups per generation, whatever the number of repli
 initializer at TP 1 made 112,646 per rank at 10,240 ranks), and at TP ≥ 2 no world-sized group exists
 besides the default one: see :class:`GroupMaker` for how.
 
-Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is rebuilt
-from a topology object, so a re-formation can call :func:`build_groups` again.
+Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is built from a
+topology object, so a re-formation can call :func:`build_groups` again; given a :class:`GroupPool`, a group the
+new generation shares with the one before (:mod:`ntp_megatron.group_plan`) goes on as the same object where its
+members agreed to keep it, and only the others are made.
 """
 
 from __future__ import annotations
@@ -30,10 +32,58 @@ from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron import shard_layout
+from ntp_megatron.group_plan import GroupKey, intra_group_ranks, key, rank_group_keys, sync_group_ranks
 from ntp_megatron.grid import Grid
 from ntp_megatron.layout import Topology
 from ntp_megatron.stages import PipelineTopology
 from ntp_megatron.patches import parallel_state as ps_patch
+from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
+from ntp_megatron.sockets import SocketScope
+
+
+@dataclass
+class PooledGroup:
+    """A group of this process that may go on into later generations, with what it takes to do so."""
+
+    key: GroupKey
+    group: dist.ProcessGroup
+    made_in: int
+    """The generation that made it (its incarnation: members keep it only if they hold the same one)."""
+    sockets: dict[int, str]
+    """Its gloo pairs (fd -> identity): shut down when it can be blocked on a dead member, or let go of."""
+    pins: dict[int, str] = field(default_factory=dict)
+    """The store client of the generation that made it, which its backend holds on to (open while it lives)."""
+    detached: Optional[c10d_patch.Detached] = None
+    """Set between two generations: taken out of torch's tables (:meth:`GroupPool.detach`)."""
+
+    def issued(self) -> int:
+        """Collectives issued on it so far by this process (torch's per-group sequence number)."""
+        return self.group._get_sequence_number_for_group()
+
+
+@dataclass
+class GroupPool:
+    """This process's groups of one generation (``made`` and ``kept``) and those offered to it from the one
+    before (``offered``: those its members agreed to keep, :func:`ntp_megatron.group_plan.keep_verdict`)."""
+
+    generation: int
+    store_sockets: dict[int, str] = field(default_factory=dict)
+    """The generation's store client (every group made in it holds on to it)."""
+    offered: dict[GroupKey, PooledGroup] = field(default_factory=dict)
+    groups: dict[GroupKey, PooledGroup] = field(default_factory=dict)
+    """Every group of this generation this process is a member of, made or kept."""
+    made: list[GroupKey] = field(default_factory=list)
+    kept: list[GroupKey] = field(default_factory=list)
+
+    def detach(self, keep: "set[GroupKey] | frozenset[GroupKey]") -> dict[GroupKey, PooledGroup]:
+        """Take the groups whose keys are in ``keep`` out of torch's tables (so that destroying the default group
+        leaves them alone); returns them."""
+        out = {}
+        for k, pooled in self.groups.items():
+            if k in keep:
+                pooled.detached = c10d_patch.detach(pooled.group)
+                out[k] = pooled
+        return out
 
 
 class GroupMaker:
@@ -46,13 +96,21 @@ class GroupMaker:
     the default group, and every rank is in exactly one such group: its replica), plus this rank alone (one
     member, nothing to agree on). The groups that cross replicas, ``tp_base`` of them, are made by every rank
     in one order: a call a rank is not a member of only records the group's ranks.
+
+    With a :class:`GroupPool`, a group offered to it is not made but put back into torch's tables where it
+    would have been made (:func:`ntp_megatron.patches.torch_distributed_c10d.attach`), counted as torch counts a
+    group it makes, so the names of the groups made after it still agree between members.
     """
 
-    def __init__(self, rank: int, timeout: timedelta) -> None:
+    def __init__(self, rank: int, timeout: timedelta, topology: "Topology | PipelineTopology | None" = None,
+                 pool: Optional[GroupPool] = None) -> None:
         self.rank = rank
         self.timeout = timeout
+        self.topology = topology
+        """The whole generation (to name groups by their members' identities); only needed with a pool."""
+        self.pool = pool
 
-    def first_local(self, ranks: Iterable[int]) -> dist.ProcessGroup:
+    def first_local(self, ranks: Iterable[int], key: Optional[GroupKey] = None) -> dist.ProcessGroup:
         """The group of ``ranks`` (this rank among them, disjoint from every other rank's first group), made
         by its members only; before any other group of this generation."""
         ranks = sorted(ranks)
@@ -65,13 +123,13 @@ class GroupMaker:
             raise RuntimeError("a group made by its members alone must be the first of its generation: torch "
                                "names it after the number of groups the process already has, which its peers "
                                f"must share (this process has {len(distributed_c10d._world.pg_names)})")
-        return self._new(ranks, local=True)
+        return self._new(ranks, local=True, key=key)
 
-    def alone(self) -> dist.ProcessGroup:
+    def alone(self, key: Optional[GroupKey] = None) -> dist.ProcessGroup:
         """This rank by itself (made locally: no peer to agree with on anything)."""
-        return self._new([self.rank], local=True)
+        return self._new([self.rank], local=True, key=key)
 
-    def partition(self, parts: Iterable[Iterable[int]]) -> dist.ProcessGroup:
+    def partition(self, parts: Iterable[Iterable[int]], key: Optional[GroupKey] = None) -> dist.ProcessGroup:
         """This rank's part of ``parts``, a partition of the world (every rank in exactly one part), made by each
         part's members alone. Every rank calls this with the same partition at the same point of its sequence,
         after calls that left every rank with the same number of groups (the first local group, ``alone``,
@@ -82,17 +140,35 @@ class GroupMaker:
         if members != list(range(dist.get_world_size())):
             raise ValueError(f"not a partition of the world: {parts[:4]}...")
         [mine] = [part for part in parts if self.rank in part]
-        return self._new(mine, local=True)
+        return self._new(mine, local=True, key=key)
 
-    def every_rank(self, ranks: Iterable[int]) -> Optional[dist.ProcessGroup]:
+    def every_rank(self, ranks: Iterable[int], key: Optional[GroupKey] = None) -> Optional[dist.ProcessGroup]:
         """The group of ``ranks``; every rank of the world calls this for the same groups in the same order.
         None where this rank is not a member."""
         ranks = sorted(ranks)
-        group = self._new(ranks, local=False)
-        return group if self.rank in ranks else None
+        if self.rank not in ranks:
+            self._new(ranks, local=False, key=None)  # records the group's ranks, names nothing of this rank's
+            return None
+        return self._new(ranks, local=False, key=key)
 
-    def _new(self, ranks: list[int], local: bool) -> dist.ProcessGroup:
-        return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
+    def _new(self, ranks: list[int], local: bool, key: Optional[GroupKey]) -> dist.ProcessGroup:
+        pool = self.pool
+        if pool is None or key is None:
+            return dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
+        if key in pool.offered:
+            pooled = pool.offered.pop(key)
+            c10d_patch.attach(pooled.detached, {self.topology.rank_of(*m): i for i, m in enumerate(key.members)},
+                              counted=not local)
+            pooled.detached = None
+            pool.groups[key] = pooled
+            pool.kept.append(key)
+            return pooled.group
+        with SocketScope() as scope:
+            group = dist.new_group(ranks, timeout=self.timeout, use_local_synchronization=local)
+        pool.groups[key] = PooledGroup(key=key, group=group, made_in=pool.generation, sockets=scope.sockets,
+                                       pins=dict(pool.store_sockets))
+        pool.made.append(key)
+        return group
 
 
 def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, distributed_optimizer: bool = False,
@@ -168,6 +244,8 @@ class NTPGroups:
     """With pipeline stages: the whole generation (``topology`` is this rank's stage of it)."""
     mp: Optional[dist.ProcessGroup] = None
     """With pipeline stages: every rank of this rank's replica, all stages (Megatron's model-parallel group)."""
+    pool: Optional[GroupPool] = None
+    """With a pool (an elastic job): which groups were made and which kept, by key."""
 
     @property
     def last_stage_rank(self) -> Optional[int]:
@@ -194,22 +272,8 @@ class NTPGroups:
         return pg
 
 
-def sync_group_ranks(topology: Topology, block: int) -> tuple[int, ...]:
-    """The ranks of sync group ``block`` (one per replica), ascending."""
-    return tuple(sorted(topology.sync_member(rep.index, block) for rep in topology.replicas))
-
-
-def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance: int) -> tuple[int, ...]:
-    """The ranks of sync group ``block`` in ``instance`` (of ``k`` over the ``dp`` launch replicas), ascending
-    (that is, in replica order: ranks are numbered replica by replica), so a member's group rank is its
-    replica's position in the instance."""
-    present = {rep.index for rep in topology.replicas}
-    return tuple(sorted(topology.sync_member(r, block) for r in shard_layout.instances(dp, k)[instance]
-                        if r in present))
-
-
 def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: float, dp: Optional[int] = None,
-                 instances: int = 1) -> NTPGroups:
+                 instances: int = 1, pool: Optional[GroupPool] = None) -> NTPGroups:
     """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
     generation right after it joined (see :class:`GroupMaker`).
 
@@ -221,25 +285,31 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
     With ``instances`` k > 1 (over the ``dp`` launch replicas) it also makes, for every block, the intra-instance
     part of the sync group (k groups) and the twins' groups (dp/k): ``tp_base·(k + dp/k)`` more calls by every
     rank. They are exposed in :class:`NTPGroups` (``intra``, ``inter``, :meth:`NTPGroups.with_sync_groups`) and
-    not installed: Megatron's globals and ``pg_collection`` keep one instance."""
-    make = GroupMaker(rank, timedelta(seconds=timeout_s))
+    not installed: Megatron's globals and ``pg_collection`` keep one instance.
+
+    With a ``pool`` (:class:`GroupPool`), the groups it offers are kept rather than made, and it records what was
+    made and kept; the keys of the groups this rank ends up in are checked against
+    :func:`ntp_megatron.group_plan.rank_group_keys` (the plan the re-formation offered groups by)."""
+    whole = topology
+    make = GroupMaker(rank, timedelta(seconds=timeout_s), whole, pool)
     pipeline = topology if isinstance(topology, PipelineTopology) else None
     stages = pipeline.stages if pipeline is not None else (topology,)
     topology = pipeline.stage_of(rank) if pipeline is not None else topology
     replica = topology.replica_of(rank)
     tp_ranks = tuple(sorted(replica.ranks))
-    tp_group = make.first_local(tp_ranks)
-    alone = make.alone()
+    tp_group = make.first_local(tp_ranks, key(whole, "tp", (topology.stage,), tp_ranks))
+    alone = make.alone(key(whole, "alone", (), [rank]))
     mp = None
     if pipeline is not None:  # before the sync groups, which leave ranks members of different numbers of groups
-        mp = make.partition(pipeline.replica_ranks(r) for r in pipeline.replica_indices)
+        mp = make.partition((pipeline.replica_ranks(r) for r in pipeline.replica_indices),
+                            key(whole, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
     member_of = set(topology.member_blocks(rank))
     sync: dict[int, dist.ProcessGroup] = {}
     sync_ranks: dict[int, tuple[int, ...]] = {}
     for stage in stages:  # in stage order on every rank
         for block in range(stage.tp_base):
             ranks = sync_group_ranks(stage, block)
-            group = make.every_rank(ranks)
+            group = make.every_rank(ranks, key(whole, "sync", (stage.stage, block), ranks))
             if stage is topology and block in member_of:
                 sync[block], sync_ranks[block] = group, ranks
     if pipeline is not None and instances > 1:
@@ -256,19 +326,21 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
     else:
         for block in range(topology.tp_base):
             for i in range(instances):
-                group = make.every_rank(intra_group_ranks(topology, block, dp, instances, i))
+                ranks = intra_group_ranks(topology, block, dp, instances, i)
+                group = make.every_rank(ranks, key(whole, "intra", (block, i), ranks))
                 if block in member_of and i == instance:
                     intra[block] = group
             for j in range(dp // instances):
-                group = make.every_rank(shard_layout.shard_holders(topology, dp, instances, (block, j)))
+                ranks = shard_layout.shard_holders(topology, dp, instances, (block, j))
+                group = make.every_rank(ranks, key(whole, "inter", (block, j), ranks))
                 if block in member_of and j == position:
                     inter[block] = group
     healthy = topology.is_healthy(replica.index)
     if healthy:
-        [(block, dp)] = sync.items()
+        [(block, dp_group)] = sync.items()
         dp_ranks = sync_ranks[block]
     else:
-        dp, dp_ranks = alone, (rank,)
+        dp_group, dp_ranks = alone, (rank,)
     pipe = None
     if pipeline is not None:
         mp_ranks = tuple(pipeline.replica_ranks(replica.index))
@@ -277,11 +349,17 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
             lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
             mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.pipeline.TiedEmbeddingSync
             pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
-    pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp, dp_ranks=dp_ranks, alone=alone,
+    pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp_group, dp_ranks=dp_ranks, alone=alone,
                                               rank=rank, pipeline=pipe))
+    if pool is not None:
+        expected = sorted(rank_group_keys(whole, rank, dp, instances))
+        if sorted(pool.groups) != expected or pool.offered:
+            raise RuntimeError(f"rank {rank}: the groups made and kept ({sorted(k.label() for k in pool.groups)}) are "
+                               f"not the plan's ({[k.label() for k in expected]}); left offered: "
+                               f"{sorted(k.label() for k in pool.offered)}")
     return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy,
                      instances=instances, instance=instance, position=position, intra=intra, inter=inter,
-                     pipeline=pipeline, mp=mp)
+                     pipeline=pipeline, mp=mp, pool=pool)
 
 
 def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup]:
@@ -297,6 +375,11 @@ def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup
         if isinstance(value, dist.ProcessGroup) and isinstance(replacement, dist.ProcessGroup):
             mapping.setdefault(id(value), replacement)
     return mapping
+
+
+def _groups_of(groups: NTPGroups) -> list[dist.ProcessGroup]:
+    return [g for g in (groups.tp, groups.mp, *groups.sync.values(), *groups.intra.values(), *groups.inter.values(),
+                        *vars(groups.pg_collection).values()) if isinstance(g, dist.ProcessGroup)]
 
 
 def _walk(obj, visit, seen: set[int]) -> None:
@@ -322,19 +405,33 @@ def _walk(obj, visit, seen: set[int]) -> None:
         _walk(value, visit, seen)
 
 
+def references_to(roots: list, group: dist.ProcessGroup) -> int:
+    """How many references to ``group`` (this very object) there are anywhere under ``roots``."""
+    found = 0
+
+    def visit(container, key, value) -> None:
+        nonlocal found
+        found += value is group
+
+    seen: set[int] = set()
+    for root in roots:
+        _walk(root, visit, seen)
+    return found
+
+
 def rebind_process_groups(roots: list, old: NTPGroups, new: NTPGroups) -> int:
     """Point every reference to one of ``old``'s groups, found anywhere under ``roots`` (model, DDP, optimizer),
-    at the matching group of ``new``. Returns how many references were replaced; raises if an old group is
-    still referenced afterwards (a stale group would fail at its first collective, or worse)."""
+    at the matching group of ``new`` (a group kept into ``new`` is left as it is). Returns how many references
+    were replaced; raises if an old group is still referenced afterwards (a stale group would fail at its first
+    collective, or worse)."""
     mapping = group_mapping(old, new)
-    old_ids = {id(g) for g in (old.tp, *old.sync.values(), *old.intra.values(), *old.inter.values(),
-                               *vars(old.pg_collection).values())
-               if isinstance(g, dist.ProcessGroup)}  # before the walk, which may rebind old.pg_collection itself
+    # Before the walk, which may rebind old.pg_collection itself. A group kept (the same object in both) is not old.
+    old_ids = {id(g) for g in _groups_of(old)} - {id(g) for g in _groups_of(new)}
     replaced = 0
 
     def visit(container, key, value) -> None:
         nonlocal replaced
-        if not isinstance(value, dist.ProcessGroup) or id(value) not in mapping:
+        if not isinstance(value, dist.ProcessGroup) or id(value) not in mapping or mapping[id(value)] is value:
             return
         if isinstance(container, tuple):
             raise RuntimeError(f"a process group inside a tuple ({type(container).__name__}) cannot be rebound")

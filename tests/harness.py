@@ -752,3 +752,68 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
     if wrong:
         raise ReformationBoundError("; ".join(wrong))
     return found
+
+
+def _healthy(topology, replica: int) -> bool:
+    """Replica ``replica`` has every slot of every stage live in ``topology``."""
+    from ntp_megatron.stages import PipelineTopology
+
+    stages = topology.stages if isinstance(topology, PipelineTopology) else (topology,)
+    return all(any(rep.index == replica for rep in stage.replicas) and stage.is_healthy(replica) for stage in stages)
+
+
+def _group_names(keys) -> set[str]:
+    return {f"{k.role}{list(k.place)}" for k in keys}
+
+
+def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instances: int = 1,
+                             healthy_tp_kept: bool = False) -> int:
+    """Every re-formation of ``result``, every rank: the groups it made and kept (its ``reform_rank`` record) against
+    the plan worked out from the published topologies (``ntp_megatron.group_plan.event_plan``). Every group the plan
+    makes was made (or kept from a formation cut short after the base, which made it), and nothing outside the
+    rank's groups; besides the plan's, a rank may make a group its members'
+    verdict refused (a collective left half-matched by the failure), never at an admission boundary (nothing in
+    flight: exactly the plan's). With ``healthy_tp_kept`` (failures that strand nothing in a healthy replica's TP
+    group), a rank of a replica healthy in both generations (every stage) kept its TP group: the same incarnation, bound as many
+    times in its model, DDP and optimizer, and made only sync groups. Returns how many such ranks were seen.
+    ``dp``: the launch data-parallel size (default: the replicas of generation 0)."""
+    from ntp_megatron.group_plan import event_plan
+    from ntp_megatron.stages import PipelineTopology, load_topology
+
+    published = {e["generation"]: e for e in result.events("generation_published")}
+    topologies = {g: load_topology(e["topology"]) for g, e in published.items()}
+    records = {(r["generation"], r["launch_rank"]): r for r in result.records if r.get("kind") == "reform_rank"}
+    start = topologies[0]
+    if dp is None:
+        dp = len((start.stages[0] if isinstance(start, PipelineTopology) else start).replicas)
+    launch_of = {start.slot_of(lr): lr for lr in range(start.world_size)}
+    kept_tp = 0
+    for event in result.events("reformed"):
+        g = event["generation"]
+        base_g = published[g]["base"]
+        base, new = topologies[base_g], topologies[g]
+        for rank in range(new.world_size):
+            identity = new.slot_of(rank)
+            record = records.get((g, launch_of[identity]))
+            assert record is not None, f"generation {g}: no reform_rank record from {identity}"
+            plan = event_plan(base, new, identity, dp=dp, instances=instances)
+            made, kept = set(record["groups_made"]), set(record["groups_kept"])
+            where = f"generation {g}, {identity}"
+            assert made | kept == _group_names(plan.make) | _group_names(plan.keep), (where, record)
+            # A group the plan makes was made, or kept from a formation after the base that was cut short (made
+            # there by the same members).
+            assert all(name in made or base_g < record["groups_made_in"][name] < g for name in _group_names(plan.make)), (
+                where, "a group whose members changed was kept", record)
+            if event["joined"]:
+                assert made <= _group_names(plan.make), (where, "made more than the plan at a boundary", record)
+            replica = identity[0]
+            if not healthy_tp_kept or not (_healthy(base, replica) and _healthy(new, replica)):
+                continue
+            tp = f"tp[{identity[2] if len(identity) > 2 else 0}]"
+            before = records.get((base_g, launch_of[identity]))
+            assert tp in kept and all(name.startswith("sync") for name in made), (where, record)
+            assert before is not None and record["groups_made_in"][tp] == before["groups_made_in"][tp], (
+                where, "its TP group is another incarnation", before, record)
+            assert record["tp_references"] == before["tp_references"] > 0, (where, before, record)
+            kept_tp += 1
+    return kept_tp

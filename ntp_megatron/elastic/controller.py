@@ -185,8 +185,8 @@ class Controller:
         self.store.set(keys.info(g), json.dumps(info))
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
-        for ended in {running, old.generation}:
-            self.store.set(keys.abort(ended), "1")
+        for ended in {running, old.generation}:  # naming the dead: groups without one may go on
+            self.store.set(keys.abort(ended), keys.abort_value(self.identity[lr] for lr in self.dead))
         self.latest = self.published[g] = new
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None

@@ -3,9 +3,12 @@
 A process keeps one identity for the whole run, its *launch rank*, and with it a fixed (replica, slot).
 Generation ``g`` gives it a process-group rank (``topology.rank_of(replica, slot)``), a default process group on
 the store prefix ``gen<g>/``, the NTP groups, a store client of its own and a watchdog. When the controller ends
-a generation, the watchdog closes exactly that generation's sockets; :meth:`ElasticRank.leave` then drops every
-reference to it (torch.distributed's groups, Megatron's globals, the client), so threads, file descriptors and
-memory return to where they were before it was joined.
+a generation, the watchdog closes that generation's own sockets and those of every group with a dead member;
+:meth:`ElasticRank.leave` then takes the groups the next generation shares with this one out of torch's tables
+(they may go on, :mod:`ntp_megatron.group_plan`) and drops every reference to the rest (torch.distributed's
+groups, Megatron's globals, the client), so threads, file descriptors and memory return to where they were
+before it was joined, but for the groups that go on. When the next generation forms, :meth:`ElasticRank.offer`
+asks their members whether they go on; those that do are drained (:meth:`ElasticRank.drain_kept`) and kept.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -24,7 +27,10 @@ from megatron.core import parallel_state
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import CommitProtocol
-from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, SocketScope, StoreFactory, socket_fds
+from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
+from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
+from ntp_megatron.groups import GroupPool, PooledGroup
+from ntp_megatron.sockets import SocketScope, shutdown_sockets, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.layout import Topology
@@ -48,7 +54,10 @@ class Generation:
     commit: CommitProtocol
     watchdog: GenerationWatchdog
     store: Optional[dist.Store]
-    """The generation's own store client (the default group's rendezvous); dies with the generation."""
+    """The generation's own store client (the default group's rendezvous); dies with the generation (or with the
+    last group made in it that went on)."""
+    pool: GroupPool = None  # type: ignore[assignment]
+    """Its process groups, made or kept (filled by the caller's :func:`ntp_megatron.groups.build_groups`)."""
 
     @property
     def number(self) -> int:
@@ -76,6 +85,10 @@ class ElasticRank:
         """Every generation up to this one is noted over (:meth:`note_aware`)."""
         self.held: list[_Held] = []
         """Process groups of ended generations, kept until no thread is busy in them (:class:`_Held`)."""
+        self.current: Optional[Generation] = None
+        """The generation joined and not left yet."""
+        self.carried: dict[GroupKey, PooledGroup] = {}
+        """Groups of the generation left that the next one shares (detached from torch, offered when it forms)."""
 
     def topology(self, generation: int) -> Topology:
         return load_topology(json.loads(self.ctl.get(keys.topology(generation))))
@@ -104,7 +117,8 @@ class ElasticRank:
         if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
-        generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store)
+        generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store,
+                                pool=GroupPool(topology.generation, store_sockets=dict(scope.sockets)))
         try:
             _reset_group_names()
             with self.scope(generation):
@@ -114,20 +128,35 @@ class ElasticRank:
         except BaseException:
             self.leave(generation)
             raise
+        self.current = generation
         return generation
 
     def scope(self, generation: Generation) -> "_Extend":
         """``with elastic.scope(gen): build groups`` — the sockets opened inside belong to ``gen`` too."""
         return _Extend(generation)
 
-    def leave(self, generation: Generation, ended: bool = True) -> None:
+    def leave(self, generation: Generation, ended: bool = True, keep: Iterable[GroupKey] = ()) -> None:
         """Drop everything of ``generation``: its groups (torch.distributed's and Megatron's), its client, its
-        watchdog. ``ended``: the generation was marked over (the watchdog thread finishes now); at the normal end of
-        the job nobody marks it, and the watchdog, a daemon thread, simply ends with the process."""
+        watchdog, but for the groups in ``keep`` (those the next generation shares), which are taken out of
+        torch's tables and carried to it (:meth:`offer`). ``ended``: the generation was marked over (the watchdog
+        thread finishes now); at the normal end of the job nobody marks it, and the watchdog, a daemon thread,
+        simply ends with the process."""
         torch_distributed_work.set_escape(None)
+        keep = set(keep) if ended else set()
+        pool = generation.pool
+        # Groups carried here and not made or kept yet (a formation cut short) are detached already.
+        detached = {**self.carried, **pool.offered}
+        carried = {**pool.detach(keep), **{k: pooled for k, pooled in detached.items() if k in keep}}
+        released = [pooled for key, pooled in pool.groups.items() if key not in carried]
+        dropped = [pooled for key, pooled in detached.items() if key not in carried]
+        self.carried, pool.offered = {}, {}
+        if dropped:
+            self._let_go(dropped)
         if ended:
             generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
             if self.backend == "gloo":
+                for pooled in released:  # not shut down yet where no member died: their probes must fail at once
+                    shutdown_sockets(pooled.sockets)
                 self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
         # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
         # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
@@ -139,7 +168,67 @@ class ElasticRank:
                 logger.warning("destroy_process_group after the generation ended: %s", exc)
         generation.store = None
         self.left_sockets.update(generation.watchdog.sockets.values())
+        for pooled in released:
+            self.left_sockets.update(pooled.sockets.values())
+        self.carried = carried
+        self.current = None
         self.release_held()
+
+    def offer(self, generation: Generation, wanted: Iterable[GroupKey]) -> None:
+        """As ``generation`` forms, before its groups are made: say which of the groups this rank wants in it it
+        holds (the incarnation and the collectives issued on each), read what every other member of the groups
+        it holds says, and offer to the group maker those every member holds alike
+        (:func:`ntp_megatron.group_plan.keep_verdict`); the others are let go of. Every member of every wanted
+        group writes once, so nobody waits on a member that holds nothing. Bounded by the store's timeout, and
+        cut short with the generation (its store client is shut down)."""
+        wanted = list(wanted)
+        carried, self.carried = self.carried, {}
+        mine = {k: Offer(carried[k].made_in, carried[k].issued()) if k in carried else Offer(None, 0) for k in wanted}
+        identity = self.identity
+        generation.store.set(keys.group_offers(generation.number, identity),
+                             json.dumps({k.label(): o.to_json() for k, o in mine.items()}))
+        said: dict[tuple[int, ...], dict[str, list]] = {identity: {k.label(): o.to_json() for k, o in mine.items()}}
+        offered: dict[GroupKey, PooledGroup] = {}
+        for k in wanted:
+            if k not in carried:
+                continue
+            for member in k.members:
+                if member not in said:
+                    said[member] = json.loads(generation.store.get(keys.group_offers(generation.number, member)))
+            offers = {m: Offer.from_json(said[m][k.label()]) if k.label() in said[m] else Offer(None, 0)
+                      for m in k.members}
+            if keep_verdict(offers):
+                offered[k] = carried[k]
+            else:
+                logger.info("generation %d: group %s is made anew (its members hold %s)", generation.number,
+                            k.label(), {"/".join(map(str, m)): o.to_json() for m, o in offers.items()})
+        let_go = [pooled for k, pooled in carried.items() if k not in offered]
+        if let_go:
+            self._let_go(let_go)
+        generation.pool.offered = offered
+
+    def _let_go(self, groups: list[PooledGroup]) -> None:
+        """Groups out of torch's tables that do not go on: shut down (a collective stranded in one fails at once),
+        held until idle (:class:`_Held`)."""
+        for pooled in groups:
+            if self.backend == "gloo":
+                shutdown_sockets(pooled.sockets)
+            self.left_sockets.update(pooled.sockets.values())
+        self.held.append(_hold([pooled.group for pooled in groups], []))
+
+    def drain_kept(self, generation: Generation) -> None:
+        """Before a kept group is used in ``generation``: a barrier in each, so that a collective some member had
+        walked away from in the generation before (every member issued it: the verdict) has finished, and writes
+        nothing into memory the new generation uses. Every member drains the same groups."""
+        works = [generation.pool.groups[k].group.barrier() for k in generation.pool.kept]
+        for work in works:
+            work.wait()
+
+    def pinned_sockets(self) -> set[str]:
+        """Sockets this process's live groups hold open (their pairs, and the store client of the generation that
+        made each): those of a group that went on into later generations belong to a generation left, rightly."""
+        live = list(self.carried.values()) + (list(self.current.pool.groups.values()) if self.current else [])
+        return {ident for pooled in live for ident in (*pooled.sockets.values(), *pooled.pins.values())}
 
     def release_held(self) -> int:
         """Drop the groups of ended generations once no thread is busy in them; returns how many generations'
@@ -156,11 +245,12 @@ class ElasticRank:
     def stale_sockets(self) -> int:
         """Sockets of generations this process left that are still open (a leak if not 0, unless a generation's
         groups are held, see :meth:`release_held`)."""
-        return sum(1 for ident in socket_fds().values() if ident in self.left_sockets)
+        pinned = self.pinned_sockets()
+        return sum(1 for ident in socket_fds().values() if ident in self.left_sockets and ident not in pinned)
 
     def end_generation(self, generation: int) -> None:
         """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end."""
-        self.ctl.set(keys.abort(generation), "moved")
+        self.ctl.set(keys.abort(generation), keys.MOVED)
 
     def announce(self) -> None:
         """A replacement process is up and ready to be admitted."""
@@ -248,7 +338,12 @@ class _Extend:
 
     def __enter__(self) -> None:
         self._scope = SocketScope().__enter__()
+        self._before = set(self.generation.pool.groups)
 
     def __exit__(self, *exc) -> None:
         self._scope.__exit__(*exc)
-        self.generation.watchdog.add(self._scope.sockets)
+        pool = self.generation.pool
+        new = [pooled for key, pooled in pool.groups.items() if key not in self._before]
+        of_groups = {fd for pooled in new for fd in pooled.sockets}
+        self.generation.watchdog.add({fd: i for fd, i in self._scope.sockets.items() if fd not in of_groups})
+        self.generation.watchdog.add_groups(new)

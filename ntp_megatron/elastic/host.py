@@ -54,9 +54,11 @@ class RankObjects(Protocol):
 
 
 class Builder(Protocol):
-    def setup(self, topology: Topology, rank: int) -> Any:
-        """The parallel setup of ``rank`` in ``topology``: its groups (collective over each group's members),
-        the samples it reads. Opaque here: handed back to :meth:`build` and :meth:`rebind`."""
+    def setup(self, topology: Topology, rank: int, pool: Any) -> Any:
+        """The parallel setup of ``rank`` in ``topology``: its groups (collective over each group's members;
+        ``pool``, a :class:`ntp_megatron.groups.GroupPool`, offers those kept from the generation before and
+        records what was made), the samples it reads. Opaque here: handed back to :meth:`build` and
+        :meth:`rebind`."""
 
     def build(self, setup: Any, initialize: bool, adopt_from: Optional[RankObjects] = None) -> RankObjects:
         """Fresh objects for ``setup``'s layout; ``initialize`` draws the initial weights (a function of the

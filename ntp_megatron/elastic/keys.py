@@ -6,6 +6,9 @@ A *generation* is one process-group epoch: its topology, its own store prefix fo
 
 from __future__ import annotations
 
+import json
+from typing import Iterable, Optional, Sequence
+
 PREFIX = "elastic/"
 LATEST = PREFIX + "latest"
 """The newest published generation (an integer)."""
@@ -39,8 +42,36 @@ def info(generation: int) -> str:
 
 
 def abort(generation: int) -> str:
-    """Set when generation ``g`` is over: every rank's watchdog then closes that generation's sockets."""
+    """Set when generation ``g`` is over: every rank's watchdog then closes that generation's sockets. Its value
+    names the dead (:func:`ntp_megatron.elastic.watchdog.abort_value`), or is :data:`MOVED` or ``stop``."""
     return f"{PREFIX}gen{generation}/abort"
+
+
+MOVED = "moved"
+"""The abort value of a generation its ranks left together at an admission boundary (nobody died)."""
+
+
+def dead_named(value: bytes) -> Optional[set[tuple[int, ...]]]:
+    """The identities of the dead that an abort key's value names (:func:`abort_value`); None: treat every
+    group as blocked (a stop, or a value that names none)."""
+    text = value.decode()
+    if text == MOVED:
+        return set()
+    try:
+        return {tuple(identity) for identity in json.loads(text)["dead"]}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def abort_value(dead: Iterable[Sequence[int]]) -> str:
+    """What the controller writes to a generation's abort key when ranks died: their identities."""
+    return json.dumps({"dead": sorted(list(identity) for identity in dead)})
+
+
+def group_offers(generation: int, identity: tuple[int, ...]) -> str:
+    """What the process with ``identity`` offers of its groups as generation ``g`` forms
+    (:func:`ntp_megatron.group_plan.keep_verdict`)."""
+    return f"{PREFIX}gen{generation}/group_offers/{'-'.join(map(str, identity))}"
 
 
 def votes(generation: int, iteration: int) -> str:

@@ -48,6 +48,8 @@ from ntp_megatron.elastic.controller import ShardedOptimizer
 from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
+from ntp_megatron.group_plan import GroupKey, rank_group_keys
+from ntp_megatron.groups import references_to
 from ntp_megatron import stages
 from ntp_megatron.layout import Topology
 from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
@@ -130,7 +132,7 @@ class Reformer:
                 topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
             seen = topology.generation
             if self.generation is not None:
-                self.elastic.leave(self.generation)
+                self.elastic.leave(self.generation, keep=self._wanted(topology))
                 self.generation = None
             _try(lambda: self.elastic.note_aware(topology.generation - 1))
             if self.elastic.rank_in(topology) is None:
@@ -159,6 +161,14 @@ class Reformer:
             gc.collect()
         self._adopt(training, staged)
 
+    def _wanted(self, topology: Topology) -> list[GroupKey]:
+        """The groups this process is a member of in ``topology`` (none if it has no slot there)."""
+        rank = self.elastic.rank_in(topology)
+        if rank is None:
+            return []
+        p = self.cfg.parallel
+        return rank_group_keys(topology, rank, p.data_parallel_size, p.num_distributed_optimizer_instances)
+
     # -- forming one generation ------------------------------------------------------------------------------
     def _reform(self, training: Training, topology: Topology, info: dict) -> "_Staged":
         """Join ``topology``'s generation and build (or keep) this rank's objects for it; returns them once every
@@ -178,8 +188,10 @@ class Reformer:
         dead = [base.rank_of(*slot) for slot in info["dead"] if base.rank_of(*slot) is not None]
         generation = elastic.join(topology)
         self.generation = generation
+        elastic.offer(generation, self._wanted(topology))
         with elastic.scope(generation):
-            setup = self.builder.setup(topology, generation.rank)
+            setup = self.builder.setup(topology, generation.rank, generation.pool)
+        elastic.drain_kept(generation)
         old: Optional[RankObjects] = training.parts
         if old is None:  # a fresh process resumes after the newest committed iteration
             training.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
@@ -356,6 +368,8 @@ class Reformer:
                       "same_ddp": old is not None and new.model is old.model,
                       "same_optimizer": old is not None and new.optimizer is old.optimizer,
                       "adopted_blocks": sorted(new.adopted) if staged.new_parts is not None else [],
+                      **_group_record(self.generation.pool),
+                      "tp_references": references_to([new.model, new.optimizer], new.setup.groups.tp),
                       "time": time.time()}, sys.stdout)
 
     def _report(self, training: Training, staged: "_Staged") -> None:
@@ -413,6 +427,16 @@ class Reformer:
                     out += [{"block": b, "position": j, "src": launch_rank(t.src), "dst": launch_rank(dst),
                              "bytes": received[b, j]} for b, j in t.shards]
         return out
+
+
+def _group_record(pool) -> dict:
+    """Which of the generation's groups this rank made and which it kept (role and place), and the generation
+    that made each group it is in (a kept group's incarnation is older than the generation)."""
+    def name(k: GroupKey) -> str:
+        return f"{k.role}{list(k.place)}"
+
+    return {"groups_made": sorted(name(k) for k in pool.made), "groups_kept": sorted(name(k) for k in pool.kept),
+            "groups_made_in": {name(k): pooled.made_in for k, pooled in sorted(pool.groups.items())}}
 
 
 def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, held: dict,

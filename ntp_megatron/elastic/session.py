@@ -237,5 +237,7 @@ class ElasticSession(Session):
 
     def resources(self) -> dict[str, Any]:
         generation = self.reformer.generation
-        return {"generation_sockets": len(generation.watchdog.sockets) if generation is not None else 0,
+        # The generation's own sockets, its groups' (kept ones included) and what they hold open.
+        held = set(generation.watchdog.sockets.values()) | self.elastic.pinned_sockets() if generation else set()
+        return {"generation_sockets": len(held),
                 "stale_sockets": self.elastic.stale_sockets(), "held_generations": self.elastic.release_held()}

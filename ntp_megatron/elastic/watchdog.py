@@ -22,13 +22,14 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch.distributed as dist
 
 from ntp_megatron import phases
 from ntp_megatron.elastic import keys
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
+from ntp_megatron.sockets import SocketScope, shutdown_sockets, socket_fds  # noqa: F401 - SocketScope, socket_fds: for callers
 
 logger = logging.getLogger(__name__)
 
@@ -42,57 +43,12 @@ StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
 
 
-def socket_fds() -> dict[int, str]:
-    """This process's open file descriptors that are sockets, with the socket's identity (its inode): a number
-    the kernel may give to a new socket once the old one is closed, the inode tells them apart."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # closed while we looked
-            continue
-        if target.startswith("socket:"):
-            out[int(name)] = target
-    return out
-
-
-def shutdown_sockets(sockets: dict[int, str]) -> int:
-    """Shut down (both directions) every connected socket among ``sockets`` that is still the same socket;
-    returns how many. The descriptors stay open — their owners close them."""
-    done = 0
-    for fd, identity in sockets.items():
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != identity:
-                continue  # closed, and the number now belongs to another socket
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()  # closes the duplicate only
-    return done
-
-
-class SocketScope:
-    """``with SocketScope() as scope:`` — afterwards ``scope.sockets`` are the sockets opened inside the block
-    and still open at its end (fd -> identity)."""
-
-    def __enter__(self) -> "SocketScope":
-        self._before = set(socket_fds().values())
-        self.sockets: dict[int, str] = {}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.sockets = {fd: ident for fd, ident in socket_fds().items() if ident not in self._before}
-
-
 class GenerationWatchdog:
-    """One thread per generation: waits for the generation's abort key, then shuts down its sockets.
+    """One thread per generation: waits for the generation's abort key, then shuts down the sockets something can
+    be blocked on: the generation's own (its store client, its default group) and those of every process group
+    with a dead member (the value of the key names the dead, :func:`ntp_megatron.elastic.keys.abort_value`; a stop shuts down every group).
+    A group without a dead member is left as it is: it may go on into the next generation
+    (:mod:`ntp_megatron.group_plan`); a rank blocked in it gives its wait up after ``ESCAPE_GRACE_S``.
 
     The thread ends when the key appears (the controller always sets it when a generation ends) or when its
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
@@ -101,6 +57,11 @@ class GenerationWatchdog:
     def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float) -> None:
         self.generation = generation
         self.sockets = dict(sockets)
+        """The generation's own sockets (fd -> identity)."""
+        self.groups: list = []
+        """Its process groups (:class:`ntp_megatron.groups.PooledGroup`: a key naming the members, the sockets)."""
+        self.dead: Optional[set[tuple[int, ...]]] = None
+        """Once fired: the dead the abort key named (None: all groups were shut down)."""
         self.fired_at: Optional[float] = None
         self._fired_monotonic: Optional[float] = None
         self.abandoned_waits: list[AbandonedWait] = []
@@ -124,9 +85,16 @@ class GenerationWatchdog:
                     logger.warning("watchdog of generation %d lost the store (%s); it stops watching",
                                    self.generation, exc)
                     return
+        try:
+            dead = keys.dead_named(self._store.get(key))
+        except Exception:  # noqa: BLE001 - the key was seen: a store gone now shuts everything
+            dead = None
         with self._lock:
             self.fired_at = time.time()
+            self.dead = dead
             closed = shutdown_sockets(self.sockets)
+            for pooled in self._blocked(self.groups):
+                closed += shutdown_sockets(pooled.sockets)
             self._fired_monotonic = time.monotonic()
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
@@ -147,12 +115,27 @@ class GenerationWatchdog:
                        time.monotonic() - self._fired_monotonic)
         self.abandoned_waits.append(wait)
 
+    def _blocked(self, groups: list) -> list:
+        if self.dead is None:
+            return list(groups)
+        return [pooled for pooled in groups if pooled.key.has_member(self.dead)]
+
     def add(self, sockets: dict[int, str]) -> None:
         """More sockets of the generation (opened while it formed); shut down at once if it is already over."""
         with self._lock:
             self.sockets.update(sockets)
             if self.fired_at is not None:
                 shutdown_sockets(sockets)
+
+    def add_groups(self, groups: Iterable) -> None:
+        """The generation's process groups (made or kept); those with a dead member are shut down at once if the
+        generation is already over."""
+        groups = list(groups)
+        with self._lock:
+            self.groups.extend(groups)
+            if self.fired_at is not None:
+                for pooled in self._blocked(groups):
+                    shutdown_sockets(pooled.sockets)
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)

@@ -11,7 +11,7 @@ from megatron.core import tensor_parallel
 
 from ntp_megatron.config import JobConfig
 from ntp_megatron.grad_sync import abandon_collectives
-from ntp_megatron.groups import rebind_process_groups
+from ntp_megatron.groups import GroupPool, rebind_process_groups
 from ntp_megatron.layout import Topology
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components, attach_grad_sync, build_components
@@ -22,8 +22,8 @@ class RankBuilder:
     def __init__(self, cfg: JobConfig, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
 
-    def setup(self, topology: Topology, rank: int) -> ParallelSetup:
-        return ntp_parallel(self.cfg, topology, rank)
+    def setup(self, topology: Topology, rank: int, pool: Optional[GroupPool] = None) -> ParallelSetup:
+        return ntp_parallel(self.cfg, topology, rank, pool)
 
     def build(self, setup: ParallelSetup, initialize: bool, adopt_from: Optional[Components] = None) -> Components:
         seed = self.cfg.training.seed

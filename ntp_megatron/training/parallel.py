@@ -23,7 +23,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from ntp_megatron import stages
 from ntp_megatron.config import JobConfig
 from ntp_megatron.grid import Grid
-from ntp_megatron.groups import build_groups, dense_groups
+from ntp_megatron.groups import GroupPool, build_groups, dense_groups
 from ntp_megatron.patches import parallel_state as ps_patch
 
 
@@ -124,10 +124,11 @@ def uniform_parallel(cfg: JobConfig) -> ParallelSetup:
     )
 
 
-def ntp_parallel(cfg: JobConfig, topology, rank: int) -> ParallelSetup:
-    """Groups (collective over each group's members) and samples for ``rank`` in ``topology``."""
+def ntp_parallel(cfg: JobConfig, topology, rank: int, pool: Optional[GroupPool] = None) -> ParallelSetup:
+    """Groups (collective over each group's members; with ``pool``, those it offers kept) and samples for
+    ``rank`` in ``topology``."""
     groups = build_groups(topology, rank, cfg.parallel.timeout_s, dp=cfg.parallel.data_parallel_size,
-                          instances=cfg.parallel.num_distributed_optimizer_instances)
+                          instances=cfg.parallel.num_distributed_optimizer_instances, pool=pool)
     tp_per_replica = stages.tp_per_replica(topology, cfg.parallel.data_parallel_size)
     topology = groups.topology  # with pipeline stages: this rank's stage
     widths = {rep.index: rep.width for rep in topology.replicas}

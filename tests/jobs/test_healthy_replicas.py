@@ -3,12 +3,14 @@
 - Its ranks issue the same torch.distributed calls with the same payload bytes, iteration by iteration
   (``logging.comm_stats``), whether the other replica is healthy, degraded from the start, or degraded by a live
   failure in the middle of the run (before, during and after its re-formation).
-- It keeps its model, DDP wrapper and optimizer at a re-formation — only its process groups change — and says so:
-  after adopting each generation every rank emits a ``reform_rank`` record (rebuilt or not, and whether the
-  objects it trains with are the very objects it held before). Which ranks must have kept their objects is worked
-  out from the published topologies, not from the ranks' claims: every rank whose units are the same in the
-  generation a re-formation built on and in the one it formed (every rank of a healthy replica, and of a degraded
-  one the failure did not touch); every other rank rebuilds.
+- It keeps its model, DDP wrapper and optimizer at a re-formation, and its tensor-parallel group: only the sync
+  groups that cross into the replica the event reached are made anew. After adopting each generation every rank
+  emits a ``reform_rank`` record (rebuilt or not, whether the objects it trains with are the very objects it held
+  before, which groups it made and kept, the generation that made each, how many references its objects hold to
+  its TP group). Which ranks must have kept their objects, and which groups each rank must make, is worked out
+  from the published topologies (``ntp_megatron.group_plan.event_plan``), not from the ranks' claims: every rank
+  whose units are the same in the generation a re-formation built on and in the one it formed keeps its objects
+  (every rank of a healthy replica, and of a degraded one the failure did not touch); every other rank rebuilds.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from ntp_megatron.layout import Topology
-from tests.harness import TINY, JobResult, assert_ok, assert_replicas_agree, run_job
+from tests.harness import TINY, JobResult, assert_groups_as_planned, assert_ok, assert_replicas_agree, run_job
 from tests.jobs.test_live_failure import leftover_processes, ntp_args
 from tests.jobs.test_state_checks import published
 
@@ -84,7 +86,7 @@ def test_healthy_replicas_keep_their_objects_at_every_re_formation(tmp_path):
     records = {(r["generation"], r["launch_rank"]): r for r in result.records if r.get("kind") == "reform_rank"}
     reformed = result.events("reformed")
     assert len(reformed) >= 2, "the two failures re-formed the job"
-    checked = {"kept": 0, "healthy": 0, "rebuilt": 0}
+    checked = {"kept": 0, "healthy": 0, "rebuilt": 0, "groups": 0}
     for event in reformed:
         g = event["generation"]
         base, new = generations[base_of[g]][0], generations[g][0]
@@ -93,6 +95,7 @@ def test_healthy_replicas_keep_their_objects_at_every_re_formation(tmp_path):
                 lr = launch_rank[(rep.index, slot)]
                 record = records.get((g, lr))
                 assert record is not None, f"generation {g}: no reform_rank record from launch rank {lr}"
+
                 assert (record["replica"], record["tp_rank"]) == (rep.index, new.local_rank(new.rank_of(rep.index,
                                                                                                           slot)))
                 kept = units(base, (rep.index, slot)) == units(new, (rep.index, slot))
@@ -109,4 +112,8 @@ def test_healthy_replicas_keep_their_objects_at_every_re_formation(tmp_path):
                     checked["rebuilt"] += 1
     # Both failures leave a healthy replica 0 and rebuild one rank each; a degraded, untouched replica keeps too.
     assert checked["healthy"] >= 4 and checked["rebuilt"] >= 2 and checked["kept"] > checked["healthy"], checked
+    # Kills in the backward pass and at the start of an iteration, rejoins at a boundary: nothing strands a collective
+    # of a healthy replica's TP group, so each keeps it.
+    kept = assert_groups_as_planned(result, dp=3, healthy_tp_kept=True)
+    assert kept >= 4, kept
     assert_replicas_agree(result, REJOIN_ITERS)

@@ -15,7 +15,8 @@ from collections import defaultdict
 
 import pytest
 
-from tests.harness import TINY, JobResult, alive, assert_replicas_agree, layout_args, relative_difference, run_job
+from tests.harness import TINY, JobResult, alive, assert_groups_as_planned, assert_replicas_agree, layout_args, \
+    relative_difference, run_job
 
 ITERS = 10
 TOL = 1e-5
@@ -96,6 +97,9 @@ def test_kill_in_each_phase(jobs, reference_tp2, phase):
     assert widths[4] == [2, 2] and widths[ITERS] == [2, 1]
     assert all(r["generation"] == (0 if r["iteration"] < reformed["resume_iteration"] else 1)
                for r in result.records if r.get("kind") == "iteration")
+    # Replica 0 keeps its TP group, but after a kill in the grad sync: one of its ranks may be in the grad norm's
+    # all-reduce over it while the other's sync with the dead rank failed, and the group is made anew.
+    assert assert_groups_as_planned(result, healthy_tp_kept=phase != "grad_sync") == (2 if phase != "grad_sync" else 0)
 
 
 def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, reference_tp4):
@@ -215,6 +219,7 @@ def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):
     records = {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
     assert records[ITERS]["tp_per_replica"] == [2, 0] and records[ITERS]["global_batch_size"] == 12
     assert "replica 1 was dropped" in result.stdout
+    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 2  # sync groups made anew, the TP group kept
 
 
 ACT_WITHIN_S = 2.0

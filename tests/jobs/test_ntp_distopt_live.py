@@ -34,7 +34,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.harness import JobResult, assert_replicas_agree, relative_difference, run_job
+from tests.harness import JobResult, assert_groups_as_planned, assert_replicas_agree, relative_difference, run_job
 from tests.jobs.test_live_failure import assert_same_run, launcher_lines, leftover_processes, ntp_args, \
     widths_by_iteration
 
@@ -98,6 +98,7 @@ def check_live_run(result: JobResult, reference: JobResult, iters: int = ITERS) 
     assert_same_run(result, reference, iters)
     assert_replicas_agree(result, iters)
     assert_twins_agree(result, iters)
+    assert_groups_as_planned(result, instances=2)
     replicas = replica_of(result)
     for event in result.events("reformed"):
         for m in event["shard_moves"]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_replicas_agree, run_job
+from tests.harness import assert_groups_as_planned, assert_replicas_agree, run_job
 from tests.jobs.test_live_failure import assert_same_run, launcher_lines, ntp_args
 
 pytestmark = pytest.mark.job
@@ -75,6 +75,7 @@ def test_a_failure_in_a_stage_re_forms_that_stage_only(tmp_path, references, kil
         event = next(e for e in result.records if e.get("event") == "reformed" and e["generation"] == generation)
         assert event["tp_per_replica"] == [[widths[0, r], widths[1, r]] for r in range(2)], event
         assert event["moved_bytes"] == event["lower_bound_bytes"] > 0
+    assert_groups_as_planned(result)
 
 
 def test_a_replacement_rejoins_its_stage(tmp_path, reference_pp2):
@@ -89,3 +90,4 @@ def test_a_replacement_rejoins_its_stage(tmp_path, reference_pp2):
     assert [e["tp_per_replica"] for e in reformed] == [[[2, 2], [2, 1]], [[2, 2], [2, 2]]], launcher_lines(result)
     assert reformed[-1]["joined"] == [[1, 0, 1]]
     assert all(e["moved_bytes"] == e["lower_bound_bytes"] > 0 for e in reformed)
+    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 8  # replica 0's 4 ranks, twice

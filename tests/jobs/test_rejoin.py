@@ -4,7 +4,7 @@ admitted leaves the job degraded, and the next attempt succeeds. The loss curve 
 
 from __future__ import annotations
 
-from tests.harness import run_job
+from tests.harness import assert_groups_as_planned, run_job
 from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
 ITERS = 30  # two warm spares take the two attempts: neither waits for an interpreter to boot (a cold replacement
@@ -33,3 +33,4 @@ def test_failed_rank_rejoins_after_a_failed_admission(tmp_path, jobs):
     assert widths[4] == [2, 2] and widths[6] == [2, 1] and widths[ITERS] == [2, 2]
     rejoined_at = reformed[-1]["resume_iteration"]
     assert all(widths[i] == [2, 2] for i in range(rejoined_at, ITERS + 1))
+    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 2 * len(reformed)

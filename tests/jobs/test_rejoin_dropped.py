@@ -5,7 +5,7 @@ once, and the loss curve is the failure-free run's."""
 
 from __future__ import annotations
 
-from tests.harness import assert_replicas_agree, run_job
+from tests.harness import assert_groups_as_planned, assert_replicas_agree, run_job
 from tests.jobs.test_live_failure import assert_same_run, ntp_args, widths_by_iteration
 
 ITERS = 150  # long enough for the replacement (a fresh interpreter: several seconds) to boot and be admitted
@@ -24,3 +24,4 @@ def test_a_dropped_replica_is_rebuilt_by_one_replacement(tmp_path, jobs):
     assert widths[3] == [2, 1] and widths[5] == [2, 0] and widths[ITERS] == [2, 1], widths
     reformed = result.events("reformed")
     assert reformed[-1]["joined"] == [[1, 0]] and reformed[-1]["tp_per_replica"] == [2, 1]
+    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 2 * len(reformed)

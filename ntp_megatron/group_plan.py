@@ -1,0 +1,170 @@
+"""Which process groups a rank keeps, makes and lets go of when the generation changes (pure: no torch).
+
+A group is named by what it is, not by the ranks that number it in one generation: its role, its place (stage,
+block, instance) and its members' identities — (replica, slot), or (replica, slot, stage) with pipeline stages —
+in group-rank order (:class:`GroupKey`). Ranks are numbered anew in every generation; identities never change.
+
+A group whose key is the same in the generation a rank leaves and in the one it joins can go on as the same
+object, with the same communicator (:func:`plan`): a healthy replica's tensor-parallel group across a kill in
+another replica, a rejoin or a dropped replica; the rank by itself; with pipeline stages, the sync groups and
+model-parallel groups of stages and replicas the event did not reach. Whether it really does is decided when
+the new generation forms, by its members together (:func:`keep_verdict`): a group goes on only if every member
+still holds the same incarnation of it and has issued as many collectives on it as every other, so nothing is
+left half-matched in it (a rank that left a generation while a peer was already blocked in the group's next
+collective would otherwise meet that stale collective with its first new one).
+
+What each kind of event makes a rank rebuild, at TP ``T`` (with one distributed-optimizer instance):
+
+- *kill* of a rank of replica ``r`` (stage ``p``): the ranks of replica ``r`` (stage ``p``) make their new
+  tensor-parallel group and the sync groups they serve; every other rank keeps its tensor-parallel group and
+  makes only the sync groups of stage ``p`` whose members changed (the dead slot's block) or that were left
+  half-matched (any sync group whose replica-``r`` member was blocked on the dead rank when its partner
+  entered the group's collective: after a kill in the forward pass, every sync group of the stage).
+- *rejoin* of a slot of replica ``r``: replica ``r`` (that stage) makes its tensor-parallel group; the sync
+  group of the returning slot's block is made anew (its member goes back from the proxy to the slot); the
+  other sync groups keep their members and are kept (the admission is at an iteration boundary: nothing is
+  half-matched).
+- *dropped replica* ``r``: every sync group loses a member and is made anew; every tensor-parallel group is kept.
+
+The default group is made anew in every generation (it numbers the ranks; torch makes every group under it);
+it is not counted here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
+
+from ntp_megatron import shard_layout
+from ntp_megatron.layout import Topology
+from ntp_megatron.stages import PipelineTopology
+
+Identity = tuple[int, ...]
+
+
+@dataclass(frozen=True, order=True)
+class GroupKey:
+    role: str
+    """``tp`` (a replica's stage), ``alone`` (a rank by itself), ``mp`` (a replica, every stage), ``sync`` (a
+    stage's block), ``intra`` (a block's members in one distributed-optimizer instance), ``inter`` (the twins
+    of one shard)."""
+    place: tuple[int, ...]
+    """Which one of its role: (stage,) for ``tp``, (replica,) for ``mp``, (stage, block) for ``sync``, (block,
+    instance) for ``intra``, (block, position) for ``inter``, () for ``alone``."""
+    members: tuple[Identity, ...]
+    """The members' identities in group-rank order."""
+
+    def label(self) -> str:
+        """A short stable name (for store keys and logs)."""
+        text = f"{self.role}{self.place}{self.members}"
+        return f"{self.role}-{'-'.join(map(str, self.place))}-{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+    def has_member(self, identities: Iterable[Identity]) -> bool:
+        return not set(self.members).isdisjoint(identities)
+
+
+def identities(topology: "Topology | PipelineTopology", ranks: Sequence[int]) -> tuple[Identity, ...]:
+    return tuple(topology.slot_of(r) for r in ranks)
+
+
+def sync_group_ranks(topology: Topology, block: int) -> tuple[int, ...]:
+    """The ranks of sync group ``block`` of a stage (one per replica), ascending."""
+    return tuple(sorted(topology.sync_member(rep.index, block) for rep in topology.replicas))
+
+
+def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance: int) -> tuple[int, ...]:
+    """The ranks of sync group ``block`` in ``instance`` (of ``k`` over the ``dp`` launch replicas), ascending
+    (that is, in replica order: ranks are numbered replica by replica), so a member's group rank is its
+    replica's position in the instance."""
+    present = {rep.index for rep in topology.replicas}
+    return tuple(sorted(topology.sync_member(r, block) for r in shard_layout.instances(dp, k)[instance]
+                        if r in present))
+
+
+def key(topology: "Topology | PipelineTopology", role: str, place: tuple[int, ...], ranks: Iterable[int]) -> GroupKey:
+    """The key of the group of ``ranks`` in ``topology`` (the whole generation). Members in group-rank order:
+    torch orders a group's ranks ascending, and a change of generation keeps the order of the ranks that stay."""
+    return GroupKey(role, tuple(place), identities(topology, sorted(ranks)))
+
+
+def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
+                    instances: int = 1) -> list[GroupKey]:
+    """Every group ``rank`` is a member of in ``topology``, as :func:`ntp_megatron.groups.build_groups` makes
+    them (which checks that it made exactly these)."""
+    pipeline = topology if isinstance(topology, PipelineTopology) else None
+    stage = pipeline.stage_of(rank) if pipeline is not None else topology
+    replica = stage.replica_of(rank)
+    keys = [key(topology, "tp", (stage.stage,), sorted(replica.ranks)), key(topology, "alone", (), [rank])]
+    if pipeline is not None:
+        keys.append(key(topology, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
+    blocks = stage.member_blocks(rank)
+    keys += [key(topology, "sync", (stage.stage, b), sync_group_ranks(stage, b)) for b in blocks]
+    if instances > 1:
+        if dp is None:
+            raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
+        instance, position = shard_layout.instance_of(replica.index, dp, instances)
+        for b in blocks:
+            keys.append(key(topology, "intra", (b, instance), intra_group_ranks(stage, b, dp, instances, instance)))
+            keys.append(key(topology, "inter", (b, position),
+                            shard_layout.shard_holders(stage, dp, instances, (b, position))))
+    return keys
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One rank's groups across a change of generation."""
+
+    keep: tuple[GroupKey, ...]
+    """In both generations: offered to go on (:func:`keep_verdict` decides)."""
+    make: tuple[GroupKey, ...]
+    """New in the generation joined."""
+    release: tuple[GroupKey, ...]
+    """Held, and not in the generation joined: shut down (gloo) or aborted (NCCL), then dropped."""
+
+
+def plan(held: Iterable[GroupKey], wanted: Iterable[GroupKey]) -> GroupPlan:
+    held, wanted = list(held), list(wanted)
+    held_set, wanted_set = set(held), set(wanted)
+    return GroupPlan(keep=tuple(k for k in wanted if k in held_set), make=tuple(k for k in wanted if k not in held_set),
+                     release=tuple(k for k in held if k not in wanted_set))
+
+
+def event_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology", identity: Identity,
+               dp: Optional[int] = None, instances: int = 1) -> GroupPlan:
+    """The plan of the process with ``identity`` from ``old`` to ``new`` (before the members' verdict)."""
+    old_rank, new_rank = old.rank_of(*identity), new.rank_of(*identity)
+    held = rank_group_keys(old, old_rank, dp, instances) if old_rank is not None else []
+    wanted = rank_group_keys(new, new_rank, dp, instances) if new_rank is not None else []
+    return plan(held, wanted)
+
+
+def blocked_by(held: Iterable[GroupKey], dead: Iterable[Identity]) -> list[GroupKey]:
+    """The groups a death can leave a member blocked in: those with a dead member. Shut down (gloo) or aborted
+    (NCCL) the moment the generation ends; the others wait for the new generation's verdict."""
+    dead = set(dead)
+    return [k for k in held if k.has_member(dead)]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one member says of a group when a generation forms: which incarnation it holds (the generation
+    that made it; None if it holds none) and how many collectives it issued on it."""
+
+    made_in: Optional[int]
+    issued: int
+
+    def to_json(self) -> list:
+        return [self.made_in, self.issued]
+
+    @classmethod
+    def from_json(cls, value: list) -> "Offer":
+        made_in, issued = value
+        return cls(made_in, int(issued))
+
+
+def keep_verdict(offers: Mapping[Identity, Offer]) -> bool:
+    """Whether a group goes on: every member holds it, the same incarnation, with as many collectives issued as
+    every other (then every collective one issued, all issued: each completes, nothing is left half-matched)."""
+    values = list(offers.values())
+    return bool(values) and values[0].made_in is not None and all(v == values[0] for v in values)
