@@ -90,6 +90,17 @@ def is_peer_failure(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
 
 
+STICKY_CUDA_ERRORS = ("illegal memory access", "an illegal instruction", "uncorrectable ECC error",
+                      "unspecified launch failure", "misaligned address", "device-side assert")
+"""CUDA errors after which the device's context is unusable until the device is reset."""
+
+
+def is_device_lost(exc: BaseException) -> bool:
+    """A CUDA error that sticks to the device: nothing in this process can use it again, so the rank counts as dead
+    (it exits without an own-error report, and its replica re-forms without it) rather than stopping the job."""
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in STICKY_CUDA_ERRORS)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """A device (``torch.OutOfMemoryError``) or the host (``MemoryError``) ran out of memory."""
     return isinstance(exc, (torch.OutOfMemoryError, MemoryError))

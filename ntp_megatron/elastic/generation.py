@@ -25,12 +25,13 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import group_backend, keys
 from ntp_megatron.elastic.commit import CommitProtocol
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
 from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
 from ntp_megatron.groups import GroupPool, PooledGroup
-from ntp_megatron.sockets import SocketScope, shutdown_sockets, socket_fds
+from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
+from ntp_megatron.sockets import SocketScope, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.layout import Topology
@@ -72,6 +73,10 @@ class ElasticRank:
         self.launch_rank = launch_rank
         self.open_store = open_store
         self.backend = backend
+        self.group_backend = group_backend.backend_for(backend)
+        """How this process gets out of a dead generation's groups and lets them go (gloo, NCCL)."""
+        for name, value in self.group_backend.environment().items():  # before any process group exists
+            os.environ.setdefault(name, value)
         self.timeout_s = timeout_s
         self.ctl = open_store(timeout_s)
         """Control-plane client: votes, decisions, generations. Never closed by a watchdog."""
@@ -113,7 +118,8 @@ class ElasticRank:
         # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S)
+        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
+                                      self.group_backend)
         if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
         commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
@@ -144,9 +150,15 @@ class ElasticRank:
         torch_distributed_work.set_escape(None)
         keep = set(keep) if ended else set()
         pool = generation.pool
+        shrunk = {}
+        if ended and self.backend == "nccl":  # in the old world, where torch knows the parents
+            shrinks = group_backend.shrink_plan(pool.groups, keep, generation.watchdog.dead or (), _nccl_version())
+            shrunk = group_backend.shrink_into(pool.groups, shrinks, generation.number)
+            for pooled in shrunk.values():
+                pooled.detached = c10d_patch.detach(pooled.group)
         # Groups carried here and not made or kept yet (a formation cut short) are detached already.
         detached = {**self.carried, **pool.offered}
-        carried = {**pool.detach(keep), **{k: pooled for k, pooled in detached.items() if k in keep}}
+        carried = {**pool.detach(keep), **{k: pooled for k, pooled in detached.items() if k in keep}, **shrunk}
         released = [pooled for key, pooled in pool.groups.items() if key not in carried]
         dropped = [pooled for key, pooled in detached.items() if key not in carried]
         self.carried, pool.offered = {}, {}
@@ -154,9 +166,8 @@ class ElasticRank:
             self._let_go(dropped)
         if ended:
             generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
+            self.group_backend.let_go(released)  # not cut yet where no member died: their probes must fail at once
             if self.backend == "gloo":
-                for pooled in released:  # not shut down yet where no member died: their probes must fail at once
-                    shutdown_sockets(pooled.sockets)
                 self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
         # Unconditionally: Megatron's initializer, cut short by a failure, leaves some of its groups set while
         # model_parallel_is_initialized() says no, and the next generation's initializer would refuse to run.
@@ -210,11 +221,11 @@ class ElasticRank:
     def _let_go(self, groups: list[PooledGroup]) -> None:
         """Groups out of torch's tables that do not go on: shut down (a collective stranded in one fails at once),
         held until idle (:class:`_Held`)."""
+        hold = self.group_backend.let_go(groups)
         for pooled in groups:
-            if self.backend == "gloo":
-                shutdown_sockets(pooled.sockets)
             self.left_sockets.update(pooled.sockets.values())
-        self.held.append(_hold([pooled.group for pooled in groups], []))
+        if hold:
+            self.held.append(_hold(hold, []))
 
     def drain_kept(self, generation: Generation) -> None:
         """Before a kept group is used in ``generation``: a barrier in each, so that a collective some member had
@@ -288,6 +299,15 @@ class ElasticRank:
                 return False
             time.sleep(POLL_S)
         return True
+
+
+def _nccl_version() -> Optional[tuple[int, ...]]:
+    import torch
+
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - a build without NCCL
+        return None
 
 
 def _reset_group_names() -> None:

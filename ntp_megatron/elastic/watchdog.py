@@ -10,14 +10,13 @@ to the next generation with fresh connections — except a wait gloo never wakes
 which the watchdog's :meth:`GenerationWatchdog.reason` lets the rank give up.
 
 Which sockets belong to a generation is measured, not guessed: the file descriptors of type socket that
-appeared while the generation's store client and process groups were created (:class:`SocketScope`).
+appeared while the generation's store client and process groups were created (:class:`ntp_megatron.sockets.SocketScope`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -28,8 +27,9 @@ import torch.distributed as dist
 
 from ntp_megatron import phases
 from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.group_backend import GlooBackend, GroupBackend
+from ntp_megatron.group_plan import blocked_by
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
-from ntp_megatron.sockets import SocketScope, shutdown_sockets, socket_fds  # noqa: F401 - SocketScope, socket_fds: for callers
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,10 @@ class GenerationWatchdog:
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
     """
 
-    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float) -> None:
+    def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float,
+                 backend: Optional[GroupBackend] = None) -> None:
         self.generation = generation
+        self.backend = backend or GlooBackend()
         self.sockets = dict(sockets)
         """The generation's own sockets (fd -> identity)."""
         self.groups: list = []
@@ -92,9 +94,7 @@ class GenerationWatchdog:
         with self._lock:
             self.fired_at = time.time()
             self.dead = dead
-            closed = shutdown_sockets(self.sockets)
-            for pooled in self._blocked(self.groups):
-                closed += shutdown_sockets(pooled.sockets)
+            closed = self.backend.get_out(self._blocked(self.groups), self.sockets)
             self._fired_monotonic = time.monotonic()
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
@@ -118,14 +118,15 @@ class GenerationWatchdog:
     def _blocked(self, groups: list) -> list:
         if self.dead is None:
             return list(groups)
-        return [pooled for pooled in groups if pooled.key.has_member(self.dead)]
+        blocked = set(blocked_by([pooled.key for pooled in groups], self.dead))
+        return [pooled for pooled in groups if pooled.key in blocked]
 
     def add(self, sockets: dict[int, str]) -> None:
         """More sockets of the generation (opened while it formed); shut down at once if it is already over."""
         with self._lock:
             self.sockets.update(sockets)
             if self.fired_at is not None:
-                shutdown_sockets(sockets)
+                self.backend.get_out([], sockets)
 
     def add_groups(self, groups: Iterable) -> None:
         """The generation's process groups (made or kept); those with a dead member are shut down at once if the
@@ -134,8 +135,7 @@ class GenerationWatchdog:
         with self._lock:
             self.groups.extend(groups)
             if self.fired_at is not None:
-                for pooled in self._blocked(groups):
-                    shutdown_sockets(pooled.sockets)
+                self.backend.get_out(self._blocked(groups), {})
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)

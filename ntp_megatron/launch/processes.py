@@ -39,6 +39,8 @@ def describe_exit(returncode: int) -> str:
             return f"was killed by signal {-returncode}"
     if returncode == runtime.EXIT_PEER_FAILED:
         return f"stopped after another rank's failure broke its collectives (exit code {returncode})"
+    if returncode == runtime.EXIT_DEVICE_LOST:
+        return f"lost its device to a CUDA error that sticks (exit code {returncode})"
     return f"exited with code {returncode}"
 
 

@@ -80,6 +80,10 @@ def main() -> int:
             print(f"stopped: a collective failed because another rank did ({str(exc).splitlines()[0][:160]})",
                   file=sys.stderr, flush=True)
             return runtime.EXIT_PEER_FAILED
+        if cfg.ntp.enabled and errors.is_device_lost(exc):  # no report: the replica re-forms without this rank
+            print(f"device lost: launch rank {env.rank} counts as dead ({str(exc).splitlines()[0][:160]})",
+                  file=sys.stderr, flush=True)
+            return runtime.EXIT_DEVICE_LOST
         # Under NTP the session has told this rank's own error from a peer's failure (which it absorbs).
         return errors.report(store, env.rank, exc)
     if not cfg.ntp.enabled:

@@ -68,7 +68,8 @@ def _sender(port: int, escape: bool) -> None:
     import torch
 
     from ntp_megatron.elastic import keys
-    from ntp_megatron.elastic.watchdog import GenerationWatchdog, SocketScope, store_factory
+    from ntp_megatron.elastic.watchdog import GenerationWatchdog, store_factory
+    from ntp_megatron.sockets import SocketScope
     from ntp_megatron.patches import torch_distributed_work
 
     torch_distributed_work.apply()
