@@ -9,7 +9,8 @@ stall of a checkpoint save, sync against async (``--only checkpoint-stall`` runs
 peak memory of initialising one rank's model, Megatron replay against the layout-free initialiser (``--only init``),
 and each rank's training state with NTP and the distributed optimizer against plain Megatron-Core's distributed
 optimizer at the same layout and instance count and against NTP without it, with step times, and the peaks of
-re-forming ranks against their steady state (``--only memory``).
+re-forming ranks against their steady state (``--only memory``), and recovery at TP2 x DP2 and TP4 x DP2 with the
+groups a failure did not touch kept against every group made anew (``--only recovery``).
 ``--smoke`` runs every part once at its smallest size (``SMOKE``): what the test suite runs, so that the harness
 cannot break unnoticed; its figures mean nothing.
 
@@ -77,6 +78,8 @@ class Sizes:
     reform_tp: Optional[int] = 3
     """The memory part's own failure job: TP ``reform_tp`` x 2, the last rank killed (None: the failure part's
     job alone)."""
+    recovery_tps: tuple[int, ...] = (2, 4)
+    """The recovery part: TP k x DP2 for each k, the last rank killed, groups kept against every group made anew."""
 
 
 FULL = Sizes()
@@ -85,7 +88,7 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
                           "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
               init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, memory_micro_batch=2,
-              reform_tp=None)
+              reform_tp=None, recovery_tps=(2,))
 
 MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
          "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
@@ -230,6 +233,56 @@ def measure_failures(sizes: Sizes, run: RunModule, workdir: Path, ntp_records: O
         "ratio_kill_to_progress": ntp["kill_to_progress_s"] / restart["kill_to_progress_s"],
         "moved_over_lower_bound": ntp["moved_bytes"] / ntp["lower_bound_bytes"],
     }
+
+
+# Recovery with the groups a failure did not touch kept (the same objects and communicators) against every group
+# of every rank made anew in every generation (``ntp.keep_groups: false``, the design before), same jobs otherwise.
+RECOVERY_DESIGNS = {"rebuild_all": ("--set", "ntp.keep_groups=false"), "keep_untouched": ()}
+
+
+def recovery_jobs(sizes: Sizes) -> dict[tuple[int, str], list[str]]:
+    """(TP, design) -> the job: TP x DP2, the last rank (replica 1's last slot) killed in the backward pass."""
+    return {(tp, design): [*_layout(tp, 2, True), "--inject-failure",
+                           f"kill:rank={2 * tp - 1},iter={sizes.fail_at},phase=backward", *extra]
+            for tp in sizes.recovery_tps for design, extra in RECOVERY_DESIGNS.items()}
+
+
+def _recovery_figures(records: list[dict], fail_at: int) -> dict:
+    figures = _failure_figures(records, fail_at)
+    [reformed] = [r for r in records if r.get("event") == "reformed"]
+    ranks = [r for r in records if r.get("kind") == "reform_rank" and r["generation"] == reformed["generation"]]
+    healthy = [r for r in ranks if r["replica"] == 0]
+    return {"kill_to_next_iteration_s": figures["kill_to_next_iteration_s"], "recovery_s": figures["recovery_s"],
+            "reform_s": reformed["reform_s"], "detect_s": figures["detect_s"],
+            "groups_made": sum(len(r["groups_made"]) for r in ranks),
+            "groups_made_per_healthy_rank": max(len(r["groups_made"]) for r in healthy),
+            "groups_kept": sum(len(r["groups_kept"]) for r in ranks)}
+
+
+def measure_recovery(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
+    """Kill to the next completed iteration, before (every group made anew) and after (untouched groups kept), at
+    each TP x DP2, interleaved over ``sizes.rounds``; medians per figure."""
+    jobs = recovery_jobs(sizes)
+    samples: dict[tuple[int, str], list[dict]] = {key: [] for key in jobs}
+    for round_index in range(sizes.rounds):
+        for (tp, design), args in jobs.items():
+            records = run_job_records(args, sizes.fail_iters, workdir, run, f"recovery-tp{tp}-{design}")
+            samples[tp, design].append(_recovery_figures(records, sizes.fail_at))
+            print(f"recovery round {round_index + 1}/{sizes.rounds} TP{tp} x DP2 {design:<16} done", file=sys.stderr)
+    rows = []
+    for (tp, design), runs in samples.items():
+        rows.append({"layout": f"TP{tp} x DP2", "ranks": 2 * tp, "design": design, "runs": runs,
+                     **{key: statistics.median(v[key] for v in runs) for key in runs[0]}})
+    ratios = []
+    for tp in sizes.recovery_tps:
+        before, after = (next(r for r in rows if r["layout"] == f"TP{tp} x DP2" and r["design"] == d)
+                         for d in RECOVERY_DESIGNS)
+        ratios.append({"layout": f"TP{tp} x DP2", "kill_to_next_iteration": _ratio(
+            after["kill_to_next_iteration_s"], before["kill_to_next_iteration_s"]),
+            "reform": _ratio(after["reform_s"], before["reform_s"])})
+    return {"job": f"TP k x DP2, {sizes.fail_iters} iterations, SIGKILL of the last rank in the backward pass of "
+                   f"iteration {sizes.fail_at}; 'rebuild_all' makes every group anew (ntp.keep_groups=false)",
+            "rows": rows, "ratios": ratios}
 
 
 # The training stall of a checkpoint save, sync against async (Megatron-Core's async path), on one job: plain
@@ -583,6 +636,17 @@ def table(result: dict) -> str:
                   f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
+    recovery = result.get("recovery")
+    if recovery:
+        lines += ["", f"Recovery, groups made anew against kept ({recovery['job']}), medians:", "",
+                  "| layout | design | kill to next iteration (s) | re-formation (s) | groups made (all ranks) | "
+                  "made by a healthy rank | kept |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['layout']} | {r['design']} | {r['kill_to_next_iteration_s']:.2f} | {r['reform_s']:.2f} | "
+                  f"{r['groups_made']:g} | {r['groups_made_per_healthy_rank']:g} | {r['groups_kept']:g} |"
+                  for r in recovery["rows"]]
+        lines += ["", "| layout | kept / made anew: kill to next iteration | re-formation |", "|---|---|---|"]
+        lines += [f"| {r['layout']} | {_fmt(r['kill_to_next_iteration'], '.3f')} | {_fmt(r['reform'], '.3f')} |"
+                  for r in recovery["ratios"]]
     init = result.get("init")
     if init:
         lines += ["", f"Building one rank's model (rank 0 of a TP k replica; {init['model']}), "
@@ -640,7 +704,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
     p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory"], default=None,
+    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory", "recovery"], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
     p.add_argument("--smoke", action="store_true",
                    help="every part once at its smallest size: a check that the harness runs, not a measurement")
@@ -662,6 +726,9 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
         elif args.only == "memory":
             result = {"machine": "CPU, gloo", "cases": {}, "ratios": [],
                       "memory": measure_memory(sizes, run, workdir, [])}
+        elif args.only == "recovery":
+            result = {"machine": "CPU, gloo", "cases": {}, "ratios": [],
+                      "recovery": measure_recovery(sizes, run, workdir)}
         else:
             if args.only == "checkpoint-stall":
                 result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
@@ -672,6 +739,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
                 result["failure_recovery"] = measure_failures(sizes, run, workdir, failure_records)
                 # Calibration for the goodput simulator: measured seconds from a failure to training again.
                 result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
+                result["recovery"] = measure_recovery(sizes, run, workdir)
                 result["init"] = measure_init(sizes, run, workdir)
                 result["memory"] = measure_memory(sizes, run, workdir, failure_records)
             result["checkpoint_stall"] = measure_checkpoint_stall(sizes, run, workdir)

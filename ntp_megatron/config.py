@@ -281,6 +281,11 @@ class NTPSection(_Section):
     step computes longer than half the timeout would be taken for a stuck one, and the fence is not causal yet (a
     stall anywhere lets any frozen rank be fenced). gloo on CPU only (NCCL waits do not block the host: a healthy
     rank waiting on a stuck one would look stuck)."""
+    keep_groups: bool = True
+    """A re-formation keeps the process groups it did not touch (a healthy replica's tensor-parallel group, the sync
+    groups whose members did not change), the same objects and communicators, where their members agree nothing is
+    left half-matched in them; only the others are made anew. false: every rank makes every group anew in every
+    generation (what ntp-megatron did before; for comparison, ``scripts/bench.sh --only recovery``)."""
     rejoin_after_s: Optional[float] = Field(None, ge=0.0)
     """Seconds after a rank's failure (the repair delay) until the launcher starts a replacement process for its
     slot; it is admitted at an iteration boundary and takes its canonical block back. null: never."""

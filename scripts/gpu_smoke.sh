@@ -9,6 +9,9 @@
 #   3. Transformer Engine layers (when installed): step 2 with --transformer-impl transformer_engine
 #   4. NTP + NCCL + bf16: two replicas of different widths, TP2 + TP1 (3 GPUs: slot 1 of replica 1 left out), with
 #      state checksums: every TP rank of every replica must report the same bits after every iteration
+#   5. a live kill on NCCL: the job of step 4, launch rank 1 (replica 0, slot 1) SIGKILLed in the backward pass of
+#      iteration 8; replica 0 re-forms at TP1 (its communicators aborted, its TP group shrunk where NCCL can), replica
+#      1 keeps its groups, and the run reaches its last iteration with every rank's checksums agreeing
 # --cpu runs the same steps on CPU with gloo (no GPU needed): a check of this script, not of the GPU path.
 set -euo pipefail
 PY="${NTP_PYTHON:-python3}"
@@ -64,13 +67,8 @@ else
   step "3. Transformer Engine layers: skipped (not installed)"
 fi
 
-step "4. NTP: two replicas of different widths on NCCL, bf16"
-[ "$GPUS" -ge 3 ] || { echo "gpu_smoke: step 4 needs 3 GPUs (TP2 + TP1); skipped"; exit 0; }
-"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
-  --data-parallel-size 2 --set 'ntp.dead_slots=[1:1]' --set logging.state_checksums=true --run-dir "$OUT/ntp" \
-  || fail "4 (NTP job)"
-loss_falls "$OUT/ntp/metrics.jsonl" || fail "4 (the loss did not fall)"
-"$PY" - "$OUT/ntp/metrics.jsonl" <<'PY' || fail "4 (TP ranks of a replica disagree)"
+checksums_agree() {  # metrics file: every rank reports the same checksums at every iteration
+  "$PY" - "$1" <<'PY'
 import json, sys
 views = {}
 for r in map(json.loads, open(sys.argv[1])):
@@ -80,4 +78,29 @@ bad = [it for it, seen in views.items() if len(seen) != 1]
 print(f"checksums: {len(views)} iterations, every rank's view; {len(bad)} with disagreeing views")
 sys.exit(1 if bad or not views else 0)
 PY
+}
+
+step "4. NTP: two replicas of different widths on NCCL, bf16"
+[ "$GPUS" -ge 3 ] || { echo "gpu_smoke: step 4 needs 3 GPUs (TP2 + TP1); skipped"; exit 0; }
+"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
+  --data-parallel-size 2 --set 'ntp.dead_slots=[1:1]' --set logging.state_checksums=true --run-dir "$OUT/ntp" \
+  || fail "4 (NTP job)"
+loss_falls "$OUT/ntp/metrics.jsonl" || fail "4 (the loss did not fall)"
+checksums_agree "$OUT/ntp/metrics.jsonl" || fail "4 (TP ranks of a replica disagree)"
+
+step "5. a live kill on NCCL: replica 0 re-forms at TP1, replica 1 goes on"
+"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
+  --data-parallel-size 2 --set 'ntp.dead_slots=[1:1]' --set logging.state_checksums=true \
+  --inject-failure kill:rank=1,iter=8,phase=backward --run-dir "$OUT/ntp_kill" || fail "5 (NTP job with a live kill)"
+"$PY" - "$OUT/ntp_kill/metrics.jsonl" <<'PY' || fail "5 (no re-formation at TP [1, 1], or iterations missing)"
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+reformed = [r for r in records if r.get("event") == "reformed"]
+iterations = sorted({r["iteration"] for r in records if r.get("kind") == "iteration"})
+kept = [r for r in records if r.get("kind") == "reform_rank" and r["generation"] == 1 and r["replica"] == 1]
+print(f"re-formed: {[(r['generation'], r['tp_per_replica'], round(r['recovery_s'], 2)) for r in reformed]}; "
+      f"iterations {iterations[:1]}..{iterations[-1:]}; replica 1 made {[r['groups_made'] for r in kept]}")
+sys.exit(0 if reformed and reformed[-1]["tp_per_replica"] == [1, 1] and iterations == list(range(1, 21)) else 1)
+PY
+checksums_agree "$OUT/ntp_kill/metrics.jsonl" || fail "5 (ranks disagree after the re-formation)"
 echo; echo "gpu_smoke: all steps passed (outputs in $OUT)"

@@ -132,7 +132,7 @@ class Reformer:
                 topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
             seen = topology.generation
             if self.generation is not None:
-                self.elastic.leave(self.generation, keep=self._wanted(topology))
+                self.elastic.leave(self.generation, keep=self._wanted(topology) if self.cfg.ntp.keep_groups else ())
                 self.generation = None
             _try(lambda: self.elastic.note_aware(topology.generation - 1))
             if self.elastic.rank_in(topology) is None:

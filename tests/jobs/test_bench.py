@@ -45,8 +45,15 @@ def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
     assert len(memory["ratios"]) == 4 * len(bench.SMOKE.memory_instances)
     [reformations] = memory["reform"].values()  # from the failure part's NTP job: its proxy and healthy ranks
     assert {r["role"] for r in reformations} == {"proxy", "healthy"}
+    recovery = result["recovery"]
+    assert [(r["layout"], r["design"]) for r in recovery["rows"]] == [
+        (f"TP{tp} x DP2", d) for tp in bench.SMOKE.recovery_tps for d in bench.RECOVERY_DESIGNS]
+    by_design = {r["design"]: r for r in recovery["rows"]}
+    # Every group made anew, or a healthy rank's TP group and the rank alone kept: the switch reaches the ranks.
+    assert by_design["rebuild_all"]["groups_kept"] == 0 < by_design["keep_untouched"]["groups_kept"]
     for heading in ("| case | ranks | median step (ms) |", "| comparison | ratio | note |",
-                    "Per iteration, replica 0 (healthy)", "A failure, same job", "Building one rank's model",
+                    "Per iteration, replica 0 (healthy)", "A failure, same job", "Recovery, groups made anew",
+                    "Building one rank's model",
                     "Checkpoint stall, sync against async save", "Training state per rank", "Re-forming ranks' peaks",
                     f"wrote {out}"):
         assert heading in printed, heading
