@@ -33,11 +33,16 @@ from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
 logger = logging.getLogger(__name__)
 
-ESCAPE_GRACE_S = 0.2
-"""How long after its generation's sockets were shut down a rank still waits on a collective of it: gloo's own
-error normally arrives within milliseconds. (A timing choice, not a guarantee: gloo's event loop may still copy
+ESCAPE_GRACE_S = 0.05
+"""How long after its generation ended a rank still waits on a collective of it. On a group whose sockets were shut
+down gloo's own error normally arrives within milliseconds; on a group left as it was (no dead member: it may go on)
+none comes, so a rank blocked there waits out this grace before it re-forms, and it is kept short (it was 0.2 s while
+every group was shut down: `scripts/bench.sh --only recovery` measured those 0.2 s on top of every recovery once
+groups were kept). A wait given up where gloo's error was merely late costs nothing but a held group
+(:class:`ntp_megatron.elastic.generation._Held`). (A timing choice, not a guarantee: gloo's event loop may still copy
 bytes it had already received into a given-up collective's buffers; none of them is used before the rank has
-re-formed, and a re-formation rebuilds or re-sends whatever the failed generation was computing.)"""
+re-formed, a re-formation rebuilds or re-sends whatever the failed generation was computing, and a group that goes
+on is drained first.)"""
 
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
