@@ -19,12 +19,17 @@ What each kind of event makes a rank rebuild, at TP ``T`` (with one distributed-
   tensor-parallel group and the sync groups they serve; every other rank keeps its tensor-parallel group and
   makes only the sync groups of stage ``p`` whose members changed (the dead slot's block) or that were left
   half-matched (any sync group whose replica-``r`` member was blocked on the dead rank when its partner
-  entered the group's collective: after a kill in the forward pass, every sync group of the stage).
+  entered the group's collective: after a kill in the forward or backward pass, every sync group of the stage).
 - *rejoin* of a slot of replica ``r``: replica ``r`` (that stage) makes its tensor-parallel group; the sync
   group of the returning slot's block is made anew (its member goes back from the proxy to the slot); the
   other sync groups keep their members and are kept (the admission is at an iteration boundary: nothing is
   half-matched).
 - *dropped replica* ``r``: every sync group loses a member and is made anew; every tensor-parallel group is kept.
+
+A degraded replica of two ranks or more makes its tensor-parallel group anew at every re-formation: its proxies
+gather the dead blocks' gradients by point-to-point messages over it, which torch counts per message, so its
+members' counts differ by design. On NCCL every group is made anew after a death
+(:mod:`ntp_megatron.elastic.group_backend`).
 
 The default group is made anew in every generation (it numbers the ranks; torch makes every group under it);
 it is not counted here.

@@ -15,7 +15,7 @@ torch counts a group it makes itself, so that later groups are named alike on ev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,15 @@ from torch.distributed import distributed_c10d
 TESTED_TORCH = ("2.13.",)
 
 
+def supported() -> bool:
+    """Whether this torch is the one these helpers were written for (its private tables are not an interface):
+    elsewhere every group is made anew in every generation (``ntp.keep_groups`` has no effect)."""
+    return torch.__version__.startswith(TESTED_TORCH) and all(
+        hasattr(distributed_c10d, name) for name in ("_register_pg_in_world", "_unregister_process_group", "_world"))
+
+
 def check_torch_version() -> None:
-    if not torch.__version__.startswith(TESTED_TORCH):
+    if not supported():
         raise RuntimeError(f"keeping process groups across generations touches torch.distributed's private tables, "
                            f"written for torch {', '.join(v + 'x' for v in TESTED_TORCH)}; this is torch "
                            f"{torch.__version__}")
@@ -40,6 +47,9 @@ class Detached:
     backend: str
     store: dist.Store
     backend_config: str
+    tag: Optional[str]
+    in_default_tag: bool
+    """Listed under torch's default tag ``""`` too (as every group ``new_group`` makes is)."""
 
 
 def detach(group: dist.ProcessGroup) -> Detached:
@@ -53,11 +63,13 @@ def detach(group: dist.ProcessGroup) -> Detached:
     world.pg_group_ranks.pop(group, None)
     world.pg_coalesce_state.pop(group, None)
     tag = world.pg_to_tag.pop(group, None)
+    in_default = group in world.tags_to_pg.get("", [])
     for members in world.tags_to_pg.values():
         while group in members:
             members.remove(group)
     distributed_c10d._unregister_process_group(name)
-    return Detached(group=group, name=name, backend=backend, store=store, backend_config=config)
+    return Detached(group=group, name=name, backend=backend, store=store, backend_config=config, tag=tag,
+                    in_default_tag=in_default)
 
 
 def attach(detached: Detached, global_ranks: Mapping[int, int], counted: bool) -> dist.ProcessGroup:
@@ -70,7 +82,8 @@ def attach(detached: Detached, global_ranks: Mapping[int, int], counted: bool) -
         raise RuntimeError(f"process group {detached.name} is attached already")
     distributed_c10d._register_pg_in_world(detached.group, backend_name=detached.backend, store=detached.store,
                                            group_name=detached.name, backend_config=detached.backend_config,
-                                           rank_mapping=dict(global_ranks))
+                                           rank_mapping=dict(global_ranks), pg_tag=detached.tag,
+                                           add_to_default_tag=detached.in_default_tag)
     if counted:
         world.group_count += 1
     return detached.group

@@ -10,8 +10,8 @@
 #   4. NTP + NCCL + bf16: two replicas of different widths, TP2 + TP1 (3 GPUs: slot 1 of replica 1 left out), with
 #      state checksums: every TP rank of every replica must report the same bits after every iteration
 #   5. a live kill on NCCL: the job of step 4, launch rank 1 (replica 0, slot 1) SIGKILLed in the backward pass of
-#      iteration 8; replica 0 re-forms at TP1 (its communicators aborted, its TP group shrunk where NCCL can), replica
-#      1 keeps its groups, and the run reaches its last iteration with every rank's checksums agreeing
+#      iteration 8; every communicator is aborted and every group made fresh, replica 0 re-forms at TP1, replica 1
+#      keeps its model and optimizer, and the run reaches its last iteration with every rank's checksums agreeing
 # --cpu runs the same steps on CPU with gloo (no GPU needed): a check of this script, not of the GPU path.
 set -euo pipefail
 PY="${NTP_PYTHON:-python3}"

@@ -773,11 +773,12 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
     makes was made (or kept from a formation cut short after the base, which made it), and nothing outside the
     rank's groups; besides the plan's, a rank may make a group its members'
     verdict refused (a collective left half-matched by the failure), never at an admission boundary (nothing in
-    flight: exactly the plan's). With ``healthy_tp_kept`` (failures that strand nothing in a healthy replica's TP
+    flight: exactly the plan's). Every member of a group did the same with it (made it, or kept the same
+    incarnation). With ``healthy_tp_kept`` (failures that strand nothing in a healthy replica's TP
     group), a rank of a replica healthy in both generations (every stage) kept its TP group: the same incarnation, bound as many
     times in its model, DDP and optimizer, and made only sync groups. Returns how many such ranks were seen.
     ``dp``: the launch data-parallel size (default: the replicas of generation 0)."""
-    from ntp_megatron.group_plan import event_plan
+    from ntp_megatron.group_plan import event_plan, rank_group_keys
     from ntp_megatron.stages import PipelineTopology, load_topology
 
     published = {e["generation"]: e for e in result.events("generation_published")}
@@ -792,6 +793,15 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
         g = event["generation"]
         base_g = published[g]["base"]
         base, new = topologies[base_g], topologies[g]
+        # Every member of a group did the same with it: all made it in this generation, or all kept one incarnation.
+        seen: dict = {}
+        for rank in range(new.world_size):
+            record = records.get((g, launch_of[new.slot_of(rank)]))
+            for k in rank_group_keys(new, rank, dp, instances):
+                name = f"{k.role}{list(k.place)}"
+                seen.setdefault(k, set()).add((name in record["groups_made"], record["groups_made_in"][name]))
+        split = {k.label(): v for k, v in seen.items() if len(v) != 1}
+        assert not split, f"generation {g}: members of a group disagree on it: {split}"
         for rank in range(new.world_size):
             identity = new.slot_of(rank)
             record = records.get((g, launch_of[identity]))
@@ -799,7 +809,6 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
             plan = event_plan(base, new, identity, dp=dp, instances=instances)
             made, kept = set(record["groups_made"]), set(record["groups_kept"])
             where = f"generation {g}, {identity}"
-            assert made | kept == _group_names(plan.make) | _group_names(plan.keep), (where, record)
             # A group the plan makes was made, or kept from a formation after the base that was cut short (made
             # there by the same members).
             assert all(name in made or base_g < record["groups_made_in"][name] < g for name in _group_names(plan.make)), (

@@ -30,7 +30,6 @@ from ntp_megatron.elastic.commit import CommitProtocol
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
 from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
 from ntp_megatron.groups import GroupPool, PooledGroup
-from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.sockets import SocketScope, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
@@ -131,6 +130,7 @@ class ElasticRank:
                 dist.init_process_group(backend=self.backend, rank=rank, world_size=topology.world_size,
                                         store=dist.PrefixStore(keys.process_group_prefix(topology.generation), store),
                                         timeout=timedelta(seconds=self.timeout_s))
+            watchdog.default_group = distributed_c10d.GroupMember.WORLD  # this generation's, whenever it fires
         except BaseException:
             self.leave(generation)
             raise
@@ -148,24 +148,19 @@ class ElasticRank:
         thread finishes now); at the normal end of the job nobody marks it, and the watchdog, a daemon thread,
         simply ends with the process."""
         torch_distributed_work.set_escape(None)
-        keep = set(keep) if ended else set()
+        if ended:
+            generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
+        keep = set(keep) - generation.watchdog.cut if ended else set()  # a group cut cannot go on
         pool = generation.pool
-        shrunk = {}
-        if ended and self.backend == "nccl":  # in the old world, where torch knows the parents
-            shrinks = group_backend.shrink_plan(pool.groups, keep, generation.watchdog.dead or (), _nccl_version())
-            shrunk = group_backend.shrink_into(pool.groups, shrinks, generation.number)
-            for pooled in shrunk.values():
-                pooled.detached = c10d_patch.detach(pooled.group)
         # Groups carried here and not made or kept yet (a formation cut short) are detached already.
         detached = {**self.carried, **pool.offered}
-        carried = {**pool.detach(keep), **{k: pooled for k, pooled in detached.items() if k in keep}, **shrunk}
+        carried = {**pool.detach(keep), **{k: pooled for k, pooled in detached.items() if k in keep}}
         released = [pooled for key, pooled in pool.groups.items() if key not in carried]
         dropped = [pooled for key, pooled in detached.items() if key not in carried]
         self.carried, pool.offered = {}, {}
         if dropped:
             self._let_go(dropped)
         if ended:
-            generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
             self.group_backend.let_go(released)  # not cut yet where no member died: their probes must fail at once
             if self.backend == "gloo":
                 self.held.append(_hold(list(distributed_c10d._world.pg_map), generation.watchdog.abandoned_waits))
@@ -193,7 +188,7 @@ class ElasticRank:
         group writes once, so nobody waits on a member that holds nothing. Bounded by the store's timeout, and
         cut short with the generation (its store client is shut down)."""
         wanted = list(wanted)
-        carried, self.carried = self.carried, {}
+        carried = self.carried  # cleared only once resolved: a failure in here leaves them to leave()
         mine = {k: Offer(carried[k].made_in, carried[k].issued()) if k in carried else Offer(None, 0) for k in wanted}
         identity = self.identity
         generation.store.set(keys.group_offers(generation.number, identity),
@@ -214,9 +209,9 @@ class ElasticRank:
                 logger.info("generation %d: group %s is made anew (its members hold %s)", generation.number,
                             k.label(), {"/".join(map(str, m)): o.to_json() for m, o in offers.items()})
         let_go = [pooled for k, pooled in carried.items() if k not in offered]
+        generation.pool.offered, self.carried = offered, {}
         if let_go:
             self._let_go(let_go)
-        generation.pool.offered = offered
 
     def _let_go(self, groups: list[PooledGroup]) -> None:
         """Groups out of torch's tables that do not go on: shut down (a collective stranded in one fails at once),
@@ -299,15 +294,6 @@ class ElasticRank:
                 return False
             time.sleep(POLL_S)
         return True
-
-
-def _nccl_version() -> Optional[tuple[int, ...]]:
-    import torch
-
-    try:
-        return tuple(torch.cuda.nccl.version())
-    except Exception:  # noqa: BLE001 - a build without NCCL
-        return None
 
 
 def _reset_group_names() -> None:

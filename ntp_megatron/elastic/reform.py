@@ -52,6 +52,7 @@ from ntp_megatron.group_plan import GroupKey, rank_group_keys
 from ntp_megatron.groups import references_to
 from ntp_megatron import stages
 from ntp_megatron.layout import Topology
+from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
     copy_main_params_to_model, exchange, init_shard_state, init_state, largest_piece_bytes, \
     own_lower_bound_bytes, plan_shard_transfers, plan_transfers, state_keys
@@ -89,6 +90,12 @@ class Reformer:
         self._start_iteration: Optional[int] = None
         self.joining = False
         """A replacement process, waiting to be admitted (rather than a rank of the launch)."""
+        self.keep_groups = cfg.ntp.keep_groups and c10d_patch.supported()
+        """Groups a re-formation did not touch go on (``ntp.keep_groups``, where this torch allows it)."""
+        if cfg.ntp.keep_groups and not self.keep_groups:
+            logger.warning("ntp.keep_groups: torch %s is not the one keeping process groups was written for (%s): "
+                           "every group is made anew in every generation", torch.__version__,
+                           ", ".join(v + "x" for v in c10d_patch.TESTED_TORCH))
 
     # -- the four ways into a generation -------------------------------------------------------------------------
     def start(self, training: Training, joining: bool) -> None:
@@ -132,7 +139,7 @@ class Reformer:
                 topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
             seen = topology.generation
             if self.generation is not None:
-                self.elastic.leave(self.generation, keep=self._wanted(topology) if self.cfg.ntp.keep_groups else ())
+                self.elastic.leave(self.generation, keep=self._wanted(topology) if self.keep_groups else ())
                 self.generation = None
             _try(lambda: self.elastic.note_aware(topology.generation - 1))
             if self.elastic.rank_in(topology) is None:

