@@ -44,6 +44,8 @@ from ntp_megatron.training import runtime
 POLL_S = 0.02
 DEBOUNCE_S = 0.05
 """Deaths within this long of each other are handled as one failure (one new generation)."""
+EXIT_DELIVERY_S = 5.0
+"""How long the monitor waits for the exit of a process it has seen exit to be delivered (its relay reaps it)."""
 
 
 class Launcher:
@@ -67,6 +69,10 @@ class Launcher:
         self.restarts = 0
         self.finished: set[int] = set()
         """Launch ranks whose process completed the run (exit 0)."""
+        self._collected: set[int] = set()
+        self._exited_since: Optional[float] = None
+        """``id`` of every rank process whose exit :meth:`_collect_exits` handled: one that ``poll`` says has exited
+        may not have delivered its exit yet (a death the policy must still see)."""
 
     def _place(self, cfg: JobConfig) -> None:
         """This node's launch ranks and the local device of each (:mod:`ntp_megatron.placement`): every slot has a
@@ -281,9 +287,22 @@ class Launcher:
             outcome = self.policy.step(self._collect_exits())
             if outcome is not None:
                 return outcome
-            if all(p.poll() is not None for p in self.processes.ranks.values()) and self.policy.idle():
+            if self._all_collected() and self.policy.idle():
                 self.console.say(f"all {len(self.finished)} ranks finished")
                 return 0
+
+    def _all_collected(self) -> bool:
+        """Every rank has exited and its exit was handled; bounded: an exit not delivered ``EXIT_DELIVERY_S`` after
+        every process is seen to have exited counts as handled."""
+        ranks = list(self.processes.ranks.values())
+        if not all(p.poll() is not None for p in ranks):
+            self._exited_since = None
+            return False
+        if all(id(p) in self._collected for p in ranks):
+            return True
+        now = time.monotonic()
+        self._exited_since = self._exited_since or now
+        return now - self._exited_since > EXIT_DELIVERY_S
 
     def _collect_exits(self) -> list[Death]:
         """Reaped ranks since the last poll; deaths (non-zero exits) as ``Death`` records. A death waits
@@ -297,6 +316,7 @@ class Launcher:
                 return deaths
             if proc is not self.processes.ranks.get(proc.rank):
                 continue  # a process of an earlier restart
+            self._collected.add(id(proc))
             if returncode == 0:
                 self.finished.add(proc.rank)
                 self.policy.rank_finished(proc.rank)

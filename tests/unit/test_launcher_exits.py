@@ -1,0 +1,45 @@
+"""The launcher's monitor ends the job only once every rank's exit has been handled: ``poll()`` can say a process
+has exited before its relay has delivered the exit (a death the policy must still see; seen in the suite as a node
+that printed "all 0 ranks finished" and exited 0 while its ranks had stopped on a peer's failure)."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+from ntp_megatron import launcher
+
+
+class Exited:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.pid, self.ended_at = rank, 1000 + rank, None
+
+    def poll(self) -> int:
+        return 3
+
+
+def monitor(ranks: dict) -> launcher.Launcher:
+    mon = object.__new__(launcher.Launcher)
+    mon.processes = SimpleNamespace(ranks=ranks, exits=queue.Queue())
+    mon.finished, mon._collected, mon._exited_since = set(), set(), None
+    mon.agent, mon.store = None, None
+    return mon
+
+
+def test_a_rank_that_has_exited_is_not_done_until_its_exit_is_handled(monkeypatch):
+    procs = {2: Exited(2), 3: Exited(3)}
+    mon = monitor(procs)
+    assert not mon._all_collected()  # both exited, neither exit delivered yet
+    monkeypatch.setattr(launcher, "reported_error", lambda store, rank: None)
+    for proc in procs.values():
+        mon.processes.exits.put((proc, 3))
+    deaths = mon._collect_exits()
+    assert [d.launch_rank for d in deaths] == [2, 3]  # the policy sees both deaths
+    assert mon._all_collected()
+
+
+def test_an_exit_never_delivered_ends_the_wait_after_a_bound():
+    mon = monitor({0: Exited(0)})
+    assert not mon._all_collected()
+    mon._exited_since -= launcher.EXIT_DELIVERY_S + 0.1  # as if that long had passed
+    assert mon._all_collected()
