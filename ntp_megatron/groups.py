@@ -400,8 +400,8 @@ def _walk(obj, visit, seen: set[int]) -> None:
             items = list(vars(obj).items())
         except TypeError:
             return
-    for key, value in items:
-        visit(obj, key, value)
+    for name, value in items:
+        visit(obj, name, value)
         _walk(value, visit, seen)
 
 

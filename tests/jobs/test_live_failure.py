@@ -204,7 +204,7 @@ def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, rank
     assert_replicas_agree(result, ITERS)
     [failed] = result.events("rank_failed")
     assert failed["launch_rank"] == rank and failed["cause"].startswith(
-        f"stuck: no progress for "), failed["cause"]
+        "stuck: no progress for "), failed["cause"]
     assert f"in phase {phase} of iteration 4 while launch rank" in failed["cause"]
     assert failed["detect_s"] < SPIN_TIMEOUT_S, failed
     assert f"launch rank {rank} (pid" in result.stderr and "stopped responding (stuck: no progress" in result.stderr

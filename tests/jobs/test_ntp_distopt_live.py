@@ -35,7 +35,7 @@ from collections import defaultdict
 import pytest
 
 from tests.harness import JobResult, assert_groups_as_planned, assert_replicas_agree, relative_difference, run_job
-from tests.jobs.test_live_failure import assert_same_run, launcher_lines, leftover_processes, ntp_args, \
+from tests.jobs.test_live_failure import assert_same_run, launcher_lines, ntp_args, \
     widths_by_iteration
 
 ITERS = 7
