@@ -60,6 +60,10 @@ class GroupKey:
     members: tuple[Identity, ...]
     """The members' identities in group-rank order."""
 
+    def name(self) -> str:
+        """Role and place, as records and logs show a group (``sync[0, 3]``): unique among one rank's groups."""
+        return f"{self.role}{list(self.place)}"
+
     def label(self) -> str:
         """A short stable name (for store keys and logs)."""
         text = f"{self.role}{self.place}{self.members}"

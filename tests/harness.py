@@ -763,7 +763,7 @@ def _healthy(topology, replica: int) -> bool:
 
 
 def _group_names(keys) -> set[str]:
-    return {f"{k.role}{list(k.place)}" for k in keys}
+    return {k.name() for k in keys}
 
 
 def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instances: int = 1,
@@ -798,7 +798,7 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
         for rank in range(new.world_size):
             record = records.get((g, launch_of[new.slot_of(rank)]))
             for k in rank_group_keys(new, rank, dp, instances):
-                name = f"{k.role}{list(k.place)}"
+                name = k.name()
                 seen.setdefault(k, set()).add((name in record["groups_made"], record["groups_made_in"][name]))
         split = {k.label(): v for k, v in seen.items() if len(v) != 1}
         assert not split, f"generation {g}: members of a group disagree on it: {split}"

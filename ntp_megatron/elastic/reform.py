@@ -439,11 +439,8 @@ class Reformer:
 def _group_record(pool) -> dict:
     """Which of the generation's groups this rank made and which it kept (role and place), and the generation
     that made each group it is in (a kept group's incarnation is older than the generation)."""
-    def name(k: GroupKey) -> str:
-        return f"{k.role}{list(k.place)}"
-
-    return {"groups_made": sorted(name(k) for k in pool.made), "groups_kept": sorted(name(k) for k in pool.kept),
-            "groups_made_in": {name(k): pooled.made_in for k, pooled in sorted(pool.groups.items())}}
+    return {"groups_made": sorted(k.name() for k in pool.made), "groups_kept": sorted(k.name() for k in pool.kept),
+            "groups_made_in": {k.name(): pooled.made_in for k, pooled in sorted(pool.groups.items())}}
 
 
 def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, held: dict,

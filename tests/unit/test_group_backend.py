@@ -44,7 +44,7 @@ def kill(topology, identity, policy="stop", min_tp=1):
 
 
 def names(keys) -> list[str]:
-    return sorted(f"{k.role}{list(k.place)}" for k in keys)
+    return sorted(k.name() for k in keys)
 
 
 EVENTS = {

@@ -18,7 +18,7 @@ UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 
 
 def roles(keys) -> list[str]:
-    return sorted(f"{k.role}{list(k.place)}" for k in keys)
+    return sorted(k.name() for k in keys)
 
 
 def identities_of(topology) -> list[tuple[int, ...]]:
