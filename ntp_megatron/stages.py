@@ -262,6 +262,20 @@ def with_generation(topology: "Topology | PipelineTopology", generation: int) ->
     return dataclasses.replace(topology, generation=generation)
 
 
+def published_topology(base: "Topology | PipelineTopology", info: dict, generation: int, min_tp: int = 1,
+                       policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
+    """The topology of ``generation`` from what its publication says changed (the controller's ``info``): the
+    generation it builds on is ``base``; ``info["joined"]`` slots are admitted, or the ``info["dead"]`` identities
+    (slots of ``base``) died. What every rank computes instead of reading the whole topology from the root store
+    (the two-level control plane, :mod:`ntp_megatron.elastic.relay`); the controller computes it the same way."""
+    if info.get("joined"):
+        new = join_topology(base, [tuple(slot) for slot in info["joined"]], min_tp=min_tp)
+    else:
+        dead = [base.rank_of(*identity) for identity in info["dead"]]
+        new = next_topology(base, [rank for rank in dead if rank is not None], min_tp=min_tp, policy=policy)
+    return with_generation(new, generation)
+
+
 def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[int], min_tp: int = 1,
                   policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
     """:func:`ntp_megatron.layout.next_topology`, for a topology with or without stages (module docstring)."""

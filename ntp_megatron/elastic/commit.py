@@ -10,10 +10,18 @@ barrier is not enough: its outcome can differ between its members.)
 
 The same two-writer rule decides whether a re-formation completed (:meth:`CommitProtocol.form`): the last
 rank to finish writes ``complete``, the controller writes ``incomplete`` if a rank dies first.
+
+*Two levels* (:class:`NodeShare`, :mod:`ntp_megatron.elastic.relay`): the ranks count in their node's store and
+the node relay carries one count per node to the root; the node whose count completes the root's decides there,
+with the same first-writer-wins rule against the controller, and every relay writes the decision back into its
+node's store, where the ranks wait for it. The iteration's keys are deleted two iterations later, when nobody can
+read them again.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
@@ -32,24 +40,42 @@ class IterationAborted(RuntimeError):
     """The controller aborted the iteration in flight: a rank of this generation failed."""
 
 
+@dataclass(frozen=True)
+class NodeShare:
+    """Where a rank counts in the two-level control plane: ``members`` ranks of the generation on its node (they
+    count in the node's store), ``nodes`` nodes with a rank of it (their relays count in the root)."""
+    members: int
+    nodes: int
+
+
 class CommitProtocol:
     """Votes of one rank in one generation. ``store`` is a client that survives the generation (not the
-    generation's own client, whose sockets the watchdog shuts down)."""
+    generation's own client, whose sockets the watchdog shuts down): the root store, or with ``node`` set the
+    node's store, whose relay carries the node's count to the root."""
 
-    def __init__(self, store: dist.Store, generation: int, world_size: int) -> None:
-        self.store, self.generation, self.world_size = store, generation, world_size
+    def __init__(self, store: dist.Store, generation: int, world_size: int, node: Optional[NodeShare] = None) -> None:
+        self.store, self.generation, self.world_size, self.node = store, generation, world_size, node
 
     def vote(self, iteration: int) -> str:
         """Vote to commit 1-based ``iteration`` and wait for the decision: ``commit`` or ``abort``."""
-        n = self.store.add(keys.votes(self.generation, iteration), 1)
         key = keys.decision(self.generation, iteration)
-        if n == self.world_size:
-            # The last voter also decides whether this is the boundary where repaired ranks are admitted: one
-            # value, read by everyone, so every rank moves at the same iteration.
-            value = COMMIT_REFORM if self.store.check([keys.reform_requested(self.generation)]) else COMMIT
-            if _first_write(self.store, key, value) == value:
-                self.store.set(keys.COMMITTED, str(iteration))
+        self._count(keys.votes(self.generation, iteration), key, {"vote": [self.generation, iteration]},
+                    lambda: decide_iteration(self.store, self.generation, iteration))
         return self._await(key, ABORT)
+
+    def _count(self, counter: str, key: str, tally: dict, decide) -> None:
+        """Count this rank in ``counter``; the rank that completes it decides (one level), or asks the node relay
+        to carry the node's count to the root (two levels; the first rank of the node asks it to bring the
+        decision on ``key`` back whatever becomes of the count, so a node whose other ranks died still hears)."""
+        n = self.store.add(counter, 1)
+        if self.node is None:
+            if n == self.world_size:
+                decide()
+            return
+        if n == 1:
+            self.store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": key, "generation": self.generation}))
+        if n == self.node.members:
+            self.store.queue_push(keys.RELAY_QUEUE, json.dumps({**tally, "nodes": self.node.nodes}))
 
     def decision(self, iteration: int) -> str | None:
         """The decision on ``iteration`` in this generation, if one was made."""
@@ -59,11 +85,9 @@ class CommitProtocol:
     def form(self) -> str:
         """Report that this rank finished re-forming into this generation; wait for ``complete`` or
         ``incomplete``."""
-        n = self.store.add(keys.ready(self.generation), 1)
         key = keys.formed(self.generation)
-        if n == self.world_size:
-            if _first_write(self.store, key, COMPLETE) == COMPLETE:
-                self.store.set(keys.COMPLETED, str(self.generation))
+        self._count(keys.ready(self.generation), key, {"form": self.generation},
+                    lambda: decide_formation(self.store, self.generation))
         return self._await(key, INCOMPLETE)
 
     def _await(self, key: str, otherwise: str) -> str:
@@ -81,6 +105,31 @@ class CommitProtocol:
                     return otherwise
                 raise TimeoutError(f"no decision on {key} within the store timeout") from None
         return self.store.get(key).decode()
+
+
+def decide_iteration(store: dist.Store, generation: int, iteration: int) -> str:
+    """The last count of ``iteration`` is in (every rank's vote, or every node's): decide ``commit`` — or
+    ``commit+reform`` where the controller asked for an admission boundary, one value read by everyone so every
+    rank moves at the same iteration — unless the controller's ``abort`` came first. Returns the decision. The
+    winner records the committed iteration and deletes the keys of the iteration two before (every rank has read
+    its decision: each voted on the next one after it)."""
+    value = COMMIT_REFORM if store.check([keys.reform_requested(generation)]) else COMMIT
+    decided = _first_write(store, keys.decision(generation, iteration), value)
+    if decided == value:
+        store.set(keys.COMMITTED, str(iteration))
+        if iteration > 2:
+            for key in keys.iteration_keys(generation, iteration - 2):
+                store.delete_key(key)
+    return decided
+
+
+def decide_formation(store: dist.Store, generation: int) -> str:
+    """Every rank (or node) finished re-forming into ``generation``: ``complete``, unless the controller's
+    ``incomplete`` came first. Returns the verdict."""
+    decided = _first_write(store, keys.formed(generation), COMPLETE)
+    if decided == COMPLETE:
+        store.set(keys.COMPLETED, str(generation))
+    return decided
 
 
 def _first_write(store: dist.Store, key: str, value: str) -> str:

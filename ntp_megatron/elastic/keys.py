@@ -83,6 +83,33 @@ def decision(generation: int, iteration: int) -> str:
     return f"{PREFIX}gen{generation}/iter{iteration}/decision"
 
 
+def node_votes(generation: int, iteration: int) -> str:
+    """Two-level control plane: counter of nodes whose every rank voted on iteration ``k`` of generation ``g``
+    (:mod:`ntp_megatron.elastic.relay`; the node-local counter of ranks is :func:`votes`)."""
+    return f"{PREFIX}gen{generation}/iter{iteration}/node_votes"
+
+
+def node_ready(generation: int) -> str:
+    """Two-level control plane: counter of nodes whose every rank finished re-forming into generation ``g``."""
+    return f"{PREFIX}gen{generation}/node_ready"
+
+
+def node_beat(node_rank: int) -> str:
+    """Two-level control plane: a node relay's heartbeat in the root store (JSON ``{"t", "ranks"}``), one per node
+    instead of one per rank."""
+    return f"{PREFIX}node_hb/{node_rank}"
+
+
+RELAY_QUEUE = "relay/up"
+"""The node-local store's queue of what its ranks ask the node relay to carry to the root (JSON messages)."""
+
+
+def iteration_keys(generation: int, iteration: int) -> list[str]:
+    """The per-iteration keys of the commit protocol (deleted once nobody can read them again)."""
+    return [votes(generation, iteration), node_votes(generation, iteration), decision(generation, iteration),
+            started(generation, iteration)]
+
+
 def ready(generation: int) -> str:
     """Counter of ranks that finished re-forming into generation ``g``."""
     return f"{PREFIX}gen{generation}/ready"

@@ -1,0 +1,193 @@
+"""A node's relay: the middle of the two-level control plane.
+
+One store for every rank of a large job does not scale: each rank's votes, heartbeats and generation reads are
+requests to node 0, and a saturated store delays heartbeats until healthy ranks are fenced
+(``scripts/bench.sh --only control-plane`` measures both designs). With two levels each node's launcher hosts a
+store of its own (the *node store*) and a relay between it and the root store on node 0:
+
+- ranks count their votes (and their re-formation) in the node store (:class:`~ntp_megatron.elastic.commit.
+  NodeShare`); the last rank of the node to vote queues one message, and the relay adds one count per node to the
+  root. The node whose count completes the root's decides there, first writer wins against the controller, as
+  with one level (:func:`~ntp_megatron.elastic.commit.decide_iteration`);
+- the first rank of the node to vote asks the relay to bring the decision back: the relay waits on the root and
+  writes it into the node store, where the ranks wait. A node whose other ranks died still hears the controller's
+  ``abort``;
+- the relay follows the generations: when one ends at the root it copies what changed (``latest``, each new
+  generation's ``info``: the dead or admitted slots, from which every rank computes the topology with the same
+  pure function, :func:`~ntp_megatron.stages.published_topology`) and then the end itself into the node
+  store, where the ranks' watchdogs wait;
+- it writes one heartbeat per node to the root (:func:`~ntp_megatron.elastic.keys.node_beat`); the ranks'
+  heartbeats stay in the node store, read by the node's launcher.
+
+The root store stays the single point of truth; a relay only copies what the root decided. Every blocking call is
+bounded by ``poll_s`` and retried until :meth:`NodeRelay.stop`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import COMMIT_REFORM, decide_formation, decide_iteration
+
+logger = logging.getLogger(__name__)
+
+StoreFactory = Callable[[float], dist.Store]
+"""Opens a new client of a store with the given timeout (seconds)."""
+
+POLL_S = 1.0
+CONNECT_TIMEOUT_S = 60.0
+"""How long a relay thread blocks on one store call before it looks whether it should stop."""
+
+
+class NodeRelay:
+    """Node ``node_rank``'s store and relay. ``open_root`` opens clients of the root store (three, one per
+    thread: each blocks on its own); ``ranks`` says how many of the node's ranks are alive (for the node's
+    heartbeat). ``wrap`` wraps every store client the relay opens (a load test counts requests with it)."""
+
+    def __init__(self, open_root: StoreFactory, node_rank: int, host: str = "127.0.0.1",
+                 beat_s: float = 0.2, poll_s: float = POLL_S, ranks: Callable[[], int] = lambda: 0,
+                 wrap: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
+        self.node_rank = node_rank
+        self.host = host
+        self.beat_s, self.poll_s = beat_s, poll_s
+        self.ranks = ranks
+        self._wrap = wrap
+        self._open_root = lambda: self._polling(open_root(CONNECT_TIMEOUT_S))
+        self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+                                     wait_for_workers=False)
+        self.port = self._server.port
+        self._stop = threading.Event()
+        self._awaits: queue.Queue = queue.Queue()
+        self.generation = 0
+        """The generation whose end the relay waits for."""
+        self.published = -1
+        """The newest generation whose ``info`` is in the node store."""
+        self._publishing = threading.Lock()
+        self.errors: list[str] = []
+        """What went wrong in a relay thread (it then stops; the node's ranks time out on their waits)."""
+        self._threads = [threading.Thread(target=self._guarded, args=(run,), name=f"ntp-relay-{name}", daemon=True)
+                         for name, run in (("up", self._carry_up), ("back", self._bring_back),
+                                           ("follow", self._follow))]
+        for thread in self._threads:
+            thread.start()
+
+    def open_local(self, timeout_s: float) -> dist.Store:
+        """A client of the node store (what the node's ranks hold)."""
+        return dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+
+    def stop(self) -> None:
+        """Stop the threads (each within ``poll_s``) and close the node store."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(4 * self.poll_s + 5.0)
+        self._server = None
+
+    def _guarded(self, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - a relay thread must say why it stopped, not vanish
+            if not self._stop.is_set():
+                logger.error("node %d relay thread stopped: %s", self.node_rank, exc)
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def _local(self) -> dist.Store:
+        return self._polling(self.open_local(CONNECT_TIMEOUT_S))
+
+    def _polling(self, store: dist.Store) -> dist.Store:
+        """Connected with a long timeout (a connection can take seconds: torch's client looks the peer's name up);
+        each call then blocks at most ``poll_s``."""
+        store.set_timeout(timedelta(seconds=self.poll_s))
+        return self._wrap(store)
+
+    # -- up: what the node's ranks queued -------------------------------------------------------------------------
+    def _carry_up(self) -> None:
+        local, root = self._local(), self._open_root()
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.time()
+            if now >= next_beat:
+                root.set(keys.node_beat(self.node_rank), json.dumps({"t": now, "ranks": self.ranks()}))
+                next_beat = now + self.beat_s
+            try:
+                local.set_timeout(timedelta(seconds=max(0.001, min(self.poll_s, next_beat - time.time()))))
+                raw = local.queue_pop(keys.RELAY_QUEUE, block=True)
+            except dist.DistStoreError:
+                continue
+            self._carry(root, json.loads(raw))
+
+    def _carry(self, root: dist.Store, message: dict) -> None:
+        if "await" in message:
+            self._awaits.put((message["await"], message["generation"]))
+        elif "vote" in message:
+            generation, iteration = message["vote"]
+            if root.add(keys.node_votes(generation, iteration), 1) == message["nodes"]:
+                decide_iteration(root, generation, iteration)
+        elif "form" in message:
+            if root.add(keys.node_ready(message["form"]), 1) == message["nodes"]:
+                decide_formation(root, message["form"])
+        else:
+            raise ValueError(f"unknown relay message {message!r}")
+
+    # -- back: decisions the node's ranks wait for ----------------------------------------------------------------
+    def _bring_back(self) -> None:
+        local, root = self._local(), self._open_root()
+        while not self._stop.is_set():
+            try:
+                key, generation = self._awaits.get(timeout=self.poll_s)
+            except queue.Empty:
+                continue
+            value = self._decided(root, key, generation)
+            if value is None:
+                continue
+            if value.decode() == COMMIT_REFORM:  # the ranks move to the generation published for it: copy it first
+                self._copy_published(root, local)
+            local.set(key, value)
+
+    def _decided(self, root: dist.Store, key: str, generation: int) -> Optional[bytes]:
+        """The root's value of ``key`` once it is written; None if the generation ended without one (a stop: the
+        ranks' own waits then see the generation over) or the relay stops."""
+        while not self._stop.is_set():
+            try:
+                return root.get(key)
+            except dist.DistStoreError:
+                if root.check([keys.abort(generation)]) and not root.check([key]):
+                    return None
+        return None
+
+    # -- follow: generations ----------------------------------------------------------------------------------------
+    def _follow(self) -> None:
+        local, root = self._local(), self._open_root()
+        while not self._stop.is_set():
+            try:
+                ended = root.get(keys.abort(self.generation))
+            except dist.DistStoreError:
+                if self.published < 0:  # the job's first generation, published before its ranks start
+                    self._copy_published(root, local)
+                continue
+            self._copy_published(root, local)
+            if root.check([keys.STOP]):
+                local.set(keys.STOP, root.get(keys.STOP))
+            local.set(keys.abort(self.generation), ended)
+            self.generation += 1
+
+    def _copy_published(self, root: dist.Store, local: dist.Store) -> None:
+        """Copy the generations published since the last call (their ``info``, then ``latest``)."""
+        with self._publishing:
+            if not root.check([keys.LATEST]):
+                return
+            latest = int(root.get(keys.LATEST).decode())
+            for generation in range(self.published + 1, latest + 1):
+                local.set(keys.info(generation), root.get(keys.info(generation)))
+            if latest > self.published:
+                local.set(keys.LATEST, str(latest))
+                self.published = latest
