@@ -81,6 +81,8 @@ class Agent:
         """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
         self.progress: dict[int, tuple[int, float]] = {}
         """Launch rank -> (its last progress count, since when it has had it)."""
+        self.oldest_beat_s = 0.0
+        """The oldest heartbeat seen so far, as its age when read (how far the store lags behind the ranks)."""
         self._stall_published = 0.0
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
@@ -141,6 +143,8 @@ class Agent:
             born = self.born.get(rank, self.started)
             last = beat["t"] if beat is not None and beat["t"] >= born else None
             silent = now - (last if last is not None else born)
+            if last is not None:
+                self.oldest_beat_s = max(self.oldest_beat_s, silent)
             limit = self.heartbeat_timeout_s if last is not None else self.startup_grace_s
             if silent > limit:
                 # The rank stopped at about its last heartbeat: that is when it failed.

@@ -51,17 +51,16 @@ CONNECT_TIMEOUT_S = 60.0
 class NodeRelay:
     """Node ``node_rank``'s store and relay. ``open_root`` opens clients of the root store (three, one per
     thread: each blocks on its own); ``ranks`` says how many of the node's ranks are alive (for the node's
-    heartbeat). ``wrap`` wraps every store client the relay opens (a load test counts requests with it)."""
+    heartbeat). ``wrap_root`` wraps each client of the root store (a load test counts requests with it)."""
 
     def __init__(self, open_root: StoreFactory, node_rank: int, host: str = "127.0.0.1",
                  beat_s: float = 0.2, poll_s: float = POLL_S, ranks: Callable[[], int] = lambda: 0,
-                 wrap: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
+                 wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
         self.node_rank = node_rank
         self.host = host
         self.beat_s, self.poll_s = beat_s, poll_s
         self.ranks = ranks
-        self._wrap = wrap
-        self._open_root = lambda: self._polling(open_root(CONNECT_TIMEOUT_S))
+        self._open_root = lambda: wrap_root(self._polling(open_root(CONNECT_TIMEOUT_S)))
         self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
                                      wait_for_workers=False)
         self.port = self._server.port
@@ -72,6 +71,9 @@ class NodeRelay:
         self.published = -1
         """The newest generation whose ``info`` is in the node store."""
         self._publishing = threading.Lock()
+        self.ended_at: dict[int, float] = {}
+        """Generation -> when its end was written into the node store (wall clock)."""
+        self._connected = threading.Semaphore(0)
         self.errors: list[str] = []
         """What went wrong in a relay thread (it then stops; the node's ranks time out on their waits)."""
         self._threads = [threading.Thread(target=self._guarded, args=(run,), name=f"ntp-relay-{name}", daemon=True)
@@ -79,6 +81,17 @@ class NodeRelay:
                                            ("follow", self._follow))]
         for thread in self._threads:
             thread.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether every relay thread connected to both stores within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        acquired = 0
+        while acquired < len(self._threads) and self._connected.acquire(
+                timeout=max(0.0, deadline - time.monotonic())):
+            acquired += 1
+        for _ in range(acquired):
+            self._connected.release()
+        return acquired == len(self._threads)
 
     def open_local(self, timeout_s: float) -> dist.Store:
         """A client of the node store (what the node's ranks hold)."""
@@ -107,11 +120,12 @@ class NodeRelay:
         """Connected with a long timeout (a connection can take seconds: torch's client looks the peer's name up);
         each call then blocks at most ``poll_s``."""
         store.set_timeout(timedelta(seconds=self.poll_s))
-        return self._wrap(store)
+        return store
 
     # -- up: what the node's ranks queued -------------------------------------------------------------------------
     def _carry_up(self) -> None:
         local, root = self._local(), self._open_root()
+        self._connected.release()
         next_beat = 0.0
         while not self._stop.is_set():
             now = time.time()
@@ -141,6 +155,7 @@ class NodeRelay:
     # -- back: decisions the node's ranks wait for ----------------------------------------------------------------
     def _bring_back(self) -> None:
         local, root = self._local(), self._open_root()
+        self._connected.release()
         while not self._stop.is_set():
             try:
                 key, generation = self._awaits.get(timeout=self.poll_s)
@@ -167,6 +182,7 @@ class NodeRelay:
     # -- follow: generations ----------------------------------------------------------------------------------------
     def _follow(self) -> None:
         local, root = self._local(), self._open_root()
+        self._connected.release()
         while not self._stop.is_set():
             try:
                 ended = root.get(keys.abort(self.generation))
@@ -178,6 +194,7 @@ class NodeRelay:
             if root.check([keys.STOP]):
                 local.set(keys.STOP, root.get(keys.STOP))
             local.set(keys.abort(self.generation), ended)
+            self.ended_at[self.generation] = time.time()
             self.generation += 1
 
     def _copy_published(self, root: dist.Store, local: dist.Store) -> None:

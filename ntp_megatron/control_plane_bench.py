@@ -1,0 +1,379 @@
+"""Load test of the control plane: today's one-store design against the two-level one, at thousands of simulated
+ranks on one machine (``scripts/bench.sh --only control-plane``).
+
+What runs is the real code: a root ``TCPStore`` in a process of its own, :class:`CommitProtocol` votes,
+:class:`~ntp_megatron.elastic.agent.Agent` fencing (its kill only counted: nothing is stuck, so every fence is a
+false one), :class:`~ntp_megatron.elastic.relay.NodeRelay` and the real :class:`Controller` publishing a failure's
+generation. Simulated ranks are threads in a few worker processes, grouped in nodes of 8. Each iteration every rank
+arrives at the commit point at the same scheduled time (the end of a simulated step), begins and votes as a rank
+does, and its vote latency is from that time to the decision in hand.
+
+- ``current``: every rank counts and waits in the root store; per node, one thread writes its ranks' heartbeats
+  every 0.2 s (one connection per node instead of one per rank: the same requests, and 10K ranks' four
+  connections each would not fit one process's 20,000 file descriptors here) and an Agent reads them from the root
+  every 20 ms, as a node's launcher does.
+- ``two_level``: every node has its relay and node store. The ranks of one node per worker are real (threads that
+  vote through the node store, real heartbeat threads, an Agent on the node store); on every other node the node's
+  last rank is simulated by queueing its message at the arrival time (what its ranks do in their own node's store
+  costs the root nothing, and on a real cluster runs on that node's own CPUs). The root gets one count per node,
+  the relays' waits and one heartbeat per node; the coordinator reads the node heartbeats from the root every
+  20 ms.
+
+After the iterations one rank dies: the controller settles and publishes the next generation; the figure is from the
+death to the last simulated rank holding the new topology (``current``: read whole from the root;
+``two_level``: every node store has the generation's end, and the real ranks computed the topology from its
+publication), and what a rank read for it.
+
+The harness shares 2 cores with the store: each row says how late the threads arrived (``arrival_late_p99_ms``)
+and what CPU went to the workers and to the root store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Optional, Sequence
+
+RANKS_PER_NODE = 8
+TP = 8
+HEARTBEAT_S = 0.2
+AGENT_POLL_S = 0.02
+HEARTBEAT_TIMEOUT_S = 10.0
+WORKERS = 4
+CLIENT_TIMEOUT_S = 300.0
+ENV = {"RES_OPTIONS": "timeout:1 attempts:1"}
+"""torch's store client looks up the peer's name at every connection; this machine's resolver drops some of those
+lookups (5 s each): set up faster with a 1 s resolver timeout. Connection set-up is not measured."""
+
+
+class Counting:
+    """A store client that counts its requests (what the root store serves)."""
+
+    def __init__(self, store, counter: list) -> None:
+        self._store, self._counter = store, counter
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._counter[0] += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _client(port: int, timeout_s: float = CLIENT_TIMEOUT_S):
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _pct(values: Sequence[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _FakeProcess:
+    def __init__(self, rank: int) -> None:
+        self.rank, self.pid = rank, os.getpid()
+
+    def poll(self) -> Optional[int]:
+        return None
+
+
+def _agent(store, ranks: list[int], fenced: list):
+    from ntp_megatron.elastic.agent import Agent
+
+    class CountingAgent(Agent):
+        def _kill(self, rank, proc, failed_at, cause):  # nothing is stuck here: a fence is a false one
+            self.notes[rank] = (failed_at, cause)
+            fenced.append((rank, cause))
+
+    processes = {r: _FakeProcess(r) for r in ranks}
+    return CountingAgent(store, lambda: processes, HEARTBEAT_TIMEOUT_S, CLIENT_TIMEOUT_S, [], lambda _: None,
+                         lambda: ranks, fence=True, fence_progress=True)
+
+
+def _run_agents(agents: list, stop: threading.Event) -> list[threading.Thread]:
+    def loop(agent):
+        while not stop.wait(AGENT_POLL_S):
+            agent.poll(inject=False)
+
+    threads = [threading.Thread(target=loop, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    return threads
+
+
+# -- one worker process ----------------------------------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> dict:
+    """Simulate the nodes ``n`` with ``n % workers == index``; print a JSON record of what they saw."""
+    from ntp_megatron.elastic import keys, watchdog
+    from ntp_megatron.elastic.commit import CommitProtocol, NodeShare
+    from ntp_megatron.stages import load_topology, published_topology
+
+    nodes = args.ranks // RANKS_PER_NODE
+    mine = [n for n in range(nodes) if n % args.workers == args.index]
+    root_requests = [0]
+    latencies: list[float] = []
+    late: list[float] = []
+    fenced: list = []
+    learned: list[float] = []
+    read_bytes: list[int] = []
+    stop, go = threading.Event(), threading.Event()
+    connected = threading.Barrier(1)  # replaced below once the thread count is known
+    lock = threading.Lock()
+    t0: list[float] = []
+
+    def ready() -> None:
+        """Connected: wait for the coordinator's start (every worker connected)."""
+        connected.wait()
+        go.wait()
+
+    def arrive(k: int) -> float:
+        at = t0[0] + k * args.period
+        while (left := at - time.time()) > 0:  # the simulated step's end (pacing, not synchronisation)
+            stop.wait(left)
+        late.append(time.time() - at)
+        return at
+
+    if args.design == "current":
+        def root():
+            return Counting(_client(args.port), root_requests)
+
+        def rank(r: int) -> None:
+            ctl = root()
+            protocol = CommitProtocol(ctl, 0, args.ranks)
+            ready()
+            for k in range(1, args.iters + 1):
+                at = arrive(k)
+                ctl.add(keys.started(0, k), 1)
+                protocol.vote(k)
+                with lock:
+                    latencies.append(time.time() - at)
+            ctl.wait([keys.abort(0)], timedelta(seconds=CLIENT_TIMEOUT_S))  # the watchdog's wait, on the root
+            text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
+            load_topology(json.loads(text))
+            with lock:
+                learned.append(time.time())
+                read_bytes.append(len(text) + len(ctl.get(keys.abort(0))))
+
+        def beats(node: int, store) -> None:
+            ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
+            while not stop.wait(HEARTBEAT_S):
+                for r in ranks:
+                    store.set(keys.heartbeat(r), json.dumps(watchdog.beat()))
+
+        agents = [_agent(root(), list(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)), fenced) for n in mine]
+        ranks = [r for n in mine for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)]
+        connected = threading.Barrier(len(ranks) + 1)
+        beat_threads = [threading.Thread(target=beats, args=(n, root()), daemon=True) for n in mine]
+        for t in beat_threads:
+            t.start()
+        _run_agents(agents, stop)
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
+        for t in threads:
+            t.start()
+        relays = []
+    else:
+        from ntp_megatron.elastic.relay import NodeRelay
+        from ntp_megatron.layout import make_topology
+
+        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=HEARTBEAT_S, ranks=lambda: RANKS_PER_NODE,
+                               wrap_root=lambda s: Counting(s, root_requests)) for n in mine}
+        for relay in relays.values():
+            if not relay.wait_ready(CLIENT_TIMEOUT_S):
+                raise RuntimeError(f"node {relay.node_rank}'s relay did not connect")
+        real = mine[0]
+        share = NodeShare(members=RANKS_PER_NODE, nodes=nodes)
+        start = make_topology(TP, args.ranks // TP, {"layer": 80})
+
+        def rank(r: int) -> None:
+            local = relays[real].open_local(CLIENT_TIMEOUT_S)
+            protocol = CommitProtocol(local, 0, args.ranks, node=share)
+            ready()
+            for k in range(1, args.iters + 1):
+                at = arrive(k)
+                local.add(keys.started(0, k), 1)
+                protocol.vote(k)
+                with lock:
+                    latencies.append(time.time() - at)
+            local.wait([keys.abort(0)], timedelta(seconds=CLIENT_TIMEOUT_S))
+            latest = int(local.get(keys.LATEST))
+            info = local.get(keys.info(latest))
+            published_topology(start, json.loads(info), latest)
+            with lock:
+                learned.append(time.time())
+                read_bytes.append(len(info) + len(local.get(keys.abort(0))))
+
+        def others() -> None:  # every other node's last rank: one message into its node store at the arrival time
+            stores = {n: relays[n].open_local(CLIENT_TIMEOUT_S) for n in mine if n != real}
+            ready()
+            for k in range(1, args.iters + 1):
+                arrive(k)
+                for store in stores.values():
+                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": keys.decision(0, k), "generation": 0}))
+                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"vote": [0, k], "nodes": nodes}))
+
+        ranks = list(range(real * RANKS_PER_NODE, (real + 1) * RANKS_PER_NODE))
+        connected = threading.Barrier(len(ranks) + 2)
+        heartbeats = [watchdog.Heartbeat(relays[real].open_local, r, HEARTBEAT_S) for r in ranks]
+        agents = [_agent(relays[real].open_local(CLIENT_TIMEOUT_S), ranks, fenced)]
+        _run_agents(agents, stop)
+        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
+        threads.append(threading.Thread(target=others, daemon=True))
+        for t in threads:
+            t.start()
+    connected.wait()
+    print(json.dumps({"ready": True}), flush=True)
+    t0.append(float(sys.stdin.readline()))
+    counted_from = (_cpu_s(os.getpid()), root_requests[0])
+    go.set()
+    for t in threads:
+        t.join(CLIENT_TIMEOUT_S)
+    stop.set()
+    record = {"latencies": latencies, "late": late, "fenced": len(fenced), "fence_causes": [c for _, c in fenced][:3],
+              "oldest_beat_s": max((a.oldest_beat_s for a in agents), default=0.0), "learned": learned,
+              "read_bytes": read_bytes, "requests": root_requests[0] - counted_from[1], "cpu_s": _cpu_s(os.getpid()) - counted_from[0]}
+    if args.design == "two_level":
+        record["ended_at"] = [r.ended_at.get(0) for r in relays.values()]
+        record["relay_errors"] = [e for r in relays.values() for e in r.errors]
+        for heartbeat in heartbeats:
+            heartbeat.stop()
+        for relay in relays.values():
+            relay.stop()
+    return record
+
+
+# -- the coordinator ---------------------------------------------------------------------------------------------------
+
+def _spawn(argv: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ntp_megatron.control_plane_bench", *argv], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV}, **kw)
+
+
+def serve() -> None:
+    """The root store, in a process of its own (its CPU time is the store's)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=CLIENT_TIMEOUT_S),
+                          wait_for_workers=False)
+    print(store.port, flush=True)
+    sys.stdin.read()
+
+
+def run(design: str, ranks: int, iters: int, period: float) -> dict:
+    """One row: ``design`` at ``ranks`` simulated ranks, ``iters`` iterations, then one death."""
+    from ntp_megatron.elastic import keys
+    from ntp_megatron.elastic.controller import Controller, Death
+    from ntp_megatron.layout import make_topology
+
+    server = _spawn(["serve"])
+    port = int(server.stdout.readline())
+    root = _client(port)
+    start = make_topology(TP, ranks // TP, {"layer": 80})
+    controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
+    controller._report_deaths = lambda *args: None  # its wait for every survivor's note is no part of this test
+    workers = [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers",
+                       str(WORKERS), "--port", str(port), "--iters", str(iters), "--period", str(period)])
+               for i in range(WORKERS)]
+    setup = time.time()
+    for w in workers:
+        if json.loads(w.stdout.readline()).get("ready") is not True:
+            raise RuntimeError("a worker failed to start")
+    setup_s = time.time() - setup
+    t0 = time.time() + 1.0
+    for w in workers:
+        w.stdin.write(f"{t0}\n")
+        w.stdin.flush()
+    cpu_store = _cpu_s(server.pid)
+    monitor_requests = [0]
+    monitor = Counting(_client(port), monitor_requests)
+    oldest_node_beat = 0.0
+    node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
+    end_votes = t0 + iters * period
+    while time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)]):
+        if design == "two_level":  # the controller's look at every node's heartbeat: one request
+            now = time.time()
+            beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
+            oldest_node_beat = max(oldest_node_beat, now - min(beats))
+        time.sleep(AGENT_POLL_S)
+    votes_done = time.time()
+    died = time.time()
+    assert controller.handle([Death(ranks - 1, died, "killed (simulated)")]) is None
+    records = [json.loads(w.communicate(timeout=CLIENT_TIMEOUT_S)[0].strip().splitlines()[-1]) for w in workers]
+    cpu_store = _cpu_s(server.pid) - cpu_store
+    server.stdin.close()
+    server.wait(30)
+    latencies = [x for r in records for x in r["latencies"]]
+    learned = [x for r in records for x in r["learned"]]
+    if design == "two_level":
+        learned += [x for r in records for x in r["ended_at"] if x is not None]
+    window = votes_done - t0
+    requests = sum(r["requests"] for r in records) + monitor_requests[0]
+    return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
+            "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
+            "votes_timed": len(latencies),
+            "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [oldest_node_beat]),
+            "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
+            "false_fences": sum(r["fenced"] for r in records),
+            "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
+            "failure_to_generation_s": max(learned) - died if learned else None,
+            "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),
+            "arrival_late_p99_ms": 1e3 * _pct([x for r in records for x in r["late"]], 0.99),
+            "harness_cpu_s": sum(r["cpu_s"] for r in records), "store_cpu_s": cpu_store, "wall_s": window,
+            "setup_s": setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])]}
+
+
+def measure(sizes: Sequence[int], iters: int, period: float) -> list[dict]:
+    rows = []
+    for ranks in sizes:
+        for design in ("current", "two_level"):
+            row = run(design, ranks, iters, period)
+            print(f"control plane {design:<9} {ranks:>6} ranks: vote p99 {row['vote_p99_ms']:.0f} ms", file=sys.stderr)
+            rows.append(row)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("serve")
+    w = sub.add_parser("worker")
+    for name, kind in (("--design", str), ("--ranks", int), ("--index", int), ("--workers", int), ("--port", int),
+                       ("--iters", int), ("--period", float)):
+        w.add_argument(name, type=kind, required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--ranks", type=int, nargs="+", default=[1000, 4000, 10000])
+    m.add_argument("--iters", type=int, default=8)
+    m.add_argument("--period", type=float, default=0.5)
+    args = p.parse_args(argv)
+    if args.cmd == "serve":
+        serve()
+    elif args.cmd == "worker":
+        print(json.dumps(worker(args)), flush=True)
+    else:
+        print(json.dumps(measure(args.ranks, args.iters, args.period), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
