@@ -80,6 +80,9 @@ class Sizes:
     job alone)."""
     recovery_tps: tuple[int, ...] = (2, 4)
     """The recovery part: TP k x DP2 for each k, the last rank killed, groups kept against every group made anew."""
+    control_plane_ranks: tuple[int, ...] = (1000, 4000, 10000)
+    control_plane_iters: int = 8
+    """The control-plane load test (:mod:`ntp_megatron.control_plane_bench`): simulated ranks, iterations."""
 
 
 FULL = Sizes()
@@ -88,7 +91,7 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
                           "model.ffn_hidden_size=128", "model.vocab_size=256", "model.seq_length=32"),
               init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, memory_micro_batch=2,
-              reform_tp=None, recovery_tps=(2,))
+              reform_tp=None, recovery_tps=(2,), control_plane_ranks=(16,), control_plane_iters=2)
 
 MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
          "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
@@ -290,6 +293,13 @@ def measure_recovery(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
 STALL_MODEL = ["--set", "model.num_layers=4", "--set", "model.hidden_size=256", "--set", "model.vocab_size=4096",
                "--set", "model.seq_length=64", "--set", "training.micro_batch_size=2",
                "--set", "training.global_batch_size=4"]
+
+
+def measure_control_plane(sizes: Sizes) -> list[dict]:
+    """One row per (design, simulated ranks): :mod:`ntp_megatron.control_plane_bench` (its own processes)."""
+    from ntp_megatron import control_plane_bench
+
+    return control_plane_bench.measure(sizes.control_plane_ranks, sizes.control_plane_iters, period=0.5)
 
 
 def stall_jobs(sizes: Sizes) -> dict[str, list[str]]:
@@ -647,6 +657,18 @@ def table(result: dict) -> str:
         lines += ["", "| layout | kept / made anew: kill to next iteration | re-formation |", "|---|---|---|"]
         lines += [f"| {r['layout']} | {_fmt(r['kill_to_next_iteration'], '.3f')} | {_fmt(r['reform'], '.3f')} |"
                   for r in recovery["ratios"]]
+    control = result.get("control_plane")
+    if control:
+        lines += ["", "Control plane, one store against two levels (simulated ranks in nodes of 8; "
+                  "`ntp_megatron/control_plane_bench.py`):", "",
+                  "| design | ranks | vote p50 (ms) | vote p99 (ms) | oldest heartbeat (s) | root requests/s | "
+                  "false fences | death → generation (s) | bytes read per rank | threads late p99 (ms) | "
+                  "CPU: harness / store (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['design']} | {r['ranks']} | {r['vote_p50_ms']:.1f} | {r['vote_p99_ms']:.1f} | "
+                  f"{r['heartbeat_staleness_max_s']:.2f} | {r['requests_per_s']:.0f} | {r['false_fences']} | "
+                  f"{_fmt(r['failure_to_generation_s'], '.3f')} | {_fmt(r['generation_bytes_per_rank'], '.0f')} | "
+                  f"{r['arrival_late_p99_ms']:.1f} | {r['harness_cpu_s']:.1f} / {r['store_cpu_s']:.1f} |"
+                  for r in control]
     init = result.get("init")
     if init:
         lines += ["", f"Building one rank's model (rank 0 of a TP k replica; {init['model']}), "
@@ -704,7 +726,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
     p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory", "recovery"], default=None,
+    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory", "recovery", "control-plane"], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
     p.add_argument("--smoke", action="store_true",
                    help="every part once at its smallest size: a check that the harness runs, not a measurement")
@@ -729,6 +751,8 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
         elif args.only == "recovery":
             result = {"machine": "CPU, gloo", "cases": {}, "ratios": [],
                       "recovery": measure_recovery(sizes, run, workdir)}
+        elif args.only == "control-plane":
+            result = {"machine": "CPU", "cases": {}, "ratios": [], "control_plane": measure_control_plane(sizes)}
         else:
             if args.only == "checkpoint-stall":
                 result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
@@ -740,6 +764,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
                 # Calibration for the goodput simulator: measured seconds from a failure to training again.
                 result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
                 result["recovery"] = measure_recovery(sizes, run, workdir)
+                result["control_plane"] = measure_control_plane(sizes)
                 result["init"] = measure_init(sizes, run, workdir)
                 result["memory"] = measure_memory(sizes, run, workdir, failure_records)
             result["checkpoint_stall"] = measure_checkpoint_stall(sizes, run, workdir)

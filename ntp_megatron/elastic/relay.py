@@ -20,7 +20,9 @@ store of its own (the *node store*) and a relay between it and the root store on
   heartbeats stay in the node store, read by the node's launcher.
 
 The root store stays the single point of truth; a relay only copies what the root decided. Every blocking call is
-bounded by ``poll_s`` and retried until :meth:`NodeRelay.stop`.
+bounded by ``wait_s`` and retried until :meth:`NodeRelay.stop`; the wait is long because an idle relay must cost
+nothing (a store call that times out raises an error whose C++ backtrace costs milliseconds of CPU: with a short
+timeout, a few hundred idle relays on one machine kept it busy).
 """
 
 from __future__ import annotations
@@ -43,22 +45,22 @@ logger = logging.getLogger(__name__)
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of a store with the given timeout (seconds)."""
 
-POLL_S = 1.0
+WAIT_S = 10.0
 CONNECT_TIMEOUT_S = 60.0
 """How long a relay thread blocks on one store call before it looks whether it should stop."""
 
 
 class NodeRelay:
-    """Node ``node_rank``'s store and relay. ``open_root`` opens clients of the root store (three, one per
+    """Node ``node_rank``'s store and relay. ``open_root`` opens clients of the root store (four, one per
     thread: each blocks on its own); ``ranks`` says how many of the node's ranks are alive (for the node's
     heartbeat). ``wrap_root`` wraps each client of the root store (a load test counts requests with it)."""
 
     def __init__(self, open_root: StoreFactory, node_rank: int, host: str = "127.0.0.1",
-                 beat_s: float = 0.2, poll_s: float = POLL_S, ranks: Callable[[], int] = lambda: 0,
+                 beat_s: float = 0.2, wait_s: float = WAIT_S, ranks: Callable[[], int] = lambda: 0,
                  wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
         self.node_rank = node_rank
         self.host = host
-        self.beat_s, self.poll_s = beat_s, poll_s
+        self.beat_s, self.wait_s = beat_s, wait_s
         self.ranks = ranks
         self._open_root = lambda: wrap_root(self._polling(open_root(CONNECT_TIMEOUT_S)))
         self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
@@ -78,7 +80,7 @@ class NodeRelay:
         """What went wrong in a relay thread (it then stops; the node's ranks time out on their waits)."""
         self._threads = [threading.Thread(target=self._guarded, args=(run,), name=f"ntp-relay-{name}", daemon=True)
                          for name, run in (("up", self._carry_up), ("back", self._bring_back),
-                                           ("follow", self._follow))]
+                                           ("follow", self._follow), ("beat", self._beat))]
         for thread in self._threads:
             thread.start()
 
@@ -98,12 +100,18 @@ class NodeRelay:
         return dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
 
-    def stop(self) -> None:
-        """Stop the threads (each within ``poll_s``) and close the node store."""
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop the threads: woken where the relay can wake them, else within ``wait_s`` (daemon threads: the
+        process need not wait for them)."""
         self._stop.set()
+        self._awaits.put(None)
+        try:
+            self._server.queue_push(keys.RELAY_QUEUE, json.dumps({"stop": True}))
+        except Exception:  # noqa: BLE001 - the node store may be gone already
+            pass
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(4 * self.poll_s + 5.0)
-        self._server = None
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _guarded(self, run: Callable[[], None]) -> None:
         try:
@@ -118,28 +126,30 @@ class NodeRelay:
 
     def _polling(self, store: dist.Store) -> dist.Store:
         """Connected with a long timeout (a connection can take seconds: torch's client looks the peer's name up);
-        each call then blocks at most ``poll_s``."""
-        store.set_timeout(timedelta(seconds=self.poll_s))
+        each call then blocks at most ``wait_s``."""
+        store.set_timeout(timedelta(seconds=self.wait_s))
         return store
 
     # -- up: what the node's ranks queued -------------------------------------------------------------------------
     def _carry_up(self) -> None:
         local, root = self._local(), self._open_root()
         self._connected.release()
-        next_beat = 0.0
         while not self._stop.is_set():
-            now = time.time()
-            if now >= next_beat:
-                root.set(keys.node_beat(self.node_rank), json.dumps({"t": now, "ranks": self.ranks()}))
-                next_beat = now + self.beat_s
             try:
-                local.set_timeout(timedelta(seconds=max(0.001, min(self.poll_s, next_beat - time.time()))))
                 raw = local.queue_pop(keys.RELAY_QUEUE, block=True)
             except dist.DistStoreError:
                 continue
             self._carry(root, json.loads(raw))
 
+    def _beat(self) -> None:
+        root = self._open_root()
+        self._connected.release()
+        while not self._stop.wait(self.beat_s):
+            root.set(keys.node_beat(self.node_rank), json.dumps({"t": time.time(), "ranks": self.ranks()}))
+
     def _carry(self, root: dist.Store, message: dict) -> None:
+        if "stop" in message:
+            return
         if "await" in message:
             self._awaits.put((message["await"], message["generation"]))
         elif "vote" in message:
@@ -157,10 +167,10 @@ class NodeRelay:
         local, root = self._local(), self._open_root()
         self._connected.release()
         while not self._stop.is_set():
-            try:
-                key, generation = self._awaits.get(timeout=self.poll_s)
-            except queue.Empty:
-                continue
+            item = self._awaits.get()
+            if item is None:  # stop
+                return
+            key, generation = item
             value = self._decided(root, key, generation)
             if value is None:
                 continue

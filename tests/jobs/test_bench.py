@@ -52,9 +52,17 @@ def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
     # Every group made anew, or each survivor keeps itself alone and the healthy replica's ranks their TP group too
     # (TP2 x DP2, one rank killed: 3 survivors, 2 of them healthy): the switch reaches the ranks.
     assert by_design["rebuild_all"]["groups_kept"] == 0 and by_design["keep_untouched"]["groups_kept"] == 3 + 2
+    control = result["control_plane"]
+    assert [(r["design"], r["ranks"]) for r in control] == [
+        (d, n) for n in bench.SMOKE.control_plane_ranks for d in ("current", "two_level")]
+    for row in control:  # every simulated rank voted every iteration and learned the failure's generation
+        assert row["false_fences"] == 0 and row["relay_errors"] == [], row
+        real = row["ranks"] if row["design"] == "current" else 8 * min(4, row["nodes"])
+        assert row["votes_timed"] == real * bench.SMOKE.control_plane_iters, row
+        assert row["failure_to_generation_s"] is not None and row["generation_bytes_per_rank"] > 0, row
     for heading in ("| case | ranks | median step (ms) |", "| comparison | ratio | note |",
                     "Per iteration, replica 0 (healthy)", "A failure, same job", "Recovery, groups made anew",
-                    "Building one rank's model",
+                    "Building one rank's model", "Control plane, one store against two levels",
                     "Checkpoint stall, sync against async save", "Training state per rank", "Re-forming ranks' peaks",
                     f"wrote {out}"):
         assert heading in printed, heading

@@ -38,10 +38,10 @@ def _client(port: int, timeout_s: float = TIMEOUT_S) -> dist.TCPStore:
 class Nodes:
     """``len(per_node)`` relays on one root; node ``i`` has ``per_node[i]`` ranks of generation 0."""
 
-    def __init__(self, per_node: list[int], poll_s: float = 0.2) -> None:
+    def __init__(self, per_node: list[int]) -> None:
         self.root = _root()
         self.per_node = per_node
-        self.relays = [NodeRelay(lambda t: _client(self.root.port, t), i, poll_s=poll_s) for i in range(len(per_node))]
+        self.relays = [NodeRelay(lambda t: _client(self.root.port, t), i) for i in range(len(per_node))]
 
     def protocol(self, node: int, generation: int = 0) -> CommitProtocol:
         share = NodeShare(members=self.per_node[node], nodes=len(self.per_node))
