@@ -46,6 +46,10 @@ HEARTBEAT_S = 0.2
 AGENT_POLL_S = 0.02
 HEARTBEAT_TIMEOUT_S = 10.0
 WORKERS = 4
+DRIVERS = 8
+"""Threads per worker that queue the simulated nodes' messages."""
+NODE_BEAT_S = 1.0
+"""A node relay's heartbeat to the root (node liveness at the controller's ``ntp.heartbeat_timeout_s``, 10 s)."""
 CLIENT_TIMEOUT_S = 300.0
 FAILURE_BUDGET_S = 60.0
 """How long the simulated ranks wait to learn the failure's generation (a design that takes longer reports none)."""
@@ -211,7 +215,7 @@ def worker(args: argparse.Namespace) -> dict:
         from ntp_megatron.elastic.relay import NodeRelay
         from ntp_megatron.layout import make_topology
 
-        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=HEARTBEAT_S, ranks=lambda: RANKS_PER_NODE,
+        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=NODE_BEAT_S, ranks=lambda: RANKS_PER_NODE,
                                wrap_root=lambda s: Counting(s, root_requests)) for n in mine}
         for relay in relays.values():
             if not relay.wait_ready(CLIENT_TIMEOUT_S):
@@ -239,22 +243,27 @@ def worker(args: argparse.Namespace) -> dict:
                 learned.append(time.time())
                 read_bytes.append(len(info) + len(local.get(keys.abort(0))))
 
-        def others() -> None:  # every other node's last rank: one message into its node store at the arrival time
-            stores = {n: relays[n].open_local(CLIENT_TIMEOUT_S) for n in mine if n != real}
+        def others(part: list[int]) -> None:
+            """Other nodes' ranks: at the arrival time, each node's first and last voter's messages into its node
+            store (in parallel threads, as nodes do; the vote first, which only the harness can know is last)."""
+            stores = [relays[n].open_local(CLIENT_TIMEOUT_S) for n in part]
             ready()
             for k in range(1, args.iters + 1):
                 arrive(k)
-                for store in stores.values():
-                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": keys.decision(0, k), "generation": 0}))
+                for store in stores:
                     store.queue_push(keys.RELAY_QUEUE, json.dumps({"vote": [0, k], "nodes": nodes}))
+                for store in stores:
+                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": keys.decision(0, k), "generation": 0}))
 
         ranks = list(range(real * RANKS_PER_NODE, (real + 1) * RANKS_PER_NODE))
-        connected = threading.Barrier(len(ranks) + 2)
+        simulated = [n for n in mine if n != real]
+        parts = [simulated[i::DRIVERS] for i in range(DRIVERS) if simulated[i::DRIVERS]]
+        connected = threading.Barrier(len(ranks) + len(parts) + 1)
         heartbeats = [watchdog.Heartbeat(relays[real].open_local, r, HEARTBEAT_S) for r in ranks]
         agents = [_agent(relays[real].open_local(CLIENT_TIMEOUT_S), ranks, fenced)]
         _run_agents(agents, stop)
         threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
-        threads.append(threading.Thread(target=others, daemon=True))
+        threads += [threading.Thread(target=others, args=(part,), daemon=True) for part in parts]
         for t in threads:
             t.start()
     still_voting.append(len(ranks))
@@ -370,10 +379,11 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
             "setup_s": setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])]}
 
 
-def measure(sizes: Sequence[int], iters: int, period: float) -> list[dict]:
+def measure(sizes: Sequence[int], iters: int, period: float,
+            designs: Sequence[str] = ("current", "two_level")) -> list[dict]:
     rows = []
     for ranks in sizes:
-        for design in ("current", "two_level"):
+        for design in designs:
             row = run(design, ranks, iters, period)
             print(f"control plane {design:<9} {ranks:>6} ranks: vote p99 {row['vote_p99_ms']:.0f} ms", file=sys.stderr)
             rows.append(row)
@@ -392,6 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     m.add_argument("--ranks", type=int, nargs="+", default=[1000, 4000, 10000])
     m.add_argument("--iters", type=int, default=8)
     m.add_argument("--period", type=float, default=0.5)
+    m.add_argument("--designs", nargs="+", choices=["current", "two_level"], default=["current", "two_level"])
     args = p.parse_args(argv)
     if args.cmd == "serve":
         serve()
@@ -399,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(worker(args)), flush=True)
         os._exit(0)  # threads still blocked in a store call must not hold the exit
     else:
-        print(json.dumps(measure(args.ranks, args.iters, args.period), indent=1))
+        print(json.dumps(measure(args.ranks, args.iters, args.period, args.designs), indent=1))
     return 0
 
 

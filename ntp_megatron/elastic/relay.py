@@ -56,7 +56,7 @@ class NodeRelay:
     heartbeat). ``wrap_root`` wraps each client of the root store (a load test counts requests with it)."""
 
     def __init__(self, open_root: StoreFactory, node_rank: int, host: str = "127.0.0.1",
-                 beat_s: float = 0.2, wait_s: float = WAIT_S, ranks: Callable[[], int] = lambda: 0,
+                 beat_s: float = 1.0, wait_s: float = WAIT_S, ranks: Callable[[], int] = lambda: 0,
                  wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
         self.node_rank = node_rank
         self.host = host
