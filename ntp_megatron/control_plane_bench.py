@@ -95,6 +95,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _node_ranks(node: int) -> list[int]:
+    return list(range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE))
+
+
 class _FakeProcess:
     def __init__(self, rank: int) -> None:
         self.rank, self.pid = rank, os.getpid()
@@ -171,37 +175,47 @@ def worker(args: argparse.Namespace) -> dict:
         late.append(now - at)
         return now
 
+    def simulate(store, protocol, learn) -> None:
+        """One simulated rank: begin and vote every iteration in ``store``, then wait there for the failure's
+        generation to end and ``learn`` the new one (returns the bytes it read)."""
+        ready()
+        for k in range(1, args.iters + 1):
+            at = arrive(k)
+            store.add(keys.started(0, k), 1)
+            protocol.vote(k)
+            with lock:
+                latencies.append(time.time() - at)
+        done_voting()
+        store.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
+        size = learn()
+        at = time.time()
+        size += len(store.get(keys.abort(0)))
+        with lock:
+            learned.append(at)
+            read_bytes.append(size)
+
     if args.design == "current":
         def root():
             return Counting(_client(args.port), root_requests)
 
         def rank(r: int) -> None:
             ctl = root()
-            protocol = CommitProtocol(ctl, 0, args.ranks)
-            ready()
-            for k in range(1, args.iters + 1):
-                at = arrive(k)
-                ctl.add(keys.started(0, k), 1)
-                protocol.vote(k)
-                with lock:
-                    latencies.append(time.time() - at)
-            done_voting()
-            ctl.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))  # the watchdog's wait, on the root
-            text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
-            if r % RANKS_PER_NODE == 0:  # parsing costs every rank its own CPU: one per node is parsed here
-                load_topology(json.loads(text))
-            with lock:
-                learned.append(time.time())
-                read_bytes.append(len(text) + len(ctl.get(keys.abort(0))))
+
+            def learn() -> int:  # the new generation's whole topology, read from the root
+                text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
+                if r % RANKS_PER_NODE == 0:  # parsing costs every rank its own CPU: one per node is parsed here
+                    load_topology(json.loads(text))
+                return len(text)
+
+            simulate(ctl, CommitProtocol(ctl, 0, args.ranks), learn)  # the watchdog's wait too, on the root
 
         def beats(node: int, store) -> None:
-            ranks = range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)
             while not stop.wait(HEARTBEAT_S):
-                for r in ranks:
+                for r in _node_ranks(node):
                     store.set(keys.heartbeat(r), json.dumps(watchdog.beat()))
 
-        agents = [_agent(root(), list(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)), fenced) for n in mine]
-        ranks = [r for n in mine for r in range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)]
+        agents = [_agent(root(), _node_ranks(n), fenced) for n in mine]
+        ranks = [r for n in mine for r in _node_ranks(n)]
         connected = threading.Barrier(len(ranks) + 1)
         beat_threads = [threading.Thread(target=beats, args=(n, root()), daemon=True) for n in mine]
         for t in beat_threads:
@@ -226,22 +240,14 @@ def worker(args: argparse.Namespace) -> dict:
 
         def rank(r: int) -> None:
             local = relays[real].open_local(CLIENT_TIMEOUT_S)
-            protocol = CommitProtocol(local, 0, args.ranks, node=share)
-            ready()
-            for k in range(1, args.iters + 1):
-                at = arrive(k)
-                local.add(keys.started(0, k), 1)
-                protocol.vote(k)
-                with lock:
-                    latencies.append(time.time() - at)
-            done_voting()
-            local.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
-            latest = int(local.get(keys.LATEST))
-            info = local.get(keys.info(latest))
-            published_topology(start, json.loads(info), latest)
-            with lock:
-                learned.append(time.time())
-                read_bytes.append(len(info) + len(local.get(keys.abort(0))))
+
+            def learn() -> int:  # what changed, from the node store: the topology is computed from it
+                latest = int(local.get(keys.LATEST))
+                info = local.get(keys.info(latest))
+                published_topology(start, json.loads(info), latest)
+                return len(info)
+
+            simulate(local, CommitProtocol(local, 0, args.ranks, node=share), learn)
 
         def others(part: list[int]) -> None:
             """Other nodes' ranks: at the arrival time, each node's first and last voter's messages into its node
@@ -255,7 +261,7 @@ def worker(args: argparse.Namespace) -> dict:
                 for store in stores:
                     store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": keys.decision(0, k), "generation": 0}))
 
-        ranks = list(range(real * RANKS_PER_NODE, (real + 1) * RANKS_PER_NODE))
+        ranks = _node_ranks(real)
         simulated = [n for n in mine if n != real]
         parts = [simulated[i::DRIVERS] for i in range(DRIVERS) if simulated[i::DRIVERS]]
         connected = threading.Barrier(len(ranks) + len(parts) + 1)

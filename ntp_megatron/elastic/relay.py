@@ -121,6 +121,13 @@ class NodeRelay:
                 logger.error("node %d relay thread stopped: %s", self.node_rank, exc)
                 self.errors.append(f"{type(exc).__name__}: {exc}")
 
+    def _connect(self, local: bool = True) -> tuple[Optional[dist.Store], dist.Store]:
+        """A thread's own clients of the node store (unless ``local`` is off) and of the root; counted as connected
+        (:meth:`wait_ready`)."""
+        clients = (self._local() if local else None, self._open_root())
+        self._connected.release()
+        return clients
+
     def _local(self) -> dist.Store:
         return self._polling(self.open_local(CONNECT_TIMEOUT_S))
 
@@ -132,8 +139,7 @@ class NodeRelay:
 
     # -- up: what the node's ranks queued -------------------------------------------------------------------------
     def _carry_up(self) -> None:
-        local, root = self._local(), self._open_root()
-        self._connected.release()
+        local, root = self._connect()
         while not self._stop.is_set():
             try:
                 raw = local.queue_pop(keys.RELAY_QUEUE, block=True)
@@ -142,8 +148,7 @@ class NodeRelay:
             self._carry(root, json.loads(raw))
 
     def _beat(self) -> None:
-        root = self._open_root()
-        self._connected.release()
+        _, root = self._connect(local=False)
         while not self._stop.wait(self.beat_s):
             root.set(keys.node_beat(self.node_rank), json.dumps({"t": time.time(), "ranks": self.ranks()}))
 
@@ -164,8 +169,7 @@ class NodeRelay:
 
     # -- back: decisions the node's ranks wait for ----------------------------------------------------------------
     def _bring_back(self) -> None:
-        local, root = self._local(), self._open_root()
-        self._connected.release()
+        local, root = self._connect()
         while not self._stop.is_set():
             item = self._awaits.get()
             if item is None:  # stop
@@ -191,8 +195,7 @@ class NodeRelay:
 
     # -- follow: generations ----------------------------------------------------------------------------------------
     def _follow(self) -> None:
-        local, root = self._local(), self._open_root()
-        self._connected.release()
+        local, root = self._connect()
         while not self._stop.is_set():
             try:
                 ended = root.get(keys.abort(self.generation))
