@@ -50,6 +50,9 @@ DRIVERS = 8
 """Threads per worker that queue the simulated nodes' messages."""
 NODE_BEAT_S = 1.0
 """A node relay's heartbeat to the root (node liveness at the controller's ``ntp.heartbeat_timeout_s``, 10 s)."""
+RELAY_WAIT_S = 30.0
+"""A relay thread's store calls time out after this and retry: long, because a thousand idle relays share this
+machine (a timed-out call costs milliseconds of CPU)."""
 CLIENT_TIMEOUT_S = 300.0
 FAILURE_BUDGET_S = 60.0
 """How long the simulated ranks wait to learn the failure's generation (a design that takes longer reports none)."""
@@ -229,8 +232,9 @@ def worker(args: argparse.Namespace) -> dict:
         from ntp_megatron.elastic.relay import NodeRelay
         from ntp_megatron.layout import make_topology
 
-        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=NODE_BEAT_S, ranks=lambda: RANKS_PER_NODE,
-                               wrap_root=lambda s: Counting(s, root_requests)) for n in mine}
+        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=NODE_BEAT_S, wait_s=RELAY_WAIT_S,
+                               ranks=lambda: RANKS_PER_NODE, wrap_root=lambda s: Counting(s, root_requests))
+                  for n in mine}
         for relay in relays.values():
             if not relay.wait_ready(CLIENT_TIMEOUT_S):
                 raise RuntimeError(f"node {relay.node_rank}'s relay did not connect")
@@ -291,9 +295,7 @@ def worker(args: argparse.Namespace) -> dict:
         record["relay_errors"] = [e for r in relays.values() for e in r.errors]
         for heartbeat in heartbeats:
             heartbeat.stop()
-        for relay in relays.values():
-            relay.stop()
-    return record
+    return record  # the relays' threads are left to os._exit: joining 300 of them would take RELAY_WAIT_S
 
 
 # -- the coordinator ---------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ store of its own (the *node store*) and a relay between it and the root store on
   heartbeats stay in the node store, read by the node's launcher.
 
 The root store stays the single point of truth; a relay only copies what the root decided. Every blocking call is
-bounded by ``wait_s`` and retried until :meth:`NodeRelay.stop`; the wait is long because an idle relay must cost
-nothing (a store call that times out raises an error whose C++ backtrace costs milliseconds of CPU: with a short
-timeout, a few hundred idle relays on one machine kept it busy).
+bounded by ``wait_s`` and retried until :meth:`NodeRelay.stop`, which joins the threads: a thread still blocked in a
+store call when the interpreter exits aborts the process (``terminate called without an active exception``). One
+relay per node waits 1 s (a timed-out store call raises an error whose C++ backtrace costs milliseconds of CPU:
+nothing to a node); the load test, with a thousand relays on one machine, waits longer.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ logger = logging.getLogger(__name__)
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of a store with the given timeout (seconds)."""
 
-WAIT_S = 10.0
+WAIT_S = 1.0
+"""How long a relay thread blocks on one store call before it looks whether it should stop (so also how long
+:meth:`NodeRelay.stop` may take)."""
 CONNECT_TIMEOUT_S = 60.0
-"""How long a relay thread blocks on one store call before it looks whether it should stop."""
 
 
 class NodeRelay:
@@ -100,18 +102,24 @@ class NodeRelay:
         return dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
 
-    def stop(self, timeout_s: float = 1.0) -> None:
-        """Stop the threads: woken where the relay can wake them, else within ``wait_s`` (daemon threads: the
-        process need not wait for them)."""
+    def stop(self) -> bool:
+        """Stop the threads and join them: woken where the relay can wake them, else out of their store call
+        within ``wait_s``. Returns whether every thread ended (a thread left blocked in a store call would abort
+        the process at exit)."""
         self._stop.set()
         self._awaits.put(None)
         try:
             self._server.queue_push(keys.RELAY_QUEUE, json.dumps({"stop": True}))
         except Exception:  # noqa: BLE001 - the node store may be gone already
             pass
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.wait_s + 1.0
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [thread.name for thread in self._threads if thread.is_alive()]
+        if alive:
+            logger.warning("node %d relay: %s still in a store call after %.1f s", self.node_rank,
+                           ", ".join(alive), self.wait_s + 1.0)
+        return not alive
 
     def _guarded(self, run: Callable[[], None]) -> None:
         try:

@@ -25,6 +25,8 @@ from ntp_megatron.layout import make_topology
 from ntp_megatron.stages import load_topology, published_topology
 
 TIMEOUT_S = 20.0
+WAIT_S = 0.2
+"""The relays' store calls time out and retry after this: stop() takes at most about as long."""
 
 
 def _root() -> dist.TCPStore:
@@ -41,7 +43,7 @@ class Nodes:
     def __init__(self, per_node: list[int]) -> None:
         self.root = _root()
         self.per_node = per_node
-        self.relays = [NodeRelay(lambda t: _client(self.root.port, t), i) for i in range(len(per_node))]
+        self.relays = [NodeRelay(lambda t: _client(self.root.port, t), i, wait_s=WAIT_S) for i in range(len(per_node))]
 
     def protocol(self, node: int, generation: int = 0) -> CommitProtocol:
         share = NodeShare(members=self.per_node[node], nodes=len(self.per_node))
@@ -49,7 +51,8 @@ class Nodes:
 
     def close(self) -> None:
         for relay in self.relays:
-            relay.stop()
+            assert relay.stop(), "a relay thread outlived stop(): at exit it would abort the process"
+            assert not any(thread.is_alive() for thread in relay._threads)
             assert not relay.errors
 
 
@@ -166,3 +169,44 @@ def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(dead
     computed = published_topology(start, info, 1)
     assert computed.to_json() == json.loads(store.get(keys.topology(1)))
     assert computed == load_topology(json.loads(store.get(keys.topology(1))))
+
+
+EXITS_AFTER_STOP = """
+import sys
+import time
+from datetime import timedelta
+import torch.distributed as dist
+from ntp_megatron.elastic.commit import COMMIT, CommitProtocol, NodeShare
+from ntp_megatron.elastic.relay import NodeRelay
+
+
+class SlowFinalization:
+    \"\"\"Torn down with the module's globals, after the interpreter started finalizing (as pytest's long teardown
+    is): a relay thread that wakes from its store call meanwhile aborts the process.\"\"\"
+
+    def __del__(self, sleep=time.sleep, wait_s=float(sys.argv[1])):  # module globals are gone by then
+        sleep(2 * wait_s)
+
+
+def client(port, t):
+    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=t), wait_for_workers=False)
+
+
+root = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=20), wait_for_workers=False)
+relay = NodeRelay(lambda t: client(root.port, t), 0, wait_s=float(sys.argv[1]))
+assert CommitProtocol(relay.open_local(20), 0, 1, node=NodeShare(members=1, nodes=1)).vote(1) == COMMIT
+relay.stop()
+slow = SlowFinalization()
+"""
+
+
+def test_a_process_exits_cleanly_once_its_relay_stopped(tmp_path):
+    """What CI met: relay threads still blocked in a store call while the interpreter finalizes abort the process
+    (``terminate called without an active exception``, exit code 134). ``stop()`` joins them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "relay_exit.py"
+    script.write_text(EXITS_AFTER_STOP)
+    done = subprocess.run([sys.executable, str(script), "1.5"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
