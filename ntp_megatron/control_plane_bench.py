@@ -45,11 +45,14 @@ TP = 8
 HEARTBEAT_S = 0.2
 AGENT_POLL_S = 0.02
 HEARTBEAT_TIMEOUT_S = 10.0
-WORKERS = 4
+WORKERS = 8
 DRIVERS = 8
 """Threads per worker that queue the simulated nodes' messages."""
 NODE_BEAT_S = 1.0
 """A node relay's heartbeat to the root (node liveness at the controller's ``ntp.heartbeat_timeout_s``, 10 s)."""
+NODE_POLL_S = 0.5
+"""How often the coordinator reads every node's heartbeat from the root (half the beat: a node's liveness is judged
+over ``ntp.heartbeat_timeout_s``, not per iteration)."""
 RELAY_WAIT_S = 30.0
 """A relay thread's store calls time out after this and retry: long, because a thousand idle relays share this
 machine (a timed-out call costs milliseconds of CPU)."""
@@ -103,8 +106,12 @@ def _node_ranks(node: int) -> list[int]:
 
 
 class _FakeProcess:
+    """A simulated rank as the Agent sees a process. Its pid is the coordinator's: the Agent reads the state of a
+    rank's process from ``/proc/<pid>/stat``, which for a worker with a thousand threads costs the kernel a walk over
+    all of them, every poll (4 % of a worker's CPU)."""
+
     def __init__(self, rank: int) -> None:
-        self.rank, self.pid = rank, os.getpid()
+        self.rank, self.pid = rank, os.getppid()
 
     def poll(self) -> Optional[int]:
         return None
@@ -138,6 +145,8 @@ def _run_agents(agents: list, stop: threading.Event) -> list[threading.Thread]:
 
 def worker(args: argparse.Namespace) -> dict:
     """Simulate the nodes ``n`` with ``n % workers == index``; print a JSON record of what they saw."""
+    import torch.distributed as dist
+
     from ntp_megatron.elastic import keys, watchdog
     from ntp_megatron.elastic.commit import CommitProtocol, NodeShare
     from ntp_megatron.stages import load_topology, published_topology
@@ -184,7 +193,7 @@ def worker(args: argparse.Namespace) -> dict:
         ready()
         for k in range(1, args.iters + 1):
             at = arrive(k)
-            store.add(keys.started(0, k), 1)
+            protocol.begin(k)
             protocol.vote(k)
             with lock:
                 latencies.append(time.time() - at)
@@ -232,38 +241,58 @@ def worker(args: argparse.Namespace) -> dict:
         from ntp_megatron.elastic.relay import NodeRelay
         from ntp_megatron.layout import make_topology
 
-        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, beat_s=NODE_BEAT_S, wait_s=RELAY_WAIT_S,
-                               ranks=lambda: RANKS_PER_NODE, wrap_root=lambda s: Counting(s, root_requests))
+        # The worker's nodes keep their stores in one server, each under its own prefix: one event loop thread
+        # answers them all, as a node's own store would on the node's own CPUs.
+        nodes_server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=CLIENT_TIMEOUT_S),
+                                     wait_for_workers=False)
+
+        def node_store(n: int):
+            return lambda t=CLIENT_TIMEOUT_S: dist.PrefixStore(f"node{n}/", _client(nodes_server.port, t))
+
+        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, node_store(n), beat_s=NODE_BEAT_S,
+                               wait_s=RELAY_WAIT_S, ranks=lambda: RANKS_PER_NODE,
+                               wrap_root=lambda s: Counting(s, root_requests))
                   for n in mine}
         for relay in relays.values():
             if not relay.wait_ready(CLIENT_TIMEOUT_S):
                 raise RuntimeError(f"node {relay.node_rank}'s relay did not connect")
         real = mine[0]
-        share = NodeShare(members=RANKS_PER_NODE, nodes=nodes)
         start = make_topology(TP, args.ranks // TP, {"layer": 80})
 
         def rank(r: int) -> None:
             local = relays[real].open_local(CLIENT_TIMEOUT_S)
+            protocol = CommitProtocol(local, 0, args.ranks, node=NodeShare(members=RANKS_PER_NODE, nodes=nodes),
+                                      root=Counting(_client(args.port), root_requests))
 
             def learn() -> int:  # what changed, from the node store: the topology is computed from it
                 latest = int(local.get(keys.LATEST))
                 info = local.get(keys.info(latest))
-                published_topology(start, json.loads(info), latest)
+                if r % RANKS_PER_NODE == 0:  # computing costs every rank its own CPU: one per node computes here
+                    published_topology(start, json.loads(info), latest)
                 return len(info)
 
-            simulate(local, CommitProtocol(local, 0, args.ranks, node=share), learn)
+            protocol.form()  # every generation begins with its formation; not timed
+            simulate(local, protocol, learn)
 
         def others(part: list[int]) -> None:
-            """Other nodes' ranks: at the arrival time, each node's first and last voter's messages into its node
-            store (in parallel threads, as nodes do; the vote first, which only the harness can know is last)."""
-            stores = [relays[n].open_local(CLIENT_TIMEOUT_S) for n in part]
+            """Other nodes: at the arrival time, each node's last voter carries the node's vote to the root and
+            fetches the decision there (in parallel threads, as nodes do; the last, which only the harness can know).
+            What a node's ranks do in its own store (their counts, the decision brought in, their waits for it)
+            runs on that node's own CPUs on a cluster: not here, where 1,250 nodes share 2 cores."""
+            share = NodeShare(members=RANKS_PER_NODE, nodes=nodes)
+            protocols = [CommitProtocol(relays[n].open_local(CLIENT_TIMEOUT_S), 0, args.ranks, node=share,
+                                        root=Counting(_client(args.port), root_requests)) for n in part]
+            for protocol in protocols:  # the formation, not timed
+                protocol.carry_ready()
+            for protocol in protocols:
+                protocol.bring(keys.formed(0))  # into the node store, where the relay and its end look
             ready()
             for k in range(1, args.iters + 1):
                 arrive(k)
-                for store in stores:
-                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"vote": [0, k], "nodes": nodes}))
-                for store in stores:
-                    store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": keys.decision(0, k), "generation": 0}))
+                for protocol in protocols:
+                    protocol.carry_vote(k)
+                for protocol in protocols:
+                    protocol.fetch(keys.decision(0, k))
 
         ranks = _node_ranks(real)
         simulated = [n for n in mine if n != real]
@@ -286,6 +315,8 @@ def worker(args: argparse.Namespace) -> dict:
     deadline = time.monotonic() + FAILURE_BUDGET_S  # then the failure: ranks not done by then never learned it
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
+    for relay in relays.values() if args.design == "two_level" else ():  # every node store, not only the real node's
+        relay.wait_ended(0, max(0.0, deadline - time.monotonic()))
     stop.set()
     record = {"latencies": latencies, "late": late, "fenced": len(fenced), "fence_causes": [c for _, c in fenced][:3],
               "oldest_beat_s": max((a.oldest_beat_s for a in agents), default=0.0), "learned": learned,
@@ -351,7 +382,7 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
             now = time.time()
             beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
             oldest_node_beat = max(oldest_node_beat, now - min(beats))
-        time.sleep(AGENT_POLL_S)
+        time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
     votes_done = time.time()
     print(f"control plane {design} {ranks} ranks: {iters} iterations voted in {votes_done - t0:.1f} s",
           file=sys.stderr)
@@ -365,9 +396,12 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
     latencies = [x for r in records for x in r["latencies"]]
     learned = [x for r in records for x in r["learned"]]
     everyone = sum(r["simulated"] for r in records) == len(learned)
+    spread = {"ranks_learned_p50_s": _pct([x - died for x in learned], 0.5)}
     if design == "two_level":
         ended = [x for r in records for x in r["ended_at"]]
         everyone = everyone and None not in ended
+        spread["node_stores_p50_s"] = _pct([x - died for x in ended if x is not None], 0.5)
+        spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
         learned += [x for x in ended if x is not None]
     window = votes_done - t0
     requests = sum(r["requests"] for r in records) + monitor_requests[0]
@@ -378,7 +412,7 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
             "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
             "false_fences": sum(r["fenced"] for r in records),
             "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
-            "failure_to_generation_s": max(learned) - died if learned and everyone else None,
+            "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
             "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
                                                                   f"{FAILURE_BUDGET_S:.0f} s)",
             "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),

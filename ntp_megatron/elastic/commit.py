@@ -11,17 +11,17 @@ barrier is not enough: its outcome can differ between its members.)
 The same two-writer rule decides whether a re-formation completed (:meth:`CommitProtocol.form`): the last
 rank to finish writes ``complete``, the controller writes ``incomplete`` if a rank dies first.
 
-*Two levels* (:class:`NodeShare`, :mod:`ntp_megatron.elastic.relay`): the ranks count in their node's store and
-the node relay carries one count per node to the root; the node whose count completes the root's decides there,
-with the same first-writer-wins rule against the controller, and every relay writes the decision back into its
-node's store, where the ranks wait for it. The iteration's keys are deleted two iterations later, when nobody can
-read them again.
+*Two levels* (:class:`NodeShare`, :mod:`ntp_megatron.elastic.relay`): the ranks count in their node's store, and
+the node's last voter adds one count for the node to the root; the node whose count completes the root's decides
+there, with the same first-writer-wins rule against the controller, and each node's last voter brings the decision
+into its node's store, where the node's ranks wait for it. The iteration's keys are deleted two iterations later,
+when nobody can read them again.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -43,52 +43,110 @@ class IterationAborted(RuntimeError):
 @dataclass(frozen=True)
 class NodeShare:
     """Where a rank counts in the two-level control plane: ``members`` ranks of the generation on its node (they
-    count in the node's store), ``nodes`` nodes with a rank of it (their relays count in the root)."""
+    count in the node's store), ``nodes`` nodes with a rank of it (each node's last voter counts in the root)."""
     members: int
     nodes: int
+
+
+BRING_WAIT_S = 1.0
+"""How long a node's last voter waits on the root for the decision before it looks whether the generation ended
+without one."""
+_ABSENT = "\x00absent"
+"""What ``compare_set`` answers for a key that does not exist (and then leaves it absent)."""
 
 
 class CommitProtocol:
     """Votes of one rank in one generation. ``store`` is a client that survives the generation (not the
     generation's own client, whose sockets the watchdog shuts down): the root store, or with ``node`` set the
-    node's store, whose relay carries the node's count to the root."""
+    node's store; ``root`` is then a client of the root store (the same object as ``store`` on the node whose store
+    is the root).
 
-    def __init__(self, store: dist.Store, generation: int, world_size: int, node: Optional[NodeShare] = None) -> None:
+    With two levels the node's ranks count in the node's store; the last of them counts the node in the root, the
+    node that completes the root's count decides there, and each node's last voter brings the root's decision
+    into its node's store, where the node's other ranks wait for it. Where a node's last voter never brings it (it
+    died, or the node's count never completed), the node's relay copies what the generation decided when the
+    controller ends it (:mod:`ntp_megatron.elastic.relay`)."""
+
+    def __init__(self, store: dist.Store, generation: int, world_size: int, node: Optional[NodeShare] = None,
+                 root: Optional[dist.Store] = None) -> None:
+        if (node is None) != (root is None):
+            raise ValueError("two levels need both the node's share and a root client")
         self.store, self.generation, self.world_size, self.node = store, generation, world_size, node
+        self.root = root if root is not None else store
+
+    def begin(self, iteration: int) -> None:
+        """This rank began ``iteration``: counted where the controller's :func:`settle` reads it, the root (with two
+        levels only the ranks of the root's own node count there: the others' counts would cost the root a request
+        per rank and iteration)."""
+        if self.root is self.store:
+            self.store.add(keys.started(self.generation, iteration), 1)
 
     def vote(self, iteration: int) -> str:
         """Vote to commit 1-based ``iteration`` and wait for the decision: ``commit`` or ``abort``."""
         key = keys.decision(self.generation, iteration)
-        self._count(keys.votes(self.generation, iteration), key, {"vote": [self.generation, iteration]},
-                    lambda: decide_iteration(self.store, self.generation, iteration))
+        if self.node is None:
+            if self.store.add(keys.votes(self.generation, iteration), 1) == self.world_size:
+                decide_iteration(self.store, self.generation, iteration)
+        # Every iteration's votes of the generation count in one key of the node's store: the node's ranks all vote
+        # on k before any of them votes on k + 1.
+        elif self.store.add(keys.node_tally(self.generation), 1) % self.node.members == 0:
+            self.carry_vote(iteration)
+            self.bring(key, iteration)
         return self._await(key, ABORT)
 
-    def _count(self, counter: str, key: str, tally: dict, decide) -> None:
-        """Count this rank in ``counter``; the rank that completes it decides (one level), or asks the node relay
-        to carry the node's count to the root (two levels; the first rank of the node asks it to bring the
-        decision on ``key`` back whatever becomes of the count, so a node whose other ranks died still hears)."""
-        n = self.store.add(counter, 1)
+    def form(self) -> str:
+        """Report that this rank finished re-forming into this generation; wait for ``complete`` or
+        ``incomplete``."""
+        key = keys.formed(self.generation)
+        n = self.store.add(keys.ready(self.generation), 1)
         if self.node is None:
             if n == self.world_size:
-                decide()
-            return
-        if n == 1:
-            self.store.queue_push(keys.RELAY_QUEUE, json.dumps({"await": key, "generation": self.generation}))
-        if n == self.node.members:
-            self.store.queue_push(keys.RELAY_QUEUE, json.dumps({**tally, "nodes": self.node.nodes}))
+                decide_formation(self.store, self.generation)
+        elif n == self.node.members:
+            self.carry_ready()
+            self.bring(key)
+        return self._await(key, INCOMPLETE)
+
+    def carry_vote(self, iteration: int) -> None:
+        """The node's last voter: count the node in the root, and decide if that completes the root's count."""
+        if self.root.add(keys.node_votes(self.generation, iteration), 1) == self.node.nodes:
+            decide_iteration(self.root, self.generation, iteration)
+
+    def carry_ready(self) -> None:
+        """The node's last rank to finish re-forming: as :meth:`carry_vote`."""
+        if self.root.add(keys.node_ready(self.generation), 1) == self.node.nodes:
+            decide_formation(self.root, self.generation)
 
     def decision(self, iteration: int) -> str | None:
         """The decision on ``iteration`` in this generation, if one was made."""
         key = keys.decision(self.generation, iteration)
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def form(self) -> str:
-        """Report that this rank finished re-forming into this generation; wait for ``complete`` or
-        ``incomplete``."""
-        key = keys.formed(self.generation)
-        self._count(keys.ready(self.generation), key, {"form": self.generation},
-                    lambda: decide_formation(self.store, self.generation))
-        return self._await(key, INCOMPLETE)
+    def bring(self, key: str, iteration: Optional[int] = None) -> None:
+        """The node's last voter: bring the root's decision on ``key`` into the node's store (for ``commit+reform``
+        the generation it moves to first), and delete the node's copy of iteration - 2's, which its ranks all read
+        before they voted on this one. Nothing to bring where the node's store is the root."""
+        if self.root is self.store:
+            return
+        value = self.fetch(key)
+        if value is None:  # the generation ended without a decision: the relay copies its end
+            return
+        if value == COMMIT_REFORM:  # the ranks move to the generation published for it: copy it first
+            copy_published(self.root, self.store, since=self.generation)
+        self.store.set(key, value)
+        if iteration is not None and iteration > 2:
+            self.store.delete_key(keys.decision(self.generation, iteration - 2))
+
+    def fetch(self, key: str) -> Optional[str]:
+        """The root's value of ``key`` once written; None if the generation ended without one."""
+        while True:
+            try:
+                with waiting():
+                    self.root.wait([key], timedelta(seconds=BRING_WAIT_S))
+                return self.root.compare_set(key, _ABSENT, _ABSENT).decode()  # one request, not get's two
+            except dist.DistStoreError:
+                if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
+                    return None
 
     def _await(self, key: str, otherwise: str) -> str:
         """The value of a decision key. The controller writes its decision before it marks the generation
@@ -166,3 +224,16 @@ def settle(store: dist.Store, generation: int) -> Optional[tuple[int, str, int]]
 def abandon_formation(store: dist.Store, generation: int) -> bool:
     """Controller side: mark a re-formation incomplete unless it already completed; True if it was stopped."""
     return _first_write(store, keys.formed(generation), INCOMPLETE) == INCOMPLETE
+
+
+def copy_published(root: dist.Store, local: dist.Store, since: int = -1) -> int:
+    """Copy into a node's store the generations the controller published after ``since`` (their ``info``, then
+    ``latest``); returns the newest, or ``since`` if none is published."""
+    if not root.check([keys.LATEST]):
+        return since
+    latest = int(root.get(keys.LATEST).decode())
+    for generation in range(since + 1, latest + 1):
+        local.set(keys.info(generation), root.get(keys.info(generation)))
+    if latest > since:
+        local.set(keys.LATEST, str(latest))
+    return max(latest, since)

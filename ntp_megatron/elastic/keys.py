@@ -84,9 +84,15 @@ def decision(generation: int, iteration: int) -> str:
 
 
 def node_votes(generation: int, iteration: int) -> str:
-    """Two-level control plane: counter of nodes whose every rank voted on iteration ``k`` of generation ``g``
-    (:mod:`ntp_megatron.elastic.relay`; the node-local counter of ranks is :func:`votes`)."""
+    """Two-level control plane: counter in the root of nodes whose every rank voted on iteration ``k`` of generation
+    ``g`` (:mod:`ntp_megatron.elastic.relay`; the counter of ranks in the node's store is :func:`votes`)."""
     return f"{PREFIX}gen{generation}/iter{iteration}/node_votes"
+
+
+def node_tally(generation: int) -> str:
+    """Two-level control plane: the votes of a node's ranks in generation ``g``, all its iterations together, in the
+    node's store (so no key per iteration is left to delete there)."""
+    return f"{PREFIX}gen{generation}/node_tally"
 
 
 def node_ready(generation: int) -> str:
@@ -98,10 +104,6 @@ def node_beat(node_rank: int) -> str:
     """Two-level control plane: a node relay's heartbeat in the root store (JSON ``{"t", "ranks"}``), one per node
     instead of one per rank."""
     return f"{PREFIX}node_hb/{node_rank}"
-
-
-RELAY_QUEUE = "relay/up"
-"""The node-local store's queue of what its ranks ask the node relay to carry to the root (JSON messages)."""
 
 
 def iteration_keys(generation: int, iteration: int) -> list[str]:

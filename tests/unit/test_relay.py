@@ -1,24 +1,28 @@
-"""The two-level control plane (:mod:`ntp_megatron.elastic.relay`) in one process: a root TCPStore, one node relay
-per simulated node, and ranks as threads voting through the real :class:`CommitProtocol` in their node's store.
+"""The two-level control plane (:mod:`ntp_megatron.elastic.relay`) in one process: a root TCPStore (node 0's store,
+as in a job), one node store and relay per other simulated node, the real :class:`Controller` publishing, and ranks
+as threads voting and forming through the real :class:`CommitProtocol`.
 
-Rules under test: every rank reads the root's one decision; the controller's ``abort`` reaches a node whose ranks
-did not all vote; ``commit+reform`` comes with the generation it moves to already in the node store; a
-generation's end reaches the node store after what it published; a re-formation completes across nodes; the keys
-of finished iterations are deleted at both levels; the topology a rank computes from a publication is the
-controller's.
+Rules under test: every rank reads the root's one decision, and the root counts one vote per node; the keys of
+finished iterations are deleted at both levels; the controller's ``abort`` reaches a node whose ranks did not all
+vote; after an aborted iteration the next generation's relays follow its redo; ``commit+reform`` comes with the
+generation it moves to already in the node store, and a failure during that move still ends the generation left
+there; a generation's end reaches the node store after what it published; a re-formation completes across nodes;
+the topology a rank computes from a publication is the controller's; a relay's threads end at ``stop()``.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, CommitProtocol, NodeShare, settle
+from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, CommitProtocol, \
+    NodeShare, abandon_formation
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.layout import make_topology
@@ -38,19 +42,35 @@ def _client(port: int, timeout_s: float = TIMEOUT_S) -> dist.TCPStore:
 
 
 class Nodes:
-    """``len(per_node)`` relays on one root; node ``i`` has ``per_node[i]`` ranks of generation 0."""
+    """``len(per_node)`` nodes on one root: node 0's store is the root, every other node has its store and relay;
+    node ``i`` hosts ``per_node[i]`` ranks (launch ranks in node order), one replica of TP1 each. The controller
+    publishes generation 0."""
 
     def __init__(self, per_node: list[int]) -> None:
         self.root = _root()
         self.per_node = per_node
-        self.relays = [NodeRelay(lambda t: _client(self.root.port, t), i, wait_s=WAIT_S) for i in range(len(per_node))]
+        self.controller = Controller(self.root, make_topology(1, sum(per_node), {"layer": 2}), min_tp=1,
+                                     policy="drop_replica", say=lambda _: None, emit=lambda _: None)
+        self.controller._report_deaths = lambda *args: None  # its wait for the survivors' notes is not tested here
+        self.relays = {i: NodeRelay(lambda t: _client(self.root.port, t), i, wait_s=WAIT_S)
+                       for i in range(1, len(per_node))}
 
-    def protocol(self, node: int, generation: int = 0) -> CommitProtocol:
-        share = NodeShare(members=self.per_node[node], nodes=len(self.per_node))
-        return CommitProtocol(self.relays[node].open_local(TIMEOUT_S), generation, sum(self.per_node), node=share)
+    def node_of(self, launch_rank: int) -> int:
+        return next(i for i in range(len(self.per_node)) if launch_rank < sum(self.per_node[:i + 1]))
+
+    def store_of(self, node: int) -> dist.Store:
+        return _client(self.root.port) if node == 0 else self.relays[node].open_local(TIMEOUT_S)
+
+    def protocols(self, generation: int = 0, live: list[int] = None) -> list[CommitProtocol]:
+        """One protocol per live launch rank (default: all) in ``generation``, each on its own clients."""
+        live = list(range(sum(self.per_node))) if live is None else live
+        members = {node: sum(self.node_of(r) == node for r in live) for node in range(len(self.per_node))}
+        share = {node: NodeShare(members=m, nodes=sum(1 for c in members.values() if c)) for node, m in members.items()}
+        return [CommitProtocol(self.store_of(self.node_of(r)), generation, len(live), node=share[self.node_of(r)],
+                               root=_client(self.root.port)) for r in live]
 
     def close(self) -> None:
-        for relay in self.relays:
+        for relay in self.relays.values():
             assert relay.stop(), "a relay thread outlived stop(): at exit it would abort the process"
             assert not any(thread.is_alive() for thread in relay._threads)
             assert not relay.errors
@@ -60,8 +80,8 @@ class Nodes:
 def nodes():
     made = []
 
-    def make(per_node, **kw) -> Nodes:
-        made.append(Nodes(per_node, **kw))
+    def make(per_node) -> Nodes:
+        made.append(Nodes(per_node))
         return made[-1]
 
     yield make
@@ -84,43 +104,73 @@ def _in_threads(calls) -> list:
     return out
 
 
+def _vote(protocols: list[CommitProtocol], iteration: int) -> list[str]:
+    return _in_threads([lambda p=p: p.vote(iteration) for p in protocols])
+
+
+def _form(protocols: list[CommitProtocol]) -> list[str]:
+    return _in_threads([p.form for p in protocols])
+
+
 def test_every_rank_reads_the_one_decision_and_finished_keys_are_deleted(nodes):
     n = nodes([2, 3, 1])
-    protocols = [n.protocol(node) for node in range(3) for _ in range(n.per_node[node])]
+    protocols = n.protocols()
+    assert _form(protocols) == [COMPLETE] * 6
     for iteration in range(1, 5):
-        decided = _in_threads([lambda p=p: p.vote(iteration) for p in protocols])
-        assert decided == [COMMIT] * 6
+        assert _vote(protocols, iteration) == [COMMIT] * 6
         assert n.root.get(keys.COMMITTED).decode() == str(iteration)
         assert int(n.root.add(keys.node_votes(0, iteration), 0)) == 3  # one count per node, not per rank
-    local = n.relays[1].open_local(TIMEOUT_S)
-    for iteration in (1, 2):  # deleted by the decider of iteration + 2
-        assert not n.root.check([keys.decision(0, iteration), keys.node_votes(0, iteration)])
-    assert n.root.check([keys.decision(0, 3)]) and local.check([keys.decision(0, 4)])
-    assert not any(n.root.check([keys.votes(0, i)]) for i in range(1, 5))  # rank counts stay in the node stores
+    node1 = n.store_of(1)
+    for iteration in (1, 2):  # deleted by the decider of iteration + 2 in the root, by the last voter in a node
+        assert not n.root.check([keys.decision(0, iteration)]) and not n.root.check([keys.node_votes(0, iteration)])
+        assert not node1.check([keys.decision(0, iteration)])
+    assert n.root.check([keys.decision(0, 3)]) and node1.check([keys.decision(0, 3)])
+    assert int(node1.add(keys.node_tally(0), 0)) == 4 * 3  # a node counts every iteration in one key
+    assert not any(node1.check([keys.votes(0, i)]) for i in range(1, 5))
 
 
 def test_the_controllers_abort_reaches_a_node_whose_ranks_did_not_all_vote(nodes):
     n = nodes([2, 2])
-    voters = [n.protocol(0), n.protocol(0), n.protocol(1)]  # node 1's second rank died before voting
+    protocols = n.protocols()
+    assert _form(protocols) == [COMPLETE] * 4
+    voters = protocols[:3]  # node 1's second rank (launch rank 3) died before voting
     results = []
     threads = [threading.Thread(target=lambda p=p: results.append(p.vote(1))) for p in voters]
     for t in threads:
         t.start()
     n.root.wait([keys.node_votes(0, 1)])  # node 0 counted; node 1 cannot complete
-    assert settle(n.root, 0)[:2] == (1, ABORT)
+    assert n.controller.handle([Death(3, time.time(), "killed")]) is None  # settles: abort, then ends generation 0
     for t in threads:
         t.join(TIMEOUT_S + 5)
     assert results == [ABORT] * 3
+    assert n.store_of(1).get(keys.abort(0)) == keys.abort_value([(3, 0)]).encode()  # replica 3 of TP1
 
 
-def test_commit_reform_comes_with_the_next_generation_in_the_node_store(nodes):
+def test_after_an_abort_the_next_generation_redoes_the_iteration_on_every_node(nodes):
+    n = nodes([1, 1, 1])
+    assert _form(n.protocols()) == [COMPLETE] * 3
+    assert _vote(n.protocols(), 1) == [COMMIT] * 3
+    survivors = n.protocols(live=[0, 1])
+    waiting = threading.Thread(target=lambda: survivors[1].vote(2))  # launch rank 2 dies in iteration 2
+    waiting.start()
+    n.root.wait([keys.node_votes(0, 2)])
+    assert n.controller.handle([Death(2, time.time(), "killed")]) is None  # aborts iteration 2, publishes generation 1
+    waiting.join(TIMEOUT_S)
+    assert n.store_of(1).get(keys.decision(0, 2)).decode() == ABORT
+    again = n.protocols(generation=1, live=[0, 1])
+    assert _form(again) == [COMPLETE] * 2
+    assert _vote(again, 2) == [COMMIT] * 2  # the relay of node 1 follows generation 1 from iteration 2
+    assert _vote(again, 3) == [COMMIT] * 2
+
+
+def test_commit_reform_comes_with_the_next_generation_and_a_failure_in_the_move_ends_both(nodes):
     n = nodes([1, 2])
-    n.root.set(keys.info(0), json.dumps({"base": 0, "dead": []}))
-    n.root.set(keys.LATEST, "0")
+    protocols = n.protocols()
+    assert _form(protocols) == [COMPLETE] * 3
+    # As the controller admits: the next generation first, then the request for a boundary.
     n.root.set(keys.info(1), json.dumps({"base": 0, "dead": [], "joined": [[0, 1]]}))
     n.root.set(keys.LATEST, "1")
     n.root.set(keys.reform_requested(0), "1")
-    protocols = [n.protocol(0), n.protocol(1), n.protocol(1)]
     seen = []
 
     def vote_and_read(p: CommitProtocol):
@@ -130,32 +180,40 @@ def test_commit_reform_comes_with_the_next_generation_in_the_node_store(nodes):
 
     assert _in_threads([lambda p=p: vote_and_read(p) for p in protocols]) == [COMMIT_REFORM] * 3
     assert seen == [("1", [[0, 1]])] * 3
+    # A rank dies while generation 1 forms: the controller abandons it and ends both generations.
+    assert abandon_formation(n.root, 1)
+    n.root.set(keys.info(2), json.dumps({"base": 0, "dead": [[2, 0]]}))
+    n.root.set(keys.LATEST, "2")
+    for g in (0, 1):
+        n.root.set(keys.abort(g), keys.abort_value([(2, 0)]))
+    node1 = n.store_of(1)
+    node1.wait([keys.abort(0), keys.abort(1)])
+    assert node1.get(keys.formed(1)).decode() == INCOMPLETE
+    assert node1.get(keys.LATEST).decode() == "2"
 
 
 def test_a_generations_end_reaches_the_node_store_after_what_it_published(nodes):
-    n = nodes([1, 1])
-    n.root.set(keys.info(0), json.dumps({"base": 0, "dead": []}))  # as the controller publishes generation 0
-    n.root.set(keys.info(1), json.dumps({"base": 0, "dead": [[0, 1]]}))
-    n.root.set(keys.LATEST, "1")
-    n.root.set(keys.abort(0), keys.abort_value([(0, 1)]))
-    for relay in n.relays:
-        local = relay.open_local(TIMEOUT_S)
+    n = nodes([1, 1, 1])
+    assert n.controller.handle([Death(2, time.time(), "killed")]) is None  # before generation 0 formed
+    for node in (1, 2):
+        local = n.store_of(node)
         local.wait([keys.abort(0)])
-        assert keys.dead_named(local.get(keys.abort(0))) == {(0, 1)}
+        assert keys.dead_named(local.get(keys.abort(0))) == {(2, 0)}
         assert local.get(keys.LATEST).decode() == "1"
-        assert json.loads(local.get(keys.info(1)))["dead"] == [[0, 1]]
+        assert json.loads(local.get(keys.info(1)))["dead"] == [[2, 0]]
+        assert local.get(keys.formed(0)).decode() == INCOMPLETE
     n.root.set(keys.STOP, "no replica left")
     n.root.set(keys.abort(1), "stop")
-    local = n.relays[0].open_local(TIMEOUT_S)
+    local = n.store_of(1)
     local.wait([keys.abort(1)])
     assert local.get(keys.STOP).decode() == "no replica left"
 
 
 def test_a_reformation_completes_across_nodes(nodes):
     n = nodes([2, 1])
-    protocols = [n.protocol(0, generation=1), n.protocol(0, generation=1), n.protocol(1, generation=1)]
-    assert _in_threads([p.form for p in protocols]) == [COMPLETE] * 3
-    assert n.root.get(keys.COMPLETED).decode() == "1"
+    assert _form(n.protocols()) == [COMPLETE] * 3
+    assert n.root.get(keys.COMPLETED).decode() == "0"
+    assert int(n.root.add(keys.node_ready(0), 0)) == 2
 
 
 @pytest.mark.parametrize("dead", [[3], [1, 6], [4, 5]])
@@ -176,7 +234,7 @@ import sys
 import time
 from datetime import timedelta
 import torch.distributed as dist
-from ntp_megatron.elastic.commit import COMMIT, CommitProtocol, NodeShare
+from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.relay import NodeRelay
 
 
@@ -193,8 +251,13 @@ def client(port, t):
 
 
 root = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-relay = NodeRelay(lambda t: client(root.port, t), 0, wait_s=float(sys.argv[1]))
-assert CommitProtocol(relay.open_local(20), 0, 1, node=NodeShare(members=1, nodes=1)).vote(1) == COMMIT
+root.set(keys.info(0), "{}")
+root.set(keys.LATEST, "0")
+relay = NodeRelay(lambda t: client(root.port, t), 1, wait_s=float(sys.argv[1]))
+deadline = time.monotonic() + 20
+while relay.published < 0 and time.monotonic() < deadline:  # then its mirror waits on the root for formed(0)
+    time.sleep(0.01)
+assert relay.published == 0
 relay.stop()
 slow = SlowFinalization()
 """
