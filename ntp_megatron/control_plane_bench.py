@@ -12,17 +12,20 @@ does, and its vote latency is from that time to the decision in hand.
   every 0.2 s (one connection per node instead of one per rank: the same requests, and 10K ranks' four
   connections each would not fit one process's 20,000 file descriptors here) and an Agent reads them from the root
   every 20 ms, as a node's launcher does.
-- ``two_level``: every node has its relay and node store. The ranks of one node per worker are real (threads that
-  vote through the node store, real heartbeat threads, an Agent on the node store); on every other node the node's
-  last rank is simulated by queueing its message at the arrival time (what its ranks do in their own node's store
-  costs the root nothing, and on a real cluster runs on that node's own CPUs). The root gets one count per node,
-  the relays' waits and one heartbeat per node; the coordinator reads the node heartbeats from the root every
-  20 ms.
+- ``two_level``: every node has its relay and node store (a worker's nodes keep theirs in one store server, each
+  under its own prefix). The ranks of one node per worker are real: threads that vote through the node store (the
+  node's last voter carries the node's vote to the root and brings the decision back), real heartbeat threads, an
+  Agent on the node store. On every other node only what reaches the root is simulated: at the arrival time the
+  node's last voter counts the node in the root and waits there for the decision (from a few threads per worker,
+  in parallel as nodes do). What a node's ranks do in their own store runs on that node's own CPUs on a cluster;
+  here 1,250 nodes would share 2 cores. Each relay beats to the root every 2.5 s (a quarter of
+  ``ntp.heartbeat_timeout_s``), and the coordinator reads every node's beat every 1.25 s.
 
 After the iterations one rank dies: the controller settles and publishes the next generation; the figure is from the
 death to the last simulated rank holding the new topology (``current``: read whole from the root;
 ``two_level``: every node store has the generation's end, and the real ranks computed the topology from its
-publication), and what a rank read for it.
+publication), and what a rank read for it. One rank per node parses or computes the topology: on a cluster every
+rank has its own CPU for it, here eight in one worker would hold its interpreter against the relays.
 
 The harness shares 2 cores with the store: each row says how late the threads arrived (``arrival_late_p99_ms``)
 and what CPU went to the workers and to the root store.
@@ -47,12 +50,11 @@ AGENT_POLL_S = 0.02
 HEARTBEAT_TIMEOUT_S = 10.0
 WORKERS = 8
 DRIVERS = 8
-"""Threads per worker that queue the simulated nodes' messages."""
-NODE_BEAT_S = 1.0
-"""A node relay's heartbeat to the root (node liveness at the controller's ``ntp.heartbeat_timeout_s``, 10 s)."""
-NODE_POLL_S = 0.5
-"""How often the coordinator reads every node's heartbeat from the root (half the beat: a node's liveness is judged
-over ``ntp.heartbeat_timeout_s``, not per iteration)."""
+"""Threads per worker that carry the simulated nodes' votes (more only queue for the same 2 cores)."""
+NODE_BEAT_S = 2.5
+"""A node relay's heartbeat to the root: a quarter of ``ntp.heartbeat_timeout_s`` (10 s), which judges a node."""
+NODE_POLL_S = 1.25
+"""How often the coordinator reads every node's heartbeat from the root (half the beat)."""
 RELAY_WAIT_S = 30.0
 """A relay thread's store calls time out after this and retry: long, because a thousand idle relays share this
 machine (a timed-out call costs milliseconds of CPU)."""

@@ -143,7 +143,7 @@ class CommitProtocol:
             try:
                 with waiting():
                     self.root.wait([key], timedelta(seconds=BRING_WAIT_S))
-                return self.root.compare_set(key, _ABSENT, _ABSENT).decode()  # one request, not get's two
+                return read_if_set(self.root, key).decode()  # written: the wait returned
             except dist.DistStoreError:
                 if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
                     return None
@@ -226,14 +226,19 @@ def abandon_formation(store: dist.Store, generation: int) -> bool:
     return _first_write(store, keys.formed(generation), INCOMPLETE) == INCOMPLETE
 
 
+def read_if_set(store: dist.Store, key: str) -> Optional[bytes]:
+    """``key``'s value, or None if it is not set: one request (``check`` then ``get`` are three)."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value
+
+
 def copy_published(root: dist.Store, local: dist.Store, since: int = -1) -> int:
     """Copy into a node's store the generations the controller published after ``since`` (their ``info``, then
     ``latest``); returns the newest, or ``since`` if none is published."""
-    if not root.check([keys.LATEST]):
-        return since
-    latest = int(root.get(keys.LATEST).decode())
+    value = read_if_set(root, keys.LATEST)
+    latest = int(value.decode()) if value is not None else -1
     for generation in range(since + 1, latest + 1):
-        local.set(keys.info(generation), root.get(keys.info(generation)))
+        local.set(keys.info(generation), read_if_set(root, keys.info(generation)))
     if latest > since:
         local.set(keys.LATEST, str(latest))
     return max(latest, since)

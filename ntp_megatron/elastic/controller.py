@@ -185,11 +185,24 @@ class Controller:
         self.store.set(keys.info(g), json.dumps(info))
         self.store.set(keys.topology(g), json.dumps(new.to_json()))
         self.store.set(keys.LATEST, str(g))
-        for ended in {running, old.generation}:  # naming the dead: groups without one may go on
-            self.store.set(keys.abort(ended), keys.abort_value(self.identity[lr] for lr in self.dead))
+        dead = [self.identity[lr] for lr in self.dead]
+        published = [(keys.info(g), json.dumps(info)), (keys.LATEST, str(g))]
+        for ended in sorted({running, old.generation}):  # naming the dead: groups without one may go on
+            self.store.set(keys.abort(ended), keys.abort_value(dead, published + self._decided(ended)))
         self.latest = self.published[g] = new
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None
+
+    def _decided(self, generation: int) -> list[tuple[str, str]]:
+        """What ``generation`` decided that a rank may still wait for as it ends (its formation's verdict, the last
+        committed iteration's decision, the next one's), for the nodes' relays to copy with its end."""
+        committed = int(self.store.get(keys.COMMITTED).decode())
+        out = []
+        for key in (keys.formed(generation), keys.decision(generation, committed),
+                    keys.decision(generation, committed + 1)):
+            if self.store.check([key]):
+                out.append((key, self.store.get(key).decode()))
+        return out
 
     def _check_shards(self, base: Topology, dead_ranks: list[int]) -> None:
         """Under the distributed optimizer: every optimizer shard must keep a surviving holder, else a

@@ -63,9 +63,23 @@ def dead_named(value: bytes) -> Optional[set[tuple[int, ...]]]:
         return None
 
 
-def abort_value(dead: Iterable[Sequence[int]]) -> str:
-    """What the controller writes to a generation's abort key when ranks died: their identities."""
-    return json.dumps({"dead": sorted(list(identity) for identity in dead)})
+def abort_value(dead: Iterable[Sequence[int]], copy: Sequence[tuple[str, str]] = ()) -> str:
+    """What the controller writes to a generation's abort key when ranks died: their identities, and what a node
+    store needs before the end (``copy``: keys and values, written in order by the node's relay,
+    :mod:`ntp_megatron.elastic.relay`): one read of the root per node instead of one per key."""
+    value: dict = {"dead": sorted(list(identity) for identity in dead)}
+    if copy:
+        value["copy"] = [list(pair) for pair in copy]
+    return json.dumps(value)
+
+
+def to_copy(value: bytes) -> Optional[list[tuple[str, str]]]:
+    """The keys and values an abort key's value asks a node's relay to copy first (:func:`abort_value`); None if it
+    says nothing (a move, a stop: the relay then reads the root)."""
+    try:
+        return [(key, text) for key, text in json.loads(value.decode())["copy"]]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def group_offers(generation: int, identity: tuple[int, ...]) -> str:

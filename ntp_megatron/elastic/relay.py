@@ -42,7 +42,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import copy_published
+from ntp_megatron.elastic.commit import copy_published, read_if_set
 
 logger = logging.getLogger(__name__)
 
@@ -161,24 +161,34 @@ class NodeRelay:
             ended = self._await(root, keys.abort(g))
             if ended is None:
                 return  # stopped
-            self.published = copy_published(root, local, self.published)
-            if root.check([keys.STOP]):
-                local.set(keys.STOP, root.get(keys.STOP))
-            self._copy_decided(root, local, g)
+            copy = keys.to_copy(ended)
+            if copy is None:  # a move, a stop: read what changed from the root
+                copy = self._changed(root, g)
+            for key, value in copy:
+                local.set(key, value)
+                if key == keys.LATEST:
+                    self.published = max(self.published, int(value))
             local.set(keys.abort(g), ended)
             with self._ended:
                 self.ended_at[g] = time.time()
                 self._ended.notify_all()
             self.generation = g + 1
 
-    def _copy_decided(self, root: dist.Store, local: dist.Store, g: int) -> None:
-        """What generation ``g`` decided that the node's ranks may wait for and no rank of the node brought (it
-        died, or the node's count never completed): its formation's verdict, the last committed iteration's
-        decision (a rank that had not stepped it rolls forward) and the next one's (the controller's ``abort``)."""
-        committed = int(root.get(keys.COMMITTED).decode())
-        for key in (keys.formed(g), keys.decision(g, committed), keys.decision(g, committed + 1)):
-            if not local.check([key]) and root.check([key]):
-                local.set(key, root.get(key))
+    def _changed(self, root: dist.Store, g: int) -> list[tuple[str, bytes]]:
+        """What a node store needs before generation ``g``'s end, read from the root (the controller did not write it
+        into the end): the generations published since the last copy, the stop if there is one, and what ``g``
+        decided that a rank of the node may still wait for (its last voter died, or the node's count never
+        completed): its formation's verdict, the last committed iteration's decision (a rank that had not stepped
+        it rolls forward) and the next one's."""
+        latest = int(read_if_set(root, keys.LATEST).decode())
+        out = [(keys.info(h), read_if_set(root, keys.info(h))) for h in range(self.published + 1, latest + 1)]
+        out.append((keys.LATEST, str(latest)))
+        committed = int(read_if_set(root, keys.COMMITTED).decode())
+        for key in (keys.STOP, keys.formed(g), keys.decision(g, committed), keys.decision(g, committed + 1)):
+            value = read_if_set(root, key)
+            if value is not None:  # the same value where a rank of the node brought it already
+                out.append((key, value))
+        return out
 
     def _await(self, root: dist.Store, key: str) -> Optional[bytes]:
         """The root's value of ``key`` once it is written; None if the relay stops first."""
