@@ -63,6 +63,10 @@ class Launcher:
         self.start_method = runtime.rank_start_method(cfg.training.device)
         """How this node's ranks and warm spares start: ``fork`` (CPU) or ``spawn`` (where CUDA may be used)."""
         self.store = None
+        self.node_store = None
+        """The store this node's ranks vote, beat and wait in: the root store on one node and on node 0; under NTP
+        on other nodes one this launcher hosts, with a relay (:mod:`ntp_megatron.elastic.relay`)."""
+        self.relay = None
         self.processes: Optional[RankProcesses] = None
         self.policy: Optional[DeathPolicy] = None
         self.agent = None
@@ -150,8 +154,12 @@ class Launcher:
             runtime.ENV_RUN_DIR: str(self.run_dir),
             runtime.ENV_CONFIG: str(self.config_path),
             runtime.ENV_RESTART: str(self.restarts),
+            runtime.ENV_NNODES: str(self.args.nnodes),
+            runtime.ENV_NODE: str(self.args.node_rank),
             faults.ENV_FAILURES: faults.to_env(self.failures),
         })
+        if self.relay is not None:
+            env[runtime.ENV_NODE_STORE_PORT] = str(self.node_store.port)
         if joining:
             env[runtime.ENV_JOINING] = "1"
         return env
@@ -181,7 +189,7 @@ class Launcher:
         self._place(cfg)  # one node: every surviving slot keeps its device
         self.config_path = self.run_dir / f"config.node0.restart{self.restarts}.json"
         self.config_path.write_text(cfg.model_dump_json(indent=2))
-        self.store = host_store(self.args.store_host, 0, cfg.parallel.timeout_s)
+        self.store = self.node_store = host_store(self.args.store_host, 0, cfg.parallel.timeout_s)
         self.nodes.port = self.store.port
         self.nodes.restart()
         write_address(self.run_dir, self.args.store_host, self.nodes.port)
@@ -226,12 +234,18 @@ class Launcher:
                                  f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running "
                                  f"there with --store-port {port}?")
             return 1
+        self.node_store = self.store
+        if self.cfg.ntp.enabled and self.args.node_rank > 0:
+            self._host_node_store()
         self._start_ranks()
         if self.args.node_rank == 0:
             self.metrics_file, self.tensorboard_dir = run_outputs(self.cfg, self.run_dir)
             self.console.sink = metrics.MetricsSink(self.metrics_file, self.tensorboard_dir)
             self.console.sink.event("job_started", world_size=self.world_size, tp_per_replica=tp_per_replica(self.cfg),
                                     pipeline_stages=self.cfg.parallel.pipeline_model_parallel_size)
+        elif self.cfg.logging.metrics_file != "":
+            # Another node's ranks' own records (resources, memory, re-formations): beside node 0's metrics file.
+            self.console.sink = metrics.MetricsSink(self.run_dir / f"metrics.node{self.args.node_rank}.jsonl", None)
         self.policy = choose(self)
         self.policy.begin()
         if self.start is not None:
@@ -260,11 +274,30 @@ class Launcher:
             self.processes.stop_all()  # the warm spares, once the ranks are done
             self.processes.join_relays(timeout=2.0)
             self.policy.close()
+            if self.relay is not None:
+                self.relay.stop()
             if self.console.sink is not None:
-                self.console.sink.event("job_ended", exit_code=exit_code)
-                self._summarize(exit_code)
+                if self.args.node_rank == 0:
+                    self.console.sink.event("job_ended", exit_code=exit_code)
+                    self._summarize(exit_code)
                 self.console.sink.close()
         return exit_code
+
+    def _host_node_store(self) -> None:
+        """Under NTP on a node other than node 0: host the node's store on this host, where its ranks vote, beat and
+        wait, and the relay that ends the root's generations in it."""
+        from ntp_megatron.elastic.relay import NodeRelay
+        from ntp_megatron.elastic.watchdog import store_factory
+
+        timeout = self.cfg.parallel.timeout_s
+        self.node_store = host_store("127.0.0.1", 0, timeout)
+        self.relay = NodeRelay(store_factory(self.args.store_host, self.nodes.port), self.args.node_rank,
+                               store_factory("127.0.0.1", self.node_store.port),
+                               beat_s=self.cfg.ntp.heartbeat_timeout_s / 4,
+                               ranks=lambda: sum(p.poll() is None for p in self.processes.ranks.values()))
+        self.console.say(f"node {self.args.node_rank}: its ranks vote, beat and wait in the node's store on port "
+                         f"{self.node_store.port}; a relay follows node 0's store at {self.args.store_host}:"
+                         f"{self.nodes.port}")
 
     def _monitor(self) -> int:
         """Wait for the ranks: every pass hands the deaths reaped since the last one to the run's policy, which
@@ -275,10 +308,11 @@ class Launcher:
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
             from ntp_megatron.elastic.agent import Agent
 
-            self.agent = Agent(self.store, lambda: self.processes.ranks, self.cfg.ntp.heartbeat_timeout_s,
+            self.agent = Agent(self.node_store, lambda: self.processes.ranks, self.cfg.ntp.heartbeat_timeout_s,
                                startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
                                say=self.console.say, live=self.policy.live_launch_ranks, fence=self.cfg.ntp.enabled,
-                               fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence)
+                               fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence,
+                               shared=self.store)
         while True:
             if self.agent is not None:
                 if self.processes.first_iteration_at is not None:

@@ -96,6 +96,11 @@ class Placement:
         return out
 
 
+def launch_nodes(placement: Placement, launch_slots: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The node of each launch rank (``launch_slots`` as :meth:`Placement.node_ranks` takes them)."""
+    return tuple(placement.device(*where).node for where in launch_slots)
+
+
 def launch_slots(tp_base: int, dp: int, topology=None, pp: int = 1) -> list[tuple[int, ...]]:
     """(replica, slot) of each launch rank, in launch-rank order: the starting NTP ``topology``'s live slots (its
     generation-0 ranks), or, without NTP (None), Megatron's dense grid, where rank ``r`` is slot ``r % tp`` of

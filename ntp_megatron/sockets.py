@@ -54,3 +54,12 @@ class SocketScope:
 
     def __exit__(self, *exc) -> None:
         self.sockets = {fd: ident for fd, ident in socket_fds().items() if ident not in self._before}
+
+
+def connections_to(port: int) -> int:
+    """This process's established TCP connections whose far end is ``port`` (a store's clients: on one host a
+    port names one store)."""
+    import psutil
+
+    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)

@@ -60,8 +60,12 @@ def process_state(pid: int) -> str:
 class Agent:
     def __init__(self, store: dist.Store, processes: Callable[[], dict[int, _Process]], heartbeat_timeout_s: float,
                  startup_grace_s: float, specs: list, say: Callable[[str], None],
-                 live: Callable[[], list[int]], fence: bool = True, fence_progress: bool = False) -> None:
+                 live: Callable[[], list[int]], fence: bool = True, fence_progress: bool = False,
+                 shared: Optional[dist.Store] = None) -> None:
+        """``store``: where this node's ranks beat (the node's store); ``shared``: where the launchers of every
+        node meet (the root store; ``store`` by default)."""
         self.store = store
+        self.shared = shared if shared is not None else store
         self.processes = processes
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.startup_grace_s = startup_grace_s
@@ -106,9 +110,9 @@ class Agent:
             self.training_started = at
 
     def restart(self, store: dist.Store) -> None:
-        """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``): nothing
-        of the old processes counts; outside failures still due keep their schedule."""
-        self.store = store
+        """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``, one node):
+        nothing of the old processes counts; outside failures still due keep their schedule."""
+        self.store = self.shared = store
         self.born = dict.fromkeys(self.processes(), time.time())
         self.stopped_since.clear()
         self.progress.clear()
@@ -190,7 +194,7 @@ class Agent:
             if now - self._stall_published >= STALL_REFRESH_S:
                 self._stall_published = now
                 try:
-                    self.store.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
+                    self.shared.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
                 except Exception:  # noqa: BLE001 - the store is going away with the job
                     pass
         count = beat.get("progress")
@@ -206,7 +210,7 @@ class Agent:
         """Fence the ranks that make no progress while another rank has been waiting on its peers (the stall in
         the store is current)."""
         try:
-            raw = self.store.get(keys.STALLED).decode() if self.store.check([keys.STALLED]) else None
+            raw = self.shared.get(keys.STALLED).decode() if self.shared.check([keys.STALLED]) else None
         except Exception:  # noqa: BLE001 - the store is going away with the job
             return
         stall = json.loads(raw) if raw else None

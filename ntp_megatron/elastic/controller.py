@@ -188,7 +188,9 @@ class Controller:
         dead = [self.identity[lr] for lr in self.dead]
         published = [(keys.info(g), json.dumps(info)), (keys.LATEST, str(g))]
         for ended in sorted({running, old.generation}):  # naming the dead: groups without one may go on
-            self.store.set(keys.abort(ended), keys.abort_value(dead, published + self._decided(ended)))
+            # In a node's store as here: the decisions before the new generation (a survivor reads the decision
+            # on the iteration it voted once it sees the new generation).
+            self.store.set(keys.abort(ended), keys.abort_value(dead, self._decided(ended) + published))
         self.latest = self.published[g] = new
         self._published(new, base=base.generation, dead=dead_ranks, joined=[])
         return None

@@ -26,15 +26,15 @@ from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
 from ntp_megatron.elastic import group_backend, keys
-from ntp_megatron.elastic.commit import CommitProtocol
+from ntp_megatron.elastic.commit import CommitProtocol, NodeShare
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
 from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
 from ntp_megatron.groups import GroupPool, PooledGroup
-from ntp_megatron.sockets import SocketScope, socket_fds
+from ntp_megatron.sockets import SocketScope, connections_to, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.layout import Topology
-from ntp_megatron.stages import load_topology
+from ntp_megatron.stages import load_topology, published_topology
 
 logger = logging.getLogger(__name__)
 
@@ -64,12 +64,44 @@ class Generation:
         return self.topology.generation
 
 
+@dataclass(frozen=True)
+class NodePlane:
+    """A job on several nodes: the two-level control plane (:mod:`ntp_megatron.elastic.relay`). This process votes,
+    beats and waits for generations in its node's store; the root store (node 0's) keeps what is rare or read across
+    nodes."""
+
+    open_node: StoreFactory
+    """Opens clients of this node's store (on node 0 the root store itself)."""
+    port: int
+    """The port of this node's store."""
+    node: int
+    """This process's node."""
+    node_of: tuple[int, ...]
+    """Launch rank -> its node (:func:`ntp_megatron.placement.launch_nodes`)."""
+    min_tp: int = 1
+    policy: str = "drop_replica"
+    """``ntp.min_tp`` and ``ntp.on_unrecoverable``: with them a rank computes a new generation's topology from what
+    its publication says changed, as the controller did (:func:`ntp_megatron.stages.published_topology`)."""
+
+    def share(self, topology: Topology, identities: dict[int, tuple[int, ...]]) -> NodeShare:
+        """Where this process counts in ``topology``'s generation (``identities``: launch rank -> identity)."""
+        live = [self.node_of[lr] for lr, identity in identities.items() if topology.rank_of(*identity) is not None]
+        return NodeShare(members=live.count(self.node), nodes=len(set(live)))
+
+
+TOPOLOGIES_KEPT = 8
+"""Topologies a process keeps to compute the next ones from (the base of a new generation is the newest completed
+one, a few generations back at most)."""
+
+
 class ElasticRank:
-    """This process in an elastic NTP job: its identity, its control-plane store client, its heartbeat."""
+    """This process in an elastic NTP job: its identity, its control-plane store clients, its heartbeat."""
 
     def __init__(self, launch_rank: int, open_store: StoreFactory, backend: str, timeout_s: float,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, nodes: Optional[NodePlane] = None, root_port: Optional[int] = None) -> None:
+        """``root_port``: the root store's (for :meth:`store_connections`)."""
         self.launch_rank = launch_rank
+        self.root_port = root_port
         self.open_store = open_store
         self.backend = backend
         self.group_backend = group_backend.backend_for(backend)
@@ -78,11 +110,21 @@ class ElasticRank:
             os.environ.setdefault(name, value)
         self.timeout_s = timeout_s
         self.ctl = open_store(timeout_s)
-        """Control-plane client: votes, decisions, generations. Never closed by a watchdog."""
-        self.heartbeat = Heartbeat(open_store, launch_rank, heartbeat_s)
+        """Control-plane client of the root store: what is rare or read across nodes. Never closed by a
+        watchdog."""
+        self.nodes = nodes
+        apart = nodes is not None and nodes.node != 0
+        self.open_local: StoreFactory = nodes.open_node if apart else open_store
+        """Opens clients of the store where this process votes, beats and waits for generations: its node's."""
+        self.local = self.open_local(timeout_s) if apart else self.ctl
+        """Client of that store: votes, decisions, generations (the same object as ``ctl`` where it is the root)."""
+        self.heartbeat = Heartbeat(self.open_local, launch_rank, heartbeat_s)
+        self._topologies: dict[int, Topology] = {}
         start = self.topology(0)
         self.identity = start.slot_of(launch_rank)
         """(replica index, slot): what this process is, in every generation."""
+        self.identities = {lr: start.slot_of(lr) for lr in range(start.world_size)}
+        """Every launch rank's identity."""
         self.left_sockets: set[str] = set()
         """Identities of the sockets of every generation this process left (none may stay open)."""
         self.aware_upto = -1
@@ -95,13 +137,39 @@ class ElasticRank:
         """Groups of the generation left that the next one shares (detached from torch, offered when it forms)."""
 
     def topology(self, generation: int) -> Topology:
-        return load_topology(json.loads(self.ctl.get(keys.topology(generation))))
+        """Generation ``generation``'s topology. On several nodes computed from what its publication says changed,
+        from the topology it builds on when this process has that one (as the controller computed it: reading the
+        whole topology costs the root its size for every rank); read from the root otherwise."""
+        if generation in self._topologies:
+            return self._topologies[generation]
+        topology = None
+        if self.nodes is not None and generation > 0:
+            info = self.info(generation)
+            base = self._topologies.get(info["base"])
+            if base is not None:
+                topology = published_topology(base, info, generation, self.nodes.min_tp, self.nodes.policy)
+        if topology is None:
+            topology = load_topology(json.loads(self.ctl.get(keys.topology(generation))))
+        self._topologies[generation] = topology
+        for old in sorted(self._topologies)[:-TOPOLOGIES_KEPT]:
+            del self._topologies[old]
+        return topology
+
+    def store_connections(self) -> dict[str, int]:
+        """This process's connections to the root store and, on a node other than node 0, to its node's store (a
+        resource report; none if the root's port is not known)."""
+        if self.root_port is None:
+            return {}
+        out = {"root_connections": connections_to(self.root_port)}
+        if self.local is not self.ctl:
+            out["node_connections"] = connections_to(self.nodes.port)
+        return out
 
     def latest(self) -> int:
-        return int(self.ctl.get(keys.LATEST).decode())
+        return int(self.local.get(keys.LATEST).decode())
 
     def info(self, generation: int) -> dict:
-        return json.loads(self.ctl.get(keys.info(generation)))
+        return json.loads(self.local.get(keys.info(generation)))
 
     def rank_in(self, topology: Topology) -> Optional[int]:
         return topology.rank_of(*self.identity)
@@ -117,11 +185,15 @@ class ElasticRank:
         # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-        watchdog = GenerationWatchdog(self.open_store, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
+        watchdog = GenerationWatchdog(self.open_local, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
                                       self.group_backend)
         if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
-        commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
+        if self.nodes is None:
+            commit = CommitProtocol(self.ctl, topology.generation, topology.world_size)
+        else:
+            commit = CommitProtocol(self.local, topology.generation, topology.world_size,
+                                    node=self.nodes.share(topology, self.identities), root=self.ctl)
         generation = Generation(topology=topology, rank=rank, commit=commit, watchdog=watchdog, store=store,
                                 pool=GroupPool(topology.generation, store_sockets=dict(scope.sockets)))
         try:
@@ -255,8 +327,11 @@ class ElasticRank:
         return sum(1 for ident in socket_fds().values() if ident in self.left_sockets and ident not in pinned)
 
     def end_generation(self, generation: int) -> None:
-        """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end."""
-        self.ctl.set(keys.abort(generation), keys.MOVED)
+        """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end (and on
+        several nodes, in the root too: the node relays follow the generations there)."""
+        self.local.set(keys.abort(generation), keys.MOVED)
+        if self.local is not self.ctl:
+            self.ctl.set(keys.abort(generation), keys.MOVED)
 
     def announce(self) -> None:
         """A replacement process is up and ready to be admitted."""
@@ -276,9 +351,9 @@ class ElasticRank:
         returns the newest topology and why it exists."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.ctl.check([keys.STOP]):
-                raise JobStopped(f"job stopped by the launcher: {self.ctl.get(keys.STOP).decode()}")
-            latest = int(self.ctl.get(keys.LATEST).decode()) if self.ctl.check([keys.LATEST]) else 0
+            if self.local.check([keys.STOP]):
+                raise JobStopped(f"job stopped by the launcher: {self.local.get(keys.STOP).decode()}")
+            latest = int(self.local.get(keys.LATEST).decode()) if self.local.check([keys.LATEST]) else 0
             if latest > generation:
                 return self.topology(latest), self.info(latest)
             if time.monotonic() > deadline:
@@ -289,7 +364,7 @@ class ElasticRank:
         """Whether ``generation`` is marked over or the job stopped, now or within ``within_s`` seconds (a
         bounded poll of the store; see :mod:`ntp_megatron.elastic.errors`)."""
         deadline = time.monotonic() + within_s
-        while not self.ctl.check([keys.abort(generation)]) and not self.ctl.check([keys.STOP]):
+        while not self.local.check([keys.abort(generation)]) and not self.local.check([keys.STOP]):
             if time.monotonic() > deadline:
                 return False
             time.sleep(POLL_S)

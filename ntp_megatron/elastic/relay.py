@@ -180,14 +180,17 @@ class NodeRelay:
         decided that a rank of the node may still wait for (its last voter died, or the node's count never
         completed): its formation's verdict, the last committed iteration's decision (a rank that had not stepped
         it rolls forward) and the next one's."""
-        latest = int(read_if_set(root, keys.LATEST).decode())
-        out = [(keys.info(h), read_if_set(root, keys.info(h))) for h in range(self.published + 1, latest + 1)]
-        out.append((keys.LATEST, str(latest)))
+        out = []
         committed = int(read_if_set(root, keys.COMMITTED).decode())
         for key in (keys.STOP, keys.formed(g), keys.decision(g, committed), keys.decision(g, committed + 1)):
             value = read_if_set(root, key)
             if value is not None:  # the same value where a rank of the node brought it already
                 out.append((key, value))
+        # Then what was published: a survivor reads the decision on the iteration it voted once it sees the new
+        # generation.
+        latest = int(read_if_set(root, keys.LATEST).decode())
+        out += [(keys.info(h), read_if_set(root, keys.info(h))) for h in range(self.published + 1, latest + 1)]
+        out.append((keys.LATEST, str(latest)))
         return out
 
     def _await(self, root: dist.Store, key: str) -> Optional[bytes]:

@@ -168,8 +168,8 @@ class ElasticSession(Session):
 
     def begin(self, iteration: int) -> None:
         self.elastic.release_held()
-        # The controller's measure of whether an aborted iteration cost work.
-        self.ctl.add(keys.started(self.reformer.generation.number, iteration), 1)
+        self.reformer.generation.commit.begin(iteration)  # the controller's measure of whether an aborted
+        # iteration cost work
 
     def commit(self, iteration: int) -> None:
         decision = self.reformer.generation.commit.vote(iteration)
@@ -240,4 +240,5 @@ class ElasticSession(Session):
         # The generation's own sockets, its groups' (kept ones included) and what they hold open.
         held = set(generation.watchdog.sockets.values()) | self.elastic.pinned_sockets() if generation else set()
         return {"generation_sockets": len(held),
-                "stale_sockets": self.elastic.stale_sockets(), "held_generations": self.elastic.release_held()}
+                "stale_sockets": self.elastic.stale_sockets(), "held_generations": self.elastic.release_held(),
+                **self.elastic.store_connections()}

@@ -131,7 +131,8 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
     p = cfg.parallel
     elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port),
-                          runtime.select_backend(p.backend, device), p.timeout_s, cfg.ntp.heartbeat_interval_s)
+                          runtime.select_backend(p.backend, device), p.timeout_s, cfg.ntp.heartbeat_interval_s,
+                          _node_plane(env, cfg), root_port=env.store_port)
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
     datasets = _dataset(env, cfg)
@@ -140,6 +141,26 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank, session=session,
                       comm_stats=_comm_stats(cfg), joining=env.joining)
     return trainer, elastic.ctl
+
+
+def _node_plane(env: runtime.RankEnv, cfg: JobConfig):
+    """On several nodes, the two-level control plane: this node's store (the root itself on node 0) and where every
+    launch rank runs. None on one node."""
+    from ntp_megatron.elastic.generation import NodePlane
+    from ntp_megatron.elastic.watchdog import store_factory
+    from ntp_megatron.placement import Placement, launch_nodes, launch_slots
+
+    if env.nnodes == 1:
+        return None
+    p = cfg.parallel
+    placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, env.nnodes,
+                          p.pipeline_model_parallel_size)
+    slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size, cfg.topology(),
+                         p.pipeline_model_parallel_size)
+    port = env.node_store_port if env.node_store_port is not None else env.store_port
+    host = "127.0.0.1" if env.node_store_port is not None else env.store_host
+    return NodePlane(store_factory(host, port), port, env.node, launch_nodes(placement, slots), cfg.ntp.min_tp,
+                     cfg.ntp.on_unrecoverable)
 
 
 def _comm_stats(cfg: JobConfig) -> Optional[CommStats]:

@@ -37,6 +37,13 @@ ENV_JOINING = "NTP_JOINING"
 """Set for a replacement process that the launcher started for a failed rank of a running NTP job."""
 ENV_SPARE_FD = "NTP_SPARE_FD"
 """A warm spare's end of its assignment pipe (:mod:`ntp_megatron.training.spare`)."""
+ENV_NNODES = "NTP_NNODES"
+"""How many nodes (launchers) the job runs on."""
+ENV_NODE = "NTP_NODE"
+"""This process's node."""
+ENV_NODE_STORE_PORT = "NTP_NODE_STORE_PORT"
+"""Under NTP on several nodes: the port of this node's store on this host, which its launcher hosts (node 0's is the
+root store: :mod:`ntp_megatron.elastic.relay`)."""
 ENV_RESTART = "NTP_RESTART"
 """How many times the launcher restarted every rank from the last checkpoint (NTP off); 0 at first."""
 
@@ -58,6 +65,9 @@ class RankEnv:
     config_path: Path
     restart: int = 0
     joining: bool = False
+    nnodes: int = 1
+    node: int = 0
+    node_store_port: Optional[int] = None
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
@@ -78,6 +88,9 @@ class RankEnv:
             config_path=Path(os.environ[ENV_CONFIG]),
             restart=int(os.environ.get(ENV_RESTART, "0")),
             joining=os.environ.get(ENV_JOINING) == "1",
+            nnodes=int(os.environ.get(ENV_NNODES, "1")),
+            node=int(os.environ.get(ENV_NODE, "0")),
+            node_store_port=int(os.environ[ENV_NODE_STORE_PORT]) if ENV_NODE_STORE_PORT in os.environ else None,
         )
 
 
