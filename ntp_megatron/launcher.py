@@ -217,6 +217,8 @@ class Launcher:
         try:
             return self._run(server)
         finally:
+            if self.relay is not None:  # its threads must not be in a store call when the interpreter exits
+                self.relay.stop()
             server.close()
 
     def _run(self, server: ForkServer) -> int:
@@ -274,8 +276,6 @@ class Launcher:
             self.processes.stop_all()  # the warm spares, once the ranks are done
             self.processes.join_relays(timeout=2.0)
             self.policy.close()
-            if self.relay is not None:
-                self.relay.stop()
             if self.console.sink is not None:
                 if self.args.node_rank == 0:
                     self.console.sink.event("job_ended", exit_code=exit_code)
@@ -294,7 +294,7 @@ class Launcher:
         self.relay = NodeRelay(store_factory(self.args.store_host, self.nodes.port), self.args.node_rank,
                                store_factory("127.0.0.1", self.node_store.port),
                                beat_s=self.cfg.ntp.heartbeat_timeout_s / 4,
-                               ranks=lambda: sum(p.poll() is None for p in self.processes.ranks.values()))
+                               ranks=lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())))
         self.console.say(f"node {self.args.node_rank}: its ranks vote, beat and wait in the node's store on port "
                          f"{self.node_store.port}; a relay follows node 0's store at {self.args.store_host}:"
                          f"{self.nodes.port}")

@@ -61,5 +61,19 @@ def connections_to(port: int) -> int:
     port names one store)."""
     import psutil
 
-    return sum(1 for c in psutil.Process().net_connections(kind="tcp")
-               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+    return sum(1 for c in _tcp(psutil) if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def connected_to(sockets: dict[int, str], port: int) -> dict[int, str]:
+    """Those of ``sockets`` (fd -> identity) whose far end is ``port``: of the sockets that appeared while a store
+    client was made, the client's own (another thread may have opened one meanwhile)."""
+    import psutil
+
+    ours = {c.fd for c in _tcp(psutil) if c.raddr and c.raddr.port == port}
+    return {fd: identity for fd, identity in sockets.items() if fd in ours}
+
+
+def _tcp(psutil) -> list:
+    """This process's TCP connections (``net_connections`` from psutil 6, ``connections`` before)."""
+    process = psutil.Process()
+    return (process.net_connections if hasattr(process, "net_connections") else process.connections)(kind="tcp")

@@ -20,6 +20,7 @@ when nobody can read them again.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -138,7 +139,9 @@ class CommitProtocol:
             self.store.delete_key(keys.decision(self.generation, iteration - 2))
 
     def fetch(self, key: str) -> Optional[str]:
-        """The root's value of ``key`` once written; None if the generation ended without one."""
+        """The root's value of ``key`` once written; None if the generation ended without one. Bounded by the root
+        client's timeout, as :meth:`_await` is by the store's."""
+        deadline = time.monotonic() + self.root.timeout.total_seconds()
         while True:
             try:
                 with waiting():
@@ -147,6 +150,8 @@ class CommitProtocol:
             except dist.DistStoreError:
                 if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
                     return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no decision on {key} in the root store within its timeout") from None
 
     def _await(self, key: str, otherwise: str) -> str:
         """The value of a decision key. The controller writes its decision before it marks the generation

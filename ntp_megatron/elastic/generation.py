@@ -83,6 +83,11 @@ class NodePlane:
     """``ntp.min_tp`` and ``ntp.on_unrecoverable``: with them a rank computes a new generation's topology from what
     its publication says changed, as the controller did (:func:`ntp_megatron.stages.published_topology`)."""
 
+    def first_on_node(self, topology: Topology, identities: dict[int, tuple[int, ...]], launch_rank: int) -> bool:
+        """Whether ``launch_rank`` is the first live launch rank of this node in ``topology``."""
+        return launch_rank == min(lr for lr, identity in identities.items()
+                                  if self.node_of[lr] == self.node and topology.rank_of(*identity) is not None)
+
     def share(self, topology: Topology, identities: dict[int, tuple[int, ...]]) -> NodeShare:
         """Where this process counts in ``topology``'s generation (``identities``: launch rank -> identity)."""
         live = [self.node_of[lr] for lr, identity in identities.items() if topology.rank_of(*identity) is not None]
@@ -326,12 +331,14 @@ class ElasticRank:
         pinned = self.pinned_sockets()
         return sum(1 for ident in socket_fds().values() if ident in self.left_sockets and ident not in pinned)
 
-    def end_generation(self, generation: int) -> None:
-        """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end (and on
-        several nodes, in the root too: the node relays follow the generations there)."""
-        self.local.set(keys.abort(generation), keys.MOVED)
-        if self.local is not self.ctl:
-            self.ctl.set(keys.abort(generation), keys.MOVED)
+    def end_generation(self, generation: Generation) -> None:
+        """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end; on
+        another node than node 0, one rank of the node also marks it in the root, where the node relays follow the
+        generations."""
+        self.local.set(keys.abort(generation.number), keys.MOVED)
+        if self.local is not self.ctl and self.nodes.first_on_node(generation.topology, self.identities,
+                                                                   self.launch_rank):
+            self.ctl.set(keys.abort(generation.number), keys.MOVED)
 
     def announce(self) -> None:
         """A replacement process is up and ready to be admitted."""

@@ -1,4 +1,6 @@
-"""Names of the store keys the controller, the ranks and the launchers share (all in node 0's TCPStore).
+"""Names of the store keys the controller, the ranks and the launchers share: in node 0's TCPStore (the root), and
+on a job of several nodes under NTP those a node's ranks vote, beat and wait on in their node's store too, where they
+are copies of the root's (:mod:`ntp_megatron.elastic.relay`).
 
 A *generation* is one process-group epoch: its topology, its own store prefix for torch.distributed
 (``gen<g>/``), and its own keys below. Generations only grow; the job starts at generation 0.
@@ -43,7 +45,7 @@ def info(generation: int) -> str:
 
 def abort(generation: int) -> str:
     """Set when generation ``g`` is over: every rank's watchdog then closes that generation's sockets. Its value
-    names the dead (:func:`ntp_megatron.elastic.watchdog.abort_value`), or is :data:`MOVED` or ``stop``."""
+    names the dead (:func:`abort_value`), or is :data:`MOVED` or ``stop``."""
     return f"{PREFIX}gen{generation}/abort"
 
 
@@ -99,7 +101,7 @@ def decision(generation: int, iteration: int) -> str:
 
 def node_votes(generation: int, iteration: int) -> str:
     """Two-level control plane: counter in the root of nodes whose every rank voted on iteration ``k`` of generation
-    ``g`` (:mod:`ntp_megatron.elastic.relay`; the counter of ranks in the node's store is :func:`votes`)."""
+    ``g`` (:mod:`ntp_megatron.elastic.relay`; its ranks count in the node's store in :func:`node_tally`)."""
     return f"{PREFIX}gen{generation}/iter{iteration}/node_votes"
 
 

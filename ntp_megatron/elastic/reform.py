@@ -120,7 +120,7 @@ class Reformer:
     def move(self, training: Training) -> None:
         """At an admission boundary (decision ``commit+reform``): every rank finished the generation's work
         (the caller passed a barrier), so end it and re-form in the one the controller published."""
-        self.elastic.end_generation(self.generation.number)
+        self.elastic.end_generation(self.generation)
         self._advance(training)
 
     def leave(self) -> None:

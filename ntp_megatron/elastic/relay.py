@@ -13,21 +13,23 @@ root store:
   (:class:`~ntp_megatron.elastic.commit.CommitProtocol` with a :class:`~ntp_megatron.elastic.commit.NodeShare`).
   The relay has no part in an iteration: a hop through it would cost every vote two more thread wake-ups;
 - the relay waits for each generation's end at the root. When the controller ends one (a failure, a stop; the
-  ranks themselves at an admission boundary), the relay copies into the node store what changed (``latest``, each
-  new generation's ``info``: the dead or admitted slots, from which every rank computes the topology with the same
-  pure function, :func:`~ntp_megatron.stages.published_topology`), the stop if there is one, the decisions of the
-  generation a rank of the node may still wait for (its last voter died, or the node's count never completed: the
-  controller writes a decision for whatever the ranks wait on before it ends a generation), then the end itself,
-  where the ranks' watchdogs wait;
+  ranks themselves at an admission boundary), the relay writes into the node store the stop if there is one, the
+  decisions of the generation a rank of the node may still wait for (its last voter died, or the node's count never
+  completed: the controller writes a decision for whatever the ranks wait on before it ends a generation), then
+  what changed (each new generation's ``info``: the dead or admitted slots, from which every rank computes the
+  topology with the same pure function, :func:`~ntp_megatron.stages.published_topology`; then ``latest``), then the
+  end itself, where the ranks' watchdogs wait. In that order: a survivor reads the decision on the iteration it voted
+  once it sees the new generation. The controller writes all of it into the generation's end, so that a relay reads
+  the root once per end (:func:`~ntp_megatron.elastic.keys.abort_value`); an end the ranks or a stop wrote says
+  nothing of it, and the relay reads each from the root;
 - it writes one heartbeat per node to the root (:func:`~ntp_megatron.elastic.keys.node_beat`); the ranks'
   heartbeats stay in the node store, read by the node's launcher.
 
-The root store stays the single point of truth: a node store only holds copies of what the root decided. Every
-blocking call of the relay is bounded by ``wait_s`` and retried until :meth:`NodeRelay.stop`, which joins the
-threads: a thread still blocked in a store call when the interpreter exits aborts the process (``terminate called
-without an active exception``). One relay per node waits 1 s (a timed-out store call raises an error whose C++
-backtrace costs milliseconds of CPU: nothing to a node); the load test, with a thousand relays on one machine,
-waits longer.
+The root store stays the single point of truth: a node store only holds copies of what the root decided. A relay
+thread whose store call fails starts again on fresh connections, where it was. :meth:`NodeRelay.stop` shuts the
+relay's connections down, so a thread in a store call (a wait for a generation's end lasts as long as the
+generation) fails out of it at once, and joins the threads: one still in a store call when the interpreter exits
+aborts the process (``terminate called without an active exception``).
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import copy_published, read_if_set
+from ntp_megatron.sockets import SocketScope, connected_to, shutdown_sockets
 
 logger = logging.getLogger(__name__)
 
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of a store with the given timeout (seconds)."""
 
-WAIT_S = 1.0
-"""How long a relay thread blocks on one store call before it looks whether it should stop (so also how long
-:meth:`NodeRelay.stop` may take)."""
+WAIT_S = 30.0
+"""How long a relay thread blocks on one store call before it asks again (a wait for a generation's end lasts as long
+as the generation: one request to the root per node every ``WAIT_S``)."""
 CONNECT_TIMEOUT_S = 60.0
+RETRY_S = 1.0
+"""How long a relay thread whose store call failed waits before it connects again."""
+_CONNECTING = threading.Lock()
+"""One client made at a time in this process, so that the sockets that appear while it is made are its own."""
 
 
 class NodeRelay:
@@ -68,7 +75,8 @@ class NodeRelay:
         self.node_rank = node_rank
         self.beat_s, self.wait_s = beat_s, wait_s
         self.ranks = ranks
-        self._open_root = lambda: wrap_root(self._polling(open_root(CONNECT_TIMEOUT_S)))
+        self._open_root_raw = open_root
+        self._polling_root = lambda store: wrap_root(self._polling(store))
         self._server: Optional[dist.TCPStore] = None
         if open_local is None:
             self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
@@ -87,6 +95,8 @@ class NodeRelay:
         """Generation -> when its end was written into the node store (wall clock)."""
         self._ended = threading.Condition()
         self._connected = threading.Semaphore(0)
+        self._sockets: dict[int, str] = {}
+        """The relay's own connections (fd -> identity), shut down at :meth:`stop` to wake a thread in a store call."""
         self.errors: list[str] = []
         """What went wrong in a relay thread (it then stops; the node's ranks time out on their waits)."""
         self._threads = [threading.Thread(target=self._guarded, args=(run,), name=f"ntp-relay-{name}", daemon=True)
@@ -110,33 +120,60 @@ class NodeRelay:
         with self._ended:
             return self._ended.wait_for(lambda: generation in self.ended_at, timeout_s)
 
-    def stop(self) -> bool:
-        """Stop the threads and join them: woken where the relay can wake them, else out of their store call
-        within ``wait_s``. Returns whether every thread ended (a thread left blocked in a store call would abort
-        the process at exit)."""
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """Stop the threads and join them: the relay's connections are shut down, so a thread in a store call
+        fails out of it at once. Returns whether every thread ended within ``timeout_s`` (a thread left in a store
+        call would abort the process at exit)."""
         self._stop.set()
-        deadline = time.monotonic() + self.wait_s + 1.0
+        with _CONNECTING:
+            shutdown_sockets(self._sockets)
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [thread.name for thread in self._threads if thread.is_alive()]
         if alive:
-            logger.warning("node %d relay: %s still in a store call after %.1f s", self.node_rank,
-                           ", ".join(alive), self.wait_s + 1.0)
+            logger.warning("node %d relay: %s still running %.1f s after stop", self.node_rank, ", ".join(alive),
+                           timeout_s)
         return not alive
 
     def _guarded(self, run: Callable[[], None]) -> None:
-        try:
-            run()
-        except Exception as exc:  # noqa: BLE001 - a relay thread must say why it stopped, not vanish
-            if not self._stop.is_set():
-                logger.error("node %d relay thread stopped: %s", self.node_rank, exc)
+        """Run a relay thread; if a store call fails (a connection reset), say so and start it again on fresh
+        connections: its place (the generation it follows) is kept, and what it writes is idempotent."""
+        again = False
+        while not self._stop.is_set():
+            try:
+                run(again)
+                return
+            except Exception as exc:  # noqa: BLE001 - a relay thread must say why it failed, not vanish
+                if self._stop.is_set():
+                    return
+                logger.error("node %d relay: %s: %s; connecting again", self.node_rank, type(exc).__name__, exc)
                 self.errors.append(f"{type(exc).__name__}: {exc}")
+                self._stop.wait(RETRY_S)
+            again = True
 
-    def _connect(self) -> tuple[dist.Store, dist.Store]:
-        """A thread's own clients of the node store and of the root; counted as connected (:meth:`wait_ready`)."""
-        clients = (self._polling(self.open_local(CONNECT_TIMEOUT_S)), self._open_root())
-        self._connected.release()
+    def _connect(self, local: bool, again: bool) -> tuple[Optional[dist.Store], dist.Store]:
+        """A thread's own clients of the node store (if ``local``) and of the root; counted as connected the first
+        time (:meth:`wait_ready`)."""
+        clients = (self._polling(self._client(self.open_local)) if local else None,
+                   self._polling_root(self._client(self._open_root_raw)))
+        if not again:
+            self._connected.release()
         return clients
+
+    def _client(self, open_store: StoreFactory) -> dist.Store:
+        """A new client, its sockets recorded (:meth:`stop`)."""
+        with _CONNECTING:
+            if self._stop.is_set():
+                raise RuntimeError("the relay is stopping")
+            with SocketScope() as scope:
+                store = open_store(CONNECT_TIMEOUT_S)
+            sockets = scope.sockets
+            server = getattr(store, "underlying_store", store)  # a PrefixStore's is the client
+            if len(sockets) > 1 and hasattr(server, "port"):  # another thread opened one meanwhile
+                sockets = connected_to(sockets, server.port)
+            self._sockets.update(sockets)
+        return store
 
     def _polling(self, store: dist.Store) -> dist.Store:
         """Connected with a long timeout (a connection can take seconds: torch's client looks the peer's name up);
@@ -144,14 +181,14 @@ class NodeRelay:
         store.set_timeout(timedelta(seconds=self.wait_s))
         return store
 
-    def _beat(self) -> None:
-        _, root = self._connect()
+    def _beat(self, again: bool) -> None:
+        _, root = self._connect(local=False, again=again)
         while not self._stop.wait(self.beat_s):
             root.set(keys.node_beat(self.node_rank), json.dumps({"t": time.time(), "ranks": self.ranks()}))
 
     # -- mirror: the end of each generation -------------------------------------------------------------------------
-    def _mirror(self) -> None:
-        local, root = self._connect()
+    def _mirror(self, again: bool) -> None:
+        local, root = self._connect(local=True, again=again)
         while not self._stop.is_set() and self.published < 0:
             self.published = copy_published(root, local)
             if self.published < 0:  # the controller publishes generation 0 before any rank starts
@@ -165,9 +202,11 @@ class NodeRelay:
             if copy is None:  # a move, a stop: read what changed from the root
                 copy = self._changed(root, g)
             for key, value in copy:
+                if key == keys.LATEST:  # generations only grow: an older end's copy says less than one read since
+                    if int(value) < self.published:
+                        continue
+                    self.published = int(value)
                 local.set(key, value)
-                if key == keys.LATEST:
-                    self.published = max(self.published, int(value))
             local.set(keys.abort(g), ended)
             with self._ended:
                 self.ended_at[g] = time.time()

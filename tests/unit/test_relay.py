@@ -15,22 +15,22 @@ from __future__ import annotations
 import json
 import threading
 import time
+import types
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, CommitProtocol, \
-    NodeShare, abandon_formation
+from ntp_megatron.elastic.commit import ABORT, BRING_WAIT_S, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, \
+    CommitProtocol, NodeShare, abandon_formation, settle
 from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.layout import make_topology
-from ntp_megatron.stages import load_topology, published_topology
+from ntp_megatron.stages import load_topology, make_pipeline_topology, published_topology
 
 TIMEOUT_S = 20.0
-WAIT_S = 0.2
-"""The relays' store calls time out and retry after this: stop() takes at most about as long."""
 
 
 def _root() -> dist.TCPStore:
@@ -52,7 +52,7 @@ class Nodes:
         self.controller = Controller(self.root, make_topology(1, sum(per_node), {"layer": 2}), min_tp=1,
                                      policy="drop_replica", say=lambda _: None, emit=lambda _: None)
         self.controller._report_deaths = lambda *args: None  # its wait for the survivors' notes is not tested here
-        self.relays = {i: NodeRelay(lambda t: _client(self.root.port, t), i, wait_s=WAIT_S)
+        self.relays = {i: NodeRelay(lambda t: _client(self.root.port, t), i)
                        for i in range(1, len(per_node))}
 
     def node_of(self, launch_rank: int) -> int:
@@ -139,11 +139,26 @@ def test_the_controllers_abort_reaches_a_node_whose_ranks_did_not_all_vote(nodes
     for t in threads:
         t.start()
     n.root.wait([keys.node_votes(0, 1)])  # node 0 counted; node 1 cannot complete
+    aborted = time.monotonic()
     assert n.controller.handle([Death(3, time.time(), "killed")]) is None  # settles: abort, then ends generation 0
     for t in threads:
         t.join(TIMEOUT_S + 5)
     assert results == [ABORT] * 3
+    assert time.monotonic() - aborted < TIMEOUT_S / 4  # the relay brought it: not a wait that timed out
     assert keys.dead_named(n.store_of(1).get(keys.abort(0))) == {(3, 0)}  # replica 3 of TP1
+
+
+def test_a_last_voter_waits_on_the_root_no_longer_than_its_timeout(nodes):
+    """A rank that never votes but is not dead (stuck, its heartbeat alive): the other node's last voter gives up
+    after its root client's timeout, as a vote with one level does after its store's (nothing hangs)."""
+    n = nodes([1, 1])
+    assert _form(n.protocols()) == [COMPLETE] * 2
+    share = NodeShare(members=1, nodes=2)
+    voter = CommitProtocol(n.store_of(1), 0, 2, node=share, root=_client(n.root.port, timeout_s=2.0))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        voter.vote(1)
+    assert time.monotonic() - started < 2.0 + 2 * BRING_WAIT_S
 
 
 def test_after_an_abort_the_next_generation_redoes_the_iteration_on_every_node(nodes):
@@ -192,6 +207,60 @@ def test_commit_reform_comes_with_the_next_generation_and_a_failure_in_the_move_
     assert node1.get(keys.LATEST).decode() == "2"
 
 
+def test_a_generation_left_at_an_admission_boundary_ends_on_every_node_and_the_next_one_follows(nodes):
+    """A generation its ranks leave together at an admission boundary ends in the root when a rank marks it there
+    (``moved``, no copy list): every node's relay reads what changed from the root, moves on, and ends the next
+    generation at the next failure."""
+    n = nodes([1, 1, 1])
+    assert _form(n.protocols()) == [COMPLETE] * 3
+    assert n.controller.handle([Death(2, time.time(), "killed")]) is None  # generation 1 without replica 2
+    survivors = n.protocols(generation=1, live=[0, 1])
+    assert _form(survivors) == [COMPLETE] * 2
+    assert _vote(survivors, 1) == [COMMIT] * 2
+    assert n.controller.admit([2])  # generation 2 with replica 2 back, at the next boundary
+    assert _vote(survivors, 2) == [COMMIT_REFORM] * 2
+    n.root.set(keys.abort(1), keys.MOVED)  # as the first rank of a node does once every rank is done with it
+    for node in (1, 2):
+        local = n.store_of(node)
+        local.wait([keys.abort(1)])
+        assert local.get(keys.abort(1)).decode() == keys.MOVED and local.get(keys.LATEST).decode() == "2"
+    everyone = n.protocols(generation=2)
+    assert _form(everyone) == [COMPLETE] * 3
+    assert _vote(everyone, 3) == [COMMIT] * 3
+    assert n.controller.handle([Death(1, time.time(), "killed")]) is None
+    local = n.store_of(2)
+    local.wait([keys.abort(2)])
+    assert keys.dead_named(local.get(keys.abort(2))) == {(1, 0)} and local.get(keys.LATEST).decode() == "3"
+
+
+def test_a_rank_on_another_node_votes_beats_and_follows_generations_in_its_nodes_store(nodes):
+    """:class:`ElasticRank` with a :class:`NodePlane`: its heartbeat goes to its node's store, a new generation's
+    topology is computed from its publication (the root's copy is gone), and it marks a generation it leaves at a
+    boundary over in both stores when it is its node's first rank."""
+    n = nodes([1, 2])
+    server = n.relays[1]
+    plane = NodePlane(server.open_local, 0, node=1, node_of=(0, 1, 1))
+    elastic = ElasticRank(2, lambda t: _client(n.root.port, t), "gloo", TIMEOUT_S, 0.05, nodes=plane)
+    try:
+        assert elastic.local is not elastic.ctl
+        n.store_of(1).wait([keys.heartbeat(2)])
+        assert not n.root.check([keys.heartbeat(2)])
+        assert n.controller.handle([Death(0, time.time(), "killed")]) is None
+        published = json.loads(n.root.get(keys.topology(1)))
+        n.root.delete_key(keys.topology(1))
+        topology, info = elastic.await_newer(0)
+        assert topology.to_json() == published and info["dead"] == [[0, 0]]
+        assert plane.share(topology, elastic.identities) == NodeShare(members=2, nodes=1)
+        left = types.SimpleNamespace(number=1, topology=topology)
+        elastic.end_generation(left)  # launch rank 2 is not its node's first (1 is)
+        assert n.store_of(1).get(keys.abort(1)).decode() == keys.MOVED and not n.root.check([keys.abort(1)])
+        elastic.launch_rank = 1
+        elastic.end_generation(left)
+        assert n.root.get(keys.abort(1)).decode() == keys.MOVED
+    finally:
+        elastic.heartbeat.stop()
+
+
 def test_a_generations_end_reaches_the_node_store_after_what_it_published(nodes):
     n = nodes([1, 1, 1])
     assert n.controller.handle([Death(2, time.time(), "killed")]) is None  # before generation 0 formed
@@ -216,60 +285,98 @@ def test_a_reformation_completes_across_nodes(nodes):
     assert int(n.root.add(keys.node_ready(0), 0)) == 2
 
 
-@pytest.mark.parametrize("dead", [[3], [1, 6], [4, 5]])
-def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(dead):
+class Recording:
+    """A node store client that records the keys set through it, in order."""
+
+    def __init__(self, store: dist.Store, written: list[str]) -> None:
+        self._store, self.written = store, written
+
+    def set(self, key: str, value) -> None:
+        self.written.append(key)
+        self._store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.mark.parametrize("by", ["controller", "root"])
+def test_a_survivor_that_sees_the_new_generation_finds_its_decision_first(by):
+    """A survivor settles the iteration it voted once it sees the new generation (``settle_voted``): in a node's store
+    the decisions of the ended generation come before ``latest``, whether the controller wrote them into the end or
+    the relay read them from the root (a generation's end without them)."""
+    root = _root()
+    controller = Controller(root, make_topology(1, 2, {"layer": 2}), min_tp=1, policy="drop_replica",
+                            say=lambda _: None, emit=lambda _: None)
+    controller._report_deaths = lambda *args: None
+    server = _root()
+    written: list[str] = []
+    relay = NodeRelay(lambda t: _client(root.port, t), 1, lambda t: Recording(_client(server.port, t), written))
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while relay.published < 0 and time.monotonic() < deadline:  # generation 0's publication copied first
+            time.sleep(0.01)
+        written.clear()
+        root.set(keys.formed(0), COMPLETE)
+        root.set(keys.decision(0, 1), COMMIT)
+        root.set(keys.COMMITTED, "1")
+        if by == "controller":
+            assert controller.handle([Death(0, time.time(), "killed")]) is None  # aborts iteration 2
+        else:
+            settle(root, 0)
+            root.set(keys.info(1), json.dumps({"base": 0, "dead": [[0, 0]]}))
+            root.set(keys.LATEST, "1")
+            root.set(keys.abort(0), keys.abort_value([(0, 0)]))
+        assert relay.wait_ended(0, TIMEOUT_S)
+        node = _client(server.port)
+        assert node.get(keys.decision(0, 2)).decode() == ABORT and node.get(keys.decision(0, 1)).decode() == COMMIT
+        assert written.index(keys.LATEST) > max(written.index(keys.decision(0, 1)),
+                                                written.index(keys.decision(0, 2))), written
+        assert written[-1] == keys.abort(0)
+    finally:
+        assert relay.stop()
+
+
+@pytest.mark.parametrize("stages, dead", [(1, [3]), (1, [1, 6]), (1, [4, 5]), (2, [2]), (2, [0, 13])])
+def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(stages, dead):
+    """After deaths, after a death while the next generation forms (it builds on the last completed one), and after
+    the dead are admitted back: what a rank computes from each publication (:func:`published_topology`, from the
+    generation it builds on) is what the controller published."""
     store = dist.HashStore()
-    start = make_topology(4, 2, {"vocab": 64, "layer": 8})
+    start = make_topology(4, 2, {"vocab": 64, "layer": 8}) if stages == 1 else \
+        make_pipeline_topology(4, 2, 2, {"vocab": 64, "layer": 8})
     controller = Controller(store, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
+    controller._report_deaths = lambda *args: None
     store.set(keys.abort(0), "")  # nothing of the ranks: the controller only publishes
-    assert controller.handle([Death(rank, 0.0, "killed") for rank in dead]) is None
-    info = json.loads(store.get(keys.info(1)))
-    computed = published_topology(start, info, 1)
-    assert computed.to_json() == json.loads(store.get(keys.topology(1)))
-    assert computed == load_topology(json.loads(store.get(keys.topology(1))))
+    assert controller.handle([Death(rank, 0.0, "killed") for rank in dead[:1]]) is None
+    if len(dead) > 1:  # before generation 1 formed
+        assert controller.handle([Death(rank, 0.0, "killed") for rank in dead[1:]]) is None
+    last = int(store.get(keys.LATEST))
+    store.set(keys.formed(last), COMPLETE)
+    store.set(keys.COMPLETED, str(last))
+    assert controller.admit(dead)
+    topologies = {0: start}
+    for g in range(1, int(store.get(keys.LATEST)) + 1):
+        info = json.loads(store.get(keys.info(g)))
+        computed = published_topology(topologies[info["base"]], info, g)
+        assert computed.to_json() == json.loads(store.get(keys.topology(g))), g
+        assert computed == load_topology(json.loads(store.get(keys.topology(g))))
+        topologies[g] = computed
+    assert topologies[max(topologies)].world_size == start.world_size  # the dead came back
 
 
-EXITS_AFTER_STOP = """
-import sys
-import time
-from datetime import timedelta
-import torch.distributed as dist
-from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.relay import NodeRelay
-
-
-class SlowFinalization:
-    \"\"\"Torn down with the module's globals, after the interpreter started finalizing (as pytest's long teardown
-    is): a relay thread that wakes from its store call meanwhile aborts the process.\"\"\"
-
-    def __del__(self, sleep=time.sleep, wait_s=float(sys.argv[1])):  # module globals are gone by then
-        sleep(2 * wait_s)
-
-
-def client(port, t):
-    return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=t), wait_for_workers=False)
-
-
-root = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=20), wait_for_workers=False)
-root.set(keys.info(0), "{}")
-root.set(keys.LATEST, "0")
-relay = NodeRelay(lambda t: client(root.port, t), 1, wait_s=float(sys.argv[1]))
-deadline = time.monotonic() + 20
-while relay.published < 0 and time.monotonic() < deadline:  # then its mirror waits on the root for formed(0)
-    time.sleep(0.01)
-assert relay.published == 0
-relay.stop()
-slow = SlowFinalization()
-"""
-
-
-def test_a_process_exits_cleanly_once_its_relay_stopped(tmp_path):
-    """What CI met: relay threads still blocked in a store call while the interpreter finalizes abort the process
-    (``terminate called without an active exception``, exit code 134). ``stop()`` joins them."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "relay_exit.py"
-    script.write_text(EXITS_AFTER_STOP)
-    done = subprocess.run([sys.executable, str(script), "1.5"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
+def test_stop_wakes_a_relay_thread_out_of_its_store_call():
+    """What CI met: relay threads still blocked in a store call when the interpreter finalizes abort the process
+    (``terminate called without an active exception``, exit code 134 after the suite had passed). ``stop()`` shuts
+    the relay's connections down: a thread in a 30 s wait on the root ends at once."""
+    root = _root()
+    root.set(keys.info(0), "{}")
+    root.set(keys.LATEST, "0")
+    relay = NodeRelay(lambda t: _client(root.port, t), 1, wait_s=30.0)
+    assert relay.wait_ready(TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while relay.published < 0 and time.monotonic() < deadline:  # then its mirror waits on the root for the end
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert relay.stop(timeout_s=2.0)
+    assert time.monotonic() - started < 2.0
+    assert not any(thread.is_alive() for thread in relay._threads)
