@@ -153,6 +153,8 @@ def worker(args: argparse.Namespace) -> dict:
     nodes = args.ranks // RANKS_PER_NODE
     mine = [n for n in range(nodes) if n % args.workers == args.index]
     root_requests = [0]
+    failed: list[str] = []
+    """Why simulated ranks gave up (a store call that failed or timed out)."""
     latencies: list[tuple[int, int, float]] = []
     """(node, iteration, vote latency) of every real rank's vote."""
     node_latencies: list[float] = []
@@ -194,17 +196,28 @@ def worker(args: argparse.Namespace) -> dict:
         """Simulated rank ``r``: begin and vote every iteration in ``store``, then wait there for the failure's
         generation to end and ``learn`` the new one (returns the bytes it read)."""
         ready()
-        for k in range(1, args.iters + 1):
-            at = arrive(k)
-            protocol.begin(k)
-            protocol.vote(k)
+        try:
+            for k in range(1, args.iters + 1):
+                at = arrive(k)
+                protocol.begin(k)
+                protocol.vote(k)
+                with lock:
+                    latencies.append((r // RANKS_PER_NODE, k, time.time() - at))
+        except Exception as exc:  # noqa: BLE001 - a store that gives up (one store at 10K ranks): counted, not hung
             with lock:
-                latencies.append((r // RANKS_PER_NODE, k, time.time() - at))
-        done_voting()
-        store.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
-        size = learn()
-        at = time.time()
-        size += len(store.get(keys.abort(0)))
+                failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+            return
+        finally:
+            done_voting()
+        try:
+            store.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
+            size = learn()
+            at = time.time()
+            size += len(store.get(keys.abort(0)))
+        except Exception as exc:  # noqa: BLE001 - it never learned the failure's generation within the budget
+            with lock:
+                failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+            return
         with lock:
             learned.append(at)
             read_bytes.append(size)
@@ -326,10 +339,12 @@ def worker(args: argparse.Namespace) -> dict:
     slowest: dict[tuple[int, int], float] = {}  # (node, iteration) -> its slowest rank's vote, for the real ranks
     for node, k, latency in latencies:
         slowest[node, k] = max(slowest.get((node, k), 0.0), latency)
-    record = {"latencies": [latency for _, _, latency in latencies],
-              "node_latencies": node_latencies + list(slowest.values()), "late": late, "fenced": len(fenced), "fence_causes": [c for _, c in fenced][:3],
+    record = {"failed": failed, "latencies": [latency for _, _, latency in latencies],
+              "node_latencies": node_latencies + list(slowest.values()), "late": late, "fenced": len(fenced),
+              "fence_causes": [c for _, c in fenced][:3],
               "oldest_beat_s": max((a.oldest_beat_s for a in agents), default=0.0), "learned": learned,
-              "read_bytes": read_bytes, "simulated": len(ranks), "requests": root_requests[0] - counted_from[1], "cpu_s": _cpu_s(os.getpid()) - counted_from[0]}
+              "read_bytes": read_bytes, "simulated": len(ranks), "requests": root_requests[0] - counted_from[1],
+              "cpu_s": _cpu_s(os.getpid()) - counted_from[0]}
     if args.design == "two_level":
         record["ended_at"] = [r.ended_at.get(0) for r in relays.values()]
         record["relay_errors"] = [e for r in relays.values() for e in r.errors]
@@ -362,74 +377,83 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
     from ntp_megatron.layout import make_topology
 
     server = _spawn(["serve"])
-    port = int(server.stdout.readline())
-    root = _client(port)
-    start = make_topology(TP, ranks // TP, {"layer": 80})
-    controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
-    controller._report_deaths = lambda *args: None  # its wait for every survivor's note is no part of this test
-    count = min(WORKERS, ranks // RANKS_PER_NODE)
-    workers = [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers",
-                       str(count), "--port", str(port), "--iters", str(iters), "--period", str(period)])
-               for i in range(count)]
-    setup = time.time()
-    for w in workers:
-        if json.loads(w.stdout.readline()).get("ready") is not True:
-            raise RuntimeError("a worker failed to start")
-    setup_s = time.time() - setup
-    t0 = time.time() + 1.0
-    for w in workers:
-        w.stdin.write(f"{t0}\n")
-        w.stdin.flush()
-    cpu_store = _cpu_s(server.pid)
-    monitor_requests = [0]
-    monitor = Counting(_client(port), monitor_requests)
-    oldest_node_beat = 0.0
-    node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
-    end_votes = t0 + iters * period
-    while time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)]):
-        if design == "two_level":  # the controller's look at every node's heartbeat: one request
-            now = time.time()
-            beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
-            oldest_node_beat = max(oldest_node_beat, now - min(beats))
-        time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
-    votes_done = time.time()
-    print(f"control plane {design} {ranks} ranks: {iters} iterations voted in {votes_done - t0:.1f} s",
-          file=sys.stderr)
-    died = time.time()
-    assert controller.handle([Death(ranks - 1, died, "killed (simulated)")]) is None
-    records = [json.loads(w.communicate(timeout=CLIENT_TIMEOUT_S + 2 * FAILURE_BUDGET_S)[0].strip().splitlines()[-1])
-               for w in workers]
-    cpu_store = _cpu_s(server.pid) - cpu_store
-    server.stdin.close()
-    server.wait(30)
-    latencies = [x for r in records for x in r["latencies"]]
-    node_latencies = [x for r in records for x in r["node_latencies"]]
-    learned = [x for r in records for x in r["learned"]]
-    everyone = sum(r["simulated"] for r in records) == len(learned)
-    spread = {"ranks_learned_p50_s": _pct([x - died for x in learned], 0.5)}
-    if design == "two_level":
-        ended = [x for r in records for x in r["ended_at"]]
-        everyone = everyone and None not in ended
-        spread["node_stores_p50_s"] = _pct([x - died for x in ended if x is not None], 0.5)
-        spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
-        learned += [x for x in ended if x is not None]
-    window = votes_done - t0
-    requests = sum(r["requests"] for r in records) + monitor_requests[0]
-    return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
-            "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
-            "votes_timed": len(latencies),
-            "node_vote_p99_ms": 1e3 * _pct(node_latencies, 0.99), "node_votes_timed": len(node_latencies),
-            "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [oldest_node_beat]),
-            "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
-            "false_fences": sum(r["fenced"] for r in records),
-            "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
-            "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
-            "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
-                                                                  f"{FAILURE_BUDGET_S:.0f} s)",
-            "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),
-            "arrival_late_p99_ms": 1e3 * _pct([x for r in records for x in r["late"]], 0.99),
-            "harness_cpu_s": sum(r["cpu_s"] for r in records), "store_cpu_s": cpu_store, "wall_s": window,
-            "setup_s": setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])]}
+    workers: list[subprocess.Popen] = []
+    try:
+        port = int(server.stdout.readline())
+        root = _client(port)
+        start = make_topology(TP, ranks // TP, {"layer": 80})
+        controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
+        controller._report_deaths = lambda *args: None  # its wait for every survivor's note is no part of this test
+        count = min(WORKERS, ranks // RANKS_PER_NODE)
+        workers += [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers",
+                            str(count), "--port", str(port), "--iters", str(iters), "--period", str(period)])
+                    for i in range(count)]
+        setup = time.time()
+        for w in workers:
+            if json.loads(w.stdout.readline()).get("ready") is not True:
+                raise RuntimeError("a worker failed to start")
+        setup_s = time.time() - setup
+        t0 = time.time() + 1.0
+        for w in workers:
+            w.stdin.write(f"{t0}\n")
+            w.stdin.flush()
+        cpu_store = _cpu_s(server.pid)
+        monitor_requests = [0]
+        monitor = Counting(_client(port), monitor_requests)
+        oldest_node_beat = 0.0
+        node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
+        end_votes = t0 + iters * period
+        while time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)]):
+            if design == "two_level":  # the controller's look at every node's heartbeat: one request
+                now = time.time()
+                beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
+                oldest_node_beat = max(oldest_node_beat, now - min(beats))
+            time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
+        votes_done = time.time()
+        print(f"control plane {design} {ranks} ranks: {iters} iterations voted in {votes_done - t0:.1f} s",
+              file=sys.stderr)
+        died = time.time()
+        assert controller.handle([Death(ranks - 1, died, "killed (simulated)")]) is None
+        budget = CLIENT_TIMEOUT_S + 2 * FAILURE_BUDGET_S
+        records = [json.loads(w.communicate(timeout=budget)[0].strip().splitlines()[-1]) for w in workers]
+        cpu_store = _cpu_s(server.pid) - cpu_store
+        server.stdin.close()
+        server.wait(30)
+        latencies = [x for r in records for x in r["latencies"]]
+        node_latencies = [x for r in records for x in r["node_latencies"]]
+        learned = [x for r in records for x in r["learned"]]
+        everyone = sum(r["simulated"] for r in records) == len(learned)
+        spread = {"ranks_learned_p50_s": _pct([x - died for x in learned], 0.5)}
+        if design == "two_level":
+            ended = [x for r in records for x in r["ended_at"]]
+            everyone = everyone and None not in ended
+            spread["node_stores_p50_s"] = _pct([x - died for x in ended if x is not None], 0.5)
+            spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
+            learned += [x for x in ended if x is not None]
+        window = votes_done - t0
+        requests = sum(r["requests"] for r in records) + monitor_requests[0]
+        return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
+                "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
+                "votes_timed": len(latencies),
+                "node_vote_p99_ms": 1e3 * _pct(node_latencies, 0.99), "node_votes_timed": len(node_latencies),
+                "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [oldest_node_beat]),
+                "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
+                "false_fences": sum(r["fenced"] for r in records),
+                "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
+                "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
+                "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
+                                                                      f"{FAILURE_BUDGET_S:.0f} s)",
+                "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),
+                "arrival_late_p99_ms": 1e3 * _pct([x for r in records for x in r["late"]], 0.99),
+                "harness_cpu_s": sum(r["cpu_s"] for r in records), "store_cpu_s": cpu_store, "wall_s": window,
+                "setup_s": setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])],
+                "ranks_failed": sum(len(r["failed"]) for r in records),
+                "failures_seen": sorted({f for r in records for f in r["failed"]})[:3]}
+    finally:  # a row that failed leaves no process behind to load the next ones
+        for process in [*workers, server]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def measure(sizes: Sequence[int], iters: int, period: float,

@@ -56,7 +56,7 @@ def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
     assert [(r["design"], r["ranks"]) for r in control] == [
         (d, n) for n in bench.SMOKE.control_plane_ranks for d in ("current", "two_level")]
     for row in control:  # every simulated rank voted every iteration and learned the failure's generation
-        assert row["false_fences"] == 0 and row["relay_errors"] == [], row
+        assert row["false_fences"] == 0 and row["relay_errors"] == [] and row["ranks_failed"] == 0, row
         real = row["ranks"] if row["design"] == "current" else 8 * min(control_plane_bench.WORKERS, row["nodes"])
         assert row["votes_timed"] == real * bench.SMOKE.control_plane_iters, row
         assert row["failure_to_generation_s"] is not None and row["generation_bytes_per_rank"] > 0, row

@@ -33,11 +33,12 @@ def reference(jobs):
     return jobs.run("two-level-reference", COMMON)
 
 
-def two_nodes(run_dir: Path, failures: list[str], timeout: float = 300) -> tuple[list[int], list[dict], list[str]]:
+def two_nodes(run_dir: Path, failures: list[str], timeout: float = 300,
+              extra: tuple[str, ...] = ()) -> tuple[list[int], list[dict], list[str]]:
     """The job on two launchers (``--nnodes 2``), node 0's store on a port it picks: exit codes, node 0's records, each
     node's stderr."""
     metrics = run_dir / "metrics.jsonl"
-    args = ["--nnodes", "2", *COMMON, *[a for f in failures for a in ("--inject-failure", f)]]
+    args = ["--nnodes", "2", *COMMON, *extra, *[a for f in failures for a in ("--inject-failure", f)]]
     Forked.ready(2, run_dir.parent)
     nodes = [launch_node(0, run_dir, [*args, "--store-port", "0", "--metrics-file", str(metrics)])]
     try:
@@ -63,7 +64,9 @@ def node_records(run_dir: Path, node: int) -> list[dict]:
 @pytest.mark.parametrize("failures", [
     ["kill:rank=3,iter=3,phase=grad_sync", "kill:rank=0,iter=6,phase=forward"],
     ["kill:rank=2,iter=2,phase=backward", "kill:rank=1,iter=5,phase=optimizer"],
-], ids=["node1-grad_sync-then-node0-forward", "node1-backward-then-node0-optimizer"])
+    ["kill:rank=0,iter=4,phase=forward", "kill:rank=2,iter=4,phase=reform"],
+], ids=["node1-grad_sync-then-node0-forward", "node1-backward-then-node0-optimizer",
+        "node0-forward-then-node1-in-the-re-formation"])
 def test_kills_on_both_nodes_with_node_stores(tmp_path, reference, failures):
     run_dir = tmp_path / "run"
     codes, records, (err0, err1) = two_nodes(run_dir, failures)
@@ -73,7 +76,8 @@ def test_kills_on_both_nodes_with_node_stores(tmp_path, reference, failures):
     got = {r["iteration"]: r["lm_loss"] for r in records if r.get("kind") == "iteration"}
     want = reference.losses()
     assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
-    differing = {i: relative_difference(got[i], want[i]) for i in want if not relative_difference(got[i], want[i]) <= TOL}
+    differing = {i: relative_difference(got[i], want[i]) for i in want
+                 if not relative_difference(got[i], want[i]) <= TOL}  # a NaN loss differs too
     assert not differing, f"lm loss differs from the failure-free run at (iteration: relative) {differing}"
     widths = {r["iteration"]: r["tp_per_replica"] for r in records if r.get("kind") == "iteration"}
     assert widths[ITERS] == [1, 1]  # each replica lost a rank: both re-formed
@@ -84,6 +88,23 @@ def test_kills_on_both_nodes_with_node_stores(tmp_path, reference, failures):
             assert want_connections <= r.keys() and "node_connections" not in r.keys() - want_connections, r
             if node == 1:
                 assert (r["root_connections"], r["node_connections"]) == (2, 3), r
+    pids = [pid for node in (0, 1) for history in json.loads((run_dir / f"ranks.node{node}.json").read_text()).values()
+            for pid in history]
+    assert alive(pids) == []
+
+
+def test_a_stop_reaches_both_nodes(tmp_path):
+    """A failure NTP may not absorb (``ntp.on_unrecoverable: stop``, replica 1 would fall below ``ntp.min_tp``):
+    node 0's controller stops the job, node 1's ranks learn it through their node's store, both launchers end
+    non-zero within seconds, naming the failure, and no process is left."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    codes, records, (err0, err1) = two_nodes(run_dir, ["kill:rank=3,iter=3,phase=backward"],
+                                             extra=["--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=stop"])
+    assert codes[0] != 0 and codes[1] != 0, (err0[-3000:], err1[-3000:])
+    assert time.monotonic() - started < 120
+    assert "NTP cannot absorb the failure" in err0, err0[-3000:]
+    assert [r["reason"] for r in records if r.get("event") == "job_stopped"], records[-5:]
     pids = [pid for node in (0, 1) for history in json.loads((run_dir / f"ranks.node{node}.json").read_text()).values()
             for pid in history]
     assert alive(pids) == []
