@@ -201,12 +201,15 @@ class NodeRelay:
             copy = keys.to_copy(ended)
             if copy is None:  # a move, a stop: read what changed from the root
                 copy = self._changed(root, g)
+            written = []
             for key, value in copy:
                 if key == keys.LATEST:  # generations only grow: an older end's copy says less than one read since
                     if int(value) < self.published:
                         continue
                     self.published = int(value)
-                local.set(key, value)
+                written.append((key, value))
+            if written:  # one request: the store applies it whole, so nothing of it is seen before the rest
+                local.multi_set([key for key, _ in written], [value for _, value in written])
             local.set(keys.abort(g), ended)
             with self._ended:
                 self.ended_at[g] = time.time()
