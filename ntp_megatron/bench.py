@@ -662,12 +662,14 @@ def table(result: dict) -> str:
         lines += ["", "Control plane, one store against two levels (simulated ranks in nodes of 8; "
                   "`ntp_megatron/control_plane_bench.py`):", "",
                   "| design | ranks | vote p50 (ms) | vote p99 (ms) | node vote p99 (ms) | oldest heartbeat (s) | "
-                  "root requests/s | false fences | death → generation (s) | bytes read per rank | "
-                  "threads late p99 (ms) | CPU: harness / store (s) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "root requests/s | false fences | death → generation (s) | death → survivors noted (s) | "
+                  "bytes read per rank | threads late p99 (ms) | CPU: harness / store (s) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['design']} | {r['ranks']} | {r['vote_p50_ms']:.1f} | {r['vote_p99_ms']:.1f} | "
                   f"{r['node_vote_p99_ms']:.1f} | "
                   f"{r['heartbeat_staleness_max_s']:.2f} | {r['requests_per_s']:.0f} | {r['false_fences']} | "
-                  f"{_fmt(r['failure_to_generation_s'], '.3f')} | {_fmt(r['generation_bytes_per_rank'], '.0f')} | "
+                  f"{_fmt(r['failure_to_generation_s'], '.3f')} | {_fmt(r['survivors_noted_s'], '.3f')} | "
+                  f"{_fmt(r['generation_bytes_per_rank'], '.0f')} | "
                   f"{r['arrival_late_p99_ms']:.1f} | {r['harness_cpu_s']:.1f} / {r['store_cpu_s']:.1f} |"
                   for r in control]
     init = result.get("init")

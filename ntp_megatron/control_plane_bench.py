@@ -162,7 +162,7 @@ def worker(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from ntp_megatron.elastic import keys, watchdog
-    from ntp_megatron.elastic.commit import CommitProtocol, NodeShare
+    from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
     from ntp_megatron.stages import load_topology, published_topology
 
     nodes = args.ranks // RANKS_PER_NODE
@@ -210,7 +210,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     def simulate(r: int, store, protocol, learn) -> None:
         """Simulated rank ``r``: begin and vote every iteration in ``store``, then wait there for the failure's
-        generation to end and ``learn`` the new one (returns the bytes it read)."""
+        generation to end, ``learn`` the new one (returns the bytes it read) and note in the root that it noticed
+        (the controller's failure report waits for every survivor's note)."""
         ready()
         try:
             for k in range(1, args.iters + 1):
@@ -230,6 +231,7 @@ def worker(args: argparse.Namespace) -> dict:
             size = learn()
             at = time.time()
             size += len(store.get(keys.abort(0)))
+            note_aware(protocol.root, 0, r, at)
         except Exception as exc:  # noqa: BLE001 - it never learned the failure's generation within the budget
             with lock:
                 failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
@@ -327,6 +329,10 @@ def worker(args: argparse.Namespace) -> dict:
                     protocol.fetch(keys.decision(0, k))
                     with lock:
                         node_latencies.append(time.time() - at)
+            for n, protocol in zip(part, protocols):  # the failure: each of the node's ranks notes it in the root
+                if relays[n].wait_ended(0, FAILURE_BUDGET_S):
+                    for r in _node_ranks(n):
+                        note_aware(protocol.root, 0, r, time.time())
 
         ranks = _node_ranks(real)
         simulated = [n for n in mine if n != real]
@@ -401,8 +407,12 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
         port = int(server.stdout.readline())
         root = _client(port)
         start = make_topology(TP, ranks // TP, {"layer": 80})
-        controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
-        controller._report_deaths = lambda *args: None  # its wait for every survivor's note is no part of this test
+        noted: list[float] = []  # when the controller's failure report had every survivor's note (it waits 10 s)
+
+        def emit(event: dict) -> None:
+            if event.get("event") == "rank_failed" and event["detect_s"] is not None:
+                noted.append(time.time())
+        controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=emit)
         count = min(WORKERS, ranks // RANKS_PER_NODE)
         workers += [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers",
                             str(count), "--port", str(port), "--iters", str(iters), "--period", str(period)])
@@ -435,6 +445,7 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
         assert controller.handle([Death(ranks - 1, died, "killed (simulated)")]) is None
         budget = CLIENT_TIMEOUT_S + 2 * FAILURE_BUDGET_S
         records = [json.loads(w.communicate(timeout=budget)[0].strip().splitlines()[-1]) for w in workers]
+        controller.close()  # its failure report, which waited for every survivor's note
         cpu_store = _cpu_s(server.pid) - cpu_store
         server.stdin.close()
         server.wait(30)
@@ -460,6 +471,7 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
                 "false_fences": sum(r["fenced"] for r in records),
                 "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
                 "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
+                "survivors_noted_s": noted[0] - died if noted else None,
                 "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
                                                                       f"{FAILURE_BUDGET_S:.0f} s)",
                 "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),

@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -291,10 +292,12 @@ class Launcher:
 
         timeout = self.cfg.parallel.timeout_s
         self.node_store = host_store("127.0.0.1", 0, timeout)
-        self.relay = NodeRelay(store_factory(self.args.store_host, self.nodes.port), self.args.node_rank,
-                               store_factory("127.0.0.1", self.node_store.port),
+        stop = threading.Event()  # ends a connection to a root that has gone (node 0's launcher ended first)
+        self.relay = NodeRelay(store_factory(self.args.store_host, self.nodes.port, stop), self.args.node_rank,
+                               store_factory("127.0.0.1", self.node_store.port, stop),
                                beat_s=self.cfg.ntp.heartbeat_timeout_s / 4,
-                               ranks=lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())))
+                               ranks=lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())),
+                               stop=stop)
         self.console.say(f"node {self.args.node_rank}: its ranks vote, beat and wait in the node's store on port "
                          f"{self.node_store.port}; a relay follows node 0's store at {self.args.store_host}:"
                          f"{self.nodes.port}")

@@ -245,5 +245,23 @@ def copy_published(root: dist.Store, local: dist.Store, since: int = -1) -> int:
     for generation in range(since + 1, latest + 1):
         local.set(keys.info(generation), read_if_set(root, keys.info(generation)))
     if latest > since:
-        local.set(keys.LATEST, str(latest))
+        raise_latest(local, latest)
     return max(latest, since)
+
+
+def raise_latest(local: dist.Store, latest: int) -> int:
+    """Set a node store's ``latest`` to ``latest`` unless it holds a newer generation; returns what it holds. Two
+    writers copy it from the root (the relay, a node's last voter that brings ``commit+reform``), each from a read
+    that may be older than the other's write: a plain set could take the node's ranks back to a generation already
+    ended, whose end the relay does not write again."""
+    want = str(latest)
+    current = local.compare_set(keys.LATEST, "", want)  # set where absent
+    while int(current.decode()) < latest:
+        current = local.compare_set(keys.LATEST, current, want)
+    return int(current.decode())
+
+
+def note_aware(store: dist.Store, generation: int, launch_rank: int, when: float) -> None:
+    """Record when ``launch_rank`` learnt that ``generation`` is over, and count it."""
+    store.set(keys.aware(generation, launch_rank), repr(when))
+    store.add(keys.aware_count(generation), 1)

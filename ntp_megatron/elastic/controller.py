@@ -368,22 +368,30 @@ class Controller:
                 wait_s: float = AWARE_WAIT_S) -> None:
         deadline = time.monotonic() + wait_s
         aware: list[float] = []
-        missing = survivors
         stopped = False
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and survivors:
             survivors = [lr for lr in survivors if lr not in self.dead]  # one that died meanwhile cannot notice
+            names = [keys.aware(old.generation, lr) for lr in survivors]
             try:
                 if self.store.check([keys.STOP]):  # the job stops: the survivors are being ended, not noticing
                     stopped = True
                     break
-                missing = [lr for lr in survivors if not self.store.check([keys.aware(old.generation, lr)])]
-                if not missing:
-                    aware = [float(self.store.get(keys.aware(old.generation, lr)).decode()) for lr in survivors]
+                # One small request per pass (a request per survivor would load the root with the job's size every
+                # 10 ms just after a failure); the count may include ranks that noted and died since.
+                if (int(self.store.add(keys.aware_count(old.generation), 0)) >= len(survivors)
+                        and self.store.check(names)):
+                    aware = [float(raw.decode()) for raw in self.store.multi_get(names)] if names else []
                     break
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return
             time.sleep(0.01)
-        if missing and wait_s > 0 and not stopped:
+        missing: list[int] = []
+        if survivors and not aware and not stopped and wait_s > 0:  # name the ranks that did not notice in time
+            try:
+                missing = [lr for lr in survivors if not self.store.check([keys.aware(old.generation, lr)])]
+            except Exception:  # noqa: BLE001 - as above
+                return
+        if missing:
             self.say(f"launch ranks {missing} did not notice the failure within {AWARE_WAIT_S:.0f} s; "
                      "their stacks follow")
             self.dump_stacks(missing)

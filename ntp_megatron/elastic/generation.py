@@ -26,7 +26,7 @@ from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
 from ntp_megatron.elastic import group_backend, keys
-from ntp_megatron.elastic.commit import CommitProtocol, NodeShare
+from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
 from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
 from ntp_megatron.groups import GroupPool, PooledGroup
@@ -348,9 +348,9 @@ class ElasticRank:
         """Record when this rank learnt that ``generation`` is over (for the controller's detection latency),
         and every earlier one not noted yet: a generation whose formation this rank never finished or never
         reached (it started late, a failure interrupted the rendezvous) ends for it when it learns of a newer one."""
-        now = repr(time.time())
+        now = time.time()
         for g in range(self.aware_upto + 1, generation + 1):
-            self.ctl.set(keys.aware(g, self.launch_rank), now)
+            note_aware(self.ctl, g, self.launch_rank, now)
         self.aware_upto = max(self.aware_upto, generation)
 
     def await_newer(self, generation: int) -> tuple[Topology, dict]:

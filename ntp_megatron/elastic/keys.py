@@ -143,6 +143,11 @@ def aware(generation: int, launch_rank: int) -> str:
     return f"{PREFIX}gen{generation}/aware/{launch_rank}"
 
 
+def aware_count(generation: int) -> str:
+    """How many ranks noted ``aware`` for generation ``g``: the controller polls this one key, not one per rank."""
+    return f"{PREFIX}gen{generation}/aware_count"
+
+
 def heartbeat(launch_rank: int) -> str:
     """JSON written by a rank's heartbeat thread (:class:`ntp_megatron.elastic.watchdog.Heartbeat`): when
     (``t``), the iteration and phase, its progress count and since when it waits on a collective."""

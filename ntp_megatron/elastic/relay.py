@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import copy_published, read_if_set
+from ntp_megatron.elastic.commit import copy_published, raise_latest, read_if_set
 from ntp_megatron.sockets import SocketScope, connected_to, shutdown_sockets
 
 logger = logging.getLogger(__name__)
@@ -66,12 +66,15 @@ class NodeRelay:
     """Node ``node_rank``'s relay between the root store and the node store. ``open_root`` opens clients of the
     root store (one per thread: each blocks on its own); ``open_local`` clients of the node store (default: a store
     the relay hosts itself on ``host``); ``ranks`` says how many of the node's ranks are alive (for the node's
-    heartbeat). ``wrap_root`` wraps each client of the root store (a load test counts requests with it)."""
+    heartbeat). ``wrap_root`` wraps each client of the root store (a load test counts requests with it). ``stop`` is set
+    by :meth:`stop`: the factories may share it, so that a client still being made (the root has gone: its launcher
+    ended first) gives up at once."""
 
     def __init__(self, open_root: StoreFactory, node_rank: int, open_local: Optional[StoreFactory] = None,
                  host: str = "127.0.0.1", beat_s: float = 1.0, wait_s: float = WAIT_S,
                  ranks: Callable[[], int] = lambda: 0,
-                 wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store) -> None:
+                 wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store,
+                 stop: Optional[threading.Event] = None) -> None:
         self.node_rank = node_rank
         self.beat_s, self.wait_s = beat_s, wait_s
         self.ranks = ranks
@@ -86,7 +89,7 @@ class NodeRelay:
                                                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         self.open_local: StoreFactory = open_local
         """Opens a client of the node store (what the node's ranks hold)."""
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self.generation = 0
         """The generation the relay follows."""
         self.published = -1
@@ -97,6 +100,7 @@ class NodeRelay:
         self._connected = threading.Semaphore(0)
         self._sockets: dict[int, str] = {}
         """The relay's own connections (fd -> identity), shut down at :meth:`stop` to wake a thread in a store call."""
+        self._sockets_lock = threading.Lock()
         self.errors: list[str] = []
         """What went wrong in a relay thread (it then stops; the node's ranks time out on their waits)."""
         self._threads = [threading.Thread(target=self._guarded, args=(run,), name=f"ntp-relay-{name}", daemon=True)
@@ -125,7 +129,7 @@ class NodeRelay:
         fails out of it at once. Returns whether every thread ended within ``timeout_s`` (a thread left in a store
         call would abort the process at exit)."""
         self._stop.set()
-        with _CONNECTING:
+        with self._sockets_lock:  # not _CONNECTING: a thread may hold it for as long as a connection takes
             shutdown_sockets(self._sockets)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
@@ -169,10 +173,14 @@ class NodeRelay:
             with SocketScope() as scope:
                 store = open_store(CONNECT_TIMEOUT_S)
             sockets = scope.sockets
-            server = getattr(store, "underlying_store", store)  # a PrefixStore's is the client
-            if len(sockets) > 1 and hasattr(server, "port"):  # another thread opened one meanwhile
-                sockets = connected_to(sockets, server.port)
+        server = getattr(store, "underlying_store", store)  # a PrefixStore's is the client
+        if len(sockets) > 1 and hasattr(server, "port"):  # another thread opened one meanwhile
+            sockets = connected_to(sockets, server.port)
+        with self._sockets_lock:
             self._sockets.update(sockets)
+            if self._stop.is_set():  # stop() shut the others down before these were recorded
+                shutdown_sockets(sockets)
+                raise RuntimeError("the relay is stopping")
         return store
 
     def _polling(self, store: dist.Store) -> dist.Store:
@@ -189,10 +197,10 @@ class NodeRelay:
     # -- mirror: the end of each generation -------------------------------------------------------------------------
     def _mirror(self, again: bool) -> None:
         local, root = self._connect(local=True, again=again)
-        while not self._stop.is_set() and self.published < 0:
+        while self.published < 0:  # node 0's controller may not have published generation 0 yet
+            if self._await(root, keys.LATEST) is None:
+                return  # stopped
             self.published = copy_published(root, local)
-            if self.published < 0:  # the controller publishes generation 0 before any rank starts
-                self._stop.wait(self.wait_s)
         while not self._stop.is_set():
             g = self.generation
             ended = self._await(root, keys.abort(g))
@@ -201,15 +209,13 @@ class NodeRelay:
             copy = keys.to_copy(ended)
             if copy is None:  # a move, a stop: read what changed from the root
                 copy = self._changed(root, g)
-            written = []
-            for key, value in copy:
-                if key == keys.LATEST:  # generations only grow: an older end's copy says less than one read since
-                    if int(value) < self.published:
-                        continue
-                    self.published = int(value)
-                written.append((key, value))
+            latest = max([int(value) for key, value in copy if key == keys.LATEST], default=-1)
+            written = [(key, value) for key, value in copy if key != keys.LATEST]
             if written:  # one request: the store applies it whole, so nothing of it is seen before the rest
                 local.multi_set([key for key, _ in written], [value for _, value in written])
+            if latest > self.published:  # generations only grow: an older end's copy says less than a read since
+                raise_latest(local, latest)
+                self.published = latest  # once written: a thread that failed before copies it again
             local.set(keys.abort(g), ended)
             with self._ended:
                 self.ended_at[g] = time.time()

@@ -192,9 +192,10 @@ def beat() -> dict:
             "waiting_since": phases.wait_state()}
 
 
-def wait_for_port(host: str, port: int, timeout_s: float) -> None:
-    """Return once ``host:port`` accepts a connection; TimeoutError after ``timeout_s``. Used before creating a
-    store client, whose own retries log C++ errors and stacks while a node's store is not up yet."""
+def wait_for_port(host: str, port: int, timeout_s: float, stop: Optional[threading.Event] = None) -> None:
+    """Return once ``host:port`` accepts a connection; TimeoutError after ``timeout_s``, InterruptedError once
+    ``stop`` is set. Used before creating a store client, whose own retries log C++ errors and stacks while a node's
+    store is not up yet."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -205,12 +206,16 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> None:
         except OSError as exc:
             if time.monotonic() > deadline:
                 raise TimeoutError(exc.strerror or str(exc)) from None
-            time.sleep(0.2)
+            if stop is None:
+                time.sleep(0.2)  # a retry's pause, not a synchronisation
+            elif stop.wait(0.2):
+                raise InterruptedError(f"stopped while waiting for {host}:{port}") from None
 
 
-def store_factory(host: str, port: int) -> StoreFactory:
+def store_factory(host: str, port: int, stop: Optional[threading.Event] = None) -> StoreFactory:
+    """Opens clients of ``host:port``; a client still waiting for the port gives up once ``stop`` is set."""
     def open_store(timeout_s: float) -> dist.Store:
-        wait_for_port(host, port, timeout_s)
+        wait_for_port(host, port, timeout_s, stop)
         return dist.TCPStore(host, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout_s),
                              wait_for_workers=False)
 

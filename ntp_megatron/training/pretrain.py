@@ -157,8 +157,12 @@ def _node_plane(env: runtime.RankEnv, cfg: JobConfig):
                           p.pipeline_model_parallel_size)
     slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size, cfg.topology(),
                          p.pipeline_model_parallel_size)
-    port = env.node_store_port if env.node_store_port is not None else env.store_port
-    host = "127.0.0.1" if env.node_store_port is not None else env.store_host
+    if env.node == 0:  # node 0's store is the root
+        host, port = env.store_host, env.store_port
+    elif env.node_store_port is None:  # a second client of the root would count every node in one key
+        raise RuntimeError(f"node {env.node} of {env.nnodes}: the launcher set no {runtime.ENV_NODE_STORE_PORT}")
+    else:
+        host, port = "127.0.0.1", env.node_store_port
     return NodePlane(store_factory(host, port), port, env.node, launch_nodes(placement, slots), cfg.ntp.min_tp,
                      cfg.ntp.on_unrecoverable)
 

@@ -60,6 +60,7 @@ def test_every_part_of_the_benchmark_runs(tmp_path, capsys):
         real = row["ranks"] if row["design"] == "current" else 8 * min(control_plane_bench.WORKERS, row["nodes"])
         assert row["votes_timed"] == real * bench.SMOKE.control_plane_iters, row
         assert row["failure_to_generation_s"] is not None and row["generation_bytes_per_rank"] > 0, row
+        assert row["survivors_noted_s"] is not None, row  # the controller's report saw every survivor's note
     for heading in ("| case | ranks | median step (ms) |", "| comparison | ratio | note |",
                     "Per iteration, replica 0 (healthy)", "A failure, same job", "Recovery, groups made anew",
                     "Building one rank's model", "Control plane, one store against two levels",

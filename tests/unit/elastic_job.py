@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, Optional
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import CommitProtocol
+from ntp_megatron.elastic.commit import CommitProtocol, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.layout import Topology, make_topology
 from ntp_megatron.stages import PipelineTopology, load_topology, make_pipeline_topology
@@ -93,7 +93,7 @@ class Job:
     def notice(self, generation: int) -> None:
         """Every live member notes that ``generation`` is over (the controller's failure report waits for it)."""
         for lr in self.alive:
-            self.store.set(keys.aware(generation, lr), str(time.time()))
+            note_aware(self.store, generation, lr, time.time())
 
     def die(self, *launch_ranks: int) -> Optional[str]:
         """``launch_ranks`` die together and the controller handles them; what it returned (why the job stops)."""

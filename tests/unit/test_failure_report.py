@@ -18,6 +18,7 @@ import time
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.launch.console import Console
 from ntp_megatron.layout import make_topology
@@ -35,7 +36,7 @@ def _controller(console: Console, records: list[dict]) -> tuple[dist.Store, Cont
 
 def _aware(store: dist.Store, at: float) -> None:
     for rank in (0, 1, 2):
-        store.set(keys.aware(0, rank), repr(at))
+        note_aware(store, 0, rank, at)
 
 
 def test_survivors_that_noticed_before_the_reap_give_no_negative_latency(capsys):
@@ -68,3 +69,42 @@ def test_the_failure_line_comes_before_the_ranks_lines_about_it(monkeypatch):
     reformed = next(i for i, l in enumerate(lines) if "re-formed | generation 1" in l)
     assert failed < reformed, lines
     assert json.loads(store.get(keys.info(1)))["dead"] == [[1, 1]]
+
+
+class _Requests:
+    """A store that records each request's method and keys."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store, self.log = store, []
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            self.log.append((name, args[0] if args else None))
+            return method(*args, **kwargs)
+        return call
+
+
+def test_the_report_waits_for_the_survivors_on_one_key_not_one_per_survivor():
+    """Just after a failure the report polls every 10 ms until every survivor noted it: at 10K ranks a request per
+    survivor and pass would load the root while the survivors re-form on it. It polls one count; the survivors' own
+    keys are read once, when the count says they are all in."""
+    store = _Requests(dist.HashStore())
+    records: list[dict] = []
+    controller = Controller(store, make_topology(2, 32, UNITS), 1, "drop_replica", Console().say, records.append)
+    store.set(keys.COMPLETED, "0")
+    assert controller.handle([Death(5, time.time(), "was killed by signal SIGKILL", 4242)]) is None
+    deadline = time.monotonic() + 10
+    while sum(name == "add" and key == keys.aware_count(0) for name, key in list(store.log)) < 5:
+        assert time.monotonic() < deadline, "the report did not poll the count"
+        time.sleep(0.01)
+    per_survivor = [(name, key) for name, key in list(store.log) if isinstance(key, (list, str))
+                    and "/aware/" in (key if isinstance(key, str) else " ".join(key))]
+    assert not per_survivor, per_survivor[:5]
+    for rank in range(64):
+        if rank != 5:
+            note_aware(store, 0, rank, time.time())
+    controller.close()
+    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    assert failed["detect_s"] is not None, failed

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ntp_megatron.config import load_job_config
 from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.launch import modes
 from ntp_megatron.launch.console import Console
@@ -104,7 +105,7 @@ def _formed(host: _Host, generation: int) -> None:
 def _aware(host: _Host, generation: int) -> None:
     """The survivors noticed that ``generation`` is over."""
     for rank in (0, 1, 2):
-        host.store.set(keys.aware(generation, rank), repr(time.time()))
+        note_aware(host.store, generation, rank, time.time())
 
 
 def test_a_slot_that_fails_four_times_gets_its_fourth_replacement():
@@ -186,7 +187,7 @@ def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_com
     ntp.step([host.processes.ranks[1].die()])  # a rank that trained, dying now: a failure as ever
     assert ntp.controller.failures == 2
     for rank in range(4):  # every survivor noticed, so that the report of rank 1's death does not wait for them
-        host.store.set(keys.aware(2, rank), repr(time.time()))
+        note_aware(host.store, 2, rank, time.time())
     ntp.close()
     assert sorted(e["launch_rank"] for e in host.events("rank_failed")) == [1, 3]  # reported by threads
 

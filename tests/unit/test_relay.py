@@ -13,6 +13,7 @@ the topology a rank computes from a publication is the controller's; a relay's t
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import types
@@ -23,10 +24,11 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, BRING_WAIT_S, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, \
-    CommitProtocol, NodeShare, abandon_formation, settle
+    CommitProtocol, NodeShare, abandon_formation, copy_published, raise_latest, settle
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
+from ntp_megatron.elastic.watchdog import store_factory
 from ntp_megatron.layout import make_topology
 from ntp_megatron.stages import load_topology, make_pipeline_topology, published_topology
 
@@ -299,6 +301,10 @@ class Recording:
         self.written.append(tuple(keys_))  # one request: applied whole
         self._store.multi_set(keys_, values)
 
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        self.written.append(key)
+        return self._store.compare_set(key, expected, desired)
+
     def __getattr__(self, name):
         return getattr(self._store, name)
 
@@ -384,3 +390,83 @@ def test_stop_wakes_a_relay_thread_out_of_its_store_call():
     assert relay.stop(timeout_s=2.0)
     assert time.monotonic() - started < 2.0
     assert not any(thread.is_alive() for thread in relay._threads)
+
+
+def test_latest_never_goes_back_in_a_node_store():
+    """Two writers copy ``latest`` into a node's store (the relay; a last voter bringing ``commit+reform``), each
+    from its own read of the root: the one that read earlier may write later. A node store's ``latest`` only grows,
+    else its ranks would go back to a generation already ended, whose end the relay does not write again."""
+    root, node = _root(), _root()
+    for g in range(3):
+        root.set(keys.info(g), json.dumps({"g": g}))
+    root.set(keys.LATEST, "1")  # what the slow writer read
+    node.set(keys.LATEST, "2")  # what the other wrote meanwhile
+    assert copy_published(root, node, since=0) == 1
+    assert node.get(keys.LATEST).decode() == "2"
+    assert json.loads(node.get(keys.info(1))) == {"g": 1}
+    assert raise_latest(node, 3) == 3 and node.get(keys.LATEST).decode() == "3"
+    fresh = _root()
+    assert raise_latest(fresh, 0) == 0 and fresh.get(keys.LATEST).decode() == "0"
+
+
+def test_a_relay_started_before_generation_0_is_published_copies_it_at_once():
+    """Node k's launcher may start its relay before node 0's controller published generation 0 (the nodes start
+    together): the relay copies it as soon as it is published, not a relay wait (30 s in a job) later."""
+    root = _root()
+    relay = NodeRelay(lambda t: _client(root.port, t), 1, wait_s=30.0)
+    try:
+        assert relay.wait_ready(TIMEOUT_S)
+        root.set(keys.info(0), "{}")
+        root.set(keys.LATEST, "0")
+        deadline = time.monotonic() + 5.0
+        while relay.published < 0:
+            assert time.monotonic() < deadline, "generation 0 was not copied into the node store within 5 s"
+            time.sleep(0.01)
+        assert relay.open_local(TIMEOUT_S).get(keys.LATEST).decode() == "0"
+    finally:
+        assert relay.stop(timeout_s=2.0)
+
+
+def test_stop_ends_a_relay_still_connecting_to_a_root_that_is_not_there():
+    """At the end of a job node 0's launcher may end first: a relay thread whose call failed connects again, to a
+    root that has gone, and waits up to a minute for its port. ``stop()`` ends that wait at once (the launcher's
+    factories share the relay's stop event) instead of blocking the launcher's exit."""
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    stop = threading.Event()
+    relay = NodeRelay(store_factory("127.0.0.1", port, stop), 1, wait_s=30.0, stop=stop)
+    assert not relay.wait_ready(0.5)  # its threads are waiting for the root's port
+    started = time.monotonic()
+    assert relay.stop(timeout_s=5.0)
+    assert time.monotonic() - started < 2.0
+    assert not any(thread.is_alive() for thread in relay._threads)
+
+
+def test_a_last_voter_that_dies_between_counting_its_node_and_bringing_the_decision(nodes):
+    """Node 1's last voter counts its node in the root, which decides ``commit``, and dies before it brings the
+    decision into its node's store: the node's other rank must read that ``commit`` (the ranks of node 0 stepped
+    the iteration), not take the generation's end for an abort. The controller writes the decision into the end it
+    writes, and the relay copies it before the end."""
+    n = nodes([2, 2])
+    protocols = n.protocols()
+    assert _form(protocols) == [COMPLETE] * 4
+    results: dict[int, str] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, protocols[i].vote(1))) for i in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    last = protocols[3]
+    deadline = time.monotonic() + TIMEOUT_S
+    while int(last.store.add(keys.node_tally(0), 0)) < 1:  # node 1's other rank counted: it waits for the decision
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert last.store.add(keys.node_tally(0), 1) % last.node.members == 0  # its vote completes node 1's count
+    last.carry_vote(1)  # ... and it dies here, before bring()
+    for t in threads[:2]:
+        t.join(TIMEOUT_S + 5)
+    assert [results.get(i) for i in (0, 1)] == [COMMIT, COMMIT]  # node 0's ranks stepped iteration 1
+    ended = time.monotonic()
+    assert n.controller.handle([Death(3, time.time(), "killed")]) is None
+    threads[2].join(TIMEOUT_S + 5)
+    assert results.get(2) == COMMIT, results
+    assert time.monotonic() - ended < TIMEOUT_S / 4  # the relay brought it: not a wait that timed out
