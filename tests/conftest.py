@@ -12,12 +12,19 @@ a job started another way wrote (two launchers, a script run from another direct
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests import equivalence_cases
 from tests.harness import CHECKED_METRICS, JobResult, check_reformations, read_records, run_job
+
+# torch's store client looks up the name of its socket's address (``::ffff:127.0.0.1``, not in /etc/hosts) at every
+# connection; this machine's resolver drops about one such lookup in 40 and the client then waits glibc's 5 s
+# timeout. Every job makes dozens of connections (each rank's clients, each generation's own): with a 1 s timeout a
+# dropped lookup costs 1 s. Set here, so every launcher and rank the suite starts inherits it.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 UNIT_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 900
