@@ -354,6 +354,7 @@ def worker(args: argparse.Namespace) -> dict:
     counted_from = (_cpu_s(os.getpid()), root_requests[0])
     go.set()
     voted.wait(CLIENT_TIMEOUT_S)
+    vote_requests = root_requests[0] - counted_from[1]  # what follows is the failure's
     deadline = time.monotonic() + FAILURE_BUDGET_S  # then the failure: ranks not done by then never learned it
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
@@ -368,7 +369,8 @@ def worker(args: argparse.Namespace) -> dict:
               "node_latencies": node_latencies + list(slowest.values()), "late": late, "fenced": len(fenced),
               "fence_causes": [c for _, c in fenced][:3],
               "oldest_beat_s": max((a.oldest_beat_s for a in agents), default=0.0), "learned": learned,
-              "read_bytes": read_bytes, "simulated": len(ranks), "requests": root_requests[0] - counted_from[1],
+              "read_bytes": read_bytes, "simulated": len(ranks), "requests": vote_requests,
+              "failure_requests": root_requests[0] - counted_from[1] - vote_requests,
               "cpu_s": _cpu_s(os.getpid()) - counted_from[0]}
     if args.design == "two_level":
         record["ended_at"] = [r.ended_at.get(0) for r in relays.values()]
@@ -461,13 +463,14 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
             spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
             learned += [x for x in ended if x is not None]
         window = votes_done - t0
-        requests = sum(r["requests"] for r in records) + monitor_requests[0]
+        requests = sum(r["requests"] for r in records) + monitor_requests[0]  # while the ranks voted
         return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
                 "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
                 "votes_timed": len(latencies),
                 "node_vote_p99_ms": 1e3 * _pct(node_latencies, 0.99), "node_votes_timed": len(node_latencies),
                 "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [oldest_node_beat]),
                 "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
+                "failure_requests": sum(r["failure_requests"] for r in records),
                 "false_fences": sum(r["fenced"] for r in records),
                 "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
                 "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,

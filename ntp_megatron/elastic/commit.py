@@ -146,12 +146,15 @@ class CommitProtocol:
             try:
                 with waiting():
                     self.root.wait([key], timedelta(seconds=BRING_WAIT_S))
-                return read_if_set(self.root, key).decode()  # written: the wait returned
+                value = read_if_set(self.root, key)  # None if the wait ended on a compare_set that wrote nothing
+                if value is not None:
+                    return value.decode()
             except dist.DistStoreError:
-                if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
-                    return None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no decision on {key} in the root store within its timeout") from None
+                pass  # not written within BRING_WAIT_S
+            if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no decision on {key} in the root store within its timeout")
 
     def _await(self, key: str, otherwise: str) -> str:
         """The value of a decision key. The controller writes its decision before it marks the generation

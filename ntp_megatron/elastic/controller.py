@@ -364,31 +364,44 @@ class Controller:
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def _aware(self, generation: int, survivors: list[int]) -> Optional[list[float]]:
+        """When each survivor noted that ``generation`` is over, if every one did (one request each way)."""
+        names = [keys.aware(generation, lr) for lr in survivors]
+        if not self.store.check(names):
+            return None
+        return [float(raw.decode()) for raw in self.store.multi_get(names)] if names else []
+
     def _report(self, deaths: list[Death], old: Topology, settled: Optional[dict], survivors: list[int],
                 wait_s: float = AWARE_WAIT_S) -> None:
         deadline = time.monotonic() + wait_s
         aware: list[float] = []
         stopped = False
+        full_check_at = 0.0  # a full check that failed (the count includes the dead) is not repeated every pass
         while time.monotonic() < deadline and survivors:
             survivors = [lr for lr in survivors if lr not in self.dead]  # one that died meanwhile cannot notice
-            names = [keys.aware(old.generation, lr) for lr in survivors]
             try:
                 if self.store.check([keys.STOP]):  # the job stops: the survivors are being ended, not noticing
                     stopped = True
                     break
-                # One small request per pass (a request per survivor would load the root with the job's size every
-                # 10 ms just after a failure); the count may include ranks that noted and died since.
+                # Two small requests per pass (one per survivor would load the root with the job's size every
+                # 10 ms just after a failure); the count may include ranks that noted and died since, so every
+                # survivor's note is checked (one request) once it says all are in.
                 if (int(self.store.add(keys.aware_count(old.generation), 0)) >= len(survivors)
-                        and self.store.check(names)):
-                    aware = [float(raw.decode()) for raw in self.store.multi_get(names)] if names else []
-                    break
+                        and time.monotonic() >= full_check_at):
+                    got = self._aware(old.generation, survivors)
+                    if got is not None:
+                        aware = got
+                        break
+                    full_check_at = time.monotonic() + 0.5
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return
             time.sleep(0.01)
         missing: list[int] = []
-        if survivors and not aware and not stopped and wait_s > 0:  # name the ranks that did not notice in time
+        if survivors and not aware and not stopped and wait_s > 0:  # out of time: name the ranks that did not notice
             try:
                 missing = [lr for lr in survivors if not self.store.check([keys.aware(old.generation, lr)])]
+                if not missing:  # all noted, the count short of them (a note's count lost with its rank's request)
+                    aware = self._aware(old.generation, survivors) or []
             except Exception:  # noqa: BLE001 - as above
                 return
         if missing:

@@ -200,7 +200,8 @@ class NodeRelay:
         while self.published < 0:  # node 0's controller may not have published generation 0 yet
             if self._await(root, keys.LATEST) is None:
                 return  # stopped
-            self.published = copy_published(root, local)
+            if root.check([keys.LATEST]):  # a wait also ends when a compare_set names the absent key
+                self.published = copy_published(root, local)
         while not self._stop.is_set():
             g = self.generation
             ended = self._await(root, keys.abort(g))

@@ -108,3 +108,17 @@ def test_the_report_waits_for_the_survivors_on_one_key_not_one_per_survivor():
     controller.close()
     [failed] = [r for r in records if r.get("event") == "rank_failed"]
     assert failed["detect_s"] is not None, failed
+
+
+def test_notes_whose_count_was_lost_are_still_reported_once_the_wait_is_over():
+    """A note is two requests (the note, then its count): a rank that noted and lost the second leaves the count short.
+    Once the report's wait is over it finds every note and reports the detection latency, not 'not all aware'."""
+    records: list[dict] = []
+    store, controller = _controller(Console(), records)
+    old = make_topology(2, 2, UNITS)
+    for rank in (0, 1, 2):
+        store.set(keys.aware(0, rank), repr(time.time()))  # no count
+    controller._report([Death(3, time.time(), "was killed by signal SIGKILL", 4242)], old, None, [0, 1, 2],
+                       wait_s=0.2)
+    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    assert failed["detect_s"] is not None, failed

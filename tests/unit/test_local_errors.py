@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ntp_megatron import faults, phases
 from ntp_megatron.elastic import errors, keys
-from ntp_megatron.elastic.commit import IterationAborted
+from ntp_megatron.elastic.commit import IterationAborted, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.layout import make_topology
 from ntp_megatron.training.checkpoint import CheckpointError
@@ -223,5 +223,5 @@ def test_a_death_without_a_report_is_re_formed_around():
     assert ctl.handle([Death(3, time.time(), "was killed by signal SIGKILL")]) is None
     assert store.get(keys.LATEST).decode() == "1" and not store.check([keys.STOP])
     for survivor in (0, 1, 2):  # they noticed, so the failure's report does not wait for them
-        store.set(keys.aware(0, survivor), repr(time.time()))
+        note_aware(store, 0, survivor, time.time())
     ctl.close()
