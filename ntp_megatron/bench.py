@@ -671,7 +671,7 @@ def table(result: dict) -> str:
                   f"{_fmt(r['failure_to_generation_s'], '.3f')} | {_fmt(r['survivors_noted_s'], '.3f')} | "
                   f"{_fmt(r['generation_bytes_per_rank'], '.0f')} | "
                   f"{r['arrival_late_p99_ms']:.1f} | {r['harness_cpu_s']:.1f} / {r['store_cpu_s']:.1f} |"
-                  for r in control]
+                  for r in sorted(control, key=lambda r: (r["ranks"], r["design"] != "two_level"))]  # side by side
     init = result.get("init")
     if init:
         lines += ["", f"Building one rank's model (rank 0 of a TP k replica; {init['model']}), "

@@ -200,11 +200,12 @@ def test_shards_cut_inside_each_instance(jobs, tmp_path):
     replica 1's rank 3 to replica 3's proxy (6), position 0 from replica 2's rank 5 to replica 0's proxy (0).
     (The moved bytes here are checked against the figure of the real objects; the harness's own geometry covers
     one position per instance.)"""
-    args = ntp_args(2, 4, iters=ITERS, extra=DISTOPT + ("--set", "training.global_batch_size=16"))
+    iters = 5  # two after the second kill (eight ranks on two cores: each iteration counts)
+    args = ntp_args(2, 4, iters=iters, extra=DISTOPT + ("--set", "training.global_batch_size=16"))
     reference = jobs.run("distopt-live-ref-tp2x4", args)
     result = run_job(tmp_path / "run", args + kills("kill:rank=7,iter=2,phase=param_gather",
                                                     "kill:rank=1,iter=3,phase=optimizer"))
-    check_live_run(result, reference)
+    check_live_run(result, reference, iters)
     reformed = result.events("reformed")
     assert [sorted((m["block"], m["position"], m["src"], m["dst"]) for m in e["shard_moves"]) for e in reformed] \
         == [[(1, 1, 3, 6)], [(1, 0, 5, 0)]], launcher_lines(result)
