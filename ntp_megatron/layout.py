@@ -76,6 +76,21 @@ all ``floor`` or ``ceil`` of the mean, and each move lowers the excess above ``c
 the largest block. A replica whose slots are all live again is exactly canonical. A dropped replica may come
 back: its missing blocks are dealt among its joined slots as in :func:`make_topology`.
 
+Weighted dealing
+----------------
+A replica may weigh its live slots unevenly (:attr:`Replica.weights`, a slow rank's measured speed: 100 for a
+normal one): each slot's *share* of a family is then proportional to its weight, never below one unit
+(:func:`shares`), and each slot holds its share within one unit. A slot below its block's size *lends* units of its
+block to the others (they are listed in ``dealt`` as a dead block's are, and the slot stays its block's sync member:
+the lent units' gradients are gathered to it as a proxy's). The counts are chosen (:func:`_targets`) so that the
+slowest slot's time (count / weight) is as small as counts within one unit of the shares allow, and among those
+the ones reached with the fewest moves; units move straight there: a slot above its count gives the units it holds
+away from home first (the largest), then its own block's largest, each to the unit's block's member if that one is
+short, else to the lowest slot that is short. :func:`reweight_topology` changes a replica's weights (nothing dies,
+proxies and sync groups stay); even weights on a full replica make it canonical again (lent units go home). With
+even weights these rules are the ones above exactly; a dead slot's units in a weighted replica are dealt the same
+way, to the counts its survivors' weights give.
+
 Transition plans
 ----------------
 :func:`transition_plan` lists the units each new-generation rank lacks (a unit the surviving process at the
@@ -90,8 +105,10 @@ import bisect
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
+from math import floor
 from functools import cached_property, lru_cache
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Literal, Mapping, Optional
 
 __all__ = [
     "FAMILIES",
@@ -108,6 +125,8 @@ __all__ = [
     "parse_dead_slots",
     "parse_stage_slots",
     "restart_layout",
+    "reweight_topology",
+    "shares",
     "survivor_ranks",
     "transition_plan",
 ]
@@ -226,9 +245,12 @@ class Replica:
     """Dead block -> the live slot that is its proxy (its member in the block's sync group). Empty when
     healthy."""
     dealt: Mapping[str, Mapping[int, int]] = field(default_factory=dict)
-    """Family -> unit of a dead block -> live slot holding it. Empty when healthy; otherwise it has every
-    family, and every unit of every dead block appears exactly once. Units of live blocks are not listed: live
-    slot ``s`` always holds block ``s``."""
+    """Family -> unit not held by its own slot -> live slot holding it: every unit of every dead block, and the
+    units of live blocks that their slot lent (a weighted replica's slow slot). Empty when the replica is canonical;
+    otherwise it has every family. Live slot ``s`` holds the units of block ``s`` not listed here."""
+    weights: Mapping[int, int] = field(default_factory=dict)
+    """Live slot -> positive weight (its speed, 100 for a normal one), when the replica's slots are not all alike:
+    each slot's share of every family is proportional to its weight (:func:`shares`). Empty: all alike."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", tuple(self.slots))
@@ -258,8 +280,17 @@ class Replica:
                 _check_int(f"replica {self.index}: dealt unit of family {family!r}", unit, 0)
                 self._check_live(f"holder of dealt unit {unit} of family {family!r}", slot)
             dealt[family] = _FrozenDict(sorted(units.items()))
+        if not isinstance(self.weights, Mapping):
+            raise ValueError(f"replica {self.index}: weights must be a mapping")
+        if self.weights:
+            if sorted(self.weights) != list(self.slots):
+                raise ValueError(f"replica {self.index}: weights must list exactly the live slots {list(self.slots)}, "
+                                 f"got {sorted(self.weights)}")
+            for slot, weight in self.weights.items():
+                _check_int(f"replica {self.index}: weight of slot {slot}", weight, 1)
         object.__setattr__(self, "proxies", _FrozenDict(sorted(self.proxies.items())))
         object.__setattr__(self, "dealt", _FrozenDict(sorted(dealt.items())))
+        object.__setattr__(self, "weights", _FrozenDict(sorted(self.weights.items())))
 
     def _check_live(self, what: str, slot: Any) -> None:
         _check_int(f"replica {self.index}: {what}", slot, 0)
@@ -273,19 +304,25 @@ class Replica:
         return len(self.slots)
 
     def to_json(self) -> dict:
-        """Plain JSON: mappings with int keys become lists of ``[key, slot]`` pairs, ascending."""
-        return {"index": self.index, "slots": list(self.slots), "ranks": list(self.ranks),
-                "proxies": [[b, s] for b, s in self.proxies.items()],
-                "dealt": {f: [[u, s] for u, s in units.items()] for f, units in self.dealt.items()}}
+        """Plain JSON: mappings with int keys become lists of ``[key, slot]`` pairs, ascending (weights only when
+        a replica has them: a replica without reads as before)."""
+        out = {"index": self.index, "slots": list(self.slots), "ranks": list(self.ranks),
+               "proxies": [[b, s] for b, s in self.proxies.items()],
+               "dealt": {f: [[u, s] for u, s in units.items()] for f, units in self.dealt.items()}}
+        if self.weights:
+            out["weights"] = [[s, w] for s, w in self.weights.items()]
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "Replica":
-        _expect_keys("replica", d, ("index", "slots", "ranks", "proxies", "dealt"))
+        _expect_keys("replica", d, ("index", "slots", "ranks", "proxies", "dealt")
+                     + (("weights",) if isinstance(d, dict) and "weights" in d else ()))
         if not isinstance(d["dealt"], dict):
             raise ValueError(f"replica JSON: 'dealt' must be an object, got {type(d['dealt']).__name__}")
         return cls(index=d["index"], slots=tuple(d["slots"]), ranks=tuple(d["ranks"]),
                    proxies=_pairs_to_dict("proxies", d["proxies"]),
-                   dealt={f: _pairs_to_dict(f"dealt[{f!r}]", pairs) for f, pairs in d["dealt"].items()})
+                   dealt={f: _pairs_to_dict(f"dealt[{f!r}]", pairs) for f, pairs in d["dealt"].items()},
+                   weights=_pairs_to_dict("weights", d.get("weights", [])))
 
 
 def _expect_keys(what: str, d: Any, keys: tuple[str, ...]) -> None:
@@ -358,27 +395,37 @@ class Topology:
         if sorted(rep.proxies) != dead:
             raise ValueError(f"replica {rep.index}: proxies are given for blocks {sorted(rep.proxies)} but the "
                              f"dead blocks are {dead}: every dead block needs exactly one proxy")
-        if not dead:
-            if rep.dealt:
-                raise ValueError(f"replica {rep.index} is healthy (canonical) but lists dealt units")
-            return
-        if set(rep.dealt) != set(self.units):
-            raise ValueError(f"replica {rep.index} is degraded: dealt must list the families {sorted(self.units)}, "
+        if rep.dealt and set(rep.dealt) != set(self.units):
+            raise ValueError(f"replica {rep.index}: dealt must list the families {sorted(self.units)}, "
                              f"got {sorted(rep.dealt)}")
+        if dead and not rep.dealt:
+            raise ValueError(f"replica {rep.index} is degraded (dead blocks {dead}) but lists no dealt units")
+        weights = _weights_of(rep.slots, rep.weights)
         for family, num_units in self.units.items():
             blocks = _blocks(num_units, self.tp_base)
-            dealt = rep.dealt[family]
-            expected = [u for s in dead for u in blocks[s]]
-            if sorted(dealt) != expected:
-                stray = sorted(set(dealt) - set(expected))
-                missing = sorted(set(expected) - set(dealt))
-                raise ValueError(f"replica {rep.index}, family {family!r}: dealt units must be exactly the units "
-                                 f"of the dead blocks {dead}; not in a dead block: {stray}, not dealt: {missing}")
+            dealt = rep.dealt.get(family, {})
+            missing = [u for s in dead for u in blocks[s] if u not in dealt]
+            if missing:
+                raise ValueError(f"replica {rep.index}, family {family!r}: units {missing} of the dead blocks "
+                                 f"{dead} are not dealt")
             counts = Counter({s: len(blocks[s]) for s in rep.slots})
-            counts.update(dealt.values())
-            if max(counts.values()) - min(counts.values()) > 1:
+            for unit, holder in dealt.items():
+                if unit >= num_units:
+                    raise ValueError(f"replica {rep.index}, family {family!r}: dealt unit {unit} out of range "
+                                     f"0..{num_units - 1}")
+                block = _block_of(num_units, self.tp_base, unit)
+                if block == holder:
+                    raise ValueError(f"replica {rep.index}, family {family!r}: unit {unit} is listed as dealt to "
+                                     f"slot {holder}, its own block's slot")
+                counts[holder] += 1
+                if block in counts:
+                    counts[block] -= 1
+            ideal = shares(num_units, weights)
+            off = {s: c for s, c in counts.items() if not ideal[s] - 1 < c < ideal[s] + 1}
+            if off:
                 raise ValueError(f"replica {rep.index}, family {family!r}: unit counts per live slot "
-                                 f"{dict(sorted(counts.items()))} differ by more than one")
+                                 f"{dict(sorted(counts.items()))} are not within one unit of the shares "
+                                 f"{ {s: float(q) for s, q in ideal.items()} } (slots {sorted(off)})")
 
     @cached_property
     def _hash(self) -> int:
@@ -402,7 +449,8 @@ class Topology:
     def placed(self, stage: int, rank_base: int) -> "Topology":
         """The same layout as pipeline stage ``stage`` whose ranks start at ``rank_base`` (renumbered in order)."""
         shift = rank_base - self.rank_base
-        replicas = tuple(Replica(rep.index, rep.slots, tuple(r + shift for r in rep.ranks), rep.proxies, rep.dealt)
+        replicas = tuple(Replica(rep.index, rep.slots, tuple(r + shift for r in rep.ranks), rep.proxies, rep.dealt,
+                                 rep.weights)
                          for rep in self.replicas)
         return Topology(self.generation, self.tp_base, self.units, replicas, stage=stage, rank_base=rank_base)
 
@@ -442,8 +490,10 @@ class Topology:
         return rep.ranks[rep.slots.index(slot)]
 
     def is_healthy(self, replica_index: int) -> bool:
-        """Whether every slot of the replica is live (then its layout is exactly the canonical blocks)."""
-        return self.replica(replica_index).width == self.tp_base
+        """Whether the replica holds exactly the canonical blocks: every slot live and none lending units (a
+        weighted replica's slow slot lends some: its layout is a degraded one's, with every slot live)."""
+        rep = self.replica(replica_index)
+        return rep.width == self.tp_base and not rep.dealt
 
     def _locate(self, rank: int) -> tuple[Replica, int]:
         try:
@@ -478,13 +528,15 @@ class Topology:
         for rep in self.replicas:
             for family, num_units in self.units.items():
                 blocks = _blocks(num_units, self.tp_base)
-                if not rep.proxies:
+                if not rep.dealt:
                     out[rep.index, family] = tuple(tuple(b) for b in blocks)
                     continue
+                away = rep.dealt[family]
                 extra: dict[int, list[int]] = {s: [] for s in rep.slots}
-                for unit, slot in rep.dealt[family].items():  # ascending units
+                for unit, slot in away.items():  # ascending units
                     extra[slot].append(unit)
-                out[rep.index, family] = tuple(tuple(sorted([*blocks[s], *extra[s]])) for s in rep.slots)
+                out[rep.index, family] = tuple(tuple(sorted([*(u for u in blocks[s] if u not in away), *extra[s]]))
+                                               for s in rep.slots)
         return out
 
     def layout(self, family: str, replica: int) -> list[list[int]]:
@@ -567,27 +619,62 @@ class Topology:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Replica transitions. A draft is (index, live slots, proxies, dealt), plain data without ranks.
+# Replica transitions. A draft is (index, live slots, proxies, dealt, weights), plain data without ranks.
 
-_Draft = tuple[int, list[int], dict[int, int], dict[str, dict[int, int]]]
+_Draft = tuple[int, list[int], dict[int, int], dict[str, dict[int, int]], dict[int, int]]
 
 
 def _draft_of(rep: Replica) -> _Draft:
-    return rep.index, list(rep.slots), dict(rep.proxies), {f: dict(d) for f, d in rep.dealt.items()}
+    return (rep.index, list(rep.slots), dict(rep.proxies), {f: dict(d) for f, d in rep.dealt.items()},
+            dict(rep.weights))
 
 
 def _healthy(index: int, tp_base: int) -> _Draft:
-    return index, list(range(tp_base)), {}, {}
+    return index, list(range(tp_base)), {}, {}, {}
+
+
+def shares(num_units: int, weights: Mapping[int, int]) -> dict[int, Fraction]:
+    """Each slot's ideal number of units of a family of ``num_units`` (slot -> weight, every live slot listed):
+    proportional to its weight, but never below one unit (a rank holds at least one unit of every family); the
+    slots a plain proportional share would give less are set at one and the rest is shared among the others the
+    same way. Exact fractions: ``shares(8, {0: 2, 1: 1, 2: 1}) == {0: 4, 1: 2, 2: 2}``."""
+    if num_units < len(weights):
+        raise ValueError(f"{num_units} units cannot give each of {len(weights)} slots one")
+    out: dict[int, Fraction] = {}
+    free, left = sorted(weights), num_units
+    while True:
+        total = sum(weights[s] for s in free)
+        ideal = {s: Fraction(left * weights[s], total) for s in free}
+        small = [s for s in free if ideal[s] < 1]
+        if not small:
+            out.update(ideal)
+            return dict(sorted(out.items()))
+        out.update((s, Fraction(1)) for s in small)
+        free = [s for s in free if s not in small]
+        left -= len(small)
+
+
+def _weights_of(slots: Iterable[int], weights: Mapping[int, int]) -> dict[int, int]:
+    """Slot -> weight for every live slot (all 1 when the replica's weights are even, ``weights`` empty)."""
+    return {s: weights[s] if weights else 1 for s in slots}
+
+
+def _member(block: int, slots: Iterable[int], proxies: Mapping[int, int]) -> int:
+    """The replica's member of sync group ``block``: its own slot if live, else the block's proxy."""
+    return block if block in slots else proxies[block]
 
 
 def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:
     """The replica after slots ``dying`` died at once: survivors keep what they hold and their proxy roles; what
-    the dying held is dealt by the proxy and dealing rules of the module docstring. Needs a survivor."""
-    index, slots, proxies, dealt = draft
+    the dying held is dealt by the proxy and dealing rules of the module docstring (by weight in a weighted
+    replica). Needs a survivor."""
+    index, slots, proxies, dealt, weights = draft
     if not dying:
         return draft
     live = [s for s in slots if s not in dying]
     assert live, "a replica with no survivor is dropped, not shrunk"
+    weights = {s: w for s, w in weights.items() if s not in dying}
+    weighted = len(set(weights.values())) > 1
     kept = {b: p for b, p in proxies.items() if p not in dying}
     orphans = set(dying) | {b for b, p in proxies.items() if p in dying}  # blocks needing a new proxy
     new_dealt: dict[str, dict[int, int]] = {}
@@ -598,10 +685,13 @@ def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, in
         blocks = _blocks(num_units, tp_base)
         counts[family] = {s: len(blocks[s]) for s in live}
         new_dealt[family] = {}
-        for s in dying:
-            released.setdefault(s, {}).setdefault(family, []).extend(blocks[s])
-        for unit, holder in dealt.get(family, {}).items():
+        away = dealt.get(family, {})
+        for s in dying:  # what the dying slot held of its own block (units it lent stay where they are)
+            released.setdefault(s, {}).setdefault(family, []).extend(u for u in blocks[s] if u not in away)
+        for unit, holder in away.items():
             block = _block_of(num_units, tp_base, unit)
+            if block in counts[family]:  # lent by a survivor
+                counts[family][block] -= 1
             if holder in dying:
                 released.setdefault(block, {}).setdefault(family, []).append(unit)
             else:
@@ -614,56 +704,133 @@ def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, in
             proxy = min(live, key=lambda s: (roles[s], -of_block[block, s], s))
             kept[block] = proxy
             roles[proxy] += 1
-        proxy = kept[block]
+        if weighted:
+            continue  # dealt by weight below
+        member = _member(block, live, kept)
         for family in sorted(released.get(block, {})):
             count = counts[family]
             for unit in sorted(released[block][family]):
                 low = min(count.values())
-                target = proxy if count[proxy] == low else min(s for s in live if count[s] == low)
-                new_dealt[family][unit] = target
+                target = member if count[member] == low else min(s for s in live if count[s] == low)
+                if target != block:  # a unit lent by a survivor that comes back to it is not dealt
+                    new_dealt[family][unit] = target
                 count[target] += 1
                 of_block[block, target] += 1
-    return index, live, kept, new_dealt
+    loose = {f: sorted(u for by in released.values() for u in by.get(f, ())) for f in units} if weighted else {}
+    return _fit((index, live, kept, new_dealt, weights), tp_base, units, loose)
+
+
+def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Mapping[int, int]) -> dict[int, int]:
+    """A weighted replica's unit counts for one family: each within one unit of its share, the slowest slot's time
+    (count / weight) as small as any such counts allow, and of those the counts that the slots' current ones
+    (``held``) reach with the fewest moves (module docstring, "Weighted dealing")."""
+    low = {s: floor(q) for s, q in ideal.items()}
+    extra = int(sum(ideal.values()) - sum(low.values()))  # slots at their share's ceiling
+    if not extra:
+        return low
+    room = [s for s in low if ideal[s] != low[s]]
+    after = {s: Fraction(low[s] + 1, weights[s]) for s in room}
+    bound = max(max(Fraction(low[s], weights[s]) for s in low), sorted(after.values())[extra - 1])
+    chosen = sorted((s for s in room if after[s] <= bound), key=lambda s: (held[s] <= low[s], after[s], s))[:extra]
+    return {s: low[s] + (s in chosen) for s in low}
+
+
+def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
+         loose: Optional[Mapping[str, list[int]]] = None) -> _Draft:
+    """The replica with every live slot's count of each family within one unit of its share (:func:`shares`),
+    reached with the fewest moves (module docstring, "Weighted dealing"); a replica with even weights that already
+    fits is returned as it is. ``loose``: units nobody holds yet (a weighted replica's dead slots'), dealt first."""
+    index, slots, proxies, dealt, weights = draft
+    weighted = len(set(weights.values())) > 1
+    new_dealt: dict[str, dict[int, int]] = {}
+    for family, num_units in sorted(units.items()):
+        blocks = _blocks(num_units, tp_base)
+        ideal = shares(num_units, _weights_of(slots, weights))
+        away = dict(dealt.get(family, {}))  # unit -> slot, for units not held by their own live slot
+        extra: dict[int, list[int]] = {s: [] for s in slots}  # units away from their own slot, per holder
+        count = {s: len(blocks[s]) for s in slots}
+        pending = list((loose or {}).get(family, ()))
+        for unit in pending:
+            block = _block_of(num_units, tp_base, unit)
+            if block in count:  # a survivor's lent unit whose holder died: not held by its slot either
+                count[block] -= 1
+        for unit, holder in sorted(away.items()):
+            extra[holder].append(unit)
+            count[holder] += 1
+            block = _block_of(num_units, tp_base, unit)
+            if block in count:
+                count[block] -= 1
+        target = _targets(count, ideal, weights) if weighted else None
+
+        def give(unit: int, to: int) -> None:
+            block = _block_of(num_units, tp_base, unit)
+            if to == block:
+                away.pop(unit, None)
+            else:
+                away[unit] = to
+                bisect.insort(extra[to], unit)
+            count[to] += 1
+
+        def take(donor: int) -> int:
+            """The unit ``donor`` gives: one it holds away from home first (the largest), else its block's largest."""
+            count[donor] -= 1
+            if extra[donor]:
+                return extra[donor].pop()
+            return max(u for u in blocks[donor] if u not in away)
+
+        if target is not None:
+            # Weighted: straight to the target counts; a unit goes to its block's member if that one is short.
+            def short(unit: int) -> int:
+                member = _member(_block_of(num_units, tp_base, unit), slots, proxies)
+                return member if count[member] < target[member] else min(s for s in slots if count[s] < target[s])
+
+            for unit in pending:
+                give(unit, short(unit))
+            for donor in slots:
+                while count[donor] > target[donor]:
+                    unit = take(donor)
+                    give(unit, short(unit))
+        else:
+            assert not pending, "even weights deal a dead slot's units in _shrink"
+            while True:
+                excess = {s: count[s] - ideal[s] for s in slots}
+                high, low = max(excess.values()), min(excess.values())
+                if high < 1 and low > -1:
+                    break
+                # Some slot is over its share by a unit or more, or under it: the most loaded one gives (it holds at
+                # least two units, see the docstring) to the least loaded, its block's member first.
+                unit = take(min(s for s in slots if excess[s] == high))
+                member = _member(_block_of(num_units, tp_base, unit), slots, proxies)
+                give(unit, member if excess[member] == low else min(s for s in slots if excess[s] == low))
+        new_dealt[family] = away
+    return index, slots, proxies, new_dealt, weights
 
 
 def _widen(draft: _Draft, joining: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:
     """The replica after slots ``joining`` rejoined: they take their blocks back, their blocks' proxy roles end,
-    other proxies stay, and counts are rebalanced with the fewest moves (rule in the module docstring)."""
-    index, slots, proxies, dealt = draft
+    other proxies stay, and counts are rebalanced with the fewest moves (rule in the module docstring). A joined
+    slot weighs as much as the replica's fastest slot."""
+    index, slots, proxies, dealt, weights = draft
     live = sorted({*slots, *joining})
-    if len(live) == tp_base:
+    if weights:
+        weights = {**weights, **dict.fromkeys(joining, max(weights.values()))}
+    if len(live) == tp_base and len(set(weights.values())) <= 1:
         return _healthy(index, tp_base)
     kept = {b: p for b, p in proxies.items() if b not in joining}
-    new_dealt: dict[str, dict[int, int]] = {}
-    for family, num_units in sorted(units.items()):
-        blocks = _blocks(num_units, tp_base)
-        mine: dict[int, list[int]] = {s: [] for s in live}  # dealt units per slot, ascending
-        for unit, holder in dealt[family].items():  # ascending units
-            if _block_of(num_units, tp_base, unit) not in joining:
-                mine[holder].append(unit)
-        count = {s: len(blocks[s]) + len(mine[s]) for s in live}
-        while True:
-            high, low = max(count.values()), min(count.values())
-            if high - low <= 1:
-                break
-            # high >= low + 2 > the largest block, so the donor holds dealt units.
-            donor = min(s for s in live if count[s] == high)
-            unit = mine[donor].pop()
-            proxy = kept[_block_of(num_units, tp_base, unit)]
-            target = proxy if count[proxy] == low else min(s for s in live if count[s] == low)
-            bisect.insort(mine[target], unit)
-            count[donor] -= 1
-            count[target] += 1
-        new_dealt[family] = {u: s for s in live for u in mine[s]}
-    return index, live, kept, new_dealt
+    back = {f: {u: s for u, s in d.items() if _block_of(units[f], tp_base, u) not in joining}
+            for f, d in dealt.items()}
+    return _fit((index, live, kept, back, weights), tp_base, units)
 
 
 def _build(generation: int, tp_base: int, units: Mapping[str, int], drafts: Iterable[_Draft]) -> Topology:
-    """A topology whose ranks are numbered 0, 1, ... over live slots in (replica, slot) order."""
+    """A topology whose ranks are numbered 0, 1, ... over live slots in (replica, slot) order; a replica's dealt
+    units are listed for every family when it has any, and even weights are not listed."""
     replicas, next_rank = [], 0
-    for index, slots, proxies, dealt in sorted(drafts, key=lambda d: d[0]):
+    for index, slots, proxies, dealt, weights in sorted(drafts, key=lambda d: d[0]):
+        dealt = {f: dealt.get(f, {}) for f in units} if any(dealt.values()) or proxies else {}
+        weights = weights if len(set(weights.values())) > 1 else {}
         replicas.append(Replica(index, tuple(slots), tuple(range(next_rank, next_rank + len(slots))),
-                                proxies=proxies, dealt=dealt if proxies else {}))
+                                proxies=proxies, dealt=dealt, weights=weights))
         next_rank += len(slots)
     return Topology(generation=generation, tp_base=tp_base, units=dict(units), replicas=tuple(replicas))
 
@@ -868,6 +1035,31 @@ def join_topology(current: Topology, joined_slots: Iterable[tuple[int, int]], mi
         dying = set(range(current.tp_base)) - slots
         drafts.append(_shrink(_healthy(index, current.tp_base), dying, current.tp_base, current.units))
     return _build(current.generation + 1, current.tp_base, current.units, drafts)
+
+
+def reweight_topology(current: Topology, weights: Mapping[int, Mapping[int, int]]) -> Topology:
+    """The topology of generation g+1 in which each replica listed in ``weights`` (replica index -> live slot ->
+    positive weight; an empty mapping: its slots alike again) shares every family in proportion to its slots'
+    weights, with the fewest moves (module docstring, "Weighted dealing"): a slow slot lends units of its block to
+    the others of its replica, as a dead slot's units are dealt. Nothing else changes: no slot dies or joins, proxies
+    and sync groups stay, other replicas keep their layout. A replica with every slot live and its slots alike again
+    is canonical (lent units go home)."""
+    drafts = {rep.index: _draft_of(rep) for rep in current.replicas}
+    for index, given in weights.items():
+        rep = current.replica(index)
+        if given and sorted(given) != list(rep.slots):
+            raise ValueError(f"replica {index}: weights must name exactly its live slots {list(rep.slots)}, got "
+                             f"{sorted(given)}")
+        for slot, weight in given.items():
+            _check_int(f"replica {index}: weight of slot {slot}", weight, 1)
+        even = len(set(given.values())) <= 1
+        if even and rep.width == current.tp_base:
+            drafts[index] = _healthy(index, current.tp_base)
+            continue
+        index, slots, proxies, dealt, _ = drafts[index]
+        drafts[index] = _fit((index, slots, proxies, dealt, {} if even else dict(given)), current.tp_base,
+                             current.units)
+    return _build(current.generation + 1, current.tp_base, current.units, drafts.values())
 
 
 def _check_ranks(topology: Topology, ranks: Iterable[int]) -> frozenset[int]:

@@ -270,6 +270,8 @@ def published_topology(base: "Topology | PipelineTopology", info: dict, generati
     (the two-level control plane, :mod:`ntp_megatron.elastic.relay`); the controller computes it the same way."""
     if info.get("joined"):
         new = join_topology(base, [tuple(slot) for slot in info["joined"]], min_tp=min_tp)
+    elif info.get("weights"):
+        new = reweight_topology(base, weights_from_json(info["weights"]))
     else:
         dead = [base.rank_of(*identity) for identity in info["dead"]]
         new = next_topology(base, [rank for rank in dead if rank is not None], min_tp=min_tp, policy=policy)
@@ -321,6 +323,32 @@ def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable
                             f"{[sorted(b) for b in returning]})")
     return _renumbered(layout.join_topology(stage, joining[p], min_tp=min_tp) if joining[p] else
                        _next_generation(stage) for p, stage in enumerate(current.stages))
+
+
+def reweight_topology(current: "Topology | PipelineTopology", weights: Mapping[tuple[int, int], Mapping[int, int]]
+                      ) -> "Topology | PipelineTopology":
+    """:func:`ntp_megatron.layout.reweight_topology` for a topology with or without stages: ``weights`` maps
+    ``(replica, stage)`` (stage 0 without stages) to that stage's slot weights; other stages keep their layout."""
+    per_stage: dict[int, dict[int, Mapping[int, int]]] = {}
+    stages = current.num_stages if isinstance(current, PipelineTopology) else 1
+    for (replica, stage), given in weights.items():
+        if not 0 <= stage < stages:
+            raise ValueError(f"weights for replica {replica}: stage {stage} out of range 0..{stages - 1}")
+        per_stage.setdefault(stage, {})[replica] = given
+    if not isinstance(current, PipelineTopology):
+        return layout.reweight_topology(current, per_stage.get(0, {}))
+    return _renumbered(layout.reweight_topology(stage, per_stage[p]) if p in per_stage else _next_generation(stage)
+                       for p, stage in enumerate(current.stages))
+
+
+def weights_to_json(weights: Mapping[tuple[int, int], Mapping[int, int]]) -> list:
+    """``[[replica, stage, [[slot, weight], ...]], ...]``: a generation's reweighting as it is published."""
+    return [[replica, stage, [[slot, w] for slot, w in sorted(given.items())]]
+            for (replica, stage), given in sorted(weights.items())]
+
+
+def weights_from_json(items: list) -> dict[tuple[int, int], dict[int, int]]:
+    return {(replica, stage): {slot: w for slot, w in pairs} for replica, stage, pairs in items}
 
 
 def transition_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology",
