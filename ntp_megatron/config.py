@@ -298,6 +298,18 @@ class NTPSection(_Section):
     counted). A ``min_tp`` that would let a rank exceed it in some layout is refused before the start, naming the
     lowest ``min_tp`` that fits (``ntp-launch --print-memory-plan`` prints every TP degree's figure). null: no
     check."""
+    rebalance: bool = True
+    """A slow rank gets a smaller share live (docs/live-failures.md, slow ranks): when a rank's compute time per
+    iteration stays more than ``rebalance_threshold`` times its tensor-parallel group's median for
+    ``rebalance_window`` iterations, the controller publishes a generation in which it holds a share of the units in
+    proportion to its speed (the others of its replica take the rest; nothing else changes), and gives its units
+    back once it is as fast as the others again. false: a slow rank slows its whole replica, and the job."""
+    rebalance_threshold: float = Field(1.2, gt=1.0)
+    """How much slower than its group's median (compute time per iteration, waits excluded) a rank must stay to be
+    rebalanced; a rebalanced rank gets its units back once it is this much faster than the median."""
+    rebalance_window: int = Field(10, ge=1)
+    """For how many consecutive iterations a rank must stay that slow (or that fast) before its replica is
+    rebalanced."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh

@@ -38,6 +38,18 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
   building its objects, before units move) — a second failure in the middle of a re-formation after
   another rank's failure, or a replacement process dying while it is being admitted.
 
+A slow rank (the rank paces itself: not a failure, nothing dies)::
+
+    slow:rank=R,factor=F[,iter=N]
+
+From iteration N (default 1) on, launch rank R's compute takes F times as long (F >= 1; ``factor=1`` ends an
+earlier slowdown): at every micro-batch and at the start of the gradient sync the rank sleeps F - 1 times the
+compute time it spent since the last such point (waits on its peers excluded,
+:func:`ntp_megatron.phases.compute_clock`),
+as a GPU held back by its clocks would (the model is NVIDIA Resiliency Extension's GPU_SLEEP). Several ``slow``
+specs for one rank make a timeline. Under NTP the controller rebalances a slow rank's replica
+(:mod:`ntp_megatron.straggler`).
+
 Controller-side (the launcher does it from outside)::
 
     kill:rank=R,after=S                              SIGKILL launch rank R at S seconds of wall time
@@ -73,7 +85,8 @@ SPIN_PHASES = phases.ITERATION
 """Where ``spin`` may fire: the phases of an iteration, where the launcher takes a rank that makes no progress while
 its peers wait on it for a stuck one (:data:`ntp_megatron.phases.ITERATION`)."""
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom, spin; P in "
-         f"{', '.join(PHASES)}), kill:rank=R,after=S, or random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
+         f"{', '.join(PHASES)}), kill:rank=R,after=S, slow:rank=R,factor=F[,iter=N], or "
+         "random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
 
 
 @dataclass(frozen=True)
@@ -127,7 +140,19 @@ class RandomFailures:
             yield t, rng
 
 
-FailureSpec = Union[RankFailure, TimedKill, RandomFailures]
+@dataclass(frozen=True)
+class SlowRank:
+    """From iteration ``iteration`` on, launch rank ``rank`` computes ``factor`` times as long (1: normal again)."""
+
+    rank: int
+    factor: float
+    iteration: int = 1
+
+    def __str__(self) -> str:
+        return f"slow:rank={self.rank},factor={self.factor:g},iter={self.iteration}"
+
+
+FailureSpec = Union[RankFailure, TimedKill, RandomFailures, SlowRank]
 
 
 def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
@@ -162,8 +187,25 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     the run's evaluation interval, None if it does not evaluate (phase ``eval`` needs one).
     """
     action, sep, rest = text.partition(":")
-    if not sep or action not in (*ACTIONS, "random"):
+    if not sep or action not in (*ACTIONS, "random", "slow"):
         raise ConfigError(f"--inject-failure {text!r}: {USAGE}")
+    if action == "slow":
+        f = _fields(text, rest, {"rank": int, "factor": float, "iter": int})
+        for required in ("rank", "factor"):
+            if required not in f:
+                raise ConfigError(f"--inject-failure {text!r}: missing {required}; expected slow:rank=R,factor=F"
+                                  "[,iter=N]")
+        if not 1 <= f["factor"] <= 100:
+            raise ConfigError(f"--inject-failure {text!r}: factor must be in 1..100 (1 ends a slowdown), got "
+                              f"{f['factor']:g}")
+        slow = SlowRank(rank=f["rank"], factor=f["factor"], iteration=f.get("iter", 1))
+        if slow.iteration < 1:
+            raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
+        if train_iters is not None and slow.iteration > train_iters:
+            raise ConfigError(f"--inject-failure {text!r}: iter {slow.iteration} is past training.train_iters "
+                              f"({train_iters}); it would never take effect")
+        _check_rank(text, slow.rank, world_size)
+        return slow
     if action == "random":
         f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str})
         if "mtbf" not in f:
@@ -235,13 +277,14 @@ def _check_rank(text: str, rank: int, world_size: Optional[int]) -> None:
 
 
 def to_env(specs: Sequence[FailureSpec]) -> str:
-    """The in-rank specs, for the ranks' environment (controller-side ones stay in the launcher)."""
-    return json.dumps([asdict(s) for s in specs if isinstance(s, RankFailure)])
+    """The in-rank specs (failures and slowdowns), for the ranks' environment (controller-side ones stay in the
+    launcher)."""
+    return json.dumps([asdict(s) for s in specs if isinstance(s, (RankFailure, SlowRank))])
 
 
-def from_env(environ: Optional[dict[str, str]] = None) -> list[RankFailure]:
+def from_env(environ: Optional[dict[str, str]] = None) -> list[Union[RankFailure, SlowRank]]:
     raw = (environ if environ is not None else os.environ).get(ENV_FAILURES)
-    return [RankFailure(**item) for item in json.loads(raw)] if raw else []
+    return [SlowRank(**item) if "factor" in item else RankFailure(**item) for item in json.loads(raw)] if raw else []
 
 
 class InjectedError(RuntimeError):
@@ -300,6 +343,46 @@ def _spin() -> None:
     nothing else of the rank moves (the launcher fences it)."""
     while True:
         pass
+
+
+class Slowdown:
+    """The pace of a slow rank (:data:`ntp_megatron.phases.install_pace`): called at every micro-batch and phase
+    point. From an iteration's ``start`` to the first point after its forward and backward passes (the gradient
+    sync under NTP, else the optimizer step) it sleeps ``factor - 1`` times the compute time since the last call, so
+    the rank's compute takes ``factor`` times as long while its waits on its peers stay what they are; elsewhere
+    (optimizer step, evaluation, checkpoints) it does nothing."""
+
+    WINDOW = ("forward", "backward")
+
+    def __init__(self, launch_rank: int, specs: Iterable[SlowRank],
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.timeline = sorted((s.iteration, s.factor) for s in specs if s.rank == launch_rank)
+        self.sleep = sleep
+        self._last: Optional[float] = None
+        self.slept = 0.0
+        """Seconds slept so far (what the slowdown added)."""
+
+    def factor(self, iteration: int) -> float:
+        factor = 1.0
+        for start, f in self.timeline:
+            if start <= iteration:
+                factor = f
+        return factor
+
+    def __call__(self) -> None:
+        iteration, phase = phases.current()
+        now = phases.compute_clock()
+        if phase == "start":
+            self._last = now  # an iteration begins: its compute is counted from here
+            return
+        if self._last is None:
+            return
+        extra = (self.factor(iteration) - 1.0) * (now - self._last)
+        if extra > 0:
+            self.sleep(extra)
+            self.slept += extra
+        # The passes go on, or they ended (the gradient sync under NTP, else the optimizer step's point).
+        self._last = phases.compute_clock() if phase in self.WINDOW else None
 
 
 def install(trigger: Optional[FailureTrigger]) -> None:

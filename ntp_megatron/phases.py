@@ -29,16 +29,46 @@ Hook = Callable[[str, int], None]
 """Called with (phase, 1-based iteration) at every :func:`point`."""
 
 _hook: Optional[Hook] = None
+_pace: Optional[Callable[[], None]] = None
 _iteration = 0
 _phase = "start"
 _ticks = 0
 _waiting_since: Optional[float] = None
+_wait_began = 0.0
+_waited = 0.0
+_computed: list[tuple[int, float]] = []
+COMPUTED_KEPT = 16
+"""How many iterations' compute times :func:`computed` keeps (the heartbeat sends them all)."""
 
 
 def install(hook: Optional[Hook]) -> None:
     """Make ``hook`` the one :func:`point` calls (None: no hook). One per rank process."""
     global _hook
     _hook = hook
+
+
+def install_pace(pace: Optional[Callable[[], None]]) -> None:
+    """Make ``pace`` the one called at every :func:`tick` and :func:`point`, before the hook (None: none): an
+    injected slowdown paces the rank's compute there (:class:`ntp_megatron.faults.Slowdown`)."""
+    global _pace
+    _pace = pace
+
+
+def compute_clock() -> float:
+    """Seconds of this rank's main thread spent on anything but waiting on its peers (:class:`waiting`), on a
+    monotonic clock: the difference over an iteration is its compute time, whatever its peers did meanwhile."""
+    return time.perf_counter() - _waited
+
+
+def record_compute(iteration: int, seconds: float) -> None:
+    """The compute time of ``iteration`` (its forward and backward passes and gradient sync, waits excluded)."""
+    _computed.append((iteration, seconds))
+    del _computed[:-COMPUTED_KEPT]
+
+
+def computed() -> list[tuple[int, float]]:
+    """The last :data:`COMPUTED_KEPT` iterations' compute times, oldest first. Read from other threads."""
+    return list(_computed)
 
 
 def at_iteration(iteration: int) -> None:
@@ -60,6 +90,8 @@ def tick() -> None:
     """Some work of the current phase was done (a micro-batch): the rank is making progress."""
     global _ticks
     _ticks += 1
+    if _pace is not None:
+        _pace()
 
 
 class waiting:
@@ -68,15 +100,17 @@ class waiting:
     other threads' leave the outer one's state as it is."""
 
     def __enter__(self) -> "waiting":
-        global _waiting_since
+        global _waiting_since, _wait_began
         self._outer = threading.current_thread() is threading.main_thread() and _waiting_since is None
         if self._outer:
             _waiting_since = time.time()
+            _wait_began = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _waiting_since, _ticks
+        global _waiting_since, _ticks, _waited
         if self._outer:
+            _waited += time.perf_counter() - _wait_began
             _waiting_since = None
             _ticks += 1
 
@@ -96,6 +130,8 @@ def progress() -> int:
 def point(phase: str) -> None:
     """The rank reached ``phase`` of the iteration in progress: the installed hook may fail it here."""
     enter(phase)
+    if _pace is not None:
+        _pace()
     if _hook is not None:
         _hook(phase, _iteration)
 

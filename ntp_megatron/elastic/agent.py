@@ -89,6 +89,9 @@ class Agent:
         """Launch rank -> (its last progress count, since when it has had it)."""
         self._placed: set[int] = set()
         """Ranks whose heartbeat key this agent has set if it was missing (:meth:`_read_beats`)."""
+        self.compute_times: dict[int, list] = {}
+        """Launch rank -> its last iterations' compute times, ``[iteration, seconds]``, as its heartbeat sent them
+        (for the straggler monitor, :mod:`ntp_megatron.straggler`)."""
         self.oldest_beat_s = 0.0
         """The oldest heartbeat seen so far, as its age when read (how far the store lags behind the ranks)."""
         self._stall_published = 0.0
@@ -157,6 +160,7 @@ class Agent:
             silent = now - (last if last is not None else born)
             if last is not None:
                 self.oldest_beat_s = max(self.oldest_beat_s, silent)
+                self.compute_times[rank] = beat.get("compute", [])
             limit = self.heartbeat_timeout_s if last is not None else self.startup_grace_s
             if silent > limit:
                 # The rank stopped at about its last heartbeat: that is when it failed.

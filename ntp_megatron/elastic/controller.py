@@ -33,7 +33,8 @@ from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.layout import Topology, TopologyError
 from ntp_megatron.stages import PipelineTopology, join_topology, live_widths, next_topology, replica_widths, \
-    transition_plan, with_generation
+    reweight_topology, transition_plan, weights_to_json, with_generation
+from ntp_megatron.straggler import Decision
 from ntp_megatron.shard_layout import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
@@ -311,8 +312,47 @@ class Controller:
             return False
         self.unfit.difference_update(s[0] for s in slots)
         self._not_admitted = None
+        new = self._at_boundary(new, {"joined": [list(s) for s in slots]})
+        self.dead.difference_update(launch_ranks)
+        joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]}"
+                           + "".join(f", stage {p}" for p in self._stage(lr).values()) + ")" for lr in launch_ranks)
+        self.say(f"admitting {joined} at the next iteration boundary: generation {new.generation}, tp per replica "
+                 f"{live_widths(new)}")
+        return True
+
+    def rebalance(self, decisions: list[Decision]) -> bool:
+        """Reweight TP groups whose ranks run at different speeds (:mod:`ntp_megatron.straggler`) at the next
+        iteration boundary: publish the next generation, in which each slow rank holds a share of the units in
+        proportion to its speed (:func:`ntp_megatron.stages.reweight_topology`; nothing dies, no other group
+        changes). False if a re-formation is in progress (decide again later)."""
+        if self.forming() or not decisions:
+            return False
+        old = self.latest
+        weights = {(d.replica, d.stage): dict(d.weights) for d in decisions}
+        new = self._at_boundary(reweight_topology(old, weights), {"weights": weights_to_json(weights)})
+        stages = isinstance(old, PipelineTopology)
+        for d in decisions:
+            where = f"replica {d.replica}" + (f" stage {d.stage}" if stages else "")
+            launch = {ident[1]: lr for lr, ident in self.identity.items()
+                      if ident[0] == d.replica and (ident[2] if len(ident) > 2 else 0) == d.stage}
+            self.emit({"kind": "event", "event": "rebalanced", "generation": new.generation, "replica": d.replica,
+                       "stage": d.stage, "weights": {str(s): w for s, w in d.weights.items()},
+                       "slowness": {str(s): v for s, v in d.slowness.items()},
+                       "launch_ranks": {str(s): lr for s, lr in launch.items()},
+                       "iterations": list(d.iterations), "time": time.time()})
+            shares = (", ".join(f"slot {s} (launch rank {launch.get(s)}) {d.slowness[s]:.2f}x slower: weight {w}"
+                                for s, w in sorted(d.weights.items()) if w < 100)
+                      or "its ranks run alike again: units back to their own slots")
+            self.say(f"rebalancing {where} at the next iteration boundary: {shares} (iterations "
+                     f"{d.iterations[0]}..{d.iterations[-1]}); generation {new.generation}")
+        return True
+
+    def _at_boundary(self, new: Topology, change: dict) -> Topology:
+        """Publish ``new`` (what ``change`` says changed: slots joined, or weights) as the next generation, which the
+        running one moves to after its next committed iteration."""
+        old = self.latest
         new = with_generation(new, old.generation + 1)
-        info = {"base": old.generation, "dead": [], "joined": [list(s) for s in slots], "settled": None,
+        info = {"base": old.generation, "dead": [], "joined": [], **change, "settled": None,
                 "failure_time": time.time(), "deaths": []}
         g = new.generation
         self.store.set(keys.info(g), json.dumps(info))
@@ -320,13 +360,8 @@ class Controller:
         self.store.set(keys.LATEST, str(g))
         self.store.set(keys.reform_requested(old.generation), str(g))
         self.latest = self.published[g] = new
-        self._published(new, base=old.generation, dead=[], joined=slots)
-        self.dead.difference_update(launch_ranks)
-        joined = ", ".join(f"launch rank {lr} (replica {self.identity[lr][0]}, slot {self.identity[lr][1]}"
-                           + "".join(f", stage {p}" for p in self._stage(lr).values()) + ")" for lr in launch_ranks)
-        self.say(f"admitting {joined} at the next iteration boundary: generation {g}, tp per replica "
-                 f"{live_widths(new)}")
-        return True
+        self._published(new, base=old.generation, dead=[], joined=[tuple(s) for s in info["joined"]])
+        return new
 
     def _stage(self, launch_rank: int) -> dict:
         """``{"stage": p}`` for a launch rank of a job with pipeline stages (its identity names it), else empty."""

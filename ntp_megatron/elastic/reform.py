@@ -359,7 +359,8 @@ class Reformer:
         if not staged.fresh:
             memory.report("reform", training.parts, iteration=training.iteration + 1,
                           rebuilt=staged.new_parts is not None, **staged.memory)
-        if self.generation.rank == 0 and (staged.info.get("deaths") or staged.info.get("joined")):
+        if self.generation.rank == 0 and (staged.info.get("deaths") or staged.info.get("joined")
+                                          or staged.info.get("weights")):
             self._report(training, staged)
 
     def _report_rank(self, old: Optional[RankObjects], new: RankObjects, staged: "_Staged",
@@ -400,14 +401,21 @@ class Reformer:
         event = {"kind": "event", "event": "reformed", "generation": topology.generation, "tp_per_replica": widths,
                  "recovery_s": recovery_s, "moved_bytes": moved, "lower_bound_bytes": bound,
                  "iterations_redone": redone, "resume_iteration": resume, "time": time.time(),
-                 "reform_s": time.time() - staged.started, "joined": [list(j) for j in joined]}
+                 "reform_s": time.time() - staged.started, "joined": [list(j) for j in joined],
+                 "weights": info.get("weights", [])}
         if shard_moves is not None:
             event["shard_moves"] = shard_moves
         metrics.emit(event, sys.stdout)
         stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S")
-        what = ("rejoined: " + ", ".join(f"replica {j[0]} slot {j[1]}" + "".join(f" stage {p}" for p in j[2:])
-                                          for j in joined)) if joined else (
-            f"recovered in {recovery_s:.2f} s")
+        if joined:
+            what = "rejoined: " + ", ".join(f"replica {j[0]} slot {j[1]}" + "".join(f" stage {p}" for p in j[2:])
+                                            for j in joined)
+        elif info.get("weights"):
+            what = "rebalanced: " + "; ".join(
+                f"replica {r}" + (f" stage {p}" if isinstance(topology, stages.PipelineTopology) else "") + " "
+                + (", ".join(f"slot {slot} weight {w}" for slot, w in pairs) or "even") for r, p, pairs in info["weights"])
+        else:
+            what = f"recovered in {recovery_s:.2f} s"
         redo = f"iteration {resume} redone" if redone else f"resuming at iteration {resume}"
         print(f" [{stamp}] re-formed | generation {topology.generation} | tp per replica: {widths} | {what} | "
               f"moved {_size(moved)} (lower bound {_size(bound)}) | {redo} |", flush=True)

@@ -186,10 +186,13 @@ class Heartbeat:
 
 def beat() -> dict:
     """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
-    works) and ``waiting_since`` (when its main thread began waiting on a collective, or None)."""
+    works), ``waiting_since`` (when its main thread began waiting on a collective, or None) and ``compute`` (its
+    last iterations' compute times, ``[iteration, seconds]``: what the launcher's straggler monitor reads, with no
+    request of its own)."""
     iteration, phase = phases.current()
     return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress(),
-            "waiting_since": phases.wait_state()}
+            "waiting_since": phases.wait_state(),
+            "compute": [[k, round(seconds, 6)] for k, seconds in phases.computed()]}
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, stop: Optional[threading.Event] = None) -> None:

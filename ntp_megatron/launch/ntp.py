@@ -15,6 +15,7 @@ from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.preflight import pin_checkpoint_load
+from ntp_megatron.straggler import StragglerMonitor, groups_of
 
 
 class NTPPolicy(DeathPolicy):
@@ -71,6 +72,9 @@ class ControllerPolicy(NTPPolicy):
 
     def begin(self) -> None:
         self.controller = self._controller()
+        ntp = self.host.cfg.ntp
+        self.stragglers = StragglerMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
+        self._measured_generation = self.controller.completed.generation
         super().begin()
 
     def _controller(self) -> Controller:
@@ -117,6 +121,7 @@ class ControllerPolicy(NTPPolicy):
 
     def after(self) -> None:
         super().after()
+        self._rebalance()
         if self.host.cfg.ntp.rejoin_after_s is None or self.training_done:
             return
         # Any node's replacements: each announces itself in the store.
@@ -126,6 +131,21 @@ class ControllerPolicy(NTPPolicy):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
                     store.delete_key(keys.joining(lr))
+
+    def _rebalance(self) -> None:
+        """Feed this node's ranks' compute times (from their heartbeats) to the straggler monitor, and reweight the
+        groups it names (``ntp.rebalance``)."""
+        agent, c = self.host.agent, self.controller
+        if self.stragglers is None or agent is None or self.training_done or c.forming():
+            return
+        if c.completed.generation != self._measured_generation:  # a new layout: only its own iterations count
+            self._measured_generation = c.completed.generation
+            self.stragglers.reset(int(self.host.store.get(keys.COMMITTED).decode()))
+        for launch_rank, measured in agent.compute_times.items():
+            self.stragglers.observe(launch_rank, measured)
+        decisions = self.stragglers.decide(groups_of(c.latest, c.identity))
+        if decisions:
+            c.rebalance(decisions)
 
     def close(self) -> None:
         self.controller.close()

@@ -107,6 +107,7 @@ class Trainer:
         if measured < len(MEMORY_PHASES):
             self.memory.begin()
         start = time.perf_counter()
+        computing = phases.compute_clock()
         parts.model.zero_grad_buffer()
         parts.optimizer.zero_grad()
         samples: list[int] = []
@@ -117,6 +118,8 @@ class Trainer:
         reported = run_schedule(s, parts.tf_config, parts.model, ForwardStep(s.microbatches),
                                 microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
                                 s.microbatches, self.cfg.model.seq_length, t.micro_batch_size, forward_only=False)
+        compute_s = phases.compute_clock() - computing  # the passes and the gradient sync, waits excluded
+        phases.record_compute(k, compute_s)
         loss_and_tokens = s.loss_over_replicas(loss_of(reported, torch.float32))
         grad_norm = None
         if s.grad_sync is not None and t.clip_grad > 0:
@@ -126,6 +129,7 @@ class Trainer:
             "global_batch_size": s.samples_per_iteration,
             "lm_loss": float(loss_and_tokens[0] / loss_and_tokens[1]),
             "grad_norm": grad_norm, "lr": lr, "tp_per_replica": s.tp_per_replica, "generation": s.generation,
+            "compute_ms": compute_s * 1e3,
             "_start": start, "_memory": MEMORY_PHASES[measured] if measured < len(MEMORY_PHASES) else None,
         }
         self.session.commit(k)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 
-from ntp_megatron import faults  # noqa: E402
+from ntp_megatron import faults, phases  # noqa: E402
 from ntp_megatron.config import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
 from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
@@ -198,9 +198,13 @@ def _build_dataset(run_dir: Path, cfg: JobConfig):
 def _install_failures(env: runtime.RankEnv, store) -> None:
     """This rank's injected failures (``--inject-failure``), plugged into the phases the training code names."""
     specs = faults.from_env()
-    if specs:
-        faults.install(faults.FailureTrigger(env.rank, specs, on_fire=_record_failure(store, env.rank),
+    failures = [s for s in specs if isinstance(s, faults.RankFailure)]
+    if failures:
+        faults.install(faults.FailureTrigger(env.rank, failures, on_fire=_record_failure(store, env.rank),
                                              fired=lambda spec: store.check([keys.fired(str(spec))])))
+    slow = [s for s in specs if isinstance(s, faults.SlowRank) and s.rank == env.rank]
+    if slow:
+        phases.install_pace(faults.Slowdown(env.rank, slow))
 
 
 def _record_failure(store, launch_rank: int):

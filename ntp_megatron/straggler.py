@@ -1,0 +1,130 @@
+"""Slow ranks: which tensor-parallel group to rebalance, and to which weights. Pure Python, no torch.distributed.
+
+A slow GPU (thermal throttling, a bad link, a noisy neighbour) costs a synchronous job as much as a dead one:
+every rank of its TP group waits for it in every layer's collective, and every replica waits for that group at
+the gradient sync. Under NTP the group can give the slow rank fewer units instead
+(:func:`ntp_megatron.layout.reweight_topology`).
+
+Each rank measures its compute time per iteration (its forward and backward passes and gradient sync, minus its
+waits on peers: :func:`ntp_megatron.phases.compute_clock`) and sends its last iterations' times with its heartbeat,
+which its launcher reads anyway: no collective and no request of its own. :class:`StragglerMonitor` compares the
+members of each TP group (one replica's stage) iteration by iteration. A member's *speed* is the work it was given
+(its weight: 100 for a normal one, and the layout gives it a share in proportion) per second of compute; its
+*relative speed* is that over the group's median speed (the higher median: with two members, the faster one), and
+``100 * relative speed`` is the weight it should have. A member whose weight that way is off its current one by
+more than ``threshold`` (lower for a new straggler or one that slowed further, higher for a weighted one whose
+slowdown ended) in each of the last ``window`` iterations it measured in the group's current layout gets its
+window's mean (within 1..100); the others keep theirs. A group whose weights all come out alike is even again
+(canonical when every slot is live: the units go home).
+
+Times of a group's iterations before its current layout took effect do not count (:meth:`StragglerMonitor.reset`
+when a new generation completes).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+NORMAL = 100
+"""The weight of a rank at normal speed."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Reweight one TP group: ``weights`` (live slot -> weight; empty: alike again) for replica ``replica``'s stage
+    ``stage``, because of the measured ``slowness`` (slot -> mean compute time over the group's median)."""
+
+    replica: int
+    stage: int
+    weights: Mapping[int, int]
+    slowness: Mapping[int, float]
+    iterations: tuple[int, ...]
+    """The iterations measured."""
+
+
+@dataclass
+class Group:
+    """One TP group as the monitor sees it: its members' launch ranks by slot, and its current weights."""
+
+    replica: int
+    stage: int
+    members: Mapping[int, int]
+    """Live slot -> launch rank."""
+    weights: Mapping[int, int] = field(default_factory=dict)
+    """Live slot -> weight as the current layout has them (empty: alike)."""
+
+
+class StragglerMonitor:
+    def __init__(self, threshold: float, window: int) -> None:
+        if threshold <= 1.0 or window < 1:
+            raise ValueError(f"threshold must be > 1 and window >= 1, got {threshold}, {window}")
+        self.threshold, self.window = threshold, window
+        self.times: dict[int, dict[int, float]] = {}
+        """Launch rank -> iteration -> compute seconds, since its group's layout took effect."""
+        self.since = 0
+        """Iterations up to this one do not count (they ran in an earlier layout)."""
+
+    def reset(self, after_iteration: int) -> None:
+        """A new layout took effect: only iterations after ``after_iteration`` count from now on."""
+        self.since = max(self.since, after_iteration)
+        self.times.clear()
+
+    def observe(self, launch_rank: int, measured: Iterable[tuple[int, float]]) -> None:
+        """``(iteration, seconds)`` pairs a rank reported (its heartbeat repeats some: kept once)."""
+        mine = self.times.setdefault(launch_rank, {})
+        for iteration, seconds in measured:
+            if iteration > self.since:
+                mine[int(iteration)] = float(seconds)
+        for old in sorted(mine)[:-4 * self.window]:  # bounded: a window's worth is all a decision reads
+            del mine[old]
+
+    def decide(self, groups: Iterable[Group]) -> list[Decision]:
+        """The groups to reweight now, and how."""
+        return [d for g in groups if (d := self._decide(g)) is not None]
+
+    def _decide(self, group: Group) -> Decision | None:
+        slots = sorted(group.members)
+        if len(slots) < 2:
+            return None
+        common = set.intersection(*(set(self.times.get(group.members[s], {})) for s in slots))
+        window = sorted(common)[-self.window:]
+        if len(window) < self.window:
+            return None
+        current = {s: group.weights.get(s, NORMAL) if group.weights else NORMAL for s in slots}
+        speeds = {s: [] for s in slots}  # slot -> its speed over the group's median speed, per iteration
+        for k in window:
+            times = {s: self.times[group.members[s]][k] for s in slots}
+            if min(times.values()) <= 0:
+                return None
+            speed = {s: current[s] / times[s] for s in slots}  # work (its weight's share) per second
+            median = statistics.median_high(speed.values())
+            for s in slots:
+                speeds[s].append(speed[s] / median)
+        # A member whose speed implies a weight off its current one by more than the threshold, in every iteration
+        # of the window: slower (a new straggler, or one that slowed further) or faster (its slowdown ended).
+        changed = [s for s in slots
+                   if all(NORMAL * v < current[s] / self.threshold for v in speeds[s])
+                   or (current[s] < NORMAL and all(min(NORMAL, NORMAL * v) > current[s] * self.threshold
+                                                   for v in speeds[s]))]
+        if not changed:
+            return None
+        weights = {s: max(1, min(NORMAL, round(NORMAL * statistics.fmean(speeds[s])))) if s in changed
+                   else current[s] for s in slots}
+        even = len(set(weights.values())) == 1
+        return Decision(group.replica, group.stage, {} if even else weights,
+                        {s: round(1 / statistics.fmean(speeds[s]), 3) for s in slots}, tuple(window))
+
+
+def groups_of(topology, identity: Mapping[int, tuple[int, ...]]) -> list[Group]:
+    """Every TP group of ``topology`` (with or without pipeline stages) with its members' launch ranks, from the
+    controller's ``identity`` (launch rank -> (replica, slot[, stage]))."""
+    stages = getattr(topology, "stages", (topology,))
+    by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
+    out = []
+    for p, stage in enumerate(stages):
+        for rep in stage.replicas:
+            members = {s: by_place[rep.index, s, p] for s in rep.slots if (rep.index, s, p) in by_place}
+            out.append(Group(rep.index, p, members, dict(rep.weights)))
+    return out
