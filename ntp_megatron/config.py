@@ -310,6 +310,11 @@ class NTPSection(_Section):
     rebalance_window: int = Field(10, ge=1)
     """For how many consecutive iterations a rank must stay that slow (or that fast) before its replica is
     rebalanced."""
+    emulated_device_ms: Optional[float] = Field(None, gt=0.0)
+    """CPU tests and benchmarks: every rank also computes on an emulated device, sleeping its share (the fraction of
+    its replica's tensor-parallel weights it holds) of this many milliseconds at each micro-batch of a training
+    iteration, so that ranks wait on a slow peer as GPUs do instead of sharing the CPU with it
+    (:mod:`ntp_megatron.device_model`). null: off (the real compute only)."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh

@@ -369,7 +369,7 @@ class Slowdown:
                 factor = f
         return factor
 
-    def __call__(self) -> None:
+    def __call__(self, _kind: str = "point") -> None:
         iteration, phase = phases.current()
         now = phases.compute_clock()
         if phase == "start":

@@ -29,7 +29,7 @@ Hook = Callable[[str, int], None]
 """Called with (phase, 1-based iteration) at every :func:`point`."""
 
 _hook: Optional[Hook] = None
-_pace: Optional[Callable[[], None]] = None
+_paces: tuple[Callable[[str], None], ...] = ()
 _iteration = 0
 _phase = "start"
 _ticks = 0
@@ -37,6 +37,7 @@ _waiting_since: Optional[float] = None
 _wait_began = 0.0
 _waited = 0.0
 _computed: list[tuple[int, float]] = []
+_passes_done: Optional[float] = None
 COMPUTED_KEPT = 16
 """How many iterations' compute times :func:`computed` keeps (the heartbeat sends them all)."""
 
@@ -47,11 +48,13 @@ def install(hook: Optional[Hook]) -> None:
     _hook = hook
 
 
-def install_pace(pace: Optional[Callable[[], None]]) -> None:
-    """Make ``pace`` the one called at every :func:`tick` and :func:`point`, before the hook (None: none): an
-    injected slowdown paces the rank's compute there (:class:`ntp_megatron.faults.Slowdown`)."""
-    global _pace
-    _pace = pace
+def install_pace(*paces: Callable[[str], None]) -> None:
+    """Make ``paces`` the ones called, in order, at every :func:`tick` (with "tick") and :func:`point` (with
+    "point"), before the hook (none: no pace): an emulated device computes there
+    (:class:`ntp_megatron.device_model.EmulatedDevice`), and an injected slowdown stretches the rank's compute
+    (:class:`ntp_megatron.faults.Slowdown`)."""
+    global _paces
+    _paces = paces
 
 
 def compute_clock() -> float:
@@ -60,8 +63,14 @@ def compute_clock() -> float:
     return time.perf_counter() - _waited
 
 
+def passes_done(since: float) -> float:
+    """The compute clock when the forward and backward passes that began at ``since`` ended: at the gradient sync's
+    point (under NTP), else now."""
+    return _passes_done if _passes_done is not None and _passes_done > since else compute_clock()
+
+
 def record_compute(iteration: int, seconds: float) -> None:
-    """The compute time of ``iteration`` (its forward and backward passes and gradient sync, waits excluded)."""
+    """The compute time of ``iteration`` (its forward and backward passes, waits excluded)."""
     _computed.append((iteration, seconds))
     del _computed[:-COMPUTED_KEPT]
 
@@ -90,8 +99,8 @@ def tick() -> None:
     """Some work of the current phase was done (a micro-batch): the rank is making progress."""
     global _ticks
     _ticks += 1
-    if _pace is not None:
-        _pace()
+    for pace in _paces:
+        pace("tick")
 
 
 class waiting:
@@ -129,9 +138,12 @@ def progress() -> int:
 
 def point(phase: str) -> None:
     """The rank reached ``phase`` of the iteration in progress: the installed hook may fail it here."""
+    global _passes_done
     enter(phase)
-    if _pace is not None:
-        _pace()
+    for pace in _paces:
+        pace("point")
+    if phase == "grad_sync":
+        _passes_done = compute_clock()
     if _hook is not None:
         _hook(phase, _iteration)
 

@@ -14,7 +14,7 @@ members of each TP group (one replica's stage) iteration by iteration. A member'
 ``100 * relative speed`` is the weight it should have. A member whose weight that way is off its current one by
 more than ``threshold`` (lower for a new straggler or one that slowed further, higher for a weighted one whose
 slowdown ended) in each of the last ``window`` iterations it measured in the group's current layout gets its
-window's mean (within 1..100); the others keep theirs. A group whose weights all come out alike is even again
+window's mean (within 1..100, and 100 when that is within ``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again
 (canonical when every slot is live: the units go home).
 
 Times of a group's iterations before its current layout took effect do not count (:meth:`StragglerMonitor.reset`
@@ -110,11 +110,19 @@ class StragglerMonitor:
                                                    for v in speeds[s]))]
         if not changed:
             return None
-        weights = {s: max(1, min(NORMAL, round(NORMAL * statistics.fmean(speeds[s])))) if s in changed
-                   else current[s] for s in slots}
+        weights = {s: _weight(statistics.fmean(speeds[s]), self.threshold) if s in changed else current[s]
+                   for s in slots}
         even = len(set(weights.values())) == 1
         return Decision(group.replica, group.stage, {} if even else weights,
                         {s: round(1 / statistics.fmean(speeds[s]), 3) for s in slots}, tuple(window))
+
+
+def _weight(relative_speed: float, threshold: float) -> int:
+    """The weight of a member at ``relative_speed``: in proportion, within 1..100, and 100 for one within the
+    threshold of a normal speed (what is as fast as the others within the threshold is treated as such)."""
+    if relative_speed * threshold >= 1:
+        return NORMAL
+    return max(1, min(NORMAL, round(NORMAL * relative_speed)))
 
 
 def groups_of(topology, identity: Mapping[int, tuple[int, ...]]) -> list[Group]:

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ntp_megatron import metrics, phases
+from ntp_megatron import device_model, metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic.session import Session
 from ntp_megatron.training import checkpoint
@@ -77,6 +77,7 @@ class Trainer:
     _memory_reported: dict[int, int] = field(default_factory=dict, repr=False)
     """Per generation: how many of its iterations had a ``memory`` record (its first two do)."""
     _recent_ms: list[float] = field(default_factory=list, repr=False)
+    _device_generation: Optional[int] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.evaluations = Evaluations(self)
@@ -106,6 +107,9 @@ class Trainer:
         measured = self._memory_reported.get(s.generation, 0)
         if measured < len(MEMORY_PHASES):
             self.memory.begin()
+        if self._device_generation != s.generation:  # this generation's layout, on the emulated device
+            self._device_generation = s.generation
+            device_model.hold(parts.model.parameters(), s.pg.tp.size())
         start = time.perf_counter()
         computing = phases.compute_clock()
         parts.model.zero_grad_buffer()
@@ -118,7 +122,7 @@ class Trainer:
         reported = run_schedule(s, parts.tf_config, parts.model, ForwardStep(s.microbatches),
                                 microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
                                 s.microbatches, self.cfg.model.seq_length, t.micro_batch_size, forward_only=False)
-        compute_s = phases.compute_clock() - computing  # the passes and the gradient sync, waits excluded
+        compute_s = phases.passes_done(computing) - computing  # the forward and backward passes, waits excluded
         phases.record_compute(k, compute_s)
         loss_and_tokens = s.loss_over_replicas(loss_of(reported, torch.float32))
         grad_norm = None

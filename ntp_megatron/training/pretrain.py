@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 
-from ntp_megatron import faults, phases  # noqa: E402
+from ntp_megatron import device_model, faults, phases  # noqa: E402
 from ntp_megatron.config import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
 from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
@@ -104,7 +104,7 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-    _install_failures(env, control)
+    _install_failures(env, control, cfg)
     trainer = Trainer(cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
                       session=NullSession(env.rank), comm_stats=_comm_stats(cfg))
     # A restart resumes from the newest checkpoint of this run, if any, all of it; else from checkpoint.load (which
@@ -136,7 +136,7 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
     datasets = _dataset(env, cfg)
-    _install_failures(env, elastic.ctl)
+    _install_failures(env, elastic.ctl, cfg)
     session = ElasticSession(cfg, elastic, RankBuilder(cfg, device), joining=env.joining)
     trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank, session=session,
                       comm_stats=_comm_stats(cfg), joining=env.joining)
@@ -195,16 +195,23 @@ def _build_dataset(run_dir: Path, cfg: JobConfig):
     return data.build_datasets(cfg, tokenizer, cache_dir)
 
 
-def _install_failures(env: runtime.RankEnv, store) -> None:
-    """This rank's injected failures (``--inject-failure``), plugged into the phases the training code names."""
+def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> None:
+    """This rank's injected failures and slowdowns (``--inject-failure``) and its emulated device
+    (``ntp.emulated_device_ms``), plugged into the phases the training code names."""
     specs = faults.from_env()
     failures = [s for s in specs if isinstance(s, faults.RankFailure)]
     if failures:
         faults.install(faults.FailureTrigger(env.rank, failures, on_fire=_record_failure(store, env.rank),
                                              fired=lambda spec: store.check([keys.fired(str(spec))])))
+    paces = []
+    if cfg.ntp.emulated_device_ms is not None:
+        device = device_model.EmulatedDevice(cfg.ntp.emulated_device_ms)
+        device_model.install(device)
+        paces.append(device)
     slow = [s for s in specs if isinstance(s, faults.SlowRank) and s.rank == env.rank]
     if slow:
-        phases.install_pace(faults.Slowdown(env.rank, slow))
+        paces.append(faults.Slowdown(env.rank, slow))  # after the device: it stretches the device's compute too
+    phases.install_pace(*paces)
 
 
 def _record_failure(store, launch_rank: int):
