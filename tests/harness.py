@@ -563,14 +563,16 @@ def _canonical_block(num_units: int, tp_base: int, slot: int) -> set[int]:
 
 
 def holdings(topology: dict) -> dict[tuple[int, int], dict[str, set[int]]]:
-    """(replica, slot) -> family -> the units that slot's process holds: its canonical block, plus the units of
-    dead blocks dealt to it (the topology's ``dealt`` lists)."""
+    """(replica, slot) -> family -> the units that slot's process holds: its canonical block but the units listed
+    away from it, plus the units listed as dealt to it (the topology's ``dealt`` lists every unit not held by its own
+    slot: a dead block's, or one a weighted replica's slot lent)."""
     tp_base, units = topology["tp_base"], topology["units"]
     out = {}
     for rep in topology["replicas"]:
         for slot in rep["slots"]:
             out[rep["index"], slot] = {
-                family: _canonical_block(n, tp_base, slot) | {u for u, s in rep["dealt"].get(family, []) if s == slot}
+                family: (_canonical_block(n, tp_base, slot) - {u for u, _ in rep["dealt"].get(family, [])})
+                | {u for u, s in rep["dealt"].get(family, []) if s == slot}
                 for family, n in units.items()}
     return out
 

@@ -1,0 +1,43 @@
+"""A slow rank gets a smaller share live, and its block back when it is fast again; the loss curve is the run's
+without the slowdown, the replicas agree, the healthy replica keeps everything.
+
+Every rank computes on the emulated device (``ntp.emulated_device_ms``, ntp_megatron/device_model.py): on this
+2-core machine a sleeping rank would otherwise hand its CPU to its peers and hardly slow them."""
+
+from __future__ import annotations
+
+from tests.harness import assert_groups_as_planned, run_job
+from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
+
+ITERS = 24
+SLOW_FROM, SLOW_UNTIL = 3, 13
+DEVICE = ("--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3")
+
+
+def test_a_slow_rank_is_rebalanced_and_gets_its_block_back(tmp_path, jobs):
+    reference = jobs.run("slow-ref", ntp_args(2, 2, iters=ITERS))
+    args = ntp_args(2, 2, iters=ITERS, extra=DEVICE) + [
+        "--inject-failure", f"slow:rank=1,factor=3,iter={SLOW_FROM}",
+        "--inject-failure", f"slow:rank=1,factor=1,iter={SLOW_UNTIL}"]
+    result = run_job(tmp_path / "run", args, timeout=400)
+    assert_same_run(result, reference, ITERS)
+    assert_replicas_agree(result, ITERS)
+    rebalanced = result.events("rebalanced")
+    assert len(rebalanced) >= 2, [e for e in result.records if e.get("kind") == "event"]
+    first, last = rebalanced[0], rebalanced[-1]
+    assert first["replica"] == 0 and first["launch_ranks"]["1"] == 1
+    assert int(first["weights"]["1"]) < 100 and first["weights"]["0"] == 100  # the slow rank's share shrinks
+    assert min(first["iterations"]) >= SLOW_FROM
+    assert last["weights"] == {} and min(last["iterations"]) >= SLOW_UNTIL  # alike again: its block goes back
+    published = {e["generation"]: e["topology"] for e in result.events("generation_published")}
+    slow_layout = published[first["generation"]]["replicas"][0]
+    assert slow_layout["slots"] == [0, 1] and slow_layout["weights"] and slow_layout["dealt"]["heads"]
+    final = published[max(published)]["replicas"][0]
+    assert final["dealt"] == {} and "weights" not in final  # canonical again
+    reformed = result.events("reformed")
+    assert all(e["tp_per_replica"] == [2, 2] for e in reformed)  # nobody died
+    assert all(e["moved_bytes"] == e["lower_bound_bytes"] > 0 for e in reformed)  # only what changed moves
+    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 2 * len(reformed)  # replica 1 keeps all
+    kept = [r for r in result.records if r.get("kind") == "reform_rank" and r["replica"] == 1 and r["generation"]]
+    assert kept and all(r["same_model"] and r["same_optimizer"] and not r["rebuilt"] for r in kept)
+    assert all(w == [2, 2] for w in widths_by_iteration(result).values())
