@@ -1,0 +1,126 @@
+"""Slow ranks, the pure parts: the ``slow:`` spec, the rank's pace (Slowdown, the emulated device), and the
+straggler monitor's decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from ntp_megatron import faults, phases
+from ntp_megatron.config_io import ConfigError
+from ntp_megatron.device_model import EmulatedDevice
+from ntp_megatron.layout import make_topology, reweight_topology
+from ntp_megatron.straggler import Group, StragglerMonitor, groups_of
+
+pytestmark = pytest.mark.unit
+
+
+def test_slow_spec_parses_and_travels_to_the_ranks():
+    spec = faults.parse_failure_spec("slow:rank=1,factor=2,iter=10", world_size=8, train_iters=40)
+    assert spec == faults.SlowRank(rank=1, factor=2.0, iteration=10) and str(spec) == "slow:rank=1,factor=2,iter=10"
+    assert faults.parse_failure_spec("slow:rank=0,factor=1.5").iteration == 1
+    env = faults.to_env([spec, faults.parse_failure_spec("kill:rank=2,iter=3")])
+    assert faults.from_env({faults.ENV_FAILURES: env}) == [spec, faults.RankFailure("kill", 2, 3)]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("slow:rank=1", "missing factor"),
+    ("slow:factor=2", "missing rank"),
+    ("slow:rank=1,factor=0.5", "factor must be in 1..100"),
+    ("slow:rank=1,factor=2,iter=50", "past training.train_iters (40)"),
+    ("slow:rank=9,factor=2", "rank must be a launch rank in 0..7"),
+    ("slow:rank=1,factor=2,phase=forward", "unknown field 'phase'"),
+])
+def test_bad_slow_specs_name_the_field(text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        faults.parse_failure_spec(text, world_size=8, train_iters=40)
+
+
+class FakeClock:
+    """The compute clock, moved by the test (and by the sleeps of the pace under test)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 0.0
+        monkeypatch.setattr(phases, "compute_clock", lambda: self.now)
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_slowdown_stretches_the_passes_only(monkeypatch):
+    clock = FakeClock(monkeypatch)
+    slow = faults.Slowdown(1, [faults.SlowRank(1, 3.0, 2), faults.SlowRank(1, 1.0, 4), faults.SlowRank(0, 9.0, 1)],
+                           sleep=clock.sleep)
+    where = {"at": (1, "start")}
+    monkeypatch.setattr(phases, "current", lambda: where["at"])
+
+    def step(iteration: int, work: list[tuple[str, float]]) -> float:
+        where["at"] = (iteration, "start")
+        slow("point")
+        begin = clock.now
+        for phase, seconds in work:
+            clock.now += seconds
+            where["at"] = (iteration, phase)
+            slow("tick" if phase == "forward" else "point")
+        return clock.now - begin
+
+    work = [("forward", 1.0), ("forward", 1.0), ("grad_sync", 1.0), ("optimizer", 5.0)]
+    assert step(1, work) == 8.0  # factor 1 before iteration 2 (rank 0's spec is not this rank's)
+    assert step(2, work) == 14.0  # the 3 s of passes take 9 s; the optimizer step's 5 s do not stretch
+    assert step(3, work) == 14.0 and slow.slept == 12.0
+    assert step(4, work) == 8.0  # factor=1 ended it
+
+
+def test_emulated_device_sleeps_its_share_at_training_micro_batches(monkeypatch):
+    slept = []
+    device = EmulatedDevice(400.0, sleep=slept.append)
+    device.share = 0.25
+    where = {"at": (1, "start")}
+    monkeypatch.setattr(phases, "current", lambda: where["at"])
+    device("tick")
+    device("point")  # a phase point is not a micro-batch
+    where["at"] = (1, "forward")
+    device("tick")
+    where["at"] = (1, "eval")
+    device("tick")
+    assert slept == [0.1, 0.1] and device.busy_s == pytest.approx(0.2)
+
+
+def feed(monitor: StragglerMonitor, times: dict[int, list[float]], first: int = 1) -> None:
+    for launch_rank, series in times.items():
+        monitor.observe(launch_rank, [(first + i, t) for i, t in enumerate(series)])
+
+
+def test_a_rank_slower_than_its_group_for_the_window_gets_a_share_in_proportion():
+    topo = make_topology(4, 2, {"heads": 8})
+    identity = {lr: topo.slot_of(lr) for lr in range(8)}
+    monitor = StragglerMonitor(threshold=1.2, window=3)
+    feed(monitor, {lr: [1.0, 1.0, 1.0] for lr in range(8)})
+    feed(monitor, {1: [1.0, 2.0, 2.0]})  # slower only in the last two: not for the whole window
+    assert monitor.decide(groups_of(topo, identity)) == []
+    feed(monitor, {lr: [1.0] for lr in range(8) if lr != 1} | {1: [2.0]}, first=4)
+    [decision] = monitor.decide(groups_of(topo, identity))
+    assert (decision.replica, decision.stage, dict(decision.weights)) == (0, 0, {0: 100, 1: 50, 2: 100, 3: 100})
+    assert decision.slowness[1] == 2.0 and decision.iterations == (2, 3, 4)
+
+
+def test_a_rebalanced_rank_as_fast_as_its_share_keeps_it_and_gets_it_back_once_fast():
+    topo = reweight_topology(make_topology(2, 1, {"heads": 8}), {0: {0: 100, 1: 50}})
+    monitor = StragglerMonitor(threshold=1.2, window=2)
+    groups = [Group(0, 0, {0: 0, 1: 1}, dict(topo.replica(0).weights))]
+    feed(monitor, {0: [1.0, 1.0], 1: [1.0, 1.1]})  # half the work in the same time: still half as fast
+    assert monitor.decide(groups) == []
+    monitor.reset(after_iteration=2)
+    feed(monitor, {0: [1.0, 1.0, 1.0], 1: [0.5, 0.5, 0.55]})  # iteration 1 and 2 were dropped by the reset
+    assert monitor.times[0] == {3: 1.0}
+    feed(monitor, {0: [1.0, 1.0], 1: [0.5, 0.52]}, first=4)
+    [decision] = monitor.decide(groups)
+    assert decision.weights == {}  # as fast as the other within the threshold: even again (canonical)
+
+
+def test_monitor_needs_every_member_and_a_whole_window():
+    monitor = StragglerMonitor(threshold=1.5, window=2)
+    feed(monitor, {0: [1.0, 1.0], 1: [3.0, 3.0]})
+    assert monitor.decide([Group(0, 0, {0: 0, 1: 1, 2: 2})]) == []  # slot 2's times missing
+    assert monitor.decide([Group(0, 0, {0: 0})]) == []  # one member: nothing to compare
+    with pytest.raises(ValueError):
+        StragglerMonitor(threshold=1.0, window=3)
