@@ -30,7 +30,7 @@ from ntp_megatron.layout import (
 
 pytestmark = pytest.mark.unit
 
-PROPS = settings(max_examples=150, deadline=None)
+PROPS = settings(max_examples=80, deadline=None)
 
 
 @PROPS
