@@ -84,7 +84,8 @@ normal one): each slot's *share* of a family is then proportional to its weight,
 block to the others (they are listed in ``dealt`` as a dead block's are, and the slot stays its block's sync member:
 the lent units' gradients are gathered to it as a proxy's). The counts are chosen (:func:`_targets`) so that the
 slowest slot's time (count / weight) is as small as counts within one unit of the shares allow, and among those
-the ones reached with the fewest moves; units move straight there: a slot above its count gives the units it holds
+the ones reached with the fewest moves; remaining ties go to the slots the families dealt before (coarsest first)
+gave least above their shares, then to the lowest slot. Units move straight there: a slot above its count gives the units it holds
 away from home first (the largest), then its own block's largest, each to the unit's block's member if that one is
 short, else to the lowest slot that is short. :func:`reweight_topology` changes a replica's weights (nothing dies,
 proxies and sync groups stay); even weights on a full replica make it canonical again (lent units go home). With
@@ -720,10 +721,12 @@ def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, in
     return _fit((index, live, kept, new_dealt, weights), tp_base, units, loose)
 
 
-def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Mapping[int, int]) -> dict[int, int]:
+def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Mapping[int, int],
+             load: Mapping[int, Fraction]) -> dict[int, int]:
     """A weighted replica's unit counts for one family: each within one unit of its share, the slowest slot's time
     (count / weight) as small as any such counts allow, and of those the counts that the slots' current ones
-    (``held``) reach with the fewest moves (module docstring, "Weighted dealing")."""
+    (``held``) reach with the fewest moves; ties go to the slots with the least ``load`` (what the families dealt
+    before gave them above their shares), then the lowest (module docstring, "Weighted dealing")."""
     low = {s: floor(q) for s, q in ideal.items()}
     extra = int(sum(ideal.values()) - sum(low.values()))  # slots at their share's ceiling
     if not extra:
@@ -731,7 +734,8 @@ def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Ma
     room = [s for s in low if ideal[s] != low[s]]
     after = {s: Fraction(low[s] + 1, weights[s]) for s in room}
     bound = max(max(Fraction(low[s], weights[s]) for s in low), sorted(after.values())[extra - 1])
-    chosen = sorted((s for s in room if after[s] <= bound), key=lambda s: (held[s] <= low[s], after[s], s))[:extra]
+    chosen = sorted((s for s in room if after[s] <= bound),
+                    key=lambda s: (held[s] <= low[s], after[s], load[s], s))[:extra]
     return {s: low[s] + (s in chosen) for s in low}
 
 
@@ -743,7 +747,8 @@ def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
     index, slots, proxies, dealt, weights = draft
     weighted = len(set(weights.values())) > 1
     new_dealt: dict[str, dict[int, int]] = {}
-    for family, num_units in sorted(units.items()):
+    load = {s: Fraction(0) for s in slots}  # above-share fractions the families dealt so far gave each slot
+    for family, num_units in sorted(units.items(), key=lambda item: (item[1], item[0])):  # coarsest first
         blocks = _blocks(num_units, tp_base)
         ideal = shares(num_units, _weights_of(slots, weights))
         away = dict(dealt.get(family, {}))  # unit -> slot, for units not held by their own live slot
@@ -760,7 +765,10 @@ def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
             block = _block_of(num_units, tp_base, unit)
             if block in count:
                 count[block] -= 1
-        target = _targets(count, ideal, weights) if weighted else None
+        target = _targets(count, ideal, _weights_of(slots, weights), load) if weighted else None
+        if target is not None:
+            for s in slots:
+                load[s] += (target[s] - ideal[s]) / num_units
 
         def give(unit: int, to: int) -> None:
             block = _block_of(num_units, tp_base, unit)
@@ -803,7 +811,7 @@ def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
                 member = _member(_block_of(num_units, tp_base, unit), slots, proxies)
                 give(unit, member if excess[member] == low else min(s for s in slots if excess[s] == low))
         new_dealt[family] = away
-    return index, slots, proxies, new_dealt, weights
+    return index, slots, proxies, dict(sorted(new_dealt.items())), weights
 
 
 def _widen(draft: _Draft, joining: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:

@@ -64,23 +64,25 @@ def test_shares_examples():
 def test_worked_example_slow_slot_1_at_half_speed():
     """TP4 x DP2, 8 heads and 16 FFN units: replica 0's slot 1 at half speed. Its share is 8/7 heads and 16/7 FFN
     units, the others' 16/7 and 32/7: it keeps 1 head and 2 FFN units (keeping 2 heads would make it the slowest at
-    4 head-times, against 3 for a slot holding 3), lends its block's last ones, and they go to the lowest slots that
-    are short. Replica 1 and the sync groups do not change."""
+    4 head-times, against 3 for a slot holding 3) and lends its block's last ones. Heads first (the coarsest family):
+    the extra head goes to the lowest slot, so the FFN's extras go to the slots with nothing extra yet. Replica 1
+    and the sync groups do not change."""
     start = make_topology(4, 2, {"heads": 8, "ffn": 16})
     slow = reweight_topology(start, {0: {0: 100, 1: 50, 2: 100, 3: 100}})
     assert slow.generation == 1
     assert slow.layout("heads", 0) == [[0, 1, 3], [2], [4, 5], [6, 7]]
-    assert slow.layout("ffn", 0) == [[0, 1, 2, 3, 7], [4, 5], [6, 8, 9, 10, 11], [12, 13, 14, 15]]
+    # FFN: slot 0 already holds the extra head, so the two extra FFN units go to slots 2 and 3.
+    assert slow.layout("ffn", 0) == [[0, 1, 2, 3], [4, 5], [7, 8, 9, 10, 11], [6, 12, 13, 14, 15]]
     assert slow.replica(1) == start.replica(1) and slow.sync_groups() == start.sync_groups()
     assert not slow.is_healthy(0) and slow.is_healthy(1)
     assert slow.block_holders("heads", 0, 1) == [(1, [2]), (0, [3])]  # slot 1 gathers its block's gradient
     moves = transition_plan(start, slow)
-    assert [(m.family, m.unit, m.src, m.dst) for m in moves] == [("ffn", 6, 1, 2), ("ffn", 7, 1, 0),
+    assert [(m.family, m.unit, m.src, m.dst) for m in moves] == [("ffn", 6, 1, 3), ("ffn", 7, 1, 2),
                                                                  ("heads", 3, 1, 0)]
     back = reweight_topology(slow, {0: {}})
     assert back.replica(0) == start.replica(0) and back.is_healthy(0)
     assert [(m.family, m.unit, m.src, m.dst) for m in transition_plan(slow, back)] == [
-        ("ffn", 6, 2, 1), ("ffn", 7, 0, 1), ("heads", 3, 0, 1)]
+        ("ffn", 6, 3, 1), ("ffn", 7, 2, 1), ("heads", 3, 0, 1)]
     blob = json.dumps(slow.to_json())
     assert Topology.from_json(json.loads(blob)) == slow and '"weights"' in blob
     assert '"weights"' not in json.dumps(start.to_json())  # a topology without weights reads as before
