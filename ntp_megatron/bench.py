@@ -295,6 +295,13 @@ STALL_MODEL = ["--set", "model.num_layers=4", "--set", "model.hidden_size=256", 
                "--set", "training.global_batch_size=4"]
 
 
+def measure_slow_rank(smoke: bool, run: RunModule, workdir: Path) -> dict:
+    """A slow rank, not rebalanced and rebalanced, next to the healthy job (:mod:`ntp_megatron.slow_rank_bench`)."""
+    from ntp_megatron import slow_rank_bench
+
+    return slow_rank_bench.measure(slow_rank_bench.SLOW_SMOKE if smoke else slow_rank_bench.SLOW_FULL, run, workdir)
+
+
 def measure_control_plane(sizes: Sizes) -> list[dict]:
     """One row per (design, simulated ranks): :mod:`ntp_megatron.control_plane_bench` (its own processes)."""
     from ntp_megatron import control_plane_bench
@@ -646,6 +653,10 @@ def table(result: dict) -> str:
                   f"| detection: kill to every survivor aware (s) | {ntp['detect_s']:.3f} | n/a (every rank restarts) | |",
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
+    if result.get("slow_rank"):
+        from ntp_megatron import slow_rank_bench
+
+        lines += slow_rank_bench.table_lines(result["slow_rank"])
     recovery = result.get("recovery")
     if recovery:
         lines += ["", f"Recovery, groups made anew against kept ({recovery['job']}), medians:", "",
@@ -729,7 +740,8 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
     p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
     p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory", "recovery", "control-plane"], default=None,
+    p.add_argument("--only", choices=["checkpoint-stall", "init", "memory", "recovery", "control-plane", "slow-rank"],
+                   default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
     p.add_argument("--smoke", action="store_true",
                    help="every part once at its smallest size: a check that the harness runs, not a measurement")
@@ -756,6 +768,9 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
                       "recovery": measure_recovery(sizes, run, workdir)}
         elif args.only == "control-plane":
             result = {"machine": "CPU", "cases": {}, "ratios": [], "control_plane": measure_control_plane(sizes)}
+        elif args.only == "slow-rank":
+            result = {"machine": "CPU, gloo, emulated device", "cases": {}, "ratios": [],
+                      "slow_rank": measure_slow_rank(args.smoke, run, workdir)}
         else:
             if args.only == "checkpoint-stall":
                 result = {"machine": "CPU, gloo", "cases": {}, "ratios": []}
@@ -768,6 +783,7 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
                 result["recovery_s"] = result["failure_recovery"]["median"]["ntp"]["kill_to_next_iteration_s"]
                 result["recovery"] = measure_recovery(sizes, run, workdir)
                 result["control_plane"] = measure_control_plane(sizes)
+                result["slow_rank"] = measure_slow_rank(args.smoke, run, workdir)
                 result["init"] = measure_init(sizes, run, workdir)
                 result["memory"] = measure_memory(sizes, run, workdir, failure_records)
             result["checkpoint_stall"] = measure_checkpoint_stall(sizes, run, workdir)

@@ -1,0 +1,133 @@
+"""The slow-rank part of ``scripts/bench.sh`` (``--only slow-rank``): one job three ways, side by side.
+
+TP4 x DP2 under NTP on the emulated device (``ntp.emulated_device_ms``: on this 2-core machine a sleeping rank would
+hand its CPU to its peers, :mod:`ntp_megatron.device_model`): without a slowdown; with launch rank 1 at ``factor``
+from iteration ``slow_at`` until ``slow_end`` and rebalancing off (``ntp.rebalance=false``); and the same with
+rebalancing. Step time per iteration of each, the medians of each stretch (healthy; slow; rebalanced, from the
+iteration after the rebalance's re-formation; after the slowdown ended and the units went back), their ratios to the
+healthy run's, the loss against the healthy run's at every iteration, and whether the replicas agree (every
+iteration's state checksums, ``logging.state_checksums``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class SlowSizes:
+    tp: int = 4
+    iters: int = 40
+    slow_at: int = 10
+    slow_end: int = 28
+    """``factor=1`` from this iteration on: the slowdown ends."""
+    factor: float = 2.0
+    window: int = 4
+    device_ms: float = 2000.0
+    """The emulated device's time for a whole replica's micro-batch (each rank sleeps its share)."""
+
+
+SLOW_FULL = SlowSizes()
+SLOW_SMOKE = SlowSizes(tp=2, iters=8, slow_at=2, slow_end=6, factor=3.0, window=2, device_ms=200.0)
+
+
+def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
+    from ntp_megatron.bench import _layout
+
+    base = [*_layout(sizes.tp, 2, True), "--set", f"ntp.emulated_device_ms={sizes.device_ms:g}",
+            "--set", f"ntp.rebalance_window={sizes.window}", "--set", "logging.state_checksums=true"]
+    slow = ["--inject-failure", f"slow:rank=1,factor={sizes.factor:g},iter={sizes.slow_at}",
+            "--inject-failure", f"slow:rank=1,factor=1,iter={sizes.slow_end}"]
+    return {"healthy": base, "slow, not rebalanced": [*base, "--set", "ntp.rebalance=false", *slow],
+            "slow, rebalanced": [*base, *slow]}
+
+
+def _steps(records: list[dict]) -> dict[int, float]:
+    """Iteration -> step time (ms), one per iteration (every rank sends the record; the launcher keeps one)."""
+    return {r["iteration"]: r["elapsed_ms"] for r in records if r.get("kind") == "iteration"}
+
+
+def _median(steps: dict[int, float], first: int, last: int) -> Optional[float]:
+    values = [ms for k, ms in steps.items() if first <= k <= last]
+    return statistics.median(values) if values else None
+
+
+def replicas_disagree(records: list[dict]) -> tuple[int, list[int]]:
+    """(iterations checked, iterations whose state checksums differ between any two ranks)."""
+    rows: dict[int, list[dict]] = {}
+    for r in records:
+        if r.get("kind") == "state_checksums":
+            rows.setdefault(r["iteration"], []).append(r)
+    differ = [k for k, rs in sorted(rows.items())
+              if any(r["checksums"] != rs[0]["checksums"] or r["grad_norm"] != rs[0]["grad_norm"] for r in rs)]
+    return len(rows), differ
+
+
+def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
+    healthy, slow, rebalanced = (runs[k] for k in ("healthy", "slow, not rebalanced", "slow, rebalanced"))
+    steps = {name: _steps(records) for name, records in runs.items()}
+    reformed = [r for r in rebalanced if r.get("event") == "reformed"]
+    events = [r for r in rebalanced if r.get("event") == "rebalanced"]
+    shrink = next((r for r in reformed if r["resume_iteration"] <= sizes.slow_end), None)
+    back = next((r for r in reformed if r["resume_iteration"] > sizes.slow_end), None)
+    base = _median(steps["healthy"], 2, sizes.iters)  # the first iteration builds and warms up
+    stretches = {
+        "healthy": base,
+        "slow, not rebalanced": _median(steps["slow, not rebalanced"], sizes.slow_at + 1, sizes.slow_end - 1),
+        "slow, rebalanced": _median(steps["slow, rebalanced"], shrink["resume_iteration"] + 1, sizes.slow_end - 1)
+        if shrink else None,
+        "after the slowdown, units back": _median(steps["slow, rebalanced"], back["resume_iteration"] + 1, sizes.iters)
+        if back else None,
+    }
+    want = {r["iteration"]: r["lm_loss"] for r in healthy if r.get("kind") == "iteration"}
+    loss_diff = {}
+    for name in ("slow, not rebalanced", "slow, rebalanced"):
+        got = {r["iteration"]: r["lm_loss"] for r in runs[name] if r.get("kind") == "iteration"}
+        loss_diff[name] = max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in want) if got.keys() == \
+            want.keys() else None
+    agree = {name: replicas_disagree(records) for name, records in runs.items()}
+    return {
+        "job": f"TP{sizes.tp} x DP2 under NTP, {sizes.iters} iterations, emulated device {sizes.device_ms:g} ms per "
+               f"replica micro-batch; launch rank 1 at factor {sizes.factor:g} from iteration {sizes.slow_at} to "
+               f"{sizes.slow_end - 1}; rebalance window {sizes.window}",
+        "medians_ms": stretches,
+        "ratios_to_healthy": {k: (v / base if v is not None and base else None) for k, v in stretches.items()},
+        "loss_max_relative_difference": loss_diff,
+        "replicas": {name: {"iterations_checked": n, "differing": d} for name, (n, d) in agree.items()},
+        "rebalanced": [{"generation": e["generation"], "weights": e["weights"], "slowness": e["slowness"],
+                        "iterations": e["iterations"]} for e in events],
+        "reformations": [{"generation": r["generation"], "resume_iteration": r["resume_iteration"],
+                          "moved_bytes": r["moved_bytes"], "lower_bound_bytes": r["lower_bound_bytes"],
+                          "weights": r.get("weights")} for r in reformed],
+        "step_ms": {name: [s[k] for k in sorted(s)] for name, s in steps.items()},
+    }
+
+
+def measure(sizes: SlowSizes, run, workdir: Path) -> dict:
+    from ntp_megatron.bench import run_job_records
+
+    runs = {name: run_job_records(args, sizes.iters, workdir, run, f"slow-{name}")
+            for name, args in jobs(sizes).items()}
+    return figures(runs, sizes)
+
+
+def table_lines(result: dict) -> list[str]:
+    def fmt(value: Optional[float], spec: str) -> str:
+        return "—" if value is None else format(value, spec)
+
+    lines = ["", f"A slow rank ({result['job']}):", "",
+             "| stretch | median step (ms) | / healthy |", "|---|---|---|"]
+    for name, ms in result["medians_ms"].items():
+        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(result['ratios_to_healthy'][name], '.3f')} |")
+    lines += ["", "| run | loss vs healthy (max relative) | replicas agree (iterations checked) |", "|---|---|---|"]
+    for name, rep in result["replicas"].items():
+        diff = result["loss_max_relative_difference"].get(name, 0.0)
+        agree = "yes" if not rep["differing"] else f"NO at {rep['differing'][:5]}"
+        lines.append(f"| {name} | {fmt(diff, '.1e')} | {agree} ({rep['iterations_checked']}) |")
+    for e in result["rebalanced"]:
+        lines.append(f"\nrebalanced into generation {e['generation']}: weights {e['weights'] or 'even'}, slowness "
+                     f"{e['slowness']} (iterations {e['iterations'][0]}..{e['iterations'][-1]})")
+    return lines
