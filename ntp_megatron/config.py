@@ -14,7 +14,7 @@ from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ntp_megatron.config_io import load_config
+from ntp_megatron.config_io import ConfigError, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -315,12 +315,47 @@ class NTPSection(_Section):
     its replica's tensor-parallel weights it holds) of this many milliseconds at each micro-batch of a training
     iteration, so that ranks wait on a slow peer as GPUs do instead of sharing the CPU with it
     (:mod:`ntp_megatron.device_model`). null: off (the real compute only)."""
+    boost: bool = False
+    """Power boost (docs/live-failures.md, power boost): every rank of a degraded or rebalanced replica draws the power
+    that lets it keep a healthy replica's pace (its work over a healthy rank's, over its speed, on the
+    power-performance curve ``boost_alpha`` / ``boost_points``), at most ``boost_max_power`` x its default limit,
+    through NVML (the gpu extra's pynvml); the default is restored when its replica heals and at the end. Without a
+    GPU, pynvml or NVML's permission: a dry run that records what it would set (``boost`` events)."""
+    boost_max_power: float = Field(1.3, ge=1.0, le=3.0)
+    """The power cap of a boosted GPU, x its default power limit (the goodput simulator's
+    ``strategies.boost.max_power``)."""
+    boost_alpha: float = Field(0.58, gt=0.0, le=1.0)
+    """The power-performance curve ``performance = power ** alpha`` (powers and performance x nominal; 0.58: B200 at
+    1,000 W and 1,200 W, as the simulator's default). Unused when ``boost_points`` is given."""
+    boost_points: Optional[list[list[float]]] = None
+    """A measured curve instead: ``[[power, performance], ...]`` (x nominal), increasing, performance 1 at power 1;
+    interpolated, held past its ends."""
+    boost_dry_run: bool = False
+    """Record what power boost would set, and set nothing, even where NVML could."""
     warm_spares: int = Field(0, ge=0)
     """Warm spares per node, used when ``rejoin_after_s`` is set: processes started with the ranks (imports done,
     device not yet chosen) that wait to become a failed rank's replacement, so a rejoin does not wait for a fresh
     interpreter to boot (seconds on CPU, more with CUDA). A replacement is a spare of the failed rank's own node
     when one is idle, else a fresh process; each spare used is replaced by a new one for the next failure. 0: every
     replacement is a fresh process."""
+
+
+    @model_validator(mode="after")
+    def _boost_curve(self) -> "NTPSection":
+        if self.boost_points is not None:
+            from ntp_megatron.sim.config import check_curve_points
+
+            try:
+                check_curve_points(self.boost_points, "ntp.boost_points")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def boost_model(self):
+        """The power-performance curve and cap (:func:`ntp_megatron.power.boost_model`)."""
+        from ntp_megatron.power import boost_model
+
+        return boost_model(self.boost_max_power, self.boost_alpha, self.boost_points)
 
 
 class CheckpointSection(_Section):

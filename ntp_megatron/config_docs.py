@@ -78,7 +78,7 @@ def _type_name(annotation: Any) -> str:
         name = "string"
     elif typing.get_origin(inner) is list:
         (item,) = typing.get_args(inner)
-        name = f"list of {_type_name(item)}s"
+        name = "list of lists of numbers" if typing.get_origin(item) is list else f"list of {_type_name(item)}s"
     else:
         name = {int: "integer", float: "number", bool: "boolean", str: "string"}[inner]
     return f"{name} or null" if optional else name

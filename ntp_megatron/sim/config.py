@@ -84,6 +84,21 @@ class PerfTable(Section):
     points: list[tuple[float, float]] = Field(min_length=2, description="[power, performance] pairs")
 
 
+def check_curve_points(points: Iterable[Iterable[float]], key: str) -> None:
+    """A measured power-performance table (``[power, performance]`` pairs, x nominal) must be increasing in both,
+    start at power <= 1 and give performance 1 at power 1; ConfigError naming ``key`` otherwise."""
+    pairs = [tuple(p) for p in points]
+    if len(pairs) < 2 or any(len(p) != 2 for p in pairs):
+        raise ConfigError(f"{key} must be at least two [power, performance] pairs")
+    pw = [p for p, _ in pairs]
+    perf = [q for _, q in pairs]
+    if pw != sorted(pw) or len(set(pw)) != len(pw) or perf != sorted(perf) or pw[0] > 1:
+        raise ConfigError(f"{key} must be increasing in power and performance, starting at power <= 1")
+    at_nominal = float(np.interp(1.0, pw, perf))
+    if abs(at_nominal - 1.0) > 1e-9:
+        raise ConfigError(f"{key} must give performance 1 at power 1 (nominal), got {at_nominal:g}")
+
+
 class Boost(Section):
     max_power: float = Field(1.3, ge=1, le=3, description="power cap of a degraded domain, x nominal")
     curve: Annotated[PowerLaw | PerfTable, Field(discriminator="kind")] = Field(default_factory=PowerLaw)
@@ -214,17 +229,7 @@ def check_consistency(cfg: SimConfig) -> None:
         )
     curve = cfg.strategies.boost.curve
     if isinstance(curve, PerfTable):
-        pw = [p for p, _ in curve.points]
-        perf = [q for _, q in curve.points]
-        if pw != sorted(pw) or len(set(pw)) != len(pw) or perf != sorted(perf) or pw[0] > 1:
-            raise ConfigError(
-                "strategies.boost.curve.points must be increasing in power and performance, starting at power <= 1"
-            )
-        at_nominal = float(np.interp(1.0, pw, perf))
-        if abs(at_nominal - 1.0) > 1e-9:
-            raise ConfigError(
-                f"strategies.boost.curve.points must give performance 1 at power 1 (nominal), got {at_nominal:g}"
-            )
+        check_curve_points(curve.points, "strategies.boost.curve.points")
     s = cfg.sweep
     if s is not None and (s.points is None) == (s.key is None or s.values is None):
         raise ConfigError("sweep: give either key and values, or points")

@@ -65,6 +65,8 @@ class Trainer:
     """With ``logging.comm_stats``: counts of this rank's collectives and their bytes, per iteration."""
     joining: bool = False
     """A replacement process admitted into the running job: its first state is not the run's initial one."""
+    booster: Optional[Any] = None
+    """With ``ntp.boost``: the :class:`ntp_megatron.training.boosting.Booster` of this rank."""
     iteration: int = 0
     """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""
     consumed_samples: int = 0
@@ -107,9 +109,11 @@ class Trainer:
         measured = self._memory_reported.get(s.generation, 0)
         if measured < len(MEMORY_PHASES):
             self.memory.begin()
-        if self._device_generation != s.generation:  # this generation's layout, on the emulated device
+        if self._device_generation != s.generation:  # this generation's layout: its device share, its power
             self._device_generation = s.generation
             device_model.hold(parts.model.parameters(), s.pg.tp.size())
+            if self.booster is not None:
+                self.booster.layout(parts, s)
         start = time.perf_counter()
         computing = phases.compute_clock()
         parts.model.zero_grad_buffer()
@@ -264,6 +268,8 @@ class Trainer:
                     self.evaluations.until_done(split, final=True)
         self.checkpoints.finalize(blocking=True)  # no async save left behind
         self.checks.dump(initial=False)
+        if self.booster is not None:
+            self.booster.close()
         phases.enter("end")
         torch.distributed.barrier()
         return True

@@ -104,9 +104,10 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-    _install_failures(env, control, cfg)
+    emulated = _install_failures(env, control, cfg)
     trainer = Trainer(cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
-                      session=NullSession(env.rank), comm_stats=_comm_stats(cfg))
+                      session=NullSession(env.rank), comm_stats=_comm_stats(cfg),
+                      booster=_booster(cfg, env, device, emulated))
     # A restart resumes from the newest checkpoint of this run, if any, all of it; else from checkpoint.load (which
     # the launcher pinned to one complete checkpoint, and to the parts of it to load).
     ck = cfg.checkpoint
@@ -136,10 +137,10 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
     datasets = _dataset(env, cfg)
-    _install_failures(env, elastic.ctl, cfg)
+    emulated = _install_failures(env, elastic.ctl, cfg)
     session = ElasticSession(cfg, elastic, RankBuilder(cfg, device), joining=env.joining)
     trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank, session=session,
-                      comm_stats=_comm_stats(cfg), joining=env.joining)
+                      comm_stats=_comm_stats(cfg), joining=env.joining, booster=_booster(cfg, env, device, emulated))
     return trainer, elastic.ctl
 
 
@@ -195,7 +196,7 @@ def _build_dataset(run_dir: Path, cfg: JobConfig):
     return data.build_datasets(cfg, tokenizer, cache_dir)
 
 
-def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> None:
+def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> Optional[device_model.EmulatedDevice]:
     """This rank's injected failures and slowdowns (``--inject-failure``) and its emulated device
     (``ntp.emulated_device_ms``), plugged into the phases the training code names."""
     specs = faults.from_env()
@@ -204,6 +205,7 @@ def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> None:
         faults.install(faults.FailureTrigger(env.rank, failures, on_fire=_record_failure(store, env.rank),
                                              fired=lambda spec: store.check([keys.fired(str(spec))])))
     paces = []
+    device = None
     if cfg.ntp.emulated_device_ms is not None:
         device = device_model.EmulatedDevice(cfg.ntp.emulated_device_ms)
         device_model.install(device)
@@ -212,6 +214,21 @@ def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> None:
     if slow:
         paces.append(faults.Slowdown(env.rank, slow))  # after the device: it stretches the device's compute too
     phases.install_pace(*paces)
+    return device
+
+
+def _booster(cfg: JobConfig, env: runtime.RankEnv, device: torch.device,
+             emulated: Optional[device_model.EmulatedDevice]):
+    """Power boost for this rank (``ntp.boost``), on its device's NVML power limit or as a dry run."""
+    if not cfg.ntp.boost:
+        return None
+    from ntp_megatron.power import open_limits
+    from ntp_megatron.training.boosting import Booster
+
+    index = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return Booster(cfg.ntp.boost_model(), open_limits(index, cfg.ntp.boost_dry_run), env.rank, emulated)
 
 
 def _record_failure(store, launch_rank: int):

@@ -1,0 +1,138 @@
+"""Power boost: how much power a rank of a degraded or rebalanced replica needs to keep a healthy replica's pace,
+and setting it through NVML (or, where that is not possible, recording what would be set).
+
+NTP's other half (the paper's rack design): a replica that re-formed at a lower TP degree gives each survivor more
+work, so the job would wait for it at every gradient sync; its GPUs may draw more power instead, within the
+domain's cap. A rank's *load* is the work it holds over a healthy rank's (its share of the replica's TP-split
+weights times ``tp_base``: 4/3 at TP4 -> 3) over its speed (its weight / 100 in a rebalanced replica: a slow GPU
+holding fewer units still needs its share done in time). It needs the performance ``perf >= load``, i.e. the least
+power on the curve (the goodput simulator's: ``perf = power ** alpha``, or a table of measured points) that gives
+it, capped at ``max_power`` (x nominal). A healthy rank needs 1 (nominal: the default limit restored).
+
+Applying it (:class:`NvmlLimits`, ``pynvml``: ``nvmlDeviceSetPowerManagementLimit`` on the rank's device, the
+default restored when its replica heals and at the end) needs the GPU extra and usually root. On CPU, without
+pynvml, or when NVML refuses, :class:`DryRunLimits` records what it would set: the ``boost`` records say which
+(``applied``, ``reason``). On the emulated device (:mod:`ntp_megatron.device_model`) the chosen power speeds the
+rank's emulated compute up by ``perf(power)``, which closes the loop on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+from ntp_megatron.sim.config import Boost, PerfTable, PowerLaw
+from ntp_megatron.sim.rates import perf_at, power_for
+
+logger = logging.getLogger(__name__)
+
+
+def boost_model(max_power: float, alpha: float, points: Optional[list[list[float]]]) -> Boost:
+    """The simulator's :class:`~ntp_megatron.sim.config.Boost` from the job's ``ntp.boost_*`` keys (validated
+    there: a table must be increasing and give performance 1 at nominal power)."""
+    curve = PerfTable(kind="table", points=[tuple(p) for p in points]) if points else PowerLaw(alpha=alpha)
+    return Boost(max_power=max_power, curve=curve)
+
+
+@dataclass(frozen=True)
+class BoostPlan:
+    """One rank's boost: the performance its load needs, the power it draws for it (x nominal), and what that
+    power gives (``perf(power)``: less than needed when the cap is reached)."""
+
+    load: float
+    power: float
+    perf: float
+
+    @property
+    def short(self) -> bool:
+        """The cap does not give the performance the load needs."""
+        return self.perf < self.load - 1e-9
+
+
+def plan(boost: Boost, share: float, tp_base: int, weight: int = 100) -> BoostPlan:
+    """The boost of a rank holding ``share`` of its replica's TP-split weights, at speed ``weight`` / 100."""
+    load = share * tp_base / (weight / 100)
+    if load <= 1.0 + 1e-9:
+        return BoostPlan(load, 1.0, 1.0)
+    power = power_for(boost, load)
+    if power is None:
+        power = boost.max_power
+    return BoostPlan(load, power, perf_at(boost, power))
+
+
+# -- applying it --------------------------------------------------------------------------------------------------
+
+class PowerLimits(Protocol):
+    def set(self, multiplier: float) -> dict[str, Any]:
+        """Set this rank's device to ``multiplier`` x its default power limit; what was done (``applied``,
+        ``watts``, ``reason``)."""
+
+    def restore(self) -> None:
+        """Back to the default limit."""
+
+
+class DryRunLimits:
+    """Records what would be set (``reason``: why nothing is applied)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def set(self, multiplier: float) -> dict[str, Any]:
+        return {"applied": False, "watts": None, "reason": self.reason}
+
+    def restore(self) -> None:
+        pass
+
+
+class NvmlLimits:
+    """The rank's device's power limit through NVML (``nvml``: the ``pynvml`` module, or a fake in tests). Limits
+    are milliwatts in NVML; the target is clamped to the device's allowed range. A refusal (no permission, a device
+    that does not support it) falls back to a dry run for the rest of the job, saying why."""
+
+    def __init__(self, nvml: Any, device_index: int) -> None:
+        self.nvml = nvml
+        nvml.nvmlInit()
+        self.handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.default_mw = nvml.nvmlDeviceGetPowerManagementDefaultLimit(self.handle)
+        self.min_mw, self.max_mw = nvml.nvmlDeviceGetPowerManagementLimitConstraints(self.handle)
+        self.refused: Optional[str] = None
+        self.changed = False
+
+    def set(self, multiplier: float) -> dict[str, Any]:
+        target = int(round(min(max(self.default_mw * multiplier, self.min_mw), self.max_mw)))
+        if self.refused is not None:
+            return {"applied": False, "watts": target / 1e3, "reason": self.refused}
+        try:
+            self.nvml.nvmlDeviceSetPowerManagementLimit(self.handle, target)
+        except self.nvml.NVMLError as exc:
+            self.refused = f"NVML refused the power limit ({exc}): dry run from now on"
+            logger.warning(self.refused)
+            return {"applied": False, "watts": target / 1e3, "reason": self.refused}
+        self.changed = target != self.default_mw
+        clamped = "" if abs(target - self.default_mw * multiplier) < 1 else " (clamped to the device's range)"
+        return {"applied": True, "watts": target / 1e3, "reason": f"set through NVML{clamped}"}
+
+    def restore(self) -> None:
+        if self.refused is None and self.changed:
+            try:
+                self.nvml.nvmlDeviceSetPowerManagementLimit(self.handle, self.default_mw)
+                self.changed = False
+            except self.nvml.NVMLError as exc:
+                logger.warning("could not restore the default power limit: %s", exc)
+
+
+def open_limits(device_index: Optional[int], dry_run: bool) -> PowerLimits:
+    """NVML on a CUDA device when pynvml is installed and works; a dry run otherwise (and when asked)."""
+    if dry_run:
+        return DryRunLimits("ntp.boost_dry_run")
+    if device_index is None:
+        return DryRunLimits("no GPU (CPU run): dry run")
+    try:
+        import pynvml
+    except ImportError:
+        return DryRunLimits("pynvml is not installed (the gpu extra): dry run")
+    try:
+        return NvmlLimits(pynvml, device_index)
+    except Exception as exc:  # noqa: BLE001 - any NVML failure means: do not touch the device
+        return DryRunLimits(f"NVML unavailable ({exc}): dry run")
