@@ -352,7 +352,7 @@ class Slowdown:
     the rank's compute takes ``factor`` times as long while its waits on its peers stay what they are; elsewhere
     (optimizer step, evaluation, checkpoints) it does nothing."""
 
-    WINDOW = ("forward", "backward")
+    WINDOW = ("start", "forward", "backward")
 
     def __init__(self, launch_rank: int, specs: Iterable[SlowRank],
                  sleep: Callable[[float], None] = time.sleep) -> None:
@@ -369,10 +369,10 @@ class Slowdown:
                 factor = f
         return factor
 
-    def __call__(self, _kind: str = "point") -> None:
+    def __call__(self, kind: str = "point") -> None:
         iteration, phase = phases.current()
         now = phases.compute_clock()
-        if phase == "start":
+        if phase == "start" and kind == "point":
             self._last = now  # an iteration begins: its compute is counted from here
             return
         if self._last is None:
@@ -381,7 +381,8 @@ class Slowdown:
         if extra > 0:
             self.sleep(extra)
             self.slept += extra
-        # The passes go on, or they ended (the gradient sync under NTP, else the optimizer step's point).
+        # The passes go on (the first micro-batch begins while the phase is still ``start``), or they ended (the
+        # gradient sync under NTP, else the optimizer step's point).
         self._last = phases.compute_clock() if phase in self.WINDOW else None
 
 

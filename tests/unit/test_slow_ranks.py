@@ -53,21 +53,24 @@ def test_slowdown_stretches_the_passes_only(monkeypatch):
     where = {"at": (1, "start")}
     monkeypatch.setattr(phases, "current", lambda: where["at"])
 
-    def step(iteration: int, work: list[tuple[str, float]]) -> float:
+    def step(iteration: int, work: list[tuple[str, str, float]]) -> float:
         where["at"] = (iteration, "start")
         slow("point")
         begin = clock.now
-        for phase, seconds in work:
+        for phase, kind, seconds in work:
             clock.now += seconds
             where["at"] = (iteration, phase)
-            slow("tick" if phase == "forward" else "point")
+            slow(kind)
         return clock.now - begin
 
-    work = [("forward", 1.0), ("forward", 1.0), ("grad_sync", 1.0), ("optimizer", 5.0)]
-    assert step(1, work) == 8.0  # factor 1 before iteration 2 (rank 0's spec is not this rank's)
-    assert step(2, work) == 14.0  # the 3 s of passes take 9 s; the optimizer step's 5 s do not stretch
-    assert step(3, work) == 14.0 and slow.slept == 12.0
-    assert step(4, work) == 8.0  # factor=1 ended it
+    # The first micro-batch begins while the phase is still "start" (its tick), the second in "forward"; the
+    # gradient sync's point ends the passes.
+    work = [("start", "tick", 0.5), ("forward", "tick", 1.0), ("forward", "point", 1.0), ("grad_sync", "point", 1.0),
+            ("optimizer", "point", 5.0)]
+    assert step(1, work) == 8.5  # factor 1 before iteration 2 (rank 0's spec is not this rank's)
+    assert step(2, work) == 15.5  # the 3.5 s of passes take 10.5 s; the optimizer step's 5 s do not stretch
+    assert step(3, work) == 15.5 and slow.slept == 14.0
+    assert step(4, work) == 8.5  # factor=1 ended it
 
 
 def test_emulated_device_sleeps_its_share_at_training_micro_batches(monkeypatch):
