@@ -1,4 +1,5 @@
-"""The slow-rank part of ``scripts/bench.sh`` (``--only slow-rank``): one job three ways, side by side.
+"""The "slow, not dead" part of ``scripts/bench.sh`` (``--only slow-rank``): a slow rank, and a degraded replica with
+and without power boost, next to the same job healthy.
 
 TP4 x DP2 under NTP on the emulated device (``ntp.emulated_device_ms``: on this 2-core machine a sleeping rank would
 hand its CPU to its peers, :mod:`ntp_megatron.device_model`): without a slowdown; with launch rank 1 at ``factor``
@@ -7,6 +8,11 @@ rebalancing. Step time per iteration of each, the medians of each stretch (healt
 iteration after the rebalance's re-formation; after the slowdown ended and the units went back), their ratios to the
 healthy run's, the loss against the healthy run's at every iteration, and whether the replicas agree (every
 iteration's state checksums, ``logging.state_checksums``).
+
+Power boost, on the same job and device: launch rank ``2 * tp - 1`` killed in iteration ``slow_at`` (replica 1 goes
+on at TP ``tp - 1``), without boost and with ``ntp.boost`` at a cap the curve needs (``boost_max_power``); the
+boost is a dry run here (no GPU), and the emulated device runs ``perf(power)`` times faster. Step times after the
+re-formation against the healthy run's.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class SlowSizes:
     window: int = 4
     device_ms: float = 2000.0
     """The emulated device's time for a whole replica's micro-batch (each rank sleeps its share)."""
+    boost_max_power: float = 1.8
+    """Enough on the default curve (performance = power ** 0.58) for a TP4 -> TP3 survivor's load (about 1.39)."""
 
 
 SLOW_FULL = SlowSizes()
@@ -41,8 +49,11 @@ def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
             "--set", f"ntp.rebalance_window={sizes.window}", "--set", "logging.state_checksums=true"]
     slow = ["--inject-failure", f"slow:rank=1,factor={sizes.factor:g},iter={sizes.slow_at}",
             "--inject-failure", f"slow:rank=1,factor=1,iter={sizes.slow_end}"]
+    kill = ["--inject-failure", f"kill:rank={2 * sizes.tp - 1},iter={sizes.slow_at},phase=backward"]
     return {"healthy": base, "slow, not rebalanced": [*base, "--set", "ntp.rebalance=false", *slow],
-            "slow, rebalanced": [*base, *slow]}
+            "slow, rebalanced": [*base, *slow], "degraded": [*base, *kill],
+            "degraded, boost": [*base, *kill, "--set", "ntp.boost=true",
+                                "--set", f"ntp.boost_max_power={sizes.boost_max_power:g}"]}
 
 
 def _steps(records: list[dict]) -> dict[int, float]:
@@ -89,6 +100,10 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
         loss_diff[name] = max(abs(got[k] - want[k]) / max(abs(want[k]), 1e-12) for k in want) if got.keys() == \
             want.keys() else None
     agree = {name: replicas_disagree(records) for name, records in runs.items()}
+    boost = {}
+    for name in ("degraded", "degraded, boost"):
+        [reform] = [r for r in runs[name] if r.get("event") == "reformed"]
+        boost[name] = _median(steps[name], reform["resume_iteration"] + 1, sizes.iters)
     return {
         "job": f"TP{sizes.tp} x DP2 under NTP, {sizes.iters} iterations, emulated device {sizes.device_ms:g} ms per "
                f"replica micro-batch; launch rank 1 at factor {sizes.factor:g} from iteration {sizes.slow_at} to "
@@ -103,6 +118,13 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
                           "moved_bytes": r["moved_bytes"], "lower_bound_bytes": r["lower_bound_bytes"],
                           "weights": r.get("weights")} for r in reformed],
         "step_ms": {name: [s[k] for k in sorted(s)] for name, s in steps.items()},
+        "boost": {
+            "medians_ms": {"healthy": base, **boost},
+            "ratios_to_healthy": {k: (v / base if v is not None and base else None) for k, v in boost.items()},
+            "ranks": [{k: r[k] for k in ("launch_rank", "generation", "load", "power", "perf", "short", "applied",
+                                         "reason")}
+                      for r in runs["degraded, boost"] if r.get("event") == "boost"],
+        },
     }
 
 
@@ -130,4 +152,13 @@ def table_lines(result: dict) -> list[str]:
     for e in result["rebalanced"]:
         lines.append(f"\nrebalanced into generation {e['generation']}: weights {e['weights'] or 'even'}, slowness "
                      f"{e['slowness']} (iterations {e['iterations'][0]}..{e['iterations'][-1]})")
+    boost = result["boost"]
+    lines += ["", "Power boost of the degraded replica (a dry run: no GPU; the emulated device runs perf(power) times "
+              "faster):", "", "| run | median step after the re-formation (ms) | / healthy |", "|---|---|---|"]
+    for name, ms in boost["medians_ms"].items():
+        ratio = 1.0 if name == "healthy" else boost["ratios_to_healthy"][name]
+        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(ratio, '.3f')} |")
+    lines += ["", "| launch rank | load | power (x nominal) | performance | applied |", "|---|---|---|---|---|"]
+    lines += [f"| {r['launch_rank']} | {r['load']:.3f} | {r['power']:.3f} | {r['perf']:.3f} | "
+              f"{'yes' if r['applied'] else 'no: ' + r['reason']} |" for r in boost["ranks"]]
     return lines
