@@ -77,6 +77,35 @@ def replicas_disagree(records: list[dict]) -> tuple[int, list[int]]:
     return len(rows), differ
 
 
+def _model_dims():
+    """The benchmark job's model (``bench.MODEL`` over the default config), for the simulator's prediction."""
+    from ntp_megatron.bench import MODEL
+    from ntp_megatron.config import DEFAULT_CONFIG, JobConfig
+    from ntp_megatron.config_io import load_config
+    from ntp_megatron.memory_plan import ModelDims
+
+    overrides = [value for flag, value in zip(MODEL[::2], MODEL[1::2]) if flag == "--set"]
+    return ModelDims.of(load_config(JobConfig, DEFAULT_CONFIG, overrides).model)
+
+
+def predicted(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
+    """The simulator's straggler model (:mod:`ntp_megatron.sim.straggler`) on the same case: the healthy run's
+    compute fraction (the passes' compute time over the step time, medians) and the same model and factor."""
+    from ntp_megatron.power import boost_model
+    from ntp_megatron.sim.straggler import degraded_step, group_step
+
+    healthy = [r for r in runs["healthy"] if r.get("kind") == "iteration" and r["iteration"] > 1]
+    fraction = min(1.0, statistics.median(r["compute_ms"] for r in healthy)
+                   / statistics.median(r["elapsed_ms"] for r in healthy))
+    dims = _model_dims()
+    boost = boost_model(sizes.boost_max_power, 0.58, None)
+    slow = group_step(dims, sizes.tp, sizes.factor, fraction)
+    degraded, boosted = degraded_step(dims, sizes.tp, sizes.tp - 1, fraction, boost)
+    return {"compute_fraction": fraction,
+            "ratios_to_healthy": {"slow, not rebalanced": slow.not_rebalanced, "slow, rebalanced": slow.rebalanced,
+                                  "degraded": degraded, "degraded, boost": boosted}}
+
+
 def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
     healthy, slow, rebalanced = (runs[k] for k in ("healthy", "slow, not rebalanced", "slow, rebalanced"))
     steps = {name: _steps(records) for name, records in runs.items()}
@@ -118,6 +147,7 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
                           "moved_bytes": r["moved_bytes"], "lower_bound_bytes": r["lower_bound_bytes"],
                           "weights": r.get("weights")} for r in reformed],
         "step_ms": {name: [s[k] for k in sorted(s)] for name, s in steps.items()},
+        "simulator": predicted(runs, sizes),
         "boost": {
             "medians_ms": {"healthy": base, **boost},
             "ratios_to_healthy": {k: (v / base if v is not None and base else None) for k, v in boost.items()},
@@ -140,10 +170,13 @@ def table_lines(result: dict) -> list[str]:
     def fmt(value: Optional[float], spec: str) -> str:
         return "—" if value is None else format(value, spec)
 
-    lines = ["", f"A slow rank ({result['job']}):", "",
-             "| stretch | median step (ms) | / healthy |", "|---|---|---|"]
+    model = result["simulator"]["ratios_to_healthy"]
+    lines = ["", f"A slow rank ({result['job']}); the simulator's straggler model on the same case (compute "
+             f"{result['simulator']['compute_fraction']:.0%} of a healthy step):", "",
+             "| stretch | median step (ms) | / healthy | simulator |", "|---|---|---|---|"]
     for name, ms in result["medians_ms"].items():
-        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(result['ratios_to_healthy'][name], '.3f')} |")
+        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(result['ratios_to_healthy'][name], '.3f')} | "
+                     f"{fmt(model.get(name, 1.0 if name == 'healthy' else None), '.3f')} |")
     lines += ["", "| run | loss vs healthy (max relative) | replicas agree (iterations checked) |", "|---|---|---|"]
     for name, rep in result["replicas"].items():
         diff = result["loss_max_relative_difference"].get(name, 0.0)
@@ -154,10 +187,12 @@ def table_lines(result: dict) -> list[str]:
                      f"{e['slowness']} (iterations {e['iterations'][0]}..{e['iterations'][-1]})")
     boost = result["boost"]
     lines += ["", "Power boost of the degraded replica (a dry run: no GPU; the emulated device runs perf(power) times "
-              "faster):", "", "| run | median step after the re-formation (ms) | / healthy |", "|---|---|---|"]
+              "faster):", "", "| run | median step after the re-formation (ms) | / healthy | simulator |",
+              "|---|---|---|---|"]
     for name, ms in boost["medians_ms"].items():
         ratio = 1.0 if name == "healthy" else boost["ratios_to_healthy"][name]
-        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(ratio, '.3f')} |")
+        lines.append(f"| {name} | {fmt(ms, '.0f')} | {fmt(ratio, '.3f')} | "
+                     f"{fmt(model.get(name, 1.0 if name == 'healthy' else None), '.3f')} |")
     lines += ["", "| launch rank | load | power (x nominal) | performance | applied |", "|---|---|---|---|---|"]
     lines += [f"| {r['launch_rank']} | {r['load']:.3f} | {r['power']:.3f} | {r['perf']:.3f} | "
               f"{'yes' if r['applied'] else 'no: ' + r['reason']} |" for r in boost["ranks"]]
