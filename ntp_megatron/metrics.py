@@ -77,8 +77,8 @@ class MetricsSink:
 
     def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
         self.records: list[dict[str, Any]] = []
-        """Iteration and evaluation records, and events, in order (the launcher's end-of-run summary and plot
-        read them)."""
+        """Iteration and evaluation records, events, and every rank's compute time per iteration, in order (the
+        launcher's end-of-run summary and plot read them)."""
         self._seen: set[tuple] = set()
         self._file: Optional[TextIO] = None
         if metrics_file is not None:
@@ -101,7 +101,7 @@ class MetricsSink:
             if key in self._seen:
                 return  # every rank reports each iteration and evaluation; one record is kept
             self._seen.add(key)
-        if kind in ("iteration", "evaluation", "event"):
+        if kind in ("iteration", "evaluation", "event", "compute"):
             self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")

@@ -68,6 +68,9 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "failures": len(_events(records, "rank_failed")),
         "reformations": len(reformed),
         "restarts": len(_events(records, "restarted")),
+        "rebalances": len(_events(records, "rebalanced")),
+        "max_boost_power": max((e["power"] for e in _events(records, "boost")), default=None),
+        "boost_applied": any(e["applied"] and e["power"] > 1 for e in _events(records, "boost")),
     }
 
 
@@ -85,13 +88,54 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
                      f"of {summary['wall_s']:.1f} s wall) | iterations lost: {summary['iterations_lost']} "
                      f"({summary['iterations_rolled_back']} completed ones rolled back) | "
                      f"failures: {summary['failures']} | re-formations: {summary['reformations']} | "
-                     f"restarts: {summary['restarts']}")
+                     f"restarts: {summary['restarts']}"
+                     + (f" | rebalances: {summary['rebalances']}" if summary.get("rebalances") else "")
+                     + (f" | power boost up to {summary['max_boost_power']:.2f}x"
+                        f"{'' if summary['boost_applied'] else ' (a dry run: not applied)'}"
+                        if summary.get("max_boost_power") else ""))
     return lines
+
+
+def _compute_per_replica(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
+    """Replica -> iteration -> its slowest rank's compute time (ms): what the replica's step waits for."""
+    out: dict[int, dict[int, float]] = {}
+    for r in records:
+        if r.get("kind") == "compute":
+            mine = out.setdefault(r["replica"], {})
+            mine[r["iteration"]] = max(mine.get(r["iteration"], 0.0), r["compute_ms"])
+    return out
+
+
+def _plot_compute(ax, compute: dict[int, dict[int, float]], records: list[dict[str, Any]]) -> None:
+    """Per replica the slowest rank's compute per iteration; rebalances (purple) and power boosts marked."""
+    for replica, times in sorted(compute.items()):
+        its = sorted(times)
+        ax.plot(its, [times[i] for i in its], label=f"replica {replica}", linewidth=1)
+    ax.set_ylabel("compute (ms),\nslowest rank")
+    for event in _events(records, "reformed"):
+        if event.get("weights"):
+            ax.axvline(event["resume_iteration"], color="tab:purple", linestyle="--", linewidth=1)
+            ax.annotate("rebalanced", (event["resume_iteration"], ax.get_ylim()[1]), color="tab:purple",
+                        fontsize="small", ha="left", va="top")
+    boosted = {}
+    for event in _events(records, "boost"):
+        boosted.setdefault(event["generation"], []).append(event["power"])
+    first_of = {}
+    for r in records:
+        if r.get("kind") == "compute":
+            first_of.setdefault(r["generation"], r["iteration"])
+    for generation, powers in sorted(boosted.items()):
+        if generation in first_of:
+            text = f"boost up to {max(powers):.2f}x" if max(powers) > 1 else "boost off"
+            ax.annotate(text, (first_of[generation], ax.get_ylim()[0]), color="tab:brown", fontsize="small",
+                        ha="left", va="bottom")
+    ax.legend(loc="upper right", fontsize="small")
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
     """Loss per iteration with the validation loss (points; the end-of-training ones as stars), TP per replica over
-    iterations, failures (red) and rejoins (green) marked."""
+    iterations, failures (red) and rejoins (green) marked; with ranks' compute times, a third panel: each replica's
+    slowest rank's compute per iteration, rebalances and power boosts marked."""
     iterations, _ = _iterations(records)
     if not iterations:
         return None
@@ -101,8 +145,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
     import matplotlib.pyplot as plt
 
     steps = sorted(iterations)
-    fig, (loss_ax, tp_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True,
-                                         gridspec_kw={"height_ratios": [2, 1]})
+    compute = _compute_per_replica(records)
+    panels = 3 if compute else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 6 + 2 * (panels - 2)), sharex=True,
+                             gridspec_kw={"height_ratios": [2, 1, 1][:panels]})
+    loss_ax, tp_ax = axes[0], axes[1]
     loss_ax.plot(steps, [iterations[i]["lm_loss"] for i in steps], color="tab:blue", label="lm loss")
     for split, color in (("validation", "tab:orange"), ("test", "tab:purple")):
         evaluations = _evaluations(records, split)
@@ -124,7 +171,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
             tp_ax.step(steps, [_width(w, replica, stage if per_stage else None) for w in widths], where="post",
                        label=f"replica {replica}" + (f", stage {stage}" if per_stage else ""))
     tp_ax.set_ylabel("TP degree")
-    tp_ax.set_xlabel("iteration")
+    axes[-1].set_xlabel("iteration")
     tp_ax.set_ylim(bottom=0)
     tp_ax.yaxis.get_major_locator().set_params(integer=True)
     tp_ax.legend(loc="lower left", fontsize="small")
@@ -143,6 +190,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
                               for j in event["joined"])
             loss_ax.annotate(f"{slots} rejoined", (at, loss_ax.get_ylim()[1]), color="tab:green",
                              fontsize="small", ha="right", va="top")
+    if compute:
+        _plot_compute(axes[2], compute, records)
     loss_ax.set_title("ntp-megatron run")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

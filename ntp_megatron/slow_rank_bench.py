@@ -32,7 +32,7 @@ class SlowSizes:
     """``factor=1`` from this iteration on: the slowdown ends."""
     factor: float = 2.0
     window: int = 4
-    device_ms: float = 2000.0
+    device_ms: float = 6000.0
     """The emulated device's time for a whole replica's micro-batch (each rank sleeps its share)."""
     boost_max_power: float = 1.8
     """Enough on the default curve (performance = power ** 0.58) for a TP4 -> TP3 survivor's load (about 1.39)."""

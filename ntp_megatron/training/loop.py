@@ -215,6 +215,10 @@ class Trainer:
         # Every rank sends the record (the launcher keeps one per iteration and generation): the record of a
         # committed iteration survives the death of any rank right after its step.
         metrics.emit(record, sys.stdout)
+        if record.get("compute_ms") is not None:  # this rank's own, for the run plot's per-replica compute
+            metrics.emit({"kind": "compute", "iteration": record["iteration"], "launch_rank": self.launch_rank,
+                          "replica": self.setup.replica, "stage": self.setup.stage, "tp_rank": self.setup.tp_rank,
+                          "generation": record["generation"], "compute_ms": record["compute_ms"]}, sys.stdout)
         if not self.session.reporting:
             return
         self.session.record_progress(self.consumed_samples)  # what a replacement starts from

@@ -6,6 +6,8 @@ Every rank computes on the emulated device (``ntp.emulated_device_ms``, ntp_mega
 
 from __future__ import annotations
 
+import pytest
+
 from tests.harness import assert_groups_as_planned, run_job
 from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
@@ -41,3 +43,26 @@ def test_a_slow_rank_is_rebalanced_and_gets_its_block_back(tmp_path, jobs):
     kept = [r for r in result.records if r.get("kind") == "reform_rank" and r["replica"] == 1 and r["generation"]]
     assert kept and all(r["same_model"] and r["same_optimizer"] and not r["rebuilt"] for r in kept)
     assert all(w == [2, 2] for w in widths_by_iteration(result).values())
+
+
+def test_power_boost_of_a_degraded_replica_is_recorded_and_ends_when_it_heals(tmp_path, jobs):
+    """Replica 1 loses launch rank 3 in iteration 3 and goes on at TP1: its survivor holds twice a healthy rank's
+    work, so on the linear curve (alpha 1) it needs twice the power; with no GPU here that is a dry run that says
+    so. A warm spare rejoins, the replica is healthy again, and the survivor's limit goes back to the default. The
+    boost changes no arithmetic: the loss is the run's without it (its own failure and rejoin, no boost)."""
+    failure = ["--inject-failure", "kill:rank=3,iter=3,phase=backward", "--set", "ntp.rejoin_after_s=1",
+               "--set", "ntp.warm_spares=1"]
+    reference = jobs.run("boost-ref", ntp_args(2, 2, iters=12, extra=tuple(failure)))
+    args = ntp_args(2, 2, iters=12, extra=(*failure, "--set", "ntp.boost=true", "--set", "ntp.boost_alpha=1",
+                                           "--set", "ntp.boost_max_power=3", "--set", "ntp.emulated_device_ms=200"))
+    result = run_job(tmp_path / "run", args, timeout=400)
+    assert_same_run(result, reference, 12)
+    boosts = result.events("boost")
+    assert [b["launch_rank"] for b in boosts] == [2, 2], boosts  # only the survivor's power changes
+    degraded, healed = boosts
+    assert degraded["load"] == pytest.approx(2.0) and degraded["power"] == pytest.approx(2.0)
+    assert degraded["perf"] == pytest.approx(2.0) and not degraded["short"] and degraded["emulated"]
+    assert not degraded["applied"] and "no GPU" in degraded["reason"]
+    assert healed["power"] == 1.0 and healed["reason"] == "default limit restored"
+    assert healed["generation"] > degraded["generation"]
+    assert "boost | generation" in result.stdout and "not applied: no GPU (CPU run): dry run" in result.stdout
