@@ -43,6 +43,15 @@ class Decision:
     iterations: tuple[int, ...]
     """The iterations measured."""
 
+    def to_json(self) -> dict:
+        return {"replica": self.replica, "stage": self.stage, "weights": [[s, w] for s, w in self.weights.items()],
+                "slowness": [[s, v] for s, v in self.slowness.items()], "iterations": list(self.iterations)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Decision":
+        return cls(d["replica"], d["stage"], {s: w for s, w in d["weights"]}, {s: v for s, v in d["slowness"]},
+                   tuple(d["iterations"]))
+
 
 @dataclass
 class Group:
@@ -126,13 +135,13 @@ def _weight(relative_speed: float, threshold: float) -> int:
 
 
 def groups_of(topology, identity: Mapping[int, tuple[int, ...]]) -> list[Group]:
-    """Every TP group of ``topology`` (with or without pipeline stages) with its members' launch ranks, from the
-    controller's ``identity`` (launch rank -> (replica, slot[, stage]))."""
+    """Every TP group of ``topology`` (with or without pipeline stages) whose members are all in ``identity``
+    (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks."""
     stages = getattr(topology, "stages", (topology,))
     by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
     out = []
     for p, stage in enumerate(stages):
         for rep in stage.replicas:
-            members = {s: by_place[rep.index, s, p] for s in rep.slots if (rep.index, s, p) in by_place}
-            out.append(Group(rep.index, p, members, dict(rep.weights)))
+            if all((rep.index, s, p) in by_place for s in rep.slots):
+                out.append(Group(rep.index, p, {s: by_place[rep.index, s, p] for s in rep.slots}, dict(rep.weights)))
     return out

@@ -204,6 +204,16 @@ def reform_requested(generation: int) -> str:
     return f"{PREFIX}gen{generation}/reform_requested"
 
 
+REBALANCE_REQUESTS = PREFIX + "rebalance_requests"
+"""How many rebalance requests nodes other than 0 have made (``add``): node 0's controller polls this one key."""
+
+
+def rebalance_request(n: int) -> str:
+    """JSON of the ``n``-th rebalance request (1-based): a node other than 0 found slow ranks among its own
+    (:mod:`ntp_megatron.straggler`): the node, the generation its measurements ran in, the decisions."""
+    return f"{PREFIX}rebalance/{n}"
+
+
 def joining(launch_rank: int) -> str:
     """Set by a replacement process once it has started and is ready to be admitted (JSON: time, pid)."""
     return f"{PREFIX}joining/{launch_rank}"

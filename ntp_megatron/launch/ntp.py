@@ -3,6 +3,7 @@ process (:mod:`ntp_megatron.launch.rejoin`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Optional
@@ -15,16 +16,34 @@ from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.preflight import pin_checkpoint_load
-from ntp_megatron.straggler import StragglerMonitor, groups_of
+from ntp_megatron.stages import load_topology
+from ntp_megatron.straggler import Decision, StragglerMonitor, groups_of
 
 
 class NTPPolicy(DeathPolicy):
     def __init__(self, host: Host) -> None:
         super().__init__(host)
         self.rejoins = Rejoins(host, self.admitted)
+        ntp = host.cfg.ntp
+        self.stragglers = StragglerMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
+        self._measured_generation = -1
 
     def begin(self) -> None:
         self.rejoins.fill_spares()
+
+    def slow_groups(self, topology, identity, completed: int) -> list[Decision]:
+        """This node's ranks' compute times (from their heartbeats) to the straggler monitor; the groups of
+        ``identity``'s ranks to reweight (``ntp.rebalance``). ``completed``: the newest formed generation, whose
+        layout ``topology`` is: iterations before it do not count."""
+        agent = self.host.agent
+        if self.stragglers is None or agent is None or self.training_done:
+            return []
+        if completed != self._measured_generation:  # a new layout: only its own iterations count
+            self._measured_generation = completed
+            self.stragglers.reset(int(self.host.store.get(keys.COMMITTED).decode()))
+        for launch_rank, measured in agent.compute_times.items():
+            self.stragglers.observe(launch_rank, measured)
+        return self.stragglers.decide(groups_of(topology, identity))
 
     def admitted(self, launch_rank: int) -> bool:
         """Whether ``launch_rank``'s slot is live in the newest published generation."""
@@ -72,9 +91,7 @@ class ControllerPolicy(NTPPolicy):
 
     def begin(self) -> None:
         self.controller = self._controller()
-        ntp = self.host.cfg.ntp
-        self.stragglers = StragglerMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
-        self._measured_generation = self.controller.completed.generation
+        self._requests_seen = 0
         super().begin()
 
     def _controller(self) -> Controller:
@@ -133,19 +150,36 @@ class ControllerPolicy(NTPPolicy):
                     store.delete_key(keys.joining(lr))
 
     def _rebalance(self) -> None:
-        """Feed this node's ranks' compute times (from their heartbeats) to the straggler monitor, and reweight the
-        groups it names (``ntp.rebalance``)."""
-        agent, c = self.host.agent, self.controller
-        if self.stragglers is None or agent is None or self.training_done or c.forming():
+        """Reweight the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
+        c = self.controller
+        if self.stragglers is None or c.forming():
             return
-        if c.completed.generation != self._measured_generation:  # a new layout: only its own iterations count
-            self._measured_generation = c.completed.generation
-            self.stragglers.reset(int(self.host.store.get(keys.COMMITTED).decode()))
-        for launch_rank, measured in agent.compute_times.items():
-            self.stragglers.observe(launch_rank, measured)
-        decisions = self.stragglers.decide(groups_of(c.latest, c.identity))
+        local = {lr: c.identity[lr] for lr in self.host.local_ranks}
+        decisions = self.slow_groups(c.latest, local, c.completed.generation) + self._requests()
         if decisions:
             c.rebalance(decisions)
+
+    def _requests(self) -> list[Decision]:
+        """Other nodes' rebalance requests since the last pass (one request when there are none), those made in the
+        current layout (an older one's measurements say nothing of it)."""
+        if not self.host.nodes.multi:
+            return []
+        store, c = self.host.store, self.controller
+        made = int(store.add(keys.REBALANCE_REQUESTS, 0))
+        if made <= self._requests_seen:
+            return []
+        names = [keys.rebalance_request(n) for n in range(self._requests_seen + 1, made + 1)]
+        if not store.check(names):
+            return []  # a request counted, its value not written yet: next pass
+        self._requests_seen = made
+        out = []
+        for raw in store.multi_get(names):
+            request = json.loads(raw.decode())
+            if request["generation"] == c.completed.generation:
+                out += [Decision.from_json(d) for d in request["decisions"]]
+        for name in names:
+            try_delete(store, name)
+        return out
 
     def close(self) -> None:
         self.controller.close()
@@ -204,6 +238,8 @@ class RestartSurvivorsPolicy(ControllerPolicy):
         for spec in fired:
             host.store.set(keys.fired(str(spec)), "1")
         self.controller = self._controller()
+        if self.stragglers is not None:  # the new processes count their iterations from the checkpoint's
+            self.stragglers = StragglerMonitor(host.cfg.ntp.rebalance_threshold, host.cfg.ntp.rebalance_window)
         host.finished.clear()
         self.training_done = False
         host.respawn()
@@ -217,7 +253,12 @@ class RestartSurvivorsPolicy(ControllerPolicy):
 
 class WorkerNodePolicy(NTPPolicy):
     """A node other than 0: deaths go to node 0's controller through the store; replacements start here, on the
-    dead slots' own devices, and node 0 admits them; node 0's stop ends the job here too."""
+    dead slots' own devices, and node 0 admits them; node 0's stop ends the job here too. Slow ranks among this
+    node's are found here (its launcher reads their heartbeats) and node 0 is asked to rebalance their groups."""
+
+    _requested_in = -1
+    _topology_generation = -1
+    _topology = None
 
     def admitted(self, launch_rank: int) -> bool:
         return slot_live(self.host.store, keys.LATEST, self.host.launch_slots[launch_rank])
@@ -239,3 +280,31 @@ class WorkerNodePolicy(NTPPolicy):
 
     def replacement_died(self, death: Death) -> None:
         publish_death(self.host.store, death)  # node 0 may have admitted it meanwhile: it decides
+
+    def after(self) -> None:
+        super().after()
+        self._request_rebalance()
+
+    def _request_rebalance(self) -> None:
+        """This node's TP groups with slow ranks, as a request to node 0's controller (once per layout: the
+        generation that applies it resets the measurements)."""
+        if self.stragglers is None:
+            return
+        store = self.host.store
+        try:
+            completed, latest = (int(store.get(k).decode()) for k in (keys.COMPLETED, keys.LATEST))
+            if completed != latest or completed == self._requested_in:
+                return
+            if completed != self._topology_generation:
+                self._topology = load_topology(json.loads(store.get(keys.topology(completed)).decode()))
+                self._topology_generation = completed
+            local = {lr: self.host.launch_slots[lr] for lr in self.host.local_ranks}
+            decisions = self.slow_groups(self._topology, local, completed)
+            if decisions:
+                n = int(store.add(keys.REBALANCE_REQUESTS, 1))
+                store.set(keys.rebalance_request(n), json.dumps({
+                    "node": self.host.args.node_rank, "generation": completed,
+                    "decisions": [d.to_json() for d in decisions]}))
+                self._requested_in = completed
+        except Exception:  # noqa: BLE001 - the root store goes away with the job; node 0's stop ends this node
+            return

@@ -66,3 +66,21 @@ def test_power_boost_of_a_degraded_replica_is_recorded_and_ends_when_it_heals(tm
     assert healed["power"] == 1.0 and healed["reason"] == "default limit restored"
     assert healed["generation"] > degraded["generation"]
     assert "boost | generation" in result.stdout and "not applied: no GPU (CPU run): dry run" in result.stdout
+
+
+def test_a_slow_rank_on_another_node_is_rebalanced_through_node_0(tmp_path):
+    """Two launchers on one host: replica 1 is node 1's. Its launcher reads its ranks' heartbeats, finds launch rank
+    3 slow and asks node 0's controller (one request through the root store), which publishes the reweighted
+    generation; both nodes finish the run."""
+    from tests.jobs.test_multi_node import _two_nodes
+
+    (code0, err0), node1, records = _two_nodes(tmp_path, [
+        "--train-iters", "14", "--inject-failure", "slow:rank=3,factor=3,iter=3",
+        "--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3"])
+    assert code0 == 0 and node1[0] == 0, err0[-3000:] + node1[2][-3000:]
+    [rebalanced] = [r for r in records if r.get("event") == "rebalanced"]
+    assert rebalanced["replica"] == 1 and rebalanced["launch_ranks"] == {"0": 2, "1": 3}
+    assert int(rebalanced["weights"]["1"]) < 100 and min(rebalanced["iterations"]) >= 3
+    widths = [r["tp_per_replica"] for r in records if r.get("kind") == "iteration"]
+    assert widths and all(w == [2, 2] for w in widths)
+    assert any(r.get("event") == "reformed" and r.get("weights") for r in records)
