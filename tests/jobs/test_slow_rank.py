@@ -75,7 +75,7 @@ def test_a_slow_rank_on_another_node_is_rebalanced_through_node_0(tmp_path):
     from tests.jobs.test_multi_node import _two_nodes
 
     (code0, err0), node1, records = _two_nodes(tmp_path, [
-        "--train-iters", "14", "--inject-failure", "slow:rank=3,factor=3,iter=3",
+        "--set", "ntp.enabled=true", "--train-iters", "14", "--inject-failure", "slow:rank=3,factor=3,iter=3",
         "--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3"])
     assert code0 == 0 and node1[0] == 0, err0[-3000:] + node1[2][-3000:]
     [rebalanced] = [r for r in records if r.get("event") == "rebalanced"]
