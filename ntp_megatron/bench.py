@@ -790,6 +790,10 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
     if args.smoke:
         result["smoke"] = "every part once at its smallest size: not a measurement"
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if result.get("slow_rank"):
+        from ntp_megatron import slow_rank_bench
+
+        print(f"step times per iteration: {slow_rank_bench.plot(result['slow_rank'], args.out.with_name('slow_rank.png'))}")
     print(table(result))
     print(f"\nwrote {args.out}")
     return 0

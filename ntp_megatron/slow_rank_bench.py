@@ -197,3 +197,38 @@ def table_lines(result: dict) -> list[str]:
     lines += [f"| {r['launch_rank']} | {r['load']:.3f} | {r['power']:.3f} | {r['perf']:.3f} | "
               f"{'yes' if r['applied'] else 'no: ' + r['reason']} |" for r in boost["ranks"]]
     return lines
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Step time per iteration of every run (the slowdown's iterations shaded), from the part's JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, steps in result["step_ms"].items():
+        ax.plot(range(1, len(steps) + 1), [ms / 1e3 for ms in steps], label=name, linewidth=1.2,
+                linestyle="--" if name.startswith("degraded") else "-")
+    slow = next((e["iterations"] for e in result["rebalanced"]), None)
+    if slow:
+        ax.axvline(slow[0], color="grey", linestyle=":", linewidth=1)
+        ax.annotate("slowdown measured from here", (slow[0], ax.get_ylim()[1]), fontsize="small", va="top")
+    for r in result["reformations"]:
+        ax.axvline(r["resume_iteration"], color="tab:purple", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("step time (s)")
+    ax.set_title(result["job"][:110], fontsize="small")
+    ax.legend(fontsize="small", loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":  # python -m ntp_megatron.slow_rank_bench BENCH_JSON PNG: the plot again from a run's JSON
+    import json
+    import sys
+
+    print(plot(json.loads(Path(sys.argv[1]).read_text())["slow_rank"], Path(sys.argv[2])))
