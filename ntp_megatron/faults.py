@@ -45,8 +45,9 @@ A slow rank (the rank paces itself: not a failure, nothing dies)::
 From iteration N (default 1) on, launch rank R's compute takes F times as long (F >= 1; ``factor=1`` ends an
 earlier slowdown): at every micro-batch and at the start of the gradient sync the rank sleeps F - 1 times the
 compute time it spent since the last such point (waits on its peers excluded,
-:func:`ntp_megatron.phases.compute_clock`),
-as a GPU held back by its clocks would (the model is NVIDIA Resiliency Extension's GPU_SLEEP). Several ``slow``
+:func:`ntp_megatron.phases.compute_clock`), as a GPU held back by its clocks would (the model is NVIDIA Resiliency
+Extension's GPU_SLEEP). On a GPU the device sleeps instead (:class:`DeviceSlowdown`: a spin kernel for F - 1 times
+the previous iteration's device-measured compute). Several ``slow``
 specs for one rank make a timeline. Under NTP the controller rebalances a slow rank's replica
 (:mod:`ntp_megatron.straggler`).
 
@@ -384,6 +385,36 @@ class Slowdown:
         # The passes go on (the first micro-batch begins while the phase is still ``start``), or they ended (the
         # gradient sync under NTP, else the optimizer step's point).
         self._last = phases.compute_clock() if phase in self.WINDOW else None
+
+
+class DeviceSlowdown(Slowdown):
+    """A slow rank on a GPU, where the host only enqueues: at the end of an iteration's passes (the first point
+    after them) the device sleeps ``factor - 1`` times the previous iteration's compute (its device-measured
+    passes, :class:`ntp_megatron.compute_time.DeviceClock`, less what was slept in it), ``sleep`` being
+    :class:`ntp_megatron.compute_time.DeviceSleep`. Never ran here (no GPU)."""
+
+    def __init__(self, launch_rank: int, specs: Iterable[SlowRank], sleep: Callable[[float], None]) -> None:
+        super().__init__(launch_rank, specs, sleep)
+        self._open = False
+        self._slept_in: dict[int, float] = {}
+
+    def __call__(self, kind: str = "point") -> None:
+        iteration, phase = phases.current()
+        if phase == "start" and kind == "point":
+            self._open = True
+            return
+        if not self._open or phase in self.WINDOW:
+            return
+        self._open = False
+        measured = phases.computed()
+        if not measured:
+            return
+        last, seconds = measured[-1]
+        extra = (self.factor(iteration) - 1.0) * max(0.0, seconds - self._slept_in.get(last, 0.0))
+        if extra > 0:
+            self.sleep(extra)
+            self.slept += extra
+            self._slept_in[iteration] = extra
 
 
 def install(trigger: Optional[FailureTrigger]) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 ITERATION = ("forward", "backward", "grad_sync", "optimizer")
 """The phases of an iteration's work, where a rank makes progress at a bounded pace (micro-batches, collectives):
@@ -30,6 +30,7 @@ Hook = Callable[[str, int], None]
 
 _hook: Optional[Hook] = None
 _paces: tuple[Callable[[str], None], ...] = ()
+_wait_listener: Optional["WaitListener"] = None
 _iteration = 0
 _phase = "start"
 _ticks = 0
@@ -55,6 +56,19 @@ def install_pace(*paces: Callable[[str], None]) -> None:
     (:class:`ntp_megatron.faults.Slowdown`)."""
     global _paces
     _paces = paces
+
+
+class WaitListener(Protocol):
+    def wait_began(self) -> None: ...
+
+    def wait_ended(self) -> None: ...
+
+
+def install_wait_listener(listener: Optional[WaitListener]) -> None:
+    """Tell ``listener`` when the main thread's waits on its peers begin and end (the device clock records events on
+    its stream there: :class:`ntp_megatron.compute_time.DeviceClock`); None: nobody."""
+    global _wait_listener
+    _wait_listener = listener
 
 
 def compute_clock() -> float:
@@ -114,11 +128,15 @@ class waiting:
         if self._outer:
             _waiting_since = time.time()
             _wait_began = time.perf_counter()
+            if _wait_listener is not None:
+                _wait_listener.wait_began()
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _waiting_since, _ticks, _waited
         if self._outer:
+            if _wait_listener is not None:
+                _wait_listener.wait_ended()
             _waited += time.perf_counter() - _wait_began
             _waiting_since = None
             _ticks += 1

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-from ntp_megatron import device_model, metrics, phases
+from ntp_megatron import compute_time, device_model, metrics, phases
 from ntp_megatron.config import JobConfig
 from ntp_megatron.elastic.session import Session
 from ntp_megatron.training import checkpoint
@@ -67,6 +67,9 @@ class Trainer:
     """A replacement process admitted into the running job: its first state is not the run's initial one."""
     booster: Optional[Any] = None
     """With ``ntp.boost``: the :class:`ntp_megatron.training.boosting.Booster` of this rank."""
+    clock: Any = field(default_factory=compute_time.HostClock)
+    """How this rank measures its compute time (:mod:`ntp_megatron.compute_time`: the host's clock, or CUDA
+    events)."""
     iteration: int = 0
     """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""
     consumed_samples: int = 0
@@ -115,7 +118,7 @@ class Trainer:
             if self.booster is not None:
                 self.booster.layout(parts, s)
         start = time.perf_counter()
-        computing = phases.compute_clock()
+        self.clock.begin()
         parts.model.zero_grad_buffer()
         parts.optimizer.zero_grad()
         samples: list[int] = []
@@ -126,9 +129,9 @@ class Trainer:
         reported = run_schedule(s, parts.tf_config, parts.model, ForwardStep(s.microbatches),
                                 microbatches(self.datasets.train, samples, t.micro_batch_size, self.device),
                                 s.microbatches, self.cfg.model.seq_length, t.micro_batch_size, forward_only=False)
-        compute_s = phases.passes_done(computing) - computing  # the forward and backward passes, waits excluded
-        phases.record_compute(k, compute_s)
         loss_and_tokens = s.loss_over_replicas(loss_of(reported, torch.float32))
+        compute_s = self.clock.seconds()  # the forward and backward passes, waits excluded (after the loss's sync)
+        phases.record_compute(k, compute_s)
         grad_norm = None
         if s.grad_sync is not None and t.clip_grad > 0:
             grad_norm = s.grad_sync.compute_grad_norm()  # the last reduction before the commit point

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 
-from ntp_megatron import device_model, faults, phases  # noqa: E402
+from ntp_megatron import compute_time, device_model, faults, phases  # noqa: E402
 from ntp_megatron.config import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
 from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
@@ -104,10 +104,11 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     torch.manual_seed(t.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
     parts = build_components(cfg, setup, device)
-    emulated = _install_failures(env, control, cfg)
+    clock = compute_time.clock_for(device.type)
+    emulated = _install_failures(env, control, cfg, clock)
     trainer = Trainer(cfg=cfg, parts=parts, datasets=datasets, device=device, launch_rank=env.rank,
                       session=NullSession(env.rank), comm_stats=_comm_stats(cfg),
-                      booster=_booster(cfg, env, device, emulated))
+                      booster=_booster(cfg, env, device, emulated), clock=clock)
     # A restart resumes from the newest checkpoint of this run, if any, all of it; else from checkpoint.load (which
     # the launcher pinned to one complete checkpoint, and to the parts of it to load).
     ck = cfg.checkpoint
@@ -137,10 +138,12 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.
     datasets = _dataset(env, cfg)
-    emulated = _install_failures(env, elastic.ctl, cfg)
+    clock = compute_time.clock_for(device.type)
+    emulated = _install_failures(env, elastic.ctl, cfg, clock)
     session = ElasticSession(cfg, elastic, RankBuilder(cfg, device), joining=env.joining)
     trainer = Trainer(cfg=cfg, parts=None, datasets=datasets, device=device, launch_rank=env.rank, session=session,
-                      comm_stats=_comm_stats(cfg), joining=env.joining, booster=_booster(cfg, env, device, emulated))
+                      comm_stats=_comm_stats(cfg), joining=env.joining, booster=_booster(cfg, env, device, emulated),
+                      clock=clock)
     return trainer, elastic.ctl
 
 
@@ -196,7 +199,8 @@ def _build_dataset(run_dir: Path, cfg: JobConfig):
     return data.build_datasets(cfg, tokenizer, cache_dir)
 
 
-def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> Optional[device_model.EmulatedDevice]:
+def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig,
+                      clock) -> Optional[device_model.EmulatedDevice]:
     """This rank's injected failures and slowdowns (``--inject-failure``) and its emulated device
     (``ntp.emulated_device_ms``), plugged into the phases the training code names."""
     specs = faults.from_env()
@@ -211,8 +215,12 @@ def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig) -> Optional[d
         device_model.install(device)
         paces.append(device)
     slow = [s for s in specs if isinstance(s, faults.SlowRank) and s.rank == env.rank]
-    if slow:
+    if slow and isinstance(clock, compute_time.DeviceClock):
+        paces.append(faults.DeviceSlowdown(env.rank, slow, compute_time.DeviceSleep(clock.cuda)))
+    elif slow:
         paces.append(faults.Slowdown(env.rank, slow))  # after the device: it stretches the device's compute too
+    if isinstance(clock, compute_time.DeviceClock):
+        paces.append(clock)  # last: the passes end after any sleep enqueued at the same point
     phases.install_pace(*paces)
     return device
 
