@@ -39,7 +39,7 @@ class EmulatedDevice:
         """Seconds slept so far (the emulated compute)."""
 
     def __call__(self, kind: str) -> None:
-        if kind != "tick" or phases.current()[1] not in TRAINING_PHASES:
+        if kind != "micro_batch" or phases.current()[1] not in TRAINING_PHASES:
             return
         seconds = self.share * self.ms / 1e3 / self.speed
         self.sleep(seconds)

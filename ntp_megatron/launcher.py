@@ -399,7 +399,7 @@ class Launcher:
                       f"{saves[-1]['iteration']})")
         self.console.say(f"metrics: {self.metrics_file or 'off'} | tensorboard: {self.tensorboard_dir or 'off'}")
         try:
-            path = run_report.plot(self.console.sink.records, self.run_dir / "run.png")
+            path = run_report.plot(self.console.sink.records, self.run_dir / "run.png", self.console.sink.compute)
             if path is not None:
                 self.console.say(f"run plot: {path}")
         except Exception as exc:  # noqa: BLE001 - a plot must never fail a run

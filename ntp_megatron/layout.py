@@ -401,6 +401,9 @@ class Topology:
                              f"got {sorted(rep.dealt)}")
         if dead and not rep.dealt:
             raise ValueError(f"replica {rep.index} is degraded (dead blocks {dead}) but lists no dealt units")
+        if not dead and not rep.weights and rep.dealt:
+            raise ValueError(f"replica {rep.index} has every slot live and its slots alike (no weights) but lists dealt "
+                             "units: it must be canonical")
         weights = _weights_of(rep.slots, rep.weights)
         for family, num_units in self.units.items():
             blocks = _blocks(num_units, self.tp_base)

@@ -124,6 +124,16 @@ def gpt_params(dims: ModelDims, stage: int = 0) -> list[ParamShape]:
     return params
 
 
+def unit_cost(dims: ModelDims, stage: int = 0) -> dict[str, int]:
+    """Parameter elements of one unit of each family in pipeline stage ``stage``: a rank's GEMM work per unit it
+    holds (the straggler monitor and the simulator's straggler model weigh ranks' work by it)."""
+    cost = dict.fromkeys(dims.units, 0)
+    for p in gpt_params(dims, stage):
+        if p.family is not None:
+            cost[p.family] += p.numel
+    return cost
+
+
 def param_specs(params: Sequence[ParamShape], units: Mapping[str, int]) -> list[ParamSpec]:
     """The parameters of a rank that holds ``units[family]`` units of each family, for the buffer layout."""
     return [ParamSpec(p.name, p.numel * units[p.family] if p.family else p.numel) for p in params]
@@ -189,7 +199,7 @@ def rank_state(dims: ModelDims, topology, rank: int, training: Training) -> Stat
         topology = topology.stage_of(rank)
     stage = topology.stage
     held = {family: len(topology.units_of(rank, family)) for family in dims.units}
-    if topology.replica_of(rank).width == topology.tp_base:
+    if topology.is_healthy(topology.replica_of(rank).index):  # canonical: no shadow (a weighted replica has them)
         return state(dims, held, None, training, stage)
     blocks = [{family: len(topology.block(family, b)) for family in dims.units} for b in topology.member_blocks(rank)]
     return state(dims, held, blocks, training, stage)

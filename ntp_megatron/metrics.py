@@ -77,8 +77,12 @@ class MetricsSink:
 
     def __init__(self, metrics_file: Optional[Path], tensorboard_dir: Optional[Path]) -> None:
         self.records: list[dict[str, Any]] = []
-        """Iteration and evaluation records, events, and every rank's compute time per iteration, in order (the
-        launcher's end-of-run summary and plot read them)."""
+        """Iteration and evaluation records, and events, in order (the launcher's end-of-run summary and plot read
+        them)."""
+        self.compute: dict[int, dict[int, tuple[int, float]]] = {}
+        """Replica -> iteration -> (generation, its slowest rank's compute ms) from the ranks' ``compute`` records,
+        the newest generation's where an iteration was computed twice (a redone one): what the plot draws. One
+        number per replica and iteration, however many ranks report."""
         self._seen: set[tuple] = set()
         self._file: Optional[TextIO] = None
         if metrics_file is not None:
@@ -101,8 +105,10 @@ class MetricsSink:
             if key in self._seen:
                 return  # every rank reports each iteration and evaluation; one record is kept
             self._seen.add(key)
-        if kind in ("iteration", "evaluation", "event", "compute"):
+        if kind in ("iteration", "evaluation", "event"):
             self.records.append(record)
+        if kind == "compute":
+            self._slowest(record)
         if self._file is not None:
             self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
         if self._tb is not None and kind == "iteration":
@@ -119,6 +125,13 @@ class MetricsSink:
         if self._tb is not None and kind == "evaluation":  # Megatron's names: "lm loss validation", "... ppl"
             self._tb.add_scalar(f"lm loss {record['split']}", record["lm_loss"], record["iteration"])
             self._tb.add_scalar(f"lm loss {record['split']} ppl", record["ppl"], record["iteration"])
+
+    def _slowest(self, record: dict[str, Any]) -> None:
+        mine = self.compute.setdefault(record["replica"], {})
+        held = mine.get(record["iteration"])
+        generation, ms = record["generation"], record["compute_ms"]
+        if held is None or generation > held[0] or (generation == held[0] and ms > held[1]):
+            mine[record["iteration"]] = (generation, ms)
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"kind": "event", "event": name, "time": time.time(), **fields})

@@ -50,8 +50,8 @@ def install(hook: Optional[Hook]) -> None:
 
 
 def install_pace(*paces: Callable[[str], None]) -> None:
-    """Make ``paces`` the ones called, in order, at every :func:`tick` (with "tick") and :func:`point` (with
-    "point"), before the hook (none: no pace): an emulated device computes there
+    """Make ``paces`` the ones called, in order, at every :func:`tick` (with "micro_batch" where a micro-batch begins,
+    else "tick") and :func:`point` (with "point"), before the hook (none: no pace): an emulated device computes there
     (:class:`ntp_megatron.device_model.EmulatedDevice`), and an injected slowdown stretches the rank's compute
     (:class:`ntp_megatron.faults.Slowdown`)."""
     global _paces
@@ -109,12 +109,13 @@ def enter(phase: str) -> None:
     _ticks += 1
 
 
-def tick() -> None:
-    """Some work of the current phase was done (a micro-batch): the rank is making progress."""
+def tick(micro_batch: bool = False) -> None:
+    """Some work of the current phase was done (a micro-batch begins, with ``micro_batch``; a layer's forward or
+    backward): the rank is making progress."""
     global _ticks
     _ticks += 1
     for pace in _paces:
-        pace("tick")
+        pace("micro_batch" if micro_batch else "tick")
 
 
 class waiting:

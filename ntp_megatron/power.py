@@ -68,8 +68,8 @@ class PowerLimits(Protocol):
         """Set this rank's device to ``multiplier`` x its default power limit; what was done (``applied``,
         ``watts``, ``reason``)."""
 
-    def restore(self) -> None:
-        """Back to the default limit."""
+    def restore(self) -> dict[str, Any]:
+        """Back to the default limit; what was done (as :meth:`set`)."""
 
 
 class DryRunLimits:
@@ -81,19 +81,21 @@ class DryRunLimits:
     def set(self, multiplier: float) -> dict[str, Any]:
         return {"applied": False, "watts": None, "reason": self.reason}
 
-    def restore(self) -> None:
-        pass
+    def restore(self) -> dict[str, Any]:
+        return {"applied": False, "watts": None, "reason": self.reason}
 
 
 class NvmlLimits:
-    """The rank's device's power limit through NVML (``nvml``: the ``pynvml`` module, or a fake in tests). Limits
-    are milliwatts in NVML; the target is clamped to the device's allowed range. A refusal (no permission, a device
-    that does not support it) falls back to a dry run for the rest of the job, saying why."""
+    """The rank's device's power limit through NVML (``nvml``: the ``pynvml`` module, or a fake in tests), the device
+    found by its UUID (NVML numbers devices its own way and ignores ``CUDA_VISIBLE_DEVICES``: an index could name
+    another GPU). Limits are milliwatts in NVML; the target is clamped to the device's allowed range. A refusal (no
+    permission, a device that does not support it) turns later raises into a dry run, saying why; a limit already
+    raised is still restored."""
 
-    def __init__(self, nvml: Any, device_index: int) -> None:
+    def __init__(self, nvml: Any, device_uuid: str) -> None:
         self.nvml = nvml
         nvml.nvmlInit()
-        self.handle = nvml.nvmlDeviceGetHandleByIndex(device_index)
+        self.handle = nvml.nvmlDeviceGetHandleByUUID(device_uuid)
         self.default_mw = nvml.nvmlDeviceGetPowerManagementDefaultLimit(self.handle)
         self.min_mw, self.max_mw = nvml.nvmlDeviceGetPowerManagementLimitConstraints(self.handle)
         self.refused: Optional[str] = None
@@ -113,26 +115,32 @@ class NvmlLimits:
         clamped = "" if abs(target - self.default_mw * multiplier) < 1 else " (clamped to the device's range)"
         return {"applied": True, "watts": target / 1e3, "reason": f"set through NVML{clamped}"}
 
-    def restore(self) -> None:
-        if self.refused is None and self.changed:
-            try:
-                self.nvml.nvmlDeviceSetPowerManagementLimit(self.handle, self.default_mw)
-                self.changed = False
-            except self.nvml.NVMLError as exc:
-                logger.warning("could not restore the default power limit: %s", exc)
+    def restore(self) -> dict[str, Any]:
+        if not self.changed:
+            return {"applied": self.refused is None, "watts": self.default_mw / 1e3,
+                    "reason": "default limit restored" if self.refused is None else self.refused}
+        try:
+            self.nvml.nvmlDeviceSetPowerManagementLimit(self.handle, self.default_mw)
+        except self.nvml.NVMLError as exc:
+            logger.warning("could not restore the default power limit: %s", exc)
+            return {"applied": False, "watts": self.default_mw / 1e3,
+                    "reason": f"NVML refused to restore the default limit ({exc})"}
+        self.changed = False
+        return {"applied": True, "watts": self.default_mw / 1e3, "reason": "default limit restored"}
 
 
-def open_limits(device_index: Optional[int], dry_run: bool) -> PowerLimits:
-    """NVML on a CUDA device when pynvml is installed and works; a dry run otherwise (and when asked)."""
+def open_limits(device_uuid: Optional[str], dry_run: bool) -> PowerLimits:
+    """NVML on the CUDA device ``device_uuid`` (NVML's form, ``GPU-...``) when pynvml is installed and works; a dry
+    run otherwise (and when asked)."""
     if dry_run:
         return DryRunLimits("ntp.boost_dry_run")
-    if device_index is None:
+    if device_uuid is None:
         return DryRunLimits("no GPU (CPU run): dry run")
     try:
         import pynvml
     except ImportError:
         return DryRunLimits("pynvml is not installed (the gpu extra): dry run")
     try:
-        return NvmlLimits(pynvml, device_index)
+        return NvmlLimits(pynvml, device_uuid)
     except Exception as exc:  # noqa: BLE001 - any NVML failure means: do not touch the device
         return DryRunLimits(f"NVML unavailable ({exc}): dry run")

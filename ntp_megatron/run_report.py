@@ -96,21 +96,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _compute_per_replica(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
-    """Replica -> iteration -> its slowest rank's compute time (ms): what the replica's step waits for."""
-    out: dict[int, dict[int, float]] = {}
-    for r in records:
-        if r.get("kind") == "compute":
-            mine = out.setdefault(r["replica"], {})
-            mine[r["iteration"]] = max(mine.get(r["iteration"], 0.0), r["compute_ms"])
-    return out
-
-
-def _plot_compute(ax, compute: dict[int, dict[int, float]], records: list[dict[str, Any]]) -> None:
+def _plot_compute(ax, compute: dict[int, dict[int, tuple[int, float]]], records: list[dict[str, Any]]) -> None:
     """Per replica the slowest rank's compute per iteration; rebalances (purple) and power boosts marked."""
     for replica, times in sorted(compute.items()):
         its = sorted(times)
-        ax.plot(its, [times[i] for i in its], label=f"replica {replica}", linewidth=1)
+        ax.plot(its, [times[i][1] for i in its], label=f"replica {replica}", linewidth=1)
     ax.set_ylabel("compute (ms),\nslowest rank")
     for event in _events(records, "reformed"):
         if event.get("weights"):
@@ -120,10 +110,10 @@ def _plot_compute(ax, compute: dict[int, dict[int, float]], records: list[dict[s
     boosted = {}
     for event in _events(records, "boost"):
         boosted.setdefault(event["generation"], []).append(event["power"])
-    first_of = {}
-    for r in records:
-        if r.get("kind") == "compute":
-            first_of.setdefault(r["generation"], r["iteration"])
+    first_of: dict[int, int] = {}
+    for times in compute.values():
+        for iteration, (generation, _) in times.items():
+            first_of[generation] = min(first_of.get(generation, iteration), iteration)
     for generation, powers in sorted(boosted.items()):
         if generation in first_of:
             text = f"boost up to {max(powers):.2f}x" if max(powers) > 1 else "boost off"
@@ -132,10 +122,12 @@ def _plot_compute(ax, compute: dict[int, dict[int, float]], records: list[dict[s
     ax.legend(loc="upper right", fontsize="small")
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
+def plot(records: list[dict[str, Any]], path: Path,
+         compute: Optional[dict[int, dict[int, tuple[int, float]]]] = None) -> Optional[Path]:
     """Loss per iteration with the validation loss (points; the end-of-training ones as stars), TP per replica over
     iterations, failures (red) and rejoins (green) marked; with ranks' compute times, a third panel: each replica's
-    slowest rank's compute per iteration, rebalances and power boosts marked."""
+    slowest rank's compute per iteration (``compute``: :attr:`ntp_megatron.metrics.MetricsSink.compute`),
+    rebalances and power boosts marked."""
     iterations, _ = _iterations(records)
     if not iterations:
         return None
@@ -145,7 +137,6 @@ def plot(records: list[dict[str, Any]], path: Path) -> Optional[Path]:
     import matplotlib.pyplot as plt
 
     steps = sorted(iterations)
-    compute = _compute_per_replica(records)
     panels = 3 if compute else 2
     fig, axes = plt.subplots(panels, 1, figsize=(9, 6 + 2 * (panels - 2)), sharex=True,
                              gridspec_kw={"height_ratios": [2, 1, 1][:panels]})

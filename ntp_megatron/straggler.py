@@ -5,17 +5,18 @@ every rank of its TP group waits for it in every layer's collective, and every r
 the gradient sync. Under NTP the group can give the slow rank fewer units instead
 (:func:`ntp_megatron.layout.reweight_topology`).
 
-Each rank measures its compute time per iteration (its forward and backward passes and gradient sync, minus its
-waits on peers: :func:`ntp_megatron.phases.compute_clock`) and sends its last iterations' times with its heartbeat,
-which its launcher reads anyway: no collective and no request of its own. :class:`StragglerMonitor` compares the
-members of each TP group (one replica's stage) iteration by iteration. A member's *speed* is the work it was given
-(its weight: 100 for a normal one, and the layout gives it a share in proportion) per second of compute; its
-*relative speed* is that over the group's median speed (the higher median: with two members, the faster one), and
-``100 * relative speed`` is the weight it should have. A member whose weight that way is off its current one by
-more than ``threshold`` (lower for a new straggler or one that slowed further, higher for a weighted one whose
-slowdown ended) in each of the last ``window`` iterations it measured in the group's current layout gets its
-window's mean (within 1..100, and 100 when that is within ``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again
-(canonical when every slot is live: the units go home).
+Each rank measures its compute time per iteration (its forward and backward passes, minus its waits on peers:
+:mod:`ntp_megatron.compute_time`) and sends its last iterations' times with its heartbeat, which its launcher reads
+anyway: no collective and no request of its own. :class:`StragglerMonitor` compares the members of each TP group
+(one replica's stage) iteration by iteration. A member's *speed* is the work it holds (its units' parameter
+elements, :func:`groups_of`) per second of compute; its *relative speed* is that over the group's median speed (the
+higher median: with two members, the faster one), and ``100 * relative speed`` is the weight it should have. A
+member whose weight that way is off its current one by more than ``threshold`` (lower for a new straggler or one
+that slowed further, higher for a weighted one whose slowdown ended) in each of the last ``window`` iterations it
+measured in the group's current layout gets its window's mean (within 1..100, and 100 when that is within
+``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again (canonical
+when every slot is live: the units go home). The controller publishes only decisions that move units
+(:meth:`ntp_megatron.elastic.controller.Controller.rebalance`).
 
 Times of a group's iterations before its current layout took effect do not count (:meth:`StragglerMonitor.reset`
 when a new generation completes).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 NORMAL = 100
 """The weight of a rank at normal speed."""
@@ -63,6 +64,9 @@ class Group:
     """Live slot -> launch rank."""
     weights: Mapping[int, int] = field(default_factory=dict)
     """Live slot -> weight as the current layout has them (empty: alike)."""
+    work: Mapping[int, float] = field(default_factory=dict)
+    """Live slot -> the work it holds in the current layout (its units' parameter elements); empty: in proportion
+    to the weights."""
 
 
 class StragglerMonitor:
@@ -102,12 +106,13 @@ class StragglerMonitor:
         if len(window) < self.window:
             return None
         current = {s: group.weights.get(s, NORMAL) if group.weights else NORMAL for s in slots}
+        work = {s: group.work[s] for s in slots} if group.work else current
         speeds = {s: [] for s in slots}  # slot -> its speed over the group's median speed, per iteration
         for k in window:
             times = {s: self.times[group.members[s]][k] for s in slots}
             if min(times.values()) <= 0:
                 return None
-            speed = {s: current[s] / times[s] for s in slots}  # work (its weight's share) per second
+            speed = {s: work[s] / times[s] for s in slots}  # the work it holds per second
             median = statistics.median_high(speed.values())
             for s in slots:
                 speeds[s].append(speed[s] / median)
@@ -134,14 +139,24 @@ def _weight(relative_speed: float, threshold: float) -> int:
     return max(1, min(NORMAL, round(NORMAL * relative_speed)))
 
 
-def groups_of(topology, identity: Mapping[int, tuple[int, ...]]) -> list[Group]:
+def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
+              unit_costs: Optional[Mapping[int, Mapping[str, int]]] = None) -> list[Group]:
     """Every TP group of ``topology`` (with or without pipeline stages) whose members are all in ``identity``
-    (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks."""
+    (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks and,
+    given each stage's parameter elements per unit of each family (``unit_costs[stage]``,
+    :func:`ntp_megatron.memory_plan.unit_cost`), the work each member holds."""
     stages = getattr(topology, "stages", (topology,))
     by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
     out = []
     for p, stage in enumerate(stages):
         for rep in stage.replicas:
-            if all((rep.index, s, p) in by_place for s in rep.slots):
-                out.append(Group(rep.index, p, {s: by_place[rep.index, s, p] for s in rep.slots}, dict(rep.weights)))
+            if not all((rep.index, s, p) in by_place for s in rep.slots):
+                continue
+            work: dict[int, float] = {}
+            if unit_costs is not None:
+                for family in stage.units:
+                    for s, units in zip(rep.slots, stage.layout(family, rep.index)):
+                        work[s] = work.get(s, 0.0) + unit_costs[p][family] * len(units)
+            out.append(Group(rep.index, p, {s: by_place[rep.index, s, p] for s in rep.slots}, dict(rep.weights),
+                             work))
     return out

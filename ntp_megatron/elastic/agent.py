@@ -122,12 +122,14 @@ class Agent:
         self.notes.clear()
         self.hung.clear()
         self._placed.clear()
+        self.compute_times.clear()
 
     def forget(self, rank: int) -> None:
         """A new process takes over ``rank`` (a replacement): nothing of the old one counts against it."""
         self.notes.pop(rank, None)
         self.stopped_since.pop(rank, None)
         self.progress.pop(rank, None)
+        self.compute_times.pop(rank, None)
         self.hung.discard(rank)
         self.born[rank] = time.time()
         try:

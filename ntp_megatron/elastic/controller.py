@@ -86,6 +86,8 @@ class Controller:
         """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
         whole (every slot admitted at once: the launch layout, which fitted)."""
         self._not_admitted: Optional[tuple[list[int], str]] = None
+        self._not_rebalanced: Optional[tuple] = None
+        """The last rebalance refused for memory: said once."""
         """The last admission refused (launch ranks, why): said once, not at every poll."""
         self.settled: Optional[dict] = None
         self._threads: list[threading.Thread] = []
@@ -250,8 +252,10 @@ class Controller:
         for death, report in errors:
             replica, slot = self.identity[death.launch_rank][:2]
             widths = replica_widths(self.latest, replica) or []  # one per stage
-            stage = self._stage(death.launch_rank).get("stage", 0)  # a stage at the launch width has its layout
-            degraded = bool(widths) and widths[stage] < self.latest.tp_base
+            stage = self._stage(death.launch_rank).get("stage", 0)
+            stage_topology = self.latest.stages[stage] if isinstance(self.latest, PipelineTopology) else self.latest
+            # A canonical stage has the launch layout, which fitted; a degraded or rebalanced one has not.
+            degraded = bool(widths) and not stage_topology.is_healthy(replica)
             decided.append((death, report, replica, slot, widths, degraded))
         # Never under the distributed optimizer: with one instance the dropped ranks' shards are lost, with more the
         # instances' positions would renumber (_check_shards).
@@ -328,6 +332,9 @@ class Controller:
         if self.forming() or not decisions:
             return False
         old = self.latest
+        decisions = [d for d in decisions if self._worth_it(old, d)]
+        if not decisions:
+            return False
         weights = {(d.replica, d.stage): dict(d.weights) for d in decisions}
         new = self._at_boundary(reweight_topology(old, weights), {"weights": weights_to_json(weights)})
         stages = isinstance(old, PipelineTopology)
@@ -340,11 +347,33 @@ class Controller:
                        "slowness": {str(s): v for s, v in d.slowness.items()},
                        "launch_ranks": {str(s): lr for s, lr in launch.items()},
                        "iterations": list(d.iterations), "time": time.time()})
-            shares = (", ".join(f"slot {s} (launch rank {launch.get(s)}) {d.slowness[s]:.2f}x slower: weight {w}"
+            shares = (", ".join(f"slot {s} (launch rank {launch.get(s)})"
+                                + (f" {d.slowness[s]:.2f}x slower" if s in d.slowness else "") + f": weight {w}"
                                 for s, w in sorted(d.weights.items()) if w < 100)
                       or "its ranks run alike again: units back to their own slots")
             self.say(f"rebalancing {where} at the next iteration boundary: {shares} (iterations "
                      f"{d.iterations[0]}..{d.iterations[-1]}); generation {new.generation}")
+        return True
+
+    def _worth_it(self, old: Topology, decision: Decision) -> bool:
+        """Whether ``decision`` changes where units are (new weights that give the same layout are not worth a
+        re-formation), and gives no rank more of a family than it would hold at ``ntp.min_tp`` (what the memory
+        plan and ``ntp.memory_budget_gib`` vouch for); said once when it does."""
+        stage_of = (lambda t: t.stages[decision.stage]) if isinstance(old, PipelineTopology) else (lambda t: t)
+        new = stage_of(reweight_topology(old, {(decision.replica, decision.stage): dict(decision.weights)}))
+        before, after = stage_of(old).replica(decision.replica), new.replica(decision.replica)
+        if after.dealt == before.dealt:
+            return False
+        most = {f: max(len(units) for units in new.layout(f, decision.replica)) for f in new.units}
+        over = {f: n for f, n in most.items() if n > -(-new.units[f] // self.min_tp)}
+        if over:
+            key = (decision.replica, decision.stage, tuple(sorted(decision.weights.items())))
+            if key != self._not_rebalanced:
+                self._not_rebalanced = key
+                self.say(f"not rebalancing replica {decision.replica} to weights {dict(decision.weights)}: a rank "
+                         f"would hold {over} units, more than at ntp.min_tp ({self.min_tp}), which the memory plan "
+                         "vouches for")
+            return False
         return True
 
     def _at_boundary(self, new: Topology, change: dict) -> Topology:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from ntp_megatron import memory_plan
 from ntp_megatron.config import JobConfig
 from ntp_megatron.config_io import ConfigError
 from ntp_megatron.elastic import keys
@@ -27,6 +28,8 @@ class NTPPolicy(DeathPolicy):
         ntp = host.cfg.ntp
         self.stragglers = StragglerMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
         self._measured_generation = -1
+        dims = memory_plan.dims_of(host.cfg)
+        self._unit_costs = {p: memory_plan.unit_cost(dims, p) for p in range(dims.pipeline_stages)}
 
     def begin(self) -> None:
         self.rejoins.fill_spares()
@@ -43,7 +46,10 @@ class NTPPolicy(DeathPolicy):
             self.stragglers.reset(int(self.host.store.get(keys.COMMITTED).decode()))
         for launch_rank, measured in agent.compute_times.items():
             self.stragglers.observe(launch_rank, measured)
-        return self.stragglers.decide(groups_of(topology, identity))
+        last = self.host.cfg.training.train_iters
+        # A decision takes effect two iterations later at the earliest (published, then at the next boundary).
+        return [d for d in self.stragglers.decide(groups_of(topology, identity, self._unit_costs))
+                if max(d.iterations) + 2 < last]
 
     def admitted(self, launch_rank: int) -> bool:
         """Whether ``launch_rank``'s slot is live in the newest published generation."""
@@ -176,7 +182,8 @@ class ControllerPolicy(NTPPolicy):
         for raw in store.multi_get(names):
             request = json.loads(raw.decode())
             if request["generation"] == c.completed.generation:
-                out += [Decision.from_json(d) for d in request["decisions"]]
+                out += [d for d in map(Decision.from_json, request["decisions"])
+                        if max(d.iterations) + 2 < self.host.cfg.training.train_iters]
         for name in names:
             try_delete(store, name)
         return out
@@ -292,6 +299,8 @@ class WorkerNodePolicy(NTPPolicy):
             return
         store = self.host.store
         try:
+            if not store.check([keys.COMPLETED]):  # generation 0 still forming (a get would wait for it)
+                return
             completed, latest = (int(store.get(k).decode()) for k in (keys.COMPLETED, keys.LATEST))
             if completed != latest or completed == self._requested_in:
                 return

@@ -22,17 +22,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ntp_megatron.layout import make_topology, reweight_topology
-from ntp_megatron.memory_plan import ModelDims, gpt_params
+from ntp_megatron.memory_plan import ModelDims, unit_cost
 from ntp_megatron.sim.config import Boost
-
-
-def unit_cost(dims: ModelDims) -> dict[str, int]:
-    """Parameter elements of one unit of each family (what a rank's GEMMs do per unit held)."""
-    cost: dict[str, int] = {}
-    for p in gpt_params(dims):
-        if p.family is not None:
-            cost[p.family] = cost.get(p.family, 0) + p.numel
-    return cost
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,7 @@ class Booster:
         if chosen.power == self.power:
             return
         self.power = chosen.power
-        if chosen.power == 1.0:
-            self.limits.restore()
-            outcome = {"applied": True, "watts": None, "reason": "default limit restored"}
-        else:
-            outcome = self.limits.set(chosen.power)
+        outcome = self.limits.restore() if chosen.power == 1.0 else self.limits.set(chosen.power)
         metrics.emit({"kind": "event", "event": "boost", "launch_rank": self.launch_rank, "replica": setup.replica,
                       "tp_rank": setup.tp_rank, "generation": setup.generation, "load": round(chosen.load, 4),
                       "power": round(chosen.power, 4), "perf": round(chosen.perf, 4), "short": chosen.short,

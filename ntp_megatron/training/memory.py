@@ -163,9 +163,10 @@ def _reset_rss_hwm() -> None:
 
 
 def role(topology, rank: int) -> str:
-    """``healthy`` (a rank of a full-width replica, or NTP off), ``proxy`` (a degraded rank that is the sync-group
-    member of a dead slot's block as well as its own), or ``survivor`` (another rank of a degraded replica)."""
-    if topology is None or topology.replica_of(rank).width == topology.tp_base:
+    """``healthy`` (a rank of a canonical replica, or NTP off), ``proxy`` (a degraded rank that is the sync-group
+    member of a dead slot's block as well as its own), or ``survivor`` (another rank of a degraded or weighted
+    replica)."""
+    if topology is None or topology.is_healthy(topology.replica_of(rank).index):
         return "healthy"
     return "proxy" if len(topology.member_blocks(rank)) > 1 else "survivor"
 

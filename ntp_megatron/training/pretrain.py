@@ -233,10 +233,12 @@ def _booster(cfg: JobConfig, env: runtime.RankEnv, device: torch.device,
     from ntp_megatron.power import open_limits
     from ntp_megatron.training.boosting import Booster
 
-    index = None
-    if device.type == "cuda":
+    uuid = None
+    if device.type == "cuda":  # NVML names the device by its UUID (its indices are not CUDA's)
         index = device.index if device.index is not None else torch.cuda.current_device()
-    return Booster(cfg.ntp.boost_model(), open_limits(index, cfg.ntp.boost_dry_run), env.rank, emulated)
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    return Booster(cfg.ntp.boost_model(), open_limits(uuid, cfg.ntp.boost_dry_run), env.rank, emulated)
 
 
 def _record_failure(store, launch_rank: int):

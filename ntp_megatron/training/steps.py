@@ -58,7 +58,7 @@ class ForwardStep:
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator)
-        phases.tick()
+        phases.tick(micro_batch=True)
         if self.index == 0:
             phases.enter("forward")  # where the rank is from the iteration's first micro-batch on
         middle = self.index == self.middle

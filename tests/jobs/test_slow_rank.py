@@ -63,7 +63,7 @@ def test_power_boost_of_a_degraded_replica_is_recorded_and_ends_when_it_heals(tm
     assert degraded["load"] == pytest.approx(2.0) and degraded["power"] == pytest.approx(2.0)
     assert degraded["perf"] == pytest.approx(2.0) and not degraded["short"] and degraded["emulated"]
     assert not degraded["applied"] and "no GPU" in degraded["reason"]
-    assert healed["power"] == 1.0 and healed["reason"] == "default limit restored"
+    assert healed["power"] == 1.0 and not healed["applied"] and "no GPU" in healed["reason"]
     assert healed["generation"] > degraded["generation"]
     assert "boost | generation" in result.stdout and "not applied: no GPU (CPU run): dry run" in result.stdout
 

@@ -11,6 +11,7 @@ at one iteration boundary for every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -426,3 +427,44 @@ def test_out_of_memory_with_another_own_error_in_the_same_batch_stops_the_job(ot
     assert reason is not None and job.latest() == 1
     assert ("KeyError" in reason and "launch rank 4" in reason) if other == "a bug" else "OutOfMemoryError" in reason
     assert all(e["policy"] == "stop" for e in job.events if e.get("event") == "oom")
+
+
+# -- rebalancing a slow rank --------------------------------------------------------------------------------------
+
+def test_a_rebalance_is_published_for_the_next_iteration_boundary():
+    from ntp_megatron.layout import reweight_topology
+    from ntp_megatron.straggler import Decision
+
+    job = _job(2, 2)
+    job.form(0)
+    job.commit(0, 1)
+    slow = Decision(0, 0, {0: 100, 1: 40}, {0: 1.0, 1: 2.5}, (1, 2, 3))
+    assert Decision.from_json(json.loads(json.dumps(slow.to_json()))) == slow
+    assert job.controller.rebalance([slow])
+    assert job.latest() == 1 and job.store.check([keys.reform_requested(0)])
+    assert job.topology(1) == dataclasses.replace(reweight_topology(job.topology(0), {0: {0: 100, 1: 40}}),
+                                                  generation=1)
+    assert job.info(1)["weights"] == [[0, 0, [[0, 100], [1, 40]]]] and job.info(1)["dead"] == []
+    [event] = [e for e in job.events if e.get("event") == "rebalanced"]
+    assert event["launch_ranks"] == {"0": 0, "1": 1} and event["weights"] == {"0": 100, "1": 40}
+    assert not job.controller.rebalance([slow]), "one re-formation at a time"
+    assert job.commit(0, 2) == [COMMIT_REFORM] * 4
+    assert job.form(1) == [COMPLETE] * 4 and job.completed() == 1
+
+
+def test_a_rebalance_that_moves_nothing_or_exceeds_min_tp_is_not_published():
+    from ntp_megatron.straggler import Decision
+
+    half = Decision(0, 0, {0: 100, 1: 50, 2: 100, 3: 100}, {1: 2.0}, (1,))
+    strict = _job(4, 1, min_tp=4)  # no rank may ever hold more than its canonical block
+    strict.form(0)
+    strict.commit(0, 1)
+    assert not strict.controller.rebalance([half]) and strict.latest() == 0
+    assert any("not rebalancing replica 0" in line and "ntp.min_tp (4)" in line for line in strict.said)
+    job = _job(4, 1)
+    job.form(0)
+    job.commit(0, 1)
+    # Weight 95: every count is within one unit of its share as it is: nothing would move, so no re-formation.
+    assert not job.controller.rebalance([Decision(0, 0, {0: 100, 1: 95, 2: 100, 3: 100}, {1: 1.05}, (1,))])
+    assert job.latest() == 0
+    assert job.controller.rebalance([half]) and job.latest() == 1

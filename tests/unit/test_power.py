@@ -59,12 +59,13 @@ class FakeNVML:
 
     def __init__(self, refuse: bool = False) -> None:
         self.refuse, self.limit, self.calls = refuse, 1_000_000, []
+        self.refuse_above = None  # milliwatts above which a set is refused (a later raise than the first)
 
     def nvmlInit(self):
         self.calls.append("init")
 
-    def nvmlDeviceGetHandleByIndex(self, index):
-        return ("handle", index)
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return ("handle", uuid)
 
     def nvmlDeviceGetPowerManagementDefaultLimit(self, handle):
         return 1_000_000
@@ -73,7 +74,7 @@ class FakeNVML:
         return 200_000, 1_500_000
 
     def nvmlDeviceSetPowerManagementLimit(self, handle, milliwatts):
-        if self.refuse:
+        if self.refuse or (self.refuse_above is not None and milliwatts > self.refuse_above):
             raise self.NVMLError("Insufficient Permissions")
         self.calls.append(("set", handle, milliwatts))
         self.limit = milliwatts
@@ -81,34 +82,44 @@ class FakeNVML:
 
 def test_nvml_sets_the_limit_within_the_device_range_and_restores_the_default():
     nvml = FakeNVML()
-    limits = power.NvmlLimits(nvml, device_index=3)
+    limits = power.NvmlLimits(nvml, device_uuid="GPU-3")
     assert limits.set(1.3) == {"applied": True, "watts": 1300.0, "reason": "set through NVML"}
-    assert nvml.calls[-1] == ("set", ("handle", 3), 1_300_000)
+    assert nvml.calls[-1] == ("set", ("handle", "GPU-3"), 1_300_000)  # the device by its UUID, never an index
     assert limits.set(2.0)["watts"] == 1500.0 and nvml.limit == 1_500_000  # clamped to the device's maximum
-    limits.restore()
+    assert limits.restore() == {"applied": True, "watts": 1000.0, "reason": "default limit restored"}
     assert nvml.limit == 1_000_000
     limits.restore()  # nothing changed since: no call
     assert sum(1 for c in nvml.calls if c[0] == "set") == 3
 
 
+def test_a_limit_raised_before_a_refusal_is_still_restored():
+    nvml = FakeNVML()
+    limits = power.NvmlLimits(nvml, device_uuid="GPU-0")
+    assert limits.set(1.2)["applied"] and nvml.limit == 1_200_000
+    nvml.refuse_above = 1_250_000
+    assert not limits.set(1.4)["applied"]  # refused: a dry run from now on
+    assert limits.restore()["applied"] and nvml.limit == 1_000_000
+
+
 def test_a_refusal_turns_into_a_dry_run_that_says_why():
     nvml = FakeNVML(refuse=True)
-    limits = power.NvmlLimits(nvml, device_index=0)
+    limits = power.NvmlLimits(nvml, device_uuid="GPU-0")
     first = limits.set(1.2)
     assert not first["applied"] and "Insufficient Permissions" in first["reason"] and first["watts"] == 1200.0
     assert not limits.set(1.1)["applied"]
-    limits.restore()  # nothing was set: nothing to restore
+    assert not limits.restore()["applied"]  # nothing was set: nothing to restore, and the record says so
     assert nvml.limit == 1_000_000
 
 
 def test_open_limits_is_a_dry_run_without_a_gpu_or_pynvml(monkeypatch):
     assert "no GPU" in power.open_limits(None, dry_run=False).set(1.2)["reason"]
-    assert "ntp.boost_dry_run" in power.open_limits(0, dry_run=True).set(1.2)["reason"]
+    dry = power.open_limits("GPU-0", dry_run=True)
+    assert "ntp.boost_dry_run" in dry.set(1.2)["reason"] and not dry.restore()["applied"]
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
-    assert "pynvml is not installed" in power.open_limits(0, dry_run=False).set(1.2)["reason"]
+    assert "pynvml is not installed" in power.open_limits("GPU-0", dry_run=False).set(1.2)["reason"]
     broken = types.ModuleType("pynvml")
     broken.nvmlInit = lambda: (_ for _ in ()).throw(RuntimeError("driver not loaded"))
     monkeypatch.setitem(sys.modules, "pynvml", broken)
-    assert "NVML unavailable (driver not loaded)" in power.open_limits(0, dry_run=False).set(1.2)["reason"]
+    assert "NVML unavailable (driver not loaded)" in power.open_limits("GPU-0", dry_run=False).set(1.2)["reason"]
     monkeypatch.setitem(sys.modules, "pynvml", FakeNVML())
-    assert isinstance(power.open_limits(0, dry_run=False), power.NvmlLimits)
+    assert isinstance(power.open_limits("GPU-0", dry_run=False), power.NvmlLimits)

@@ -65,7 +65,7 @@ def test_slowdown_stretches_the_passes_only(monkeypatch):
 
     # The first micro-batch begins while the phase is still "start" (its tick), the second in "forward"; the
     # gradient sync's point ends the passes.
-    work = [("start", "tick", 0.5), ("forward", "tick", 1.0), ("forward", "point", 1.0), ("grad_sync", "point", 1.0),
+    work = [("start", "micro_batch", 0.5), ("forward", "tick", 1.0), ("forward", "point", 1.0), ("grad_sync", "point", 1.0),
             ("optimizer", "point", 5.0)]
     assert step(1, work) == 8.5  # factor 1 before iteration 2 (rank 0's spec is not this rank's)
     assert step(2, work) == 15.5  # the 3.5 s of passes take 10.5 s; the optimizer step's 5 s do not stretch
@@ -79,12 +79,13 @@ def test_emulated_device_sleeps_its_share_at_training_micro_batches(monkeypatch)
     device.share = 0.25
     where = {"at": (1, "start")}
     monkeypatch.setattr(phases, "current", lambda: where["at"])
-    device("tick")
+    device("micro_batch")
     device("point")  # a phase point is not a micro-batch
     where["at"] = (1, "forward")
-    device("tick")
+    device("tick")  # a layer's progress mark (ntp.progress_fence) is not one either
+    device("micro_batch")
     where["at"] = (1, "eval")
-    device("tick")
+    device("micro_batch")
     assert slept == [0.1, 0.1] and device.busy_s == pytest.approx(0.2)
 
 
@@ -127,3 +128,20 @@ def test_monitor_needs_every_member_and_a_whole_window():
     assert monitor.decide([Group(0, 0, {0: 0})]) == []  # one member: nothing to compare
     with pytest.raises(ValueError):
         StragglerMonitor(threshold=1.0, window=3)
+
+
+def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
+    """TP8 -> TP7 with 8 heads: one survivor holds 2 heads, the others 1, and takes longer for it. Speed is work per
+    second, the work being the units it holds (groups_of with the model's unit costs): nobody is slow. With speed
+    taken as weight per second the survivor would look 1.3x slower and be rebalanced for nothing."""
+    from ntp_megatron.layout import next_topology
+
+    topo = next_topology(make_topology(8, 1, {"heads": 8, "ffn": 64, "vocab": 64}), [7])
+    identity = {lr: topo.slot_of(lr) for lr in range(7)}
+    costs = {0: {"heads": 300, "ffn": 10, "vocab": 5}}
+    [group] = groups_of(topo, identity, costs)
+    assert sorted(group.work.values())[-1] > sorted(group.work.values())[0]  # uneven work
+    monitor = StragglerMonitor(threshold=1.2, window=3)
+    feed(monitor, {lr: [group.work[topo.slot_of(lr)[1]] / 1000] * 3 for lr in range(7)})  # time = work
+    assert monitor.decide([group]) == []
+    assert monitor.decide([Group(0, 0, group.members, {})]) != []  # what weighing by weight alone would do

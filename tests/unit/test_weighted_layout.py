@@ -151,7 +151,7 @@ def check_within_one(topo: Topology) -> None:
                 count = sum(1 for s in held.values() if s == slot)
                 assert floor(ideal[slot]) <= count <= ceil(ideal[slot]), (family, rep.index, slot, count, ideal)
         if rep.width == topo.tp_base and not rep.weights:
-            assert topo.is_healthy(rep.index) or rep.dealt  # even and full: canonical unless lending survived a death
+            assert topo.is_healthy(rep.index)  # every slot live and alike: canonical
         if topo.is_healthy(rep.index):
             for family in topo.units:
                 assert topo.layout(family, rep.index) == [topo.block(family, s) for s in rep.slots]
@@ -211,21 +211,36 @@ def test_a_reweighting_moves_the_fewest_units_inside_its_replica_only(steps):
 
 @PROPS
 @given(weighted_histories())
-def test_deaths_and_joins_of_weighted_replicas_keep_what_survivors_hold(steps):
-    for kind, old, new, dead in (s for s in steps if s[0] in ("shrink", "join")):
+def test_deaths_and_joins_of_weighted_replicas(steps):
+    """A death: untouched replicas keep everything; in the replica that lost a slot every survivor keeps all it held
+    (its share can only grow when a slot dies), the dead slot's weight goes, the others keep theirs. A join: the
+    joined slot holds its whole block, weighs as the replica's fastest, and the others keep their weights."""
+    for kind, old, new, what in (s for s in steps if s[0] in ("shrink", "join")):
         for rep in new.replicas:
             if rep.index not in {r.index for r in old.replicas}:
                 continue
             before = old.replica(rep.index)
-            if kind == "shrink" and not set(dead) & set(before.ranks):
-                assert rep.dealt == before.dealt and rep.weights == before.weights
             if kind == "shrink":
+                dead_slots = {s for s, r in zip(before.slots, before.ranks) if r in what}
+                if not dead_slots:
+                    assert rep.dealt == before.dealt and rep.weights == before.weights
+                    continue
+                alike_after = len({w for s, w in before.weights.items() if s not in dead_slots}) <= 1
+                assert rep.weights == ({} if alike_after else
+                                       {s: w for s, w in before.weights.items() if s not in dead_slots})
                 for family in old.units:
                     for slot in rep.slots:
                         held = set(old.units_of(old.rank_of(rep.index, slot), family))
-                        # a survivor keeps what it held unless its share shrank below it (weights only)
-                        if not before.weights:
-                            assert held <= set(new.units_of(new.rank_of(rep.index, slot), family))
+                        assert held <= set(new.units_of(new.rank_of(rep.index, slot), family))
+            else:
+                joined = [s for s in rep.slots if s not in before.slots]
+                for slot in joined:
+                    for family in old.units:
+                        assert set(new.block(family, slot)) <= set(new.units_of(new.rank_of(rep.index, slot), family))
+                    if rep.weights:
+                        assert rep.weights[slot] == max(before.weights.values())
+                if rep.weights:
+                    assert all(rep.weights[s] == w for s, w in before.weights.items())
 
 
 def test_reweighting_a_stage_of_a_pipeline_leaves_the_other_stages():
