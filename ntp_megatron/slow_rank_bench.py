@@ -39,7 +39,7 @@ class SlowSizes:
 
 
 SLOW_FULL = SlowSizes()
-SLOW_SMOKE = SlowSizes(tp=2, iters=8, slow_at=2, slow_end=6, factor=3.0, window=2, device_ms=200.0)
+SLOW_SMOKE = SlowSizes(tp=2, iters=6, slow_at=2, slow_end=5, factor=3.0, window=1, device_ms=100.0)
 
 
 def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
