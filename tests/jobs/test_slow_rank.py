@@ -11,9 +11,9 @@ import pytest
 from tests.harness import assert_groups_as_planned, run_job
 from tests.jobs.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
-ITERS = 24
-SLOW_FROM, SLOW_UNTIL = 3, 13
-DEVICE = ("--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3")
+ITERS = 20
+SLOW_FROM, SLOW_UNTIL = 3, 11
+DEVICE = ("--set", "ntp.emulated_device_ms=300", "--set", "ntp.rebalance_window=3")
 
 
 def test_a_slow_rank_is_rebalanced_and_gets_its_block_back(tmp_path, jobs):
