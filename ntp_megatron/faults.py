@@ -414,7 +414,7 @@ class DeviceSlowdown(Slowdown):
         if extra > 0:
             self.sleep(extra)
             self.slept += extra
-            self._slept_in[iteration] = extra
+            self._slept_in = {iteration: extra}  # only the last iteration's is read
 
 
 def install(trigger: Optional[FailureTrigger]) -> None:

@@ -362,7 +362,7 @@ class GradSync:
         if self.distributed_optimizer and ddp_config.overlap_param_gather:
             raise ValueError("the distributed optimizer under NTP does not support overlap_param_gather (its "
                              "gather runs in the next forward's pre-hooks, not after the optimizer step)")
-        degraded = [rep.index for rep in topology.replicas if rep.width < topology.tp_base]
+        degraded = [rep.index for rep in topology.replicas if not topology.is_healthy(rep.index)]  # or rebalanced
         if (self.distributed_optimizer and ddp_config.overlap_grad_reduce and groups.instances > 1 and degraded
                 and dist.get_backend() == "gloo"):
             # With several instances Megatron syncs each bucket synchronously inside the backward hook of a healthy

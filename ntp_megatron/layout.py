@@ -89,8 +89,9 @@ gave least above their shares, then to the lowest slot. Units move straight ther
 away from home first (the largest), then its own block's largest, each to the unit's block's member if that one is
 short, else to the lowest slot that is short. :func:`reweight_topology` changes a replica's weights (nothing dies,
 proxies and sync groups stay); even weights on a full replica make it canonical again (lent units go home). With
-even weights these rules are the ones above exactly; a dead slot's units in a weighted replica are dealt the same
-way, to the counts its survivors' weights give.
+even weights these rules are the ones above exactly. A death in a weighted replica makes its slots alike again
+(survivors keep what they hold, the counts are balanced by the rules above): dealt by weight, a survivor could hold
+more than any even layout down to ``ntp.min_tp``.
 
 Transition plans
 ----------------
@@ -670,15 +671,17 @@ def _member(block: int, slots: Iterable[int], proxies: Mapping[int, int]) -> int
 
 def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, int]) -> _Draft:
     """The replica after slots ``dying`` died at once: survivors keep what they hold and their proxy roles; what
-    the dying held is dealt by the proxy and dealing rules of the module docstring (by weight in a weighted
-    replica). Needs a survivor."""
+    the dying held is dealt by the proxy and dealing rules of the module docstring; a weighted replica's slots are
+    alike again. Needs a survivor."""
     index, slots, proxies, dealt, weights = draft
     if not dying:
         return draft
     live = [s for s in slots if s not in dying]
     assert live, "a replica with no survivor is dropped, not shrunk"
-    weights = {s: w for s, w in weights.items() if s not in dying}
-    weighted = len(set(weights.values())) > 1
+    # A death makes a weighted replica's slots alike again: dealing its dead slots' units by weight could give a
+    # survivor more than any even layout down to ntp.min_tp (what the memory plan vouches for); its slow slots are
+    # measured and rebalanced again in the new layout.
+    weights = {}
     kept = {b: p for b, p in proxies.items() if p not in dying}
     orphans = set(dying) | {b for b, p in proxies.items() if p in dying}  # blocks needing a new proxy
     new_dealt: dict[str, dict[int, int]] = {}
@@ -708,8 +711,6 @@ def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, in
             proxy = min(live, key=lambda s: (roles[s], -of_block[block, s], s))
             kept[block] = proxy
             roles[proxy] += 1
-        if weighted:
-            continue  # dealt by weight below
         member = _member(block, live, kept)
         for family in sorted(released.get(block, {})):
             count = counts[family]
@@ -720,8 +721,7 @@ def _shrink(draft: _Draft, dying: set[int], tp_base: int, units: Mapping[str, in
                     new_dealt[family][unit] = target
                 count[target] += 1
                 of_block[block, target] += 1
-    loose = {f: sorted(u for by in released.values() for u in by.get(f, ())) for f in units} if weighted else {}
-    return _fit((index, live, kept, new_dealt, weights), tp_base, units, loose)
+    return _fit((index, live, kept, new_dealt, weights), tp_base, units)
 
 
 def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Mapping[int, int],
@@ -742,11 +742,10 @@ def _targets(held: Mapping[int, int], ideal: Mapping[int, Fraction], weights: Ma
     return {s: low[s] + (s in chosen) for s in low}
 
 
-def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
-         loose: Optional[Mapping[str, list[int]]] = None) -> _Draft:
+def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int]) -> _Draft:
     """The replica with every live slot's count of each family within one unit of its share (:func:`shares`),
     reached with the fewest moves (module docstring, "Weighted dealing"); a replica with even weights that already
-    fits is returned as it is. ``loose``: units nobody holds yet (a weighted replica's dead slots'), dealt first."""
+    fits is returned as it is."""
     index, slots, proxies, dealt, weights = draft
     weighted = len(set(weights.values())) > 1
     new_dealt: dict[str, dict[int, int]] = {}
@@ -757,11 +756,6 @@ def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
         away = dict(dealt.get(family, {}))  # unit -> slot, for units not held by their own live slot
         extra: dict[int, list[int]] = {s: [] for s in slots}  # units away from their own slot, per holder
         count = {s: len(blocks[s]) for s in slots}
-        pending = list((loose or {}).get(family, ()))
-        for unit in pending:
-            block = _block_of(num_units, tp_base, unit)
-            if block in count:  # a survivor's lent unit whose holder died: not held by its slot either
-                count[block] -= 1
         for unit, holder in sorted(away.items()):
             extra[holder].append(unit)
             count[holder] += 1
@@ -795,14 +789,11 @@ def _fit(draft: _Draft, tp_base: int, units: Mapping[str, int],
                 member = _member(_block_of(num_units, tp_base, unit), slots, proxies)
                 return member if count[member] < target[member] else min(s for s in slots if count[s] < target[s])
 
-            for unit in pending:
-                give(unit, short(unit))
             for donor in slots:
                 while count[donor] > target[donor]:
                     unit = take(donor)
                     give(unit, short(unit))
         else:
-            assert not pending, "even weights deal a dead slot's units in _shrink"
             while True:
                 excess = {s: count[s] - ideal[s] for s in slots}
                 high, low = max(excess.values()), min(excess.values())

@@ -85,9 +85,10 @@ class Controller:
         self.unfit: set[int] = set()
         """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
         whole (every slot admitted at once: the launch layout, which fitted)."""
+        self._not_rebalanced: set[tuple] = set()
+        """Rebalances refused in a generation ((generation, replica, stage, weights)): not worked out again, said
+        once."""
         self._not_admitted: Optional[tuple[list[int], str]] = None
-        self._not_rebalanced: Optional[tuple] = None
-        """The last rebalance refused for memory: said once."""
         """The last admission refused (launch ranks, why): said once, not at every poll."""
         self.settled: Optional[dict] = None
         self._threads: list[threading.Thread] = []
@@ -249,11 +250,15 @@ class Controller:
         meet the same layout) the job stops naming the error. Either way an ``oom`` event per rank says which
         policy was taken."""
         decided = []
+        self._refresh_completed()
         for death, report in errors:
             replica, slot = self.identity[death.launch_rank][:2]
-            widths = replica_widths(self.latest, replica) or []  # one per stage
+            # The layout the rank ran out of memory in: the one it was forming, or the one it trained in (a newer
+            # generation may be published and not formed yet, e.g. a rebalance at the next boundary).
+            layout = self.latest if report.get("phase") == "reform" else self.completed
+            widths = replica_widths(layout, replica) or []  # one per stage
             stage = self._stage(death.launch_rank).get("stage", 0)
-            stage_topology = self.latest.stages[stage] if isinstance(self.latest, PipelineTopology) else self.latest
+            stage_topology = layout.stages[stage] if isinstance(layout, PipelineTopology) else layout
             # A canonical stage has the launch layout, which fitted; a degraded or rebalanced one has not.
             degraded = bool(widths) and not stage_topology.is_healthy(replica)
             decided.append((death, report, replica, slot, widths, degraded))
@@ -359,22 +364,21 @@ class Controller:
         """Whether ``decision`` changes where units are (new weights that give the same layout are not worth a
         re-formation), and gives no rank more of a family than it would hold at ``ntp.min_tp`` (what the memory
         plan and ``ntp.memory_budget_gib`` vouch for); said once when it does."""
+        key = (old.generation, decision.replica, decision.stage, tuple(sorted(decision.weights.items())))
+        if key in self._not_rebalanced:  # a refused decision the monitor makes again: not worked out again
+            return False
         stage_of = (lambda t: t.stages[decision.stage]) if isinstance(old, PipelineTopology) else (lambda t: t)
         new = stage_of(reweight_topology(old, {(decision.replica, decision.stage): dict(decision.weights)}))
         before, after = stage_of(old).replica(decision.replica), new.replica(decision.replica)
-        if after.dealt == before.dealt:
-            return False
         most = {f: max(len(units) for units in new.layout(f, decision.replica)) for f in new.units}
         over = {f: n for f, n in most.items() if n > -(-new.units[f] // self.min_tp)}
+        if after.dealt != before.dealt and not over:
+            return True
+        self._not_rebalanced.add(key)
         if over:
-            key = (decision.replica, decision.stage, tuple(sorted(decision.weights.items())))
-            if key != self._not_rebalanced:
-                self._not_rebalanced = key
-                self.say(f"not rebalancing replica {decision.replica} to weights {dict(decision.weights)}: a rank "
-                         f"would hold {over} units, more than at ntp.min_tp ({self.min_tp}), which the memory plan "
-                         "vouches for")
-            return False
-        return True
+            self.say(f"not rebalancing replica {decision.replica} to weights {dict(decision.weights)}: a rank would "
+                     f"hold {over} units, more than at ntp.min_tp ({self.min_tp}), which the memory plan vouches for")
+        return False
 
     def _at_boundary(self, new: Topology, change: dict) -> Topology:
         """Publish ``new`` (what ``change`` says changed: slots joined, or weights) as the next generation, which the

@@ -162,7 +162,8 @@ class ControllerPolicy(NTPPolicy):
             return
         local = {lr: c.identity[lr] for lr in self.host.local_ranks}
         decisions = self.slow_groups(c.latest, local, c.completed.generation) + self._requests()
-        if decisions:
+        # Published now, a decision takes effect after the next committed iteration at the earliest.
+        if decisions and int(self.host.store.get(keys.COMMITTED).decode()) + 2 < self.host.cfg.training.train_iters:
             c.rebalance(decisions)
 
     def _requests(self) -> list[Decision]:
@@ -263,7 +264,7 @@ class WorkerNodePolicy(NTPPolicy):
     dead slots' own devices, and node 0 admits them; node 0's stop ends the job here too. Slow ranks among this
     node's are found here (its launcher reads their heartbeats) and node 0 is asked to rebalance their groups."""
 
-    _requested_in = -1
+    _requested: Optional[tuple[int, list]] = None
     _topology_generation = -1
     _topology = None
 
@@ -293,8 +294,8 @@ class WorkerNodePolicy(NTPPolicy):
         self._request_rebalance()
 
     def _request_rebalance(self) -> None:
-        """This node's TP groups with slow ranks, as a request to node 0's controller (once per layout: the
-        generation that applies it resets the measurements)."""
+        """This node's TP groups with slow ranks, as a request to node 0's controller: once per layout and decision
+        (node 0 may refuse one: a later, different decision in the same layout is asked again)."""
         if self.stragglers is None:
             return
         store = self.host.store
@@ -302,18 +303,17 @@ class WorkerNodePolicy(NTPPolicy):
             if not store.check([keys.COMPLETED]):  # generation 0 still forming (a get would wait for it)
                 return
             completed, latest = (int(store.get(k).decode()) for k in (keys.COMPLETED, keys.LATEST))
-            if completed != latest or completed == self._requested_in:
+            if completed != latest:
                 return
             if completed != self._topology_generation:
                 self._topology = load_topology(json.loads(store.get(keys.topology(completed)).decode()))
                 self._topology_generation = completed
             local = {lr: self.host.launch_slots[lr] for lr in self.host.local_ranks}
-            decisions = self.slow_groups(self._topology, local, completed)
-            if decisions:
+            decisions = [d.to_json() for d in self.slow_groups(self._topology, local, completed)]
+            if decisions and (completed, decisions) != self._requested:
                 n = int(store.add(keys.REBALANCE_REQUESTS, 1))
                 store.set(keys.rebalance_request(n), json.dumps({
-                    "node": self.host.args.node_rank, "generation": completed,
-                    "decisions": [d.to_json() for d in decisions]}))
-                self._requested_in = completed
+                    "node": self.host.args.node_rank, "generation": completed, "decisions": decisions}))
+                self._requested = (completed, decisions)
         except Exception:  # noqa: BLE001 - the root store goes away with the job; node 0's stop ends this node
             return

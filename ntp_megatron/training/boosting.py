@@ -3,7 +3,6 @@ power its layout needs, set on its device (or recorded), and a ``boost`` record 
 
 from __future__ import annotations
 
-import atexit
 import sys
 import time
 from typing import Optional
@@ -18,7 +17,6 @@ class Booster:
                  device: Optional[device_model.EmulatedDevice] = None) -> None:
         self.boost, self.limits, self.launch_rank, self.device = boost, limits, launch_rank, device
         self.power = 1.0
-        atexit.register(self.close)  # also when the rank retires with a dropped replica, or fails on its own
 
     def layout(self, parts, setup) -> None:
         """The rank trains ``parts`` in ``setup``'s generation from now on: draw the power its load needs."""
@@ -48,5 +46,6 @@ class Booster:
               + f" | {'applied' if outcome['applied'] else 'not applied'}: {outcome['reason']} |", flush=True)
 
     def close(self) -> None:
-        """The run ends (or the process does): the device's default limit again (idempotent)."""
+        """The rank ends, however (:func:`ntp_megatron.training.pretrain.main`): the device's default limit again
+        (idempotent). A SIGKILLed rank cannot: its limit stays until the device's next reset."""
         self.limits.restore()

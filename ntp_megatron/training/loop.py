@@ -275,8 +275,6 @@ class Trainer:
                     self.evaluations.until_done(split, final=True)
         self.checkpoints.finalize(blocking=True)  # no async save left behind
         self.checks.dump(initial=False)
-        if self.booster is not None:
-            self.booster.close()
         phases.enter("end")
         torch.distributed.barrier()
         return True

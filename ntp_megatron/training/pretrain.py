@@ -60,6 +60,15 @@ def main() -> int:
     trainer, store = build_elastic_trainer(env, cfg, device) if cfg.ntp.enabled else \
         build_plain_trainer(env, cfg, device)
     try:
+        return _run(trainer, store, env, cfg)
+    finally:
+        if trainer.booster is not None:  # every way out (ranks end by os._exit: no atexit handler runs)
+            trainer.booster.close()
+
+
+def _run(trainer: Trainer, store, env: runtime.RankEnv, cfg: JobConfig) -> int:
+    """The run, and what this rank's way out of it says (an exit code)."""
+    try:
         trainer.run()
     except Retired as retired:
         print(retired.code, flush=True)

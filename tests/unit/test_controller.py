@@ -396,6 +396,30 @@ def test_out_of_memory_in_a_healthy_replica_stops_the_job():
     assert event["policy"] == "stop" and not event["degraded"]
 
 
+def test_out_of_memory_is_judged_in_the_layout_the_rank_trained_in():
+    """A rebalance of replica 0 is published, not formed yet; its rank runs out of memory while still training in
+    the launch layout (generation 0): no layout to drop, the job stops. Once the rebalanced layout formed, the same
+    error drops the replica (its layout is not the launch's, which fitted)."""
+    from ntp_megatron.straggler import Decision
+
+    half = Decision(0, 0, {0: 100, 1: 40}, {1: 2.5}, (1,))
+    job = _job(2, 2)
+    job.form(0)
+    job.commit(0, 1)
+    assert job.controller.rebalance([half]) and job.controller.forming()
+    _run_out_of_memory(job, 0, phase="forward", iteration=2)
+    assert job.die(0) is not None and _oom_event(job)["policy"] == "stop" and not _oom_event(job)["degraded"]
+    formed = _job(2, 2)
+    formed.form(0)
+    formed.commit(0, 1)
+    assert formed.controller.rebalance([half])
+    formed.commit(0, 2)
+    formed.form(1)
+    _run_out_of_memory(formed, 0, phase="forward", iteration=3)
+    assert formed.die(0) is None and _oom_event(formed)["degraded"]
+    assert [r.index for r in formed.topology(2).replicas] == [1]
+
+
 def test_out_of_memory_in_two_degraded_replicas_at_once_drops_both():
     job = _job(2, 3)
     job.form(0)
@@ -461,6 +485,15 @@ def test_a_rebalance_that_moves_nothing_or_exceeds_min_tp_is_not_published():
     strict.commit(0, 1)
     assert not strict.controller.rebalance([half]) and strict.latest() == 0
     assert any("not rebalancing replica 0" in line and "ntp.min_tp (4)" in line for line in strict.said)
+    worked = []
+    import ntp_megatron.elastic.controller as controller_module
+    real = controller_module.reweight_topology
+    controller_module.reweight_topology = lambda *a, **k: worked.append(1) or real(*a, **k)
+    try:  # the monitor makes the refused decision again at every pass: not worked out again, not said again
+        assert not strict.controller.rebalance([half]) and not strict.controller.rebalance([half])
+    finally:
+        controller_module.reweight_topology = real
+    assert worked == [] and sum("not rebalancing" in line for line in strict.said) == 1
     job = _job(4, 1)
     job.form(0)
     job.commit(0, 1)
