@@ -12,7 +12,8 @@ anyway: no collective and no request of its own. :class:`StragglerMonitor` compa
 elements, :func:`groups_of`) per second of compute; its *relative speed* is that over the group's median speed (the
 higher median: with two members, the faster one), and ``100 * relative speed`` is the weight it should have. A
 member whose weight that way is off its current one by more than ``threshold`` (lower for a new straggler or one
-that slowed further, higher for a weighted one whose slowdown ended) in each of the last ``window`` iterations it
+that slowed further; higher, or within ``threshold`` of normal, for a weighted one whose slowdown ended) in each
+of the last ``window`` iterations it
 measured in the group's current layout gets its window's mean (within 1..100, and 100 when that is within
 ``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again (canonical
 when every slot is live: the units go home). The controller publishes only decisions that move units
@@ -118,10 +119,13 @@ class StragglerMonitor:
                 speeds[s].append(speed[s] / median)
         # A member whose speed implies a weight off its current one by more than the threshold, in every iteration
         # of the window: slower (a new straggler, or one that slowed further) or faster (its slowdown ended).
+        # A weighted member counts as faster also when its speed is within the threshold of normal: work that does
+        # not shrink with the units it holds (norms, embeddings, launches) keeps its measured speed below its
+        # weight's, so "faster than its weight by the threshold" may never come once its slowdown ended.
         changed = [s for s in slots
                    if all(NORMAL * v < current[s] / self.threshold for v in speeds[s])
                    or (current[s] < NORMAL and all(min(NORMAL, NORMAL * v) > current[s] * self.threshold
-                                                   for v in speeds[s]))]
+                                                   or v * self.threshold >= 1 for v in speeds[s]))]
         if not changed:
             return None
         weights = {s: _weight(statistics.fmean(speeds[s]), self.threshold) if s in changed else current[s]

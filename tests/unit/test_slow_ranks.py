@@ -145,3 +145,17 @@ def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
     feed(monitor, {lr: [group.work[topo.slot_of(lr)[1]] / 1000] * 3 for lr in range(7)})  # time = work
     assert monitor.decide([group]) == []
     assert monitor.decide([Group(0, 0, group.members, {})]) != []  # what weighing by weight alone would do
+
+
+def test_a_recovered_rank_gets_its_units_back_though_fixed_work_keeps_it_below_its_weight():
+    """Weight 80 after a 1.25x slowdown that ended: with a third of its compute not shrinking with its units, it
+    measures at 0.9 of the others' speed, not faster than its weight by the threshold; being within the threshold of
+    normal, it gets 100 back (helper-5's loop kept it at 80 for good)."""
+    monitor = StragglerMonitor(threshold=1.2, window=2)
+    group = Group(0, 0, {0: 0, 1: 1}, {0: 100, 1: 80}, {0: 1.0, 1: 0.8})
+    feed(monitor, {0: [1.0, 1.0], 1: [0.8 / 0.9, 0.8 / 0.9]})  # speed 0.9 of the other's
+    [decision] = monitor.decide([group])
+    assert decision.weights == {}
+    monitor = StragglerMonitor(threshold=1.2, window=2)
+    feed(monitor, {0: [1.0, 1.0], 1: [0.8 / 0.8, 0.8 / 0.8]})  # still at 0.8: as its weight says, nothing to do
+    assert monitor.decide([group]) == []
