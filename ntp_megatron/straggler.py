@@ -13,9 +13,8 @@ elements, :func:`groups_of`) per second of compute; its *relative speed* is that
 higher median: with two members, the faster one), and ``100 * relative speed`` is the weight it should have. A
 member whose weight that way is off its current one by more than ``threshold`` (lower for a new straggler or one
 that slowed further; higher, or within ``threshold`` of normal, for a weighted one whose slowdown ended) in each
-of the last ``window`` iterations it
-measured in the group's current layout gets its window's mean (within 1..100, and 100 when that is within
-``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again (canonical
+of the last ``window`` iterations it measured in the group's current layout gets its window's mean (within 1..100,
+and 100 when that is within ``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again (canonical
 when every slot is live: the units go home). The controller publishes only decisions that move units
 (:meth:`ntp_megatron.elastic.controller.Controller.rebalance`).
 
