@@ -49,7 +49,7 @@ compute time it spent since the last such point (waits on its peers excluded,
 Extension's GPU_SLEEP). On a GPU the device sleeps instead (:class:`DeviceSlowdown`: a spin kernel for F - 1 times
 the previous iteration's device-measured compute). Several ``slow``
 specs for one rank make a timeline. Under NTP the controller rebalances a slow rank's replica
-(:mod:`ntp_megatron.straggler`).
+(:mod:`ntp_megatron.plan.rebalance`).
 
 Controller-side (the launcher does it from outside)::
 
@@ -76,7 +76,7 @@ from typing import Callable, Iterable, Literal, Optional, Sequence, Union
 import torch
 
 from ntp_megatron import phases
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
 
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit", "error", "oom", "spin")
@@ -390,8 +390,8 @@ class Slowdown:
 class DeviceSlowdown(Slowdown):
     """A slow rank on a GPU, where the host only enqueues: at the end of an iteration's passes (the first point
     after them) the device sleeps ``factor - 1`` times the previous iteration's compute (its device-measured
-    passes, :class:`ntp_megatron.compute_time.DeviceClock`, less what was slept in it), ``sleep`` being
-    :class:`ntp_megatron.compute_time.DeviceSleep`. Never ran here (no GPU)."""
+    passes, :class:`ntp_megatron.speed.compute_time.DeviceClock`, less what was slept in it), ``sleep`` being
+    :class:`ntp_megatron.speed.compute_time.DeviceSleep`. Never ran here (no GPU)."""
 
     def __init__(self, launch_rank: int, specs: Iterable[SlowRank], sleep: Callable[[float], None]) -> None:
         super().__init__(launch_rank, specs, sleep)

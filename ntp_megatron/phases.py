@@ -52,7 +52,7 @@ def install(hook: Optional[Hook]) -> None:
 def install_pace(*paces: Callable[[str], None]) -> None:
     """Make ``paces`` the ones called, in order, at every :func:`tick` (with "micro_batch" where a micro-batch begins,
     else "tick") and :func:`point` (with "point"), before the hook (none: no pace): an emulated device computes there
-    (:class:`ntp_megatron.device_model.EmulatedDevice`), and an injected slowdown stretches the rank's compute
+    (:class:`ntp_megatron.speed.device_model.EmulatedDevice`), and an injected slowdown stretches the rank's compute
     (:class:`ntp_megatron.faults.Slowdown`)."""
     global _paces
     _paces = paces
@@ -66,7 +66,7 @@ class WaitListener(Protocol):
 
 def install_wait_listener(listener: Optional[WaitListener]) -> None:
     """Tell ``listener`` when the main thread's waits on its peers begin and end (the device clock records events on
-    its stream there: :class:`ntp_megatron.compute_time.DeviceClock`); None: nobody."""
+    its stream there: :class:`ntp_megatron.speed.compute_time.DeviceClock`); None: nobody."""
     global _wait_listener
     _wait_listener = listener
 

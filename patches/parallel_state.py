@@ -61,7 +61,7 @@ class RankGroups:
 class PipelinePosition:
     """A rank's place in its pipeline (stage ``rank()`` of ``size()``) where no lane group exists: under NTP a
     stage of one TP degree may border one of another, so a rank's neighbours are not one rank per stage (the
-    NTP communicator, :class:`ntp_megatron.pipeline.NTPP2PCommunicator`, sends to explicit ranks). Megatron-Core's
+    NTP communicator, :class:`ntp_megatron.core.pipeline.NTPP2PCommunicator`, sends to explicit ranks). Megatron-Core's
     schedule, model and ``finalize_model_grads`` read only ``rank()`` and ``size()`` of a pipeline group; anything
     that would communicate over it fails loudly (it is not a process group)."""
 
@@ -77,7 +77,7 @@ class PipelinePosition:
 
 @dataclass(frozen=True)
 class PipelineGroups:
-    """The groups of one rank that cross pipeline stages (:class:`ntp_megatron.grid.Grid`), with their global
+    """The groups of one rank that cross pipeline stages (:class:`ntp_megatron.plan.grid.Grid`), with their global
     ranks in group-rank order."""
 
     lane: "dist.ProcessGroup | PipelinePosition"

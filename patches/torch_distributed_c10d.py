@@ -9,7 +9,7 @@ the name, global-to-group ranks, the backend config, tags; plus the C++ registry
 collectives resolve): :func:`detach` takes a group out of them before the default group goes, without shutting it
 down; :func:`attach` puts it back under the next default group with its members' new global ranks, counted as
 torch counts a group it makes itself, so that later groups are named alike on every rank (see
-:class:`ntp_megatron.groups.GroupMaker`).
+:class:`ntp_megatron.core.groups.GroupMaker`).
 """
 
 from __future__ import annotations

@@ -54,13 +54,13 @@ PY
 }
 
 step "2. NCCL + bf16: plain Megatron-Core TP2"
-"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=false --tensor-model-parallel-size 2 \
+"$PY" -m ntp_megatron.launch.launcher "${COMMON[@]}" --set ntp.enabled=false --tensor-model-parallel-size 2 \
   --data-parallel-size 1 --run-dir "$OUT/plain_tp2" || fail "2 (plain TP2, NCCL, bf16)"
 loss_falls "$OUT/plain_tp2/metrics.jsonl" || fail "2 (the loss did not fall)"
 
 if [ "$HAS_TE" = 1 ]; then
   step "3. Transformer Engine layers"
-  "$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=false --tensor-model-parallel-size 2 \
+  "$PY" -m ntp_megatron.launch.launcher "${COMMON[@]}" --set ntp.enabled=false --tensor-model-parallel-size 2 \
     --data-parallel-size 1 --transformer-impl transformer_engine --run-dir "$OUT/plain_te" || fail "3 (Transformer Engine layers)"
   loss_falls "$OUT/plain_te/metrics.jsonl" || fail "3 (the loss did not fall)"
 else
@@ -82,14 +82,14 @@ PY
 
 step "4. NTP: two replicas of different widths on NCCL, bf16"
 [ "$GPUS" -ge 3 ] || { echo "gpu_smoke: step 4 needs 3 GPUs (TP2 + TP1); skipped"; exit 0; }
-"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
+"$PY" -m ntp_megatron.launch.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
   --data-parallel-size 2 --set 'ntp.dead_slots=[1:1]' --set logging.state_checksums=true --run-dir "$OUT/ntp" \
   || fail "4 (NTP job)"
 loss_falls "$OUT/ntp/metrics.jsonl" || fail "4 (the loss did not fall)"
 checksums_agree "$OUT/ntp/metrics.jsonl" || fail "4 (TP ranks of a replica disagree)"
 
 step "5. a live kill on NCCL: replica 0 re-forms at TP1, replica 1 goes on"
-"$PY" -m ntp_megatron.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
+"$PY" -m ntp_megatron.launch.launcher "${COMMON[@]}" --set ntp.enabled=true --tensor-model-parallel-size 2 \
   --data-parallel-size 2 --set 'ntp.dead_slots=[1:1]' --set logging.state_checksums=true \
   --inject-failure kill:rank=1,iter=8,phase=backward --run-dir "$OUT/ntp_kill" || fail "5 (NTP job with a live kill)"
 "$PY" - "$OUT/ntp_kill/metrics.jsonl" <<'PY' || fail "5 (no re-formation at TP [1, 1], or iterations missing)"

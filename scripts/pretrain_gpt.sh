@@ -12,4 +12,4 @@ source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"  # paths stay relative to the c
 if [ $# -eq 0 ]; then
   set -- --config "$ROOT/configs/main_job.yaml"
 fi
-exec "$PY" -m ntp_megatron.launcher "$@"
+exec "$PY" -m ntp_megatron.launch.launcher "$@"

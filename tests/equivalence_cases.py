@@ -110,7 +110,7 @@ class Case:
     @property
     def distributed_optimizer_instances(self) -> int:
         """The instances the NTP run uses (the configuration's default where the case names none)."""
-        from ntp_megatron.config import distributed_optimizer_instances
+        from ntp_megatron.config.schema import distributed_optimizer_instances
 
         return distributed_optimizer_instances(self.instances, ntp=True, distributed_optimizer=self.dist_opt,
                                                data_parallel_size=self.dp)
@@ -167,7 +167,7 @@ def cases(draw) -> Case:
     activation = draw(st.sampled_from(["gelu", "swiglu", "squared_relu"]))
     dist_opt = draw(st.booleans())
     instances = (draw(st.sampled_from([1, 2])) if dp % 2 == 0 else 1) if dist_opt else None
-    # Not with two instances and a degraded replica: on gloo that is refused (ntp_megatron.grad_sync.GradSync).
+    # Not with two instances and a degraded replica: on gloo that is refused (ntp_megatron.core.grad_sync.GradSync).
     overlap = draw(st.booleans()) if not (instances == 2 and dead) else False
     # Small buckets make many of them, with boundaries that differ between a slot's layout and another's.
     bucket_size = draw(st.sampled_from([None, 700, 3000])) if overlap else None

@@ -86,7 +86,7 @@ def _kill_group(pgid: int) -> None:
 
 class _Zygote:
     """Client of ``tests/zygote.py``: one long-lived process that imported torch and Megatron-Core once and
-    forks a launcher per job (``NTP_TEST_ZYGOTE=0`` runs ``python -m ntp_megatron.launcher`` instead).
+    forks a launcher per job (``NTP_TEST_ZYGOTE=0`` runs ``python -m ntp_megatron.launch.launcher`` instead).
 
     Every answer is read with a deadline. When a job does not end in time, or the test is interrupted while it
     runs (pytest-timeout raises inside the test), the job's process group is killed and its exit is collected,
@@ -194,7 +194,7 @@ class Forked:
         (a node that must join another within a timeout)."""
         # All started before any ends: each takes an idle zygote or starts one, and all come back idle.
         starting = [cls.start(["--help"], out_dir / f"zygote{i}.stdout", out_dir / f"zygote{i}.stderr",
-                              module="ntp_megatron.launcher") for i in range(count)]
+                              module="ntp_megatron.launch.launcher") for i in range(count)]
         assert [forked.wait() for forked in starting] == [0] * count
 
     def _read_exit(self, timeout: float) -> Optional[int]:
@@ -267,7 +267,7 @@ def run_job(run_dir: Path, args: Sequence[str] = (), timeout: float = JOB_TIMEOU
         returncode = _Zygote.run(launcher_args, stdout, stderr, timeout)
         out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
     else:
-        returncode, out, err = _run_process([sys.executable, "-m", "ntp_megatron.launcher", *launcher_args], REPO,
+        returncode, out, err = _run_process([sys.executable, "-m", "ntp_megatron.launch.launcher", *launcher_args], REPO,
                                             timeout)
     records = read_records(metrics_file)
     result = JobResult(returncode, out, err, records, run_dir)
@@ -758,7 +758,7 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
 
 def _healthy(topology, replica: int) -> bool:
     """Replica ``replica`` has every slot of every stage live in ``topology``."""
-    from ntp_megatron.stages import PipelineTopology
+    from ntp_megatron.plan.stages import PipelineTopology
 
     stages = topology.stages if isinstance(topology, PipelineTopology) else (topology,)
     return all(any(rep.index == replica for rep in stage.replicas) and stage.is_healthy(replica) for stage in stages)
@@ -771,7 +771,7 @@ def _group_names(keys) -> set[str]:
 def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instances: int = 1,
                              healthy_tp_kept: bool = False) -> int:
     """Every re-formation of ``result``, every rank: the groups it made and kept (its ``reform_rank`` record) against
-    the plan worked out from the published topologies (``ntp_megatron.group_plan.event_plan``). Every group the plan
+    the plan worked out from the published topologies (``ntp_megatron.plan.group_plan.event_plan``). Every group the plan
     makes was made (or kept from a formation cut short after the base, which made it), and nothing outside the
     rank's groups; besides the plan's, a rank may make a group its members'
     verdict refused (a collective left half-matched by the failure), never at an admission boundary (nothing in
@@ -780,8 +780,8 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
     group), a rank of a replica healthy in both generations (every stage) kept its TP group: the same incarnation, bound as many
     times in its model, DDP and optimizer, and made only sync groups. Returns how many such ranks were seen.
     ``dp``: the launch data-parallel size (default: the replicas of generation 0)."""
-    from ntp_megatron.group_plan import event_plan, rank_group_keys
-    from ntp_megatron.stages import PipelineTopology, load_topology
+    from ntp_megatron.plan.group_plan import event_plan, rank_group_keys
+    from ntp_megatron.plan.stages import PipelineTopology, load_topology
 
     published = {e["generation"]: e for e in result.events("generation_published")}
     topologies = {g: load_topology(e["topology"]) for g, e in published.items()}

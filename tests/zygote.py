@@ -1,8 +1,8 @@
 """A process that has imported torch and Megatron-Core once and forks one launcher per test job.
 
-Starting ``python -m ntp_megatron.launcher`` costs seconds of imports per job; the suite runs dozens of jobs.
+Starting ``python -m ntp_megatron.launch.launcher`` costs seconds of imports per job; the suite runs dozens of jobs.
 The zygote reads one JSON request per line (``args``, ``cwd``, ``stdout``, ``stderr``, optionally ``module``), forks
-a child that becomes the launcher (``ntp_megatron.launcher.main(args)``; or ``<module>.main(args)``, e.g. the
+a child that becomes the launcher (``ntp_megatron.launch.launcher.main(args)``; or ``<module>.main(args)``, e.g. the
 plain Megatron-Core helper of the checkpoint tests), output to the given files, its own process group, answers
 ``{"pid": ...}``, waits for it and answers ``{"returncode": ...}``. The zygote starts no thread, so
 forking it is as safe as the launcher forking its ranks.
@@ -23,7 +23,7 @@ from ntp_megatron.training import runtime
 
 runtime.quiet_optional_dependency_warnings()
 import ntp_megatron.training.pretrain  # noqa: E402,F401 - the imports every job then skips
-from ntp_megatron import launcher  # noqa: E402
+from ntp_megatron.launch import launcher  # noqa: E402
 from ntp_megatron.launch.forkserver import run_forked_child  # noqa: E402
 from tests import forked  # noqa: E402
 
@@ -46,7 +46,7 @@ def _child(request: dict) -> None:
 
 
 def _import_late() -> None:
-    """The launcher's end-of-job imports (``ntp_megatron.run_report.plot``: matplotlib with its Agg backend, which
+    """The launcher's end-of-job imports (``ntp_megatron.launch.run_report.plot``: matplotlib with its Agg backend, which
     writes PNGs through Pillow). None of them starts a thread."""
     import matplotlib
 

@@ -7,7 +7,7 @@ batch of deaths it
    still forming, it is marked incomplete and its survivors fall back to the layout they had);
 2. settles the iteration in flight exactly once (:func:`ntp_megatron.elastic.commit.settle`);
 3. computes the next topology — a pure function of that layout and the dead slots
-   (:func:`ntp_megatron.layout.next_topology`) — or, when NTP cannot absorb the failure under
+   (:func:`ntp_megatron.plan.layout.next_topology`) — or, when NTP cannot absorb the failure under
    ``ntp.on_unrecoverable: stop``, stops the job with a clear message;
 4. publishes generation ``g+1`` (its topology and why it exists), then marks ``g`` over, which sends every
    survivor's watchdog to close ``g``'s sockets.
@@ -31,11 +31,11 @@ import torch.distributed as dist
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
-from ntp_megatron.layout import Topology, TopologyError
-from ntp_megatron.stages import PipelineTopology, join_topology, live_widths, next_topology, replica_widths, \
+from ntp_megatron.plan.layout import Topology, TopologyError
+from ntp_megatron.plan.stages import PipelineTopology, join_topology, live_widths, next_topology, replica_widths, \
     reweight_topology, transition_plan, weights_to_json, with_generation
-from ntp_megatron.straggler import Decision
-from ntp_megatron.shard_layout import lost_shards, shard_holders
+from ntp_megatron.plan.rebalance import Decision
+from ntp_megatron.plan.optimizer_shards import lost_shards, shard_holders
 
 AWARE_WAIT_S = 10.0
 
@@ -300,7 +300,7 @@ class Controller:
 
     def admit(self, launch_ranks: list[int]) -> bool:
         """Admit replacement processes at the next iteration boundary: publish the next generation with their
-        slots back (:func:`ntp_megatron.layout.join_topology`) and ask the running generation to move to it after
+        slots back (:func:`ntp_megatron.plan.layout.join_topology`) and ask the running generation to move to it after
         its next committed iteration. False if a re-formation is in progress (try again later)."""
         if self.forming():
             return False
@@ -330,9 +330,9 @@ class Controller:
         return True
 
     def rebalance(self, decisions: list[Decision]) -> bool:
-        """Reweight TP groups whose ranks run at different speeds (:mod:`ntp_megatron.straggler`) at the next
+        """Reweight TP groups whose ranks run at different speeds (:mod:`ntp_megatron.plan.rebalance`) at the next
         iteration boundary: publish the next generation, in which each slow rank holds a share of the units in
-        proportion to its speed (:func:`ntp_megatron.stages.reweight_topology`; nothing dies, no other group
+        proportion to its speed (:func:`ntp_megatron.plan.stages.reweight_topology`; nothing dies, no other group
         changes). False if a re-formation is in progress (decide again later)."""
         if self.forming() or not decisions:
             return False
@@ -506,7 +506,7 @@ class Controller:
 class ShardedOptimizer:
     """What the controller knows of a job's distributed-optimizer shards: the launch data-parallel size, the
     instances (Megatron's ``num_distributed_optimizer_instances``), and per block the parameter elements of each
-    position's shard (``numel[block][position]``: :func:`ntp_megatron.shard_layout.shard_numel` over that
+    position's shard (``numel[block][position]``: :func:`ntp_megatron.plan.optimizer_shards.shard_numel` over that
     block's buffers), for the ``shard_lost`` event."""
 
     data_parallel_size: int
@@ -518,9 +518,9 @@ class ShardedOptimizer:
 
     @classmethod
     def of(cls, cfg) -> Optional["ShardedOptimizer"]:
-        """A :class:`ntp_megatron.config.JobConfig`'s, None without the distributed optimizer."""
-        from ntp_megatron import memory_plan
-        from ntp_megatron.shard_layout import buffer_layout, shard_numel
+        """A :class:`ntp_megatron.config.schema.JobConfig`'s, None without the distributed optimizer."""
+        from ntp_megatron.plan import memory_plan
+        from ntp_megatron.plan.optimizer_shards import buffer_layout, shard_numel
 
         p = cfg.parallel
         if not p.use_distributed_optimizer:

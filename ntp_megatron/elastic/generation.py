@@ -5,7 +5,7 @@ Generation ``g`` gives it a process-group rank (``topology.rank_of(replica, slot
 the store prefix ``gen<g>/``, the NTP groups, a store client of its own and a watchdog. When the controller ends
 a generation, the watchdog closes that generation's own sockets and those of every group with a dead member;
 :meth:`ElasticRank.leave` then takes the groups the next generation shares with this one out of torch's tables
-(they may go on, :mod:`ntp_megatron.group_plan`) and drops every reference to the rest (torch.distributed's
+(they may go on, :mod:`ntp_megatron.plan.group_plan`) and drops every reference to the rest (torch.distributed's
 groups, Megatron's globals, the client), so threads, file descriptors and memory return to where they were
 before it was joined, but for the groups that go on. When the next generation forms, :meth:`ElasticRank.offer`
 asks their members whether they go on; those that do are drained (:meth:`ElasticRank.drain_kept`) and kept.
@@ -28,13 +28,13 @@ from megatron.core import parallel_state
 from ntp_megatron.elastic import group_backend, keys
 from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
-from ntp_megatron.group_plan import GroupKey, Offer, keep_verdict
-from ntp_megatron.groups import GroupPool, PooledGroup
+from ntp_megatron.plan.group_plan import GroupKey, Offer, keep_verdict
+from ntp_megatron.core.groups import GroupPool, PooledGroup
 from ntp_megatron.sockets import SocketScope, connections_to, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
-from ntp_megatron.layout import Topology
-from ntp_megatron.stages import load_topology, published_topology
+from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import load_topology, published_topology
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Generation:
     """The generation's own store client (the default group's rendezvous); dies with the generation (or with the
     last group made in it that went on)."""
     pool: GroupPool = None  # type: ignore[assignment]
-    """Its process groups, made or kept (filled by the caller's :func:`ntp_megatron.groups.build_groups`)."""
+    """Its process groups, made or kept (filled by the caller's :func:`ntp_megatron.core.groups.build_groups`)."""
 
     @property
     def number(self) -> int:
@@ -77,11 +77,11 @@ class NodePlane:
     node: int
     """This process's node."""
     node_of: tuple[int, ...]
-    """Launch rank -> its node (:func:`ntp_megatron.placement.launch_nodes`)."""
+    """Launch rank -> its node (:func:`ntp_megatron.plan.placement.launch_nodes`)."""
     min_tp: int = 1
     policy: str = "drop_replica"
     """``ntp.min_tp`` and ``ntp.on_unrecoverable``: with them a rank computes a new generation's topology from what
-    its publication says changed, as the controller did (:func:`ntp_megatron.stages.published_topology`)."""
+    its publication says changed, as the controller did (:func:`ntp_megatron.plan.stages.published_topology`)."""
 
     def first_on_node(self, topology: Topology, identities: dict[int, tuple[int, ...]], launch_rank: int) -> bool:
         """Whether ``launch_rank`` is the first live launch rank of this node in ``topology``."""
@@ -261,7 +261,7 @@ class ElasticRank:
         """As ``generation`` forms, before its groups are made: say which of the groups this rank wants in it it
         holds (the incarnation and the collectives issued on each), read what every other member of the groups
         it holds says, and offer to the group maker those every member holds alike
-        (:func:`ntp_megatron.group_plan.keep_verdict`); the others are let go of. Every member of every wanted
+        (:func:`ntp_megatron.plan.group_plan.keep_verdict`); the others are let go of. Every member of every wanted
         group writes once, so nobody waits on a member that holds nothing. Bounded by the store's timeout, and
         cut short with the generation (its store client is shut down)."""
         wanted = list(wanted)

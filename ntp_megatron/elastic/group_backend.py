@@ -1,6 +1,6 @@
 """"A peer died: get out, then make new groups", one interface with a backend per communication library.
 
-What the groups are is decided from the topologies alone (:mod:`ntp_megatron.group_plan`); what to cut when a
+What the groups are is decided from the topologies alone (:mod:`ntp_megatron.plan.group_plan`); what to cut when a
 generation ends, and how, is the backend's (:meth:`GroupBackend.cut_at_end`, :meth:`GroupBackend.get_out`); the
 groups the next generation shares go on if their members agree, the others are let go of
 (:meth:`GroupBackend.let_go`); new groups are made fresh.
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Optional, Protocol, Sequence
 
-from ntp_megatron.group_plan import GroupKey, Identity, blocked_by
+from ntp_megatron.plan.group_plan import GroupKey, Identity, blocked_by
 from ntp_megatron.sockets import shutdown_sockets
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class GroupBackend(Protocol):
         everything; empty: a planned move)."""
 
     def get_out(self, groups: Sequence, own_sockets: dict[int, str], default_group) -> int:
-        """Make every wait on ``groups`` (:class:`ntp_megatron.groups.PooledGroup`), on the generation's own
+        """Make every wait on ``groups`` (:class:`ntp_megatron.core.groups.PooledGroup`), on the generation's own
         connections and on its default group end now; returns how many things it cut."""
 
     def let_go(self, groups: Sequence) -> list:

@@ -86,7 +86,7 @@ def to_copy(value: bytes) -> Optional[list[tuple[str, str]]]:
 
 def group_offers(generation: int, identity: tuple[int, ...]) -> str:
     """What the process with ``identity`` offers of its groups as generation ``g`` forms
-    (:func:`ntp_megatron.group_plan.keep_verdict`)."""
+    (:func:`ntp_megatron.plan.group_plan.keep_verdict`)."""
     return f"{PREFIX}gen{generation}/group_offers/{'-'.join(map(str, identity))}"
 
 
@@ -210,7 +210,7 @@ REBALANCE_REQUESTS = PREFIX + "rebalance_requests"
 
 def rebalance_request(n: int) -> str:
     """JSON of the ``n``-th rebalance request (1-based): a node other than 0 found slow ranks among its own
-    (:mod:`ntp_megatron.straggler`): the node, the generation its measurements ran in, the decisions."""
+    (:mod:`ntp_megatron.plan.rebalance`): the node, the generation its measurements ran in, the decisions."""
     return f"{PREFIX}rebalance/{n}"
 
 

@@ -8,7 +8,7 @@
 4. *Reshape.* A rank whose units do not change keeps its model, DDP buffers and optimizer; every reference to
    an old process group in them is pointed at the new one. A rank whose units change (its replica lost a
    rank) builds new ones, copies what it kept, and receives the dead rank's units — parameters and optimizer
-   state — from the ranks that hold them (:mod:`ntp_megatron.reshard`). Under the distributed optimizer the
+   state — from the ranks that hold them (:mod:`ntp_megatron.core.unit_moves`). Under the distributed optimizer the
    state is the shards: a rebuilt rank (also every rank of a degraded replica, whose optimizer steps shadows
    of its old groups) takes over the buffers of every block it keeps serving with their shard state (it adopts
    them: never a block twice), copies any other shard it held, and receives the rest from a surviving holder,
@@ -40,20 +40,20 @@ import torch
 import torch.distributed as dist
 
 from ntp_megatron import metrics, phases
-from ntp_megatron.adam_step import read_step, write_step
-from ntp_megatron.config import JobConfig
+from ntp_megatron.core.adam_step import read_step, write_step
+from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
 from ntp_megatron.elastic.controller import ShardedOptimizer
 from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
-from ntp_megatron.group_plan import GroupKey, rank_group_keys
-from ntp_megatron.groups import references_to
-from ntp_megatron import stages
-from ntp_megatron.layout import Topology
+from ntp_megatron.plan.group_plan import GroupKey, rank_group_keys
+from ntp_megatron.core.groups import references_to
+from ntp_megatron.plan import stages
+from ntp_megatron.plan.layout import Topology
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
-from ntp_megatron.reshard import ShardTensors, UnitTensors, copy_kept, \
+from ntp_megatron.core.unit_moves import ShardTensors, UnitTensors, copy_kept, \
     copy_main_params_to_model, exchange, init_shard_state, init_state, largest_piece_bytes, \
     own_lower_bound_bytes, plan_shard_transfers, plan_transfers, state_keys
 
@@ -453,7 +453,7 @@ def _group_record(pool) -> dict:
 
 def _measured_exchange(transfers: list, rank: int, old_side, new_side, memory, held: dict,
                        old: Optional[RankObjects], new_parts: Optional[RankObjects]) -> int:
-    """:func:`ntp_megatron.reshard.exchange` of units or shards, with what the rank holds sampled around it
+    """:func:`ntp_megatron.core.unit_moves.exchange` of units or shards, with what the rank holds sampled around it
     (``exchange`` holds one piece in flight at a time: the largest is the message part of the peak) into
     ``held``; returns the bytes received."""
     message = largest_piece_bytes(transfers, rank, old_side, new_side)

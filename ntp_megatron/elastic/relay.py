@@ -17,7 +17,7 @@ root store:
   decisions of the generation a rank of the node may still wait for (its last voter died, or the node's count never
   completed: the controller writes a decision for whatever the ranks wait on before it ends a generation), then
   what changed (each new generation's ``info``: the dead or admitted slots, from which every rank computes the
-  topology with the same pure function, :func:`~ntp_megatron.stages.published_topology`; then ``latest``), then the
+  topology with the same pure function, :func:`~ntp_megatron.plan.stages.published_topology`; then ``latest``), then the
   end itself, where the ranks' watchdogs wait. In that order: a survivor reads the decision on the iteration it voted
   once it sees the new generation. The controller writes all of it into the generation's end, so that a relay reads
   the root once per end (:func:`~ntp_megatron.elastic.keys.abort_value`); an end the ranks or a stop wrote says

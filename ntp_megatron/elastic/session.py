@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch.distributed as dist
 
 from ntp_megatron import phases
-from ntp_megatron.config import JobConfig
+from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer

@@ -52,7 +52,7 @@ class GenerationWatchdog:
     (:class:`ntp_megatron.elastic.group_backend.GroupBackend`): the generation's own connections (its store client,
     its default group) and the process groups the backend says (the value of the key names the dead,
     :func:`ntp_megatron.elastic.keys.abort_value`). On gloo those with a dead member; one without is left as it is
-    (it may go on into the next generation, :mod:`ntp_megatron.group_plan`), and a rank blocked in it gives its
+    (it may go on into the next generation, :mod:`ntp_megatron.plan.group_plan`), and a rank blocked in it gives its
     wait up after ``ESCAPE_GRACE_S``.
 
     The thread ends when the key appears (the controller always sets it when a generation ends) or when its
@@ -68,7 +68,7 @@ class GenerationWatchdog:
         self.sockets = dict(sockets)
         """The generation's own sockets (fd -> identity)."""
         self.groups: list = []
-        """Its process groups (:class:`ntp_megatron.groups.PooledGroup`: a key naming the members, the sockets)."""
+        """Its process groups (:class:`ntp_megatron.core.groups.PooledGroup`: a key naming the members, the sockets)."""
         self.cut: set = set()
         """Keys of the groups it cut (they cannot go on)."""
         self.dead: Optional[set[tuple[int, ...]]] = None

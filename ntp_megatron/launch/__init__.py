@@ -1,4 +1,4 @@
-"""The launcher's parts (``ntp_megatron.launcher`` places, starts, watches and summarises with them).
+"""The launcher's parts (``ntp_megatron.launch.launcher`` places, starts, watches and summarises with them).
 
 :mod:`.processes` (rank processes: starting them through :mod:`.forkserver`, their output relayed through
 :mod:`.console`, pid records, stopping them), :mod:`.nodes` (node 0's store and what the launchers of a job's

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from ntp_megatron import faults, megatron_flags
-from ntp_megatron.config import JobConfig, load_job_config
+from ntp_megatron import faults
+
+from ntp_megatron.config import flags
+from ntp_megatron.config.schema import JobConfig, load_job_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a GPT pretraining job on Megatron-Core with ntp-megatron. Other --flags are "
                     "Megatron-style: --train-iters 20 is --set training.train_iters=20 (list below). Paths are "
                     "relative to the current directory.",
-        epilog=megatron_flags.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=flags.help_text(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", type=Path, default=None, help="YAML job config (default: configs/tiny_cpu.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
-    overrides = list(args.overrides) + megatron_flags.translate(extra)
+    overrides = list(args.overrides) + flags.translate(extra)
     if args.metrics_file is not None:
         overrides.append(f"logging.metrics_file={json.dumps(str(args.metrics_file))}")
     if args.run_dir is not None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from ntp_megatron import metrics
-from ntp_megatron.config import JobConfig
+from ntp_megatron.config.schema import JobConfig
 
 
 class Console:

@@ -8,17 +8,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ntp_megatron import memory_plan
-from ntp_megatron.config import JobConfig
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.plan import memory_plan
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Controller, Death, ShardedOptimizer
 from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
-from ntp_megatron.preflight import pin_checkpoint_load
-from ntp_megatron.stages import load_topology
-from ntp_megatron.straggler import Decision, StragglerMonitor, groups_of
+from ntp_megatron.launch.preflight import pin_checkpoint_load
+from ntp_megatron.plan.stages import load_topology
+from ntp_megatron.plan.rebalance import Decision, StragglerMonitor, groups_of
 
 
 class NTPPolicy(DeathPolicy):
@@ -211,11 +211,11 @@ class RestartSurvivorsPolicy(ControllerPolicy):
     def _restart(self) -> bool:
         """Stop every rank and start the job again from the newest checkpoint, on fresh processes for the slots
         that survived: each replica with its live slots, replicas below ``ntp.min_tp`` dropped
-        (:func:`ntp_megatron.layout.restart_layout`), the global batch and data order unchanged. The restarted
+        (:func:`ntp_megatron.plan.layout.restart_layout`), the global batch and data order unchanged. The restarted
         job has its own launch ranks (0..), store and controller; injected failures that fired stay fired. False
         if no layout or configuration is possible (the caller stops the job)."""
-        from ntp_megatron.layout import TopologyError
-        from ntp_megatron.stages import restart_layout
+        from ntp_megatron.plan.layout import TopologyError
+        from ntp_megatron.plan.stages import restart_layout
         from ntp_megatron.training import checkpoint
 
         host, c, p = self.host, self.controller, self.host.cfg.parallel

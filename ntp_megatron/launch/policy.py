@@ -16,9 +16,9 @@ from typing import Optional, Protocol
 
 import torch.distributed as dist
 
-from ntp_megatron import stages
-from ntp_megatron.config import JobConfig
-from ntp_megatron.grid import Grid
+from ntp_megatron.plan import stages
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.plan.grid import Grid
 from ntp_megatron.elastic.controller import Death, injected_failure
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.launch.console import Console

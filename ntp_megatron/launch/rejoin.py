@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.launch.processes import describe_exit, signal_group
-from ntp_megatron.stages import load_topology
+from ntp_megatron.plan.stages import load_topology
 
 
 class Rejoins:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ntp_megatron.config_io import ConfigError, format_validation_error
+from ntp_megatron.config.files import ConfigError, format_validation_error
 
 log = logging.getLogger(__name__)
 

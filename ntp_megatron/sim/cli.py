@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:

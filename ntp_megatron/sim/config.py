@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from ntp_megatron.config_io import ConfigError, apply_override, load_config, validate
+from ntp_megatron.config.files import ConfigError, apply_override, load_config, validate
+from ntp_megatron.plan.power_curve import Boost, PerfTable, check_curve_points
 
 STRATEGY_NAMES = ("checkpoint_restart", "dp_drop", "hot_spares", "ntp", "ntp_boost")
 StrategyName = Literal["checkpoint_restart", "dp_drop", "hot_spares", "ntp", "ntp_boost"]
@@ -67,49 +67,6 @@ class Failures(Section):
     node_size: int = Field(4, gt=0, description="GPUs per node, for blast_radius: node")
     classes: list[FailureClass] = Field(default_factory=_llama3_classes, min_length=1)
     fraction: float = Field(0.001, ge=0, lt=1, description="snapshot mode: fraction of GPUs failed")
-
-
-# NVIDIA's published peak dense FP8 throughput of one B200 at two power limits: 4.5 PFLOPS at 1,000 W (HGX B200)
-# and 5.0 PFLOPS at 1,200 W (GB200). alpha = ln(5.0 / 4.5) / ln(1.2) = 0.578 (docs/simulator.md, "Power boost").
-B200_ALPHA = 0.58
-
-
-class PowerLaw(Section):
-    kind: Literal["power_law"] = "power_law"
-    alpha: float = Field(B200_ALPHA, gt=0, le=1, description="performance = power ** alpha")
-
-
-class PerfTable(Section):
-    kind: Literal["table"]
-    points: list[tuple[float, float]] = Field(min_length=2, description="[power, performance] pairs")
-
-
-def check_curve_points(points: Iterable[Iterable[float]], key: str) -> None:
-    """A measured power-performance table (``[power, performance]`` pairs, x nominal) must be increasing in both,
-    start at power <= 1 and give performance 1 at power 1; ConfigError naming ``key`` otherwise."""
-    pairs = [tuple(p) for p in points]
-    if len(pairs) < 2 or any(len(p) != 2 for p in pairs):
-        raise ConfigError(f"{key} must be at least two [power, performance] pairs")
-    pw = [p for p, _ in pairs]
-    perf = [q for _, q in pairs]
-    if pw != sorted(pw) or len(set(pw)) != len(pw) or perf != sorted(perf) or pw[0] > 1:
-        raise ConfigError(f"{key} must be increasing in power and performance, starting at power <= 1")
-    at_nominal = float(np.interp(1.0, pw, perf))
-    if abs(at_nominal - 1.0) > 1e-9:
-        raise ConfigError(f"{key} must give performance 1 at power 1 (nominal), got {at_nominal:g}")
-
-
-class Boost(Section):
-    max_power: float = Field(1.3, ge=1, le=3, description="power cap of a degraded domain, x nominal")
-    curve: Annotated[PowerLaw | PerfTable, Field(discriminator="kind")] = Field(default_factory=PowerLaw)
-
-    @field_validator("curve", mode="before")
-    @classmethod
-    def _default_kind(cls, value: Any) -> Any:
-        """``--set strategies.boost.curve.alpha=0.5`` alone means a power law; ``points`` alone, a table."""
-        if isinstance(value, dict) and "kind" not in value:
-            return {"kind": "table" if "points" in value else "power_law", **value}
-        return value
 
 
 class Ntp(Section):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.sim.config import Cluster
 
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ntp_megatron.sim.calibration import StepTimeRatios
-from ntp_megatron.sim.config import Boost, DegradedSpeed, PerfTable
+from ntp_megatron.plan.power_curve import EPS, Boost, perf_at, power_for
+from ntp_megatron.sim.config import DegradedSpeed
 
-EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -86,32 +86,6 @@ def keep_up(speed: float, speed_model: DegradedSpeed) -> float:
         return speed
     b = speed_model.local_batch
     return math.floor(b * speed + EPS) / b
-
-
-def perf_at(boost: Boost, power: float) -> float:
-    """Performance multiplier at ``power`` x nominal power (a table is interpolated and held past its ends)."""
-    curve = boost.curve
-    if isinstance(curve, PerfTable):
-        pw, perf = zip(*curve.points)
-        return float(np.interp(power, pw, perf))
-    return float(power**curve.alpha)
-
-
-def power_for(boost: Boost, perf: float) -> float | None:
-    """Least power (x nominal, at least 1) with ``perf_at >= perf``; None when ``max_power`` is not enough."""
-    if perf <= 1.0 + EPS:
-        return 1.0
-    if perf_at(boost, boost.max_power) < perf - EPS:
-        return None
-    curve = boost.curve
-    if isinstance(curve, PerfTable):
-        pw, pf = (np.array(v, dtype=float) for v in zip(*curve.points))
-        i = int(np.searchsorted(pf, perf - EPS, side="left"))  # first point at or above perf (pf is increasing)
-        if i == 0:
-            return max(1.0, float(pw[0]))
-        p = pw[i - 1] + (perf - pf[i - 1]) * (pw[i] - pw[i - 1]) / (pf[i] - pf[i - 1])
-        return max(1.0, float(p))
-    return max(1.0, perf ** (1.0 / curve.alpha))
 
 
 def drop_table(tp: int) -> RateTable:

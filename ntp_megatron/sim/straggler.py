@@ -8,9 +8,9 @@ GEMMs' cost is in proportion) over its speed (1, or ``1 / factor`` for the slowe
 under power boost. Healthy, every rank holds the canonical blocks: one ``tp``-th of the work.
 
 * not rebalanced: the slowed rank holds its block and takes ``factor`` times as long;
-* rebalanced: the runtime weighs it ``round(100 / factor)`` (:mod:`ntp_megatron.straggler` measures its speed)
-  and deals every family by weight (:func:`ntp_megatron.layout.reweight_topology`): the step is the slowest rank's;
-* boosted: each rank draws the power its load needs on the curve, capped (:func:`ntp_megatron.power.plan`).
+* rebalanced: the runtime weighs it ``round(100 / factor)`` (:mod:`ntp_megatron.plan.rebalance` measures its speed)
+  and deals every family by weight (:func:`ntp_megatron.plan.layout.reweight_topology`): the step is the slowest rank's;
+* boosted: each rank draws the power its load needs on the curve, capped (:func:`ntp_megatron.plan.power_curve.plan`).
 
 ``python -m ntp_megatron.sim.straggler --config configs/tiny_cpu.yaml --tp 4 --factor 2`` prints the three.
 """
@@ -21,9 +21,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ntp_megatron.layout import make_topology, reweight_topology
-from ntp_megatron.memory_plan import ModelDims, unit_cost
-from ntp_megatron.sim.config import Boost
+from ntp_megatron.plan.layout import make_topology, reweight_topology
+from ntp_megatron.plan.memory_plan import ModelDims, unit_cost
+from ntp_megatron.plan.power_curve import Boost
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def group_step(dims: ModelDims, tp: int, factor: float, compute_fraction: float 
     rebalanced = max(shares[s] * tp / speed[s] for s in range(tp))
     boosted = None
     if boost is not None:
-        from ntp_megatron.power import plan
+        from ntp_megatron.plan.power_curve import plan
 
         boosted = max(shares[s] * tp / speed[s] / plan(boost, shares[s], tp, weights[s]).perf for s in range(tp))
     return StragglerCase(step(factor), step(rebalanced), step(boosted) if boosted is not None else None, weight,
@@ -75,7 +75,7 @@ def degraded_step(dims: ModelDims, tp: int, dead_slot: int, compute_fraction: fl
     plain = max(shares) * tp
     boosted = None
     if boost is not None:
-        from ntp_megatron.power import plan
+        from ntp_megatron.plan.power_curve import plan
 
         boosted = max(s * tp / plan(boost, s, tp).perf for s in shares)
     frame = 1 - compute_fraction
@@ -83,9 +83,9 @@ def degraded_step(dims: ModelDims, tp: int, dead_slot: int, compute_fraction: fl
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
-    from ntp_megatron.config import DEFAULT_CONFIG, JobConfig
-    from ntp_megatron.config_io import load_config
+    from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
+    from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
+    from ntp_megatron.config.files import load_config
 
     p = argparse.ArgumentParser(prog="python -m ntp_megatron.sim.straggler", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a job config: its model section is the model "

@@ -1,4 +1,4 @@
-"""The rank's side of power boost (``ntp.boost``, :mod:`ntp_megatron.power`): in every generation it trains in, the
+"""The rank's side of power boost (``ntp.boost``, :mod:`ntp_megatron.speed.power`): in every generation it trains in, the
 power its layout needs, set on its device (or recorded), and a ``boost`` record when that changes."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import sys
 import time
 from typing import Optional
 
-from ntp_megatron import device_model, metrics
-from ntp_megatron.power import PowerLimits, plan
-from ntp_megatron.sim.config import Boost
+from ntp_megatron import metrics
+
+from ntp_megatron.speed import device_model
+from ntp_megatron.plan.power_curve import Boost, plan
+from ntp_megatron.speed.power import PowerLimits
 
 
 class Booster:

@@ -9,10 +9,10 @@ from typing import Optional
 import torch
 from megatron.core import tensor_parallel
 
-from ntp_megatron.config import JobConfig
-from ntp_megatron.grad_sync import abandon_collectives
-from ntp_megatron.groups import GroupPool, rebind_process_groups
-from ntp_megatron.layout import Topology
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.core.grad_sync import abandon_collectives
+from ntp_megatron.core.groups import GroupPool, rebind_process_groups
+from ntp_megatron.plan.layout import Topology
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components, attach_grad_sync, build_components
 from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel

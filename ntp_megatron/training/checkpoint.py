@@ -39,7 +39,7 @@ checkpoint: the run starts at iteration 0); optimizer and scheduler state only w
 it in one line, and pins it into the config the ranks read (:func:`read_progress`).
 
 Under NTP each rank describes its units as fragments of the global tensors and exactly one replica writes
-each piece (:mod:`ntp_megatron.sharding`), so what is on disk does not depend on the topology that wrote it:
+each piece (:mod:`ntp_megatron.core.checkpoint_map`), so what is on disk does not depend on the topology that wrote it:
 any topology — another ``tp_base``, other dead slots, NTP off at any uniform TP, plain Megatron-Core code —
 reads it, and NTP reads what plain Megatron-Core writes.
 
@@ -88,10 +88,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
-from ntp_megatron.adam_step import keeps_step_in_groups
+from ntp_megatron.core.adam_step import keeps_step_in_groups
 from ntp_megatron.elastic.errors import OwnError
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
-from ntp_megatron.sharding import (
+from ntp_megatron.core.checkpoint_map import (
     ROLE_KEY,
     CheckpointRole,
     ModelPlace,
@@ -205,7 +205,7 @@ class _Layout:
 
 
 def _is_ntp(model) -> bool:
-    from ntp_megatron.ntp_gpt import NTPGPTModel
+    from ntp_megatron.core.gpt import NTPGPTModel
 
     return isinstance(model.module, NTPGPTModel)
 
@@ -469,7 +469,7 @@ def save_checkpoint(
 ) -> Path:
     """Save every rank's state as ``iter_<iteration>`` under ``root``; collective over the job (under NTP, the
     current generation). A rank that dies midway leaves ``latest`` where it was. ``grad_sync``: NTP's
-    (:class:`ntp_megatron.grad_sync.GradSync`), whose shadows a degraded rank's distributed optimizer steps.
+    (:class:`ntp_megatron.core.grad_sync.GradSync`), whose shadows a degraded rank's distributed optimizer steps.
 
     With ``async_queue`` (Megatron-Core's ``AsyncCallsQueue``) the tensor data is written by a forked writer
     while training goes on, and the save completes — ``.metadata``, ``metadata.json``, ``latest``, then

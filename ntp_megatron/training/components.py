@@ -12,11 +12,11 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from ntp_megatron.config import JobConfig
-from ntp_megatron.grad_sync import Adoptable, GradSync, release_ddp
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.core.grad_sync import Adoptable, GradSync, release_ddp
 from ntp_megatron.patches.optimizer_distrib_optimizer import defer_param_sync
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
-from ntp_megatron.reshard import adopt_shard_state, point_main_params
+from ntp_megatron.core.unit_moves import adopt_shard_state, point_main_params
 from ntp_megatron.training import model as model_lib
 from ntp_megatron.training.parallel import ParallelSetup
 
@@ -47,7 +47,7 @@ class Components:
 
     def shard_sources(self) -> list[tuple[int, list]]:
         """Under the distributed optimizer: (block, the Megatron buffers holding this rank's shard of it) for every
-        block it serves (:meth:`ntp_megatron.grad_sync.GradSync.shard_sources`)."""
+        block it serves (:meth:`ntp_megatron.core.grad_sync.GradSync.shard_sources`)."""
         return self.setup.grad_sync.shard_sources()
 
     def release(self) -> None:

@@ -22,7 +22,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
-from ntp_megatron.config import DataSection, JobConfig, split_fractions
+from ntp_megatron.config.schema import DataSection, JobConfig, split_fractions
 
 logger = logging.getLogger(__name__)
 

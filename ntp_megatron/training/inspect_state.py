@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from ntp_megatron.init import global_name
-from ntp_megatron.layers import UnitShard
-from ntp_megatron.ntp_gpt import family_geometry
-from ntp_megatron.reshard import main_param_of, optimizer_param, state_keys
+from ntp_megatron.core.init import global_name
+from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.core.gpt import family_geometry
+from ntp_megatron.core.unit_moves import main_param_of, optimizer_param, state_keys
 
 
 class UncoveredState(RuntimeError):
@@ -174,10 +174,10 @@ def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group,
     """``name`` → full parameter, ``name.main_param`` → its full fp32 main param (bf16 / fp16), and
     ``name.exp_avg`` / ``name.exp_avg_sq`` → full Adam moments (all flattened). Collective over the replica's
     TP group (and, under the distributed optimizer, over each buffer's data-parallel group). One pipeline stage's
-    tensors are named as in the whole model (:func:`ntp_megatron.init.global_name`: its first layer is
+    tensors are named as in the whole model (:func:`ntp_megatron.core.init.global_name`: its first layer is
     ``layer_offset``; the last stage's copy of tied word embeddings is named as the first stage's original).
     ``replicated_state_source``: the rank of the TP group whose optimizer state of replicated parameters is the
-    replica's (where slots' copies may differ: :meth:`ntp_megatron.grad_sync.GradSync.replicated_state_source`);
+    replica's (where slots' copies may differ: :meth:`ntp_megatron.core.grad_sync.GradSync.replicated_state_source`);
     the parameters themselves are always each rank's own."""
     distributed = _distributed_part(optimizer)
     if distributed is not None:
@@ -202,7 +202,7 @@ def shard_checksums(optimizer, sources: list[tuple[int, list]]) -> Optional[list
     """Under Megatron's distributed optimizer, a checksum of this rank's shard of each buffer it steps — every
     piece's main param and optimizer state in Megatron's bucket order (``get_parameter_state_dp_reshardable``, no
     communication) — with the block the buffer holds (``sources``: block and buffers, as
-    :meth:`ntp_megatron.grad_sync.GradSync.shard_sources` names them), its position in the group it shards over
+    :meth:`ntp_megatron.core.grad_sync.GradSync.shard_sources` names them), its position in the group it shards over
     and the optimizer's instance: the two holders of a shard (twins: one block and position, one per instance)
     must report the same bits. None without the distributed optimizer."""
     distributed = _distributed_part(optimizer)

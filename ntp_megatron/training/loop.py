@@ -24,8 +24,10 @@ from typing import Any, Optional
 
 import torch
 
-from ntp_megatron import compute_time, device_model, metrics, phases
-from ntp_megatron.config import JobConfig
+from ntp_megatron import metrics, phases
+
+from ntp_megatron.speed import compute_time, device_model
+from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic.session import Session
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.comm_stats import CommStats
@@ -68,7 +70,7 @@ class Trainer:
     booster: Optional[Any] = None
     """With ``ntp.boost``: the :class:`ntp_megatron.training.boosting.Booster` of this rank."""
     clock: Any = field(default_factory=compute_time.HostClock)
-    """How this rank measures its compute time (:mod:`ntp_megatron.compute_time`: the host's clock, or CUDA
+    """How this rank measures its compute time (:mod:`ntp_megatron.speed.compute_time`: the host's clock, or CUDA
     events)."""
     iteration: int = 0
     """Completed (committed and stepped) iterations; the next one is 1-based ``iteration + 1``."""

@@ -7,7 +7,7 @@ from typing import Optional, Protocol
 
 import torch
 
-from ntp_megatron.config import JobConfig
+from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic.session import Session
 from ntp_megatron.training.checkpoint import ParallelCoords
 from ntp_megatron.training.components import Components

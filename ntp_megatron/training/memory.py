@@ -1,6 +1,6 @@
 """What a rank's training state occupies, measured from its objects, and the peak of a phase of its work.
 
-*State* is counted as :mod:`ntp_megatron.memory_plan` plans it (:class:`~ntp_megatron.memory_plan.StateBytes`), from
+*State* is counted as :mod:`ntp_megatron.plan.memory_plan` plans it (:class:`~ntp_megatron.plan.memory_plan.StateBytes`), from
 the real objects: the unique storages of the model's parameters (under the distributed optimizer, the DDP's flat
 parameter buffer they are views of), of the DDP's gradient buffers, of a degraded rank's shadows (their
 parameters where they have storage, their gradient buffers), and of the optimizer (the tensors its torch
@@ -17,7 +17,7 @@ The *peak* of a phase (an iteration, a re-formation):
   it ran, so the frees that matter in a re-formation would be missed), the highest of the samples the phase
   took: at each sample point, the unique storages of every set of objects the rank holds then (during a
   re-formation the old and the new ones) plus the messages it has posted, counted at the sizes
-  :func:`ntp_megatron.reshard.exchange` allocates. It covers the training state and the re-formation's messages
+  :func:`ntp_megatron.core.unit_moves.exchange` allocates. It covers the training state and the re-formation's messages
   at those points; not activations or autograd's saved tensors (no sample falls inside a forward/backward),
   not allocations between two samples, not the allocator's caches.
 
@@ -40,7 +40,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ntp_megatron import metrics
-from ntp_megatron.memory_plan import StateBytes, dims_of, rank_state, training_of
+from ntp_megatron.plan.memory_plan import StateBytes, dims_of, rank_state, training_of
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")

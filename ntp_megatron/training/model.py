@@ -18,8 +18,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer import TransformerConfig
 
 from ntp_megatron import phases
-from ntp_megatron.config import JobConfig
-from ntp_megatron.shard_layout import ddp_bucket_size
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.plan.optimizer_shards import ddp_bucket_size
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def build_model(
             if initialize:
                 initialize_uniform_layout_free(gpt, tf_config, cfg.training.seed, pg_collection.tp, pp.rank())
     else:
-        from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+        from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
 
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize,
@@ -243,8 +243,8 @@ def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerC
                                    stage: int = 0) -> None:
     """``model.init: layout_free`` for a plain Megatron model at uniform TP, any stage: the same values as every NTP
     layout (and every pipeline layout: layers are named by their global number)."""
-    from ntp_megatron.init import initialize_layout_free
-    from ntp_megatron.ntp_gpt import uniform_shard
+    from ntp_megatron.core.init import initialize_layout_free
+    from ntp_megatron.core.gpt import uniform_shard
 
     rank, size = tp_group.rank(), tp_group.size()
     initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size),

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ntp_megatron import stages
-from ntp_megatron.config import JobConfig
-from ntp_megatron.grid import Grid
-from ntp_megatron.groups import GroupPool, build_groups, dense_groups
+from ntp_megatron.plan import stages
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.plan.grid import Grid
+from ntp_megatron.core.groups import GroupPool, build_groups, dense_groups
 from ntp_megatron.patches import parallel_state as ps_patch
 
 
@@ -40,8 +40,8 @@ class ParallelSetup:
     rank: int = 0                    # this process's rank in its generation
     generation: int = 0
     topology: Optional[object] = None
-    groups: Optional[object] = None  # ntp_megatron.groups.NTPGroups when NTP is on
-    grad_sync: Optional[object] = field(default=None, repr=False)  # ntp_megatron.grad_sync.GradSync (NTP)
+    groups: Optional[object] = None  # ntp_megatron.core.groups.NTPGroups when NTP is on
+    grad_sync: Optional[object] = field(default=None, repr=False)  # ntp_megatron.core.grad_sync.GradSync (NTP)
     stage: int = 0                   # pipeline stage
     stages: int = 1                  # pipeline stages of a replica
 

@@ -27,8 +27,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import tensor_parallel  # noqa: E402
 
-from ntp_megatron import compute_time, device_model, faults, phases  # noqa: E402
-from ntp_megatron.config import JobConfig  # noqa: E402
+from ntp_megatron import faults, phases  # noqa: E402
+
+from ntp_megatron.speed import compute_time, device_model
+from ntp_megatron.config.schema import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
 from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
 from ntp_megatron.elastic.reform import Retired  # noqa: E402
@@ -161,7 +163,7 @@ def _node_plane(env: runtime.RankEnv, cfg: JobConfig):
     launch rank runs. None on one node."""
     from ntp_megatron.elastic.generation import NodePlane
     from ntp_megatron.elastic.watchdog import store_factory
-    from ntp_megatron.placement import Placement, launch_nodes, launch_slots
+    from ntp_megatron.plan.placement import Placement, launch_nodes, launch_slots
 
     if env.nnodes == 1:
         return None
@@ -239,7 +241,7 @@ def _booster(cfg: JobConfig, env: runtime.RankEnv, device: torch.device,
     """Power boost for this rank (``ntp.boost``), on its device's NVML power limit or as a dry run."""
     if not cfg.ntp.boost:
         return None
-    from ntp_megatron.power import open_limits
+    from ntp_megatron.speed.power import open_limits
     from ntp_megatron.training.boosting import Booster
 
     uuid = None

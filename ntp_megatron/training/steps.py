@@ -19,7 +19,7 @@ def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iter
     on the other stages)."""
     groups = {"pg_collection": setup.pg}
     if setup.stages > 1 and setup.groups is not None:  # NTP: stages of different widths border each other
-        from ntp_megatron.pipeline import NTPP2PCommunicator
+        from ntp_megatron.core.pipeline import NTPP2PCommunicator
 
         device = next(model.parameters()).device
         groups["p2p_communicator"] = NTPP2PCommunicator(setup.groups.pipeline, setup.rank, tf_config, device)

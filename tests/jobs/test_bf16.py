@@ -35,8 +35,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.config.files import ConfigError
 from tests.equivalence_cases import ITERS, Case, assert_twins_bitwise, iteration_records, key_bias_rows
 from tests.harness import JobResult, assert_ok, assert_replicas_agree, layout_args, relative_difference
 

@@ -61,8 +61,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(saved, tmp_
     path = _copy(saved, tmp_path / "ckpt")
     why = _damage(path, how)
     args = ["--run-dir", "run", "--load", "ckpt", *layout_args(1, 2, 4), "--set", f"ntp.enabled={str(ntp).lower()}"]
-    code, stderr = run_module("ntp_megatron.launcher", args, tmp_path / "out", cwd=tmp_path, timeout=120)
-    lines = (stderr + (tmp_path / "out" / "ntp_megatron.launcher.stdout").read_text()).strip().splitlines()
+    code, stderr = run_module("ntp_megatron.launch.launcher", args, tmp_path / "out", cwd=tmp_path, timeout=120)
+    lines = (stderr + (tmp_path / "out" / "ntp_megatron.launch.launcher.stdout").read_text()).strip().splitlines()
     assert code == 2, lines
     assert len(lines) == 1 and lines[0].startswith(f"ntp-launch: checkpoint.load: {path / DAMAGED}: {why}"), lines
     assert not (tmp_path / "run").exists(), "nothing may start"

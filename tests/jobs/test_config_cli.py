@@ -31,16 +31,16 @@ def assert_one_line_exit_2(returncode: int, stdout: str, stderr: str, expected: 
 def test_cli_config_error_is_one_line_and_exit_2(tmp_path, case):
     args, expected = CASES[case]
     out = tmp_path / "out"
-    returncode, stderr = run_module("ntp_megatron.launcher", ["--run-dir", str(tmp_path / "run"), *args], out,
+    returncode, stderr = run_module("ntp_megatron.launch.launcher", ["--run-dir", str(tmp_path / "run"), *args], out,
                                     timeout=120)
-    assert_one_line_exit_2(returncode, (out / "ntp_megatron.launcher.stdout").read_text(), stderr, expected)
+    assert_one_line_exit_2(returncode, (out / "ntp_megatron.launch.launcher.stdout").read_text(), stderr, expected)
 
 
 def test_cli_config_error_from_a_fresh_interpreter(tmp_path):
-    """``python -m ntp_megatron.launcher`` as a user starts it: the one line is all, no import-time warning
+    """``python -m ntp_megatron.launch.launcher`` as a user starts it: the one line is all, no import-time warning
     (Megatron-Core's about Apex and Transformer Engine) before it. The case that gets furthest: the checkpoint
     to load is looked for after the whole config is valid."""
     args, expected = CASES["no-checkpoint"]
-    proc = subprocess.run([sys.executable, "-m", "ntp_megatron.launcher", "--run-dir", str(tmp_path), *args],
+    proc = subprocess.run([sys.executable, "-m", "ntp_megatron.launch.launcher", "--run-dir", str(tmp_path), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert_one_line_exit_2(proc.returncode, proc.stdout, proc.stderr, expected)

@@ -23,7 +23,7 @@ Healthy layouts:
    loader) and runs 7 and 8.
 
 Layouts that start degraded (``ntp.dead_slots``). A degraded rank's optimizer steps slot-shaped shadows of the
-blocks it serves (``ntp_megatron.grad_sync``), not its own parameters: it writes the pieces of its shadows' shards,
+blocks it serves (``ntp_megatron.core.grad_sync``), not its own parameters: it writes the pieces of its shadows' shards,
 each where it sits in the global tensors, and reads them back into its shadows:
 
 1. NTP TP4 + TP3 (replica 1's slot 3 dead: its block dealt to the survivors, slot 0 its proxy) with one instance,

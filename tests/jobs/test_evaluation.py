@@ -9,9 +9,13 @@ import json
 
 import pytest
 
-from ntp_megatron import faults, launcher, megatron_flags, metrics, run_report
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron import faults, metrics
+
+from ntp_megatron.config import flags
+
+from ntp_megatron.launch import launcher, run_report
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.training.data import evaluation_batches, evaluation_window, replica_sample_range
 from ntp_megatron.training.parallel import assign_shares
 from tests.harness import TINY, assert_ok, assert_replicas_agree, relative_difference, run_job
@@ -65,7 +69,7 @@ def reference(jobs):
 # -- config, data order, spec: pure -----------------------------------------------------------------------------
 
 def test_megatron_flags_set_the_eval_keys():
-    overrides = megatron_flags.translate(EVAL)
+    overrides = flags.translate(EVAL)
     assert overrides == ["training.eval_interval=2", "training.eval_iters=2"]
     t = load_job_config(overrides=overrides).training
     assert (t.eval_interval, t.eval_iters, t.evaluates) == (2, 2, True)

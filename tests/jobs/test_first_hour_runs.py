@@ -16,8 +16,8 @@ SMALL = ["--tensor-model-parallel-size", "1", "--data-parallel-size", "2", "--mi
 
 def _launch(cwd: Path, args: list[str], out: Path) -> tuple[int, str]:
     """ntp-launch in ``cwd``: exit code, and its stderr (the launcher's lines) followed by its stdout (ranks')."""
-    code, stderr = run_module("ntp_megatron.launcher", args, out, cwd=cwd)
-    return code, stderr + (out / "ntp_megatron.launcher.stdout").read_text()
+    code, stderr = run_module("ntp_megatron.launch.launcher", args, out, cwd=cwd)
+    return code, stderr + (out / "ntp_megatron.launch.launcher.stdout").read_text()
 
 
 
@@ -46,7 +46,7 @@ def test_json_lines_are_detected_and_read_by_their_text_key(tmp_path):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from ntp_megatron.preprocess import build_indexed_dataset
+    from ntp_megatron.training.preprocess import build_indexed_dataset
 
     path = tmp_path / "docs.json"  # no .jsonl suffix: detected from the content
     path.write_text(json.dumps({"id": 1, "text": "first document"}) + "\n\n"

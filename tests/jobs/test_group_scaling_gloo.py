@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.layout import make_topology
+from ntp_megatron.plan.layout import make_topology
 from tests.harness import store_client, store_server
 
 
@@ -30,7 +30,7 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
         import torch
         from torch.distributed import distributed_c10d
 
-        from ntp_megatron.groups import build_groups
+        from ntp_megatron.core.groups import build_groups
 
         store = store_client(port, timeout_s)
         for generation, dead in enumerate(GENERATIONS):

@@ -8,7 +8,7 @@
   emits a ``reform_rank`` record (rebuilt or not, whether the objects it trains with are the very objects it held
   before, which groups it made and kept, the generation that made each, how many references its objects hold to
   its TP group). Which ranks must have kept their objects, and which groups each rank must make, is worked out
-  from the published topologies (``ntp_megatron.group_plan.event_plan``), not from the ranks' claims: every rank
+  from the published topologies (``ntp_megatron.plan.group_plan.event_plan``), not from the ranks' claims: every rank
   whose units are the same in the generation a re-formation built on and in the one it formed keeps its objects
   (every rank of a healthy replica, and of a degraded one the failure did not touch); every other rank rebuilds.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.layout import Topology
+from ntp_megatron.plan.layout import Topology
 from tests.harness import TINY, JobResult, assert_groups_as_planned, assert_ok, assert_replicas_agree, run_job
 from tests.jobs.test_live_failure import leftover_processes, ntp_args
 from tests.jobs.test_state_checks import published

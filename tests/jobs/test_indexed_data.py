@@ -9,7 +9,7 @@ from tests.harness import assert_ok, layout_args, run_job, run_module
 
 def test_preprocess_then_train_on_indexed_data(tmp_path, jobs):
     prefix = tmp_path / "data" / "corpus"
-    returncode, stderr = run_module("ntp_megatron.preprocess", ["--output-prefix", str(prefix)], tmp_path / "prep",
+    returncode, stderr = run_module("ntp_megatron.training.preprocess", ["--output-prefix", str(prefix)], tmp_path / "prep",
                                     timeout=120)
     assert returncode == 0, stderr
     data_prefix = f"{prefix}_text_document"

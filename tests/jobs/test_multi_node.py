@@ -41,12 +41,12 @@ def _two_nodes(tmp_path: Path, extra: list[str]) -> tuple[tuple[int, str], tuple
     (exit code, stderr) of each, node 0's records."""
     run_dir = tmp_path / "run"
     # The zygotes' own starts (their imports) must not count against node 0's wait for node 1: they are up first.
-    assert run_module("ntp_megatron.launcher", ["--help"], tmp_path / "zygote")[0] == 0
+    assert run_module("ntp_megatron.launch.launcher", ["--help"], tmp_path / "zygote")[0] == 0
     Forked.ready(1, tmp_path)
     node0 = launch_node(0, run_dir, [*JOB, "--store-port", "0", *extra])
     try:
         port = store_port(run_dir, node0)
-        node1 = run_module("ntp_megatron.launcher", ["--node-rank", "1", "--store-port", str(port),
+        node1 = run_module("ntp_megatron.launch.launcher", ["--node-rank", "1", "--store-port", str(port),
                                                      "--run-dir", str(run_dir), *JOB, *extra],
                            tmp_path / "node1", timeout=240)
         node0.wait(timeout=120)
@@ -81,7 +81,7 @@ def test_every_node_names_the_rank_that_failed(tmp_path, action, failed_rank, ca
 
 
 def test_a_node_that_never_comes_is_named_in_one_line(tmp_path):
-    code, err = run_module("ntp_megatron.launcher", [*JOB, "--node-rank", "0", "--store-port", "0",
+    code, err = run_module("ntp_megatron.launch.launcher", [*JOB, "--node-rank", "0", "--store-port", "0",
                                                      "--run-dir", str(tmp_path / "run"), "--set", "parallel.timeout_s=5"],
                            tmp_path / "node0", timeout=120)
     assert code == 1

@@ -1,4 +1,4 @@
-"""Checkpoints of NTP runs (``ntp_megatron.sharding``, ``ntp_megatron.training.checkpoint``).
+"""Checkpoints of NTP runs (``ntp_megatron.core.checkpoint_map``, ``ntp_megatron.training.checkpoint``).
 
 - Layout independence, on metadata alone: for random topologies every rank's fragments, with their replica
   ids, cover every global tensor exactly once as main replicas, and every replica covers it once.
@@ -34,7 +34,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.layout import make_topology, next_topology
+from ntp_megatron.plan.layout import make_topology, next_topology
 from tests.harness import TINY, assert_ok, assert_replicas_agree, relative_difference, run_job, run_module
 from tests.jobs.test_live_failure import leftover_processes
 
@@ -71,7 +71,7 @@ def topology_boxes(topology, m: SimpleNamespace):
     """Every rank's boxes per tensor as the checkpoint code describes them: ``{name: [(rank, replica,
     replica_id, offset, size)]}``, TP-split tensors through ``sharding.fragments`` and a replicated one
     (``norm``) whole on every rank."""
-    from ntp_megatron.sharding import UnitAxis, checkpoint_roles, fragments
+    from ntp_megatron.core.checkpoint_map import UnitAxis, checkpoint_roles, fragments
 
     members = [(topology.replica_of(r).index, topology.replica_of(r).width, topology.local_rank(r))
                for r in range(topology.world_size)]
@@ -148,7 +148,7 @@ def test_coverage_validator_finds_holes_overlaps_and_strays():
 
 
 def test_writer_is_the_first_healthy_replica_else_the_first():
-    from ntp_megatron.sharding import checkpoint_roles, unit_runs, writer_replica
+    from ntp_megatron.core.checkpoint_map import checkpoint_roles, unit_runs, writer_replica
 
     assert writer_replica({0: 3, 1: 4, 2: 4}, 4) == 1
     assert writer_replica({1: 3, 2: 2}, 4) == 1
@@ -174,7 +174,7 @@ def megatron():
 
     apply_patches(cpu=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from ntp_megatron.groups import dense_groups
+    from ntp_megatron.core.groups import dense_groups
 
     yield ps_patch.install(dense_groups(1, 0, 1, timedelta(seconds=60)))
     from megatron.core import parallel_state
@@ -221,9 +221,9 @@ def test_ntp_state_dict_is_plain_megatrons(megatron, model_name, topology_name):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
     from megatron.core.models.gpt import GPTModel
 
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
-    from ntp_megatron.sharding import ROLE_KEY, checkpoint_roles
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.core.checkpoint_map import ROLE_KEY, checkpoint_roles
     from ntp_megatron.training.model import layer_spec, transformer_config
 
     cfg = load_job_config(None, ["parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=1",
@@ -293,8 +293,8 @@ def test_ntp_state_dict_is_plain_megatrons(megatron, model_name, topology_name):
 
 
 def test_sharded_state_dict_needs_a_role(megatron):
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import transformer_config
 
     cfg = load_job_config(None, ["parallel.tensor_model_parallel_size=1", "parallel.data_parallel_size=1"])
@@ -660,7 +660,7 @@ def _ntp_logits_rank(rank: int, world: int, port: int, cfg_json: str, ckpt: str,
         import torch.distributed as dist
         from megatron.core import tensor_parallel
 
-        from ntp_megatron.config import JobConfig
+        from ntp_megatron.config.schema import JobConfig
         from ntp_megatron.patches import apply_patches
         from ntp_megatron.training import checkpoint, parallel
         from ntp_megatron.training.components import build_components
@@ -708,7 +708,7 @@ def _ntp_logits_main(argv: list[str]) -> int:
 
     import torch
 
-    from ntp_megatron.config import load_job_config
+    from ntp_megatron.config.schema import load_job_config
     from ntp_megatron.training import runtime
     from tests.harness import store_server
 

@@ -2,7 +2,7 @@
 (:mod:`ntp_megatron.training.memory`): TP3 x 2, the last rank of replica 1 killed, so replica 1 re-forms at TP2
 with one proxy (the sync-group member of the dead slot's block too) and one survivor.
 
-Every record's measured state equals the plan (:mod:`ntp_megatron.memory_plan`); the old gradient buffers were
+Every record's measured state equals the plan (:mod:`ntp_megatron.plan.memory_plan`); the old gradient buffers were
 freed before the new objects were built; and every rank's peak while re-forming stays within 1.5x the state it
 holds at steady state in the new generation."""
 

@@ -1,7 +1,7 @@
 """A slow rank gets a smaller share live, and its block back when it is fast again; the loss curve is the run's
 without the slowdown, the replicas agree, the healthy replica keeps everything.
 
-Every rank computes on the emulated device (``ntp.emulated_device_ms``, ntp_megatron/device_model.py): on this
+Every rank computes on the emulated device (``ntp.emulated_device_ms``, ntp_megatron/speed/device_model.py): on this
 2-core machine a sleeping rank would otherwise hand its CPU to its peers and hardly slow them."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.layout import Topology
+from ntp_megatron.plan.layout import Topology
 from tests.harness import JobResult, assert_replicas_agree
 from tests.jobs.test_live_failure import assert_same_run, kill_during_a_reformation, kill_in_phase, ntp_args
 

@@ -17,7 +17,7 @@ def megatron():
 
     apply_patches(cpu=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one rank: no port at all
-    from ntp_megatron.groups import dense_groups
+    from ntp_megatron.core.groups import dense_groups
 
     yield ps_patch.install(dense_groups(1, 0, 1, timedelta(seconds=60)))
     from megatron.core import parallel_state

@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import CommitProtocol, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
-from ntp_megatron.layout import Topology, make_topology
-from ntp_megatron.stages import PipelineTopology, load_topology, make_pipeline_topology
+from ntp_megatron.plan.layout import Topology, make_topology
+from ntp_megatron.plan.stages import PipelineTopology, load_topology, make_pipeline_topology
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
 WAIT_S = 10.0

@@ -1,4 +1,4 @@
-"""Adam's step where each torch optimizer keeps it (``ntp_megatron.adam_step``): a rebuilt rank's optimizer that is
+"""Adam's step where each torch optimizer keeps it (``ntp_megatron.core.adam_step``): a rebuilt rank's optimizer that is
 given its peers' step continues their run exactly, with torch's Adam (step per parameter) and with an optimizer
 that keeps it per group like Transformer Engine's and Apex's ``FusedAdam`` (neither runs on CPU: a stand-in
 with their convention, below)."""
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ntp_megatron.adam_step import keeps_step_in_groups, read_step, write_step
-from ntp_megatron.reshard import UnitTensors, copy_kept, init_shard_state
+from ntp_megatron.core.adam_step import keeps_step_in_groups, read_step, write_step
+from ntp_megatron.core.unit_moves import UnitTensors, copy_kept, init_shard_state
 
 pytestmark = pytest.mark.unit
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ntp_megatron import preflight
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.launch import preflight
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.training import checkpoint
 from tests.harness import run_module
 
@@ -31,9 +31,9 @@ timeout, so that the harness, not the test's timeout, ends it."""
 def _launch(cwd: Path, args: list[str]) -> tuple[int, list[str]]:
     """ntp-launch in ``cwd`` with a run dir ``run``: exit code and every line it and its ranks printed."""
     out = cwd / "out"
-    code, stderr = run_module("ntp_megatron.launcher", ["--run-dir", "run", *args], out, cwd=cwd,
+    code, stderr = run_module("ntp_megatron.launch.launcher", ["--run-dir", "run", *args], out, cwd=cwd,
                               timeout=REFUSAL_TIMEOUT_S)
-    return code, (stderr + (out / "ntp_megatron.launcher.stdout").read_text()).strip().splitlines()
+    return code, (stderr + (out / "ntp_megatron.launch.launcher.stdout").read_text()).strip().splitlines()
 
 
 def _refused(cwd: Path, args: list[str], expected: str) -> None:

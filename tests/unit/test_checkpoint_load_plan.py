@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ntp_megatron import megatron_flags, preflight
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
+from ntp_megatron.config.flags import translate
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.launch import preflight
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.checkpoint import LoadPlan
 from tests.unit.test_checkpoint_checks import _launch
@@ -113,7 +114,7 @@ def test_a_model_only_or_release_checkpoint_starts_at_iteration_0_with_fresh_sta
 ])
 def test_megatron_load_flags_are_pinned_for_the_ranks(tmp_path, flags, plan, iteration, samples, why):
     path = _full(tmp_path / "ckpt")
-    cfg = load_job_config(overrides=[f"checkpoint.load={tmp_path / 'ckpt'}", *megatron_flags.translate(flags)])
+    cfg = load_job_config(overrides=[f"checkpoint.load={tmp_path / 'ckpt'}", *translate(flags)])
     progress = preflight.pin_checkpoint_load(cfg)
     assert (progress.plan, progress.iteration, progress.samples(12)) == (plan, iteration, samples)
     assert LoadPlan.of(cfg.checkpoint) == plan, "what the ranks read from the config"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ntp_megatron import faults, phases
-from ntp_megatron.compute_time import DeviceClock, DeviceSleep, HostClock, clock_for
+from ntp_megatron.speed.compute_time import DeviceClock, DeviceSleep, HostClock, clock_for
 
 pytestmark = pytest.mark.unit
 

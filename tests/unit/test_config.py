@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.config import CONFIG_DIR, DEFAULT_CONFIG, JobConfig, load_job_config
-from ntp_megatron.config_io import ConfigError, parse_yaml
-from ntp_megatron.megatron_flags import translate as translate_extra_args
+from ntp_megatron.config.schema import CONFIG_DIR, DEFAULT_CONFIG, JobConfig, load_job_config
+from ntp_megatron.config.files import ConfigError, parse_yaml
+from ntp_megatron.config.flags import translate as translate_extra_args
 
 
 def test_default_config_is_the_tiny_cpu_demo():

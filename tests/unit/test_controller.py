@@ -19,7 +19,7 @@ import pytest
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE
-from ntp_megatron.layout import next_topology
+from ntp_megatron.plan.layout import next_topology
 from tests.unit.elastic_job import Job, admission_pending, death, former, voter
 from tests.unit.interleavings import Interleaving, every_order, hash_store
 
@@ -400,7 +400,7 @@ def test_out_of_memory_is_judged_in_the_layout_the_rank_trained_in():
     """A rebalance of replica 0 is published, not formed yet; its rank runs out of memory while still training in
     the launch layout (generation 0): no layout to drop, the job stops. Once the rebalanced layout formed, the same
     error drops the replica (its layout is not the launch's, which fitted)."""
-    from ntp_megatron.straggler import Decision
+    from ntp_megatron.plan.rebalance import Decision
 
     half = Decision(0, 0, {0: 100, 1: 40}, {1: 2.5}, (1,))
     job = _job(2, 2)
@@ -456,8 +456,8 @@ def test_out_of_memory_with_another_own_error_in_the_same_batch_stops_the_job(ot
 # -- rebalancing a slow rank --------------------------------------------------------------------------------------
 
 def test_a_rebalance_is_published_for_the_next_iteration_boundary():
-    from ntp_megatron.layout import reweight_topology
-    from ntp_megatron.straggler import Decision
+    from ntp_megatron.plan.layout import reweight_topology
+    from ntp_megatron.plan.rebalance import Decision
 
     job = _job(2, 2)
     job.form(0)
@@ -477,7 +477,7 @@ def test_a_rebalance_is_published_for_the_next_iteration_boundary():
 
 
 def test_a_rebalance_that_moves_nothing_or_exceeds_min_tp_is_not_published():
-    from ntp_megatron.straggler import Decision
+    from ntp_megatron.plan.rebalance import Decision
 
     half = Decision(0, 0, {0: 100, 1: 50, 2: 100, 3: 100}, {1: 2.0}, (1,))
     strict = _job(4, 1, min_tp=4)  # no rank may ever hold more than its canonical block

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ntp_megatron.config import load_job_config
+from ntp_megatron.config.schema import load_job_config
 from ntp_megatron.training import data
 
 SEQ = 16

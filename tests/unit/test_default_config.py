@@ -1,7 +1,7 @@
 """configs/tiny_cpu.yaml against the schema: it lists every key, and each value is the schema's default unless its
 comment says ``(schema default: X)`` — and then X is the schema's default and the value is not.
 
-So the file can be read as documentation of the defaults: changing a default in ntp_megatron/config.py without
+So the file can be read as documentation of the defaults: changing a default in ntp_megatron/config/schema.py without
 the file (or the file without a marker) fails here.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from ntp_megatron.config import DEFAULT_CONFIG, JobConfig
-from ntp_megatron.config_io import parse_yaml, read_yaml_file
+from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
+from ntp_megatron.config.files import parse_yaml, read_yaml_file
 
 MARKER = re.compile(r"\(schema default: ([^)]*)\)")
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>\w+):(?P<rest>.*)$")

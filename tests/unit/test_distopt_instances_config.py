@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from ntp_megatron import config
-from ntp_megatron.config import distributed_optimizer_instances, load_job_config
-from ntp_megatron.config_io import ConfigError
-from ntp_megatron.megatron_flags import translate
+from ntp_megatron.config import schema
+from ntp_megatron.config.schema import distributed_optimizer_instances, load_job_config
+from ntp_megatron.config.files import ConfigError
+from ntp_megatron.config.flags import translate
 from ntp_megatron.training.model import ddp_config
 
 KEY = "parallel.num_distributed_optimizer_instances"
@@ -24,8 +24,8 @@ def off(*overrides: str):
 @pytest.fixture
 def warnings_seen(caplog, monkeypatch):
     """The config warnings logged, each as if for the first time in this process."""
-    monkeypatch.setattr(config, "_WARNED", set())
-    caplog.set_level(logging.WARNING, logger=config.__name__)
+    monkeypatch.setattr(schema, "_WARNED", set())
+    caplog.set_level(logging.WARNING, logger=schema.__name__)
     return caplog
 
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.layout import make_topology
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.plan.layout import make_topology
 from tests.unit.test_grad_sync import MODEL, _ntp_model
 
 FAMILIES = ("heads", "ffn", "vocab")
@@ -57,7 +57,7 @@ def test_shard_norm_table_equals_the_whole_buffer_table(megatron):
     within cells; and summing the one-contributor cells in any order gives the same bits."""
     import torch
 
-    from ntp_megatron.grad_sync import shard_square_sums
+    from ntp_megatron.core.grad_sync import shard_square_sums
 
     cfg = load_job_config(None, MODEL)
     topo = make_topology(3, 1, cfg.unit_counts())

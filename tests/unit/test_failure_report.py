@@ -21,7 +21,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.launch.console import Console
-from ntp_megatron.layout import make_topology
+from ntp_megatron.plan.layout import make_topology
 
 UNITS = {"heads": 8, "ffn": 16, "vocab": 32}
 

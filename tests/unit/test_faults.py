@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.faults import (ENV_FAILURES, RandomFailures, RankFailure, TimedKill, FailureTrigger, from_env,
                                  parse_failure_spec, to_env)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from ntp_megatron import launcher
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import ConfigError
-from ntp_megatron.megatron_flags import translate
+from ntp_megatron.launch import launcher
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.config.files import ConfigError
+from ntp_megatron.config.flags import translate
 from tests.harness import TINY, run_module
 
 SMALL = ["--tensor-model-parallel-size", "1", "--data-parallel-size", "2", "--micro-batch-size", "2",
@@ -19,8 +19,8 @@ SMALL = ["--tensor-model-parallel-size", "1", "--data-parallel-size", "2", "--mi
 
 def _launch(cwd: Path, args: list[str], out: Path) -> tuple[int, str]:
     """ntp-launch in ``cwd``: exit code, and its stderr (the launcher's lines) followed by its stdout (ranks')."""
-    code, stderr = run_module("ntp_megatron.launcher", args, out, cwd=cwd)
-    return code, stderr + (out / "ntp_megatron.launcher.stdout").read_text()
+    code, stderr = run_module("ntp_megatron.launch.launcher", args, out, cwd=cwd)
+    return code, stderr + (out / "ntp_megatron.launch.launcher.stdout").read_text()
 
 
 # -- flags ---------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.layout import make_topology
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.plan.layout import make_topology
 
 MODEL = ["model.num_attention_heads=12", "model.num_query_groups=6", "model.kv_channels=8", "model.hidden_size=32",
          "model.ffn_hidden_size=41", "model.vocab_size=263", "model.num_layers=2", "training.lr_warmup_iters=1",
@@ -17,7 +17,7 @@ MODEL = ["model.num_attention_heads=12", "model.num_query_groups=6", "model.kv_c
 def _ntp_model(cfg, units):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import transformer_config
 
     m = cfg.model
@@ -40,7 +40,7 @@ def test_shadow_buckets_are_a_healthy_slot_ranks_buckets(megatron):
     parameters in the same buckets at the same offsets with the same shapes (uneven blocks, small buckets)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.grad_sync import shadow_module
+    from ntp_megatron.core.grad_sync import shadow_module
     from ntp_megatron.training.model import ddp_config, transformer_config
 
     cfg = load_job_config(None, [f"{kv}" for kv in MODEL])
@@ -136,7 +136,7 @@ def test_real_shadows_have_a_healthy_slot_ranks_buffers_and_shards(megatron):
     import torch
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.grad_sync import _Shadow
+    from ntp_megatron.core.grad_sync import _Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
     from tests.unit.test_shard_layout import _DpPosition
 

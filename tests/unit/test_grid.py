@@ -1,4 +1,4 @@
-"""The dense grid with pipeline stages (ntp_megatron.grid.Grid) against Megatron-Core's own ``RankGenerator``
+"""The dense grid with pipeline stages (ntp_megatron.plan.grid.Grid) against Megatron-Core's own ``RankGenerator``
 (``parallel_state``, order tp-cp-ep-dp-pp): every group of every rank, for many shapes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from megatron.core.parallel_state import RankGenerator, default_embedding_ranks
 
-from ntp_megatron.grid import Grid
+from ntp_megatron.plan.grid import Grid
 
 pytestmark = pytest.mark.unit
 

@@ -13,13 +13,13 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from ntp_megatron import stages
+from ntp_megatron.plan import stages
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.group_backend import GlooBackend, NcclBackend
 from ntp_megatron.elastic.watchdog import GenerationWatchdog
-from ntp_megatron.group_plan import blocked_by, event_plan, rank_group_keys
-from ntp_megatron.groups import PooledGroup
-from ntp_megatron.layout import join_topology, make_topology, next_topology
+from ntp_megatron.plan.group_plan import blocked_by, event_plan, rank_group_keys
+from ntp_megatron.core.groups import PooledGroup
+from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
 from ntp_megatron.sockets import socket_fds
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}

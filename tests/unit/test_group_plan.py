@@ -1,4 +1,4 @@
-"""Which groups a rank keeps and makes across a kill, a rejoin and a dropped replica (ntp_megatron.group_plan),
+"""Which groups a rank keeps and makes across a kill, a rejoin and a dropped replica (ntp_megatron.plan.group_plan),
 from the topologies alone: healthy replicas keep their tensor-parallel groups; only groups whose members changed
 are made; every member of a group reaches the same plan for it; the members' verdict keeps a group only if
 nothing can be left half-matched in it."""
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron import stages
-from ntp_megatron.group_plan import GroupKey, Offer, blocked_by, event_plan, keep_verdict, rank_group_keys
-from ntp_megatron.layout import join_topology, make_topology, next_topology
-from ntp_megatron.stages import with_generation
+from ntp_megatron.plan import stages
+from ntp_megatron.plan.group_plan import GroupKey, Offer, blocked_by, event_plan, keep_verdict, rank_group_keys
+from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
+from ntp_megatron.plan.stages import with_generation
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 

@@ -14,8 +14,8 @@ import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.layout import make_topology
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.plan.layout import make_topology
 from ntp_megatron.training.parallel import ntp_parallel, uniform_parallel
 
 TP = 8

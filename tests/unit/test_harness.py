@@ -105,8 +105,8 @@ def test_a_dead_proxy_moves_its_own_block_and_the_dead_block_it_held():
 def test_unit_elements_count_every_parameter_of_megatrons_gpt(megatron, overrides):  # noqa: F811
     """The formula's units times their counts, plus the replicated parameters, are exactly the parameters of
     Megatron-Core's TP1 GPTModel; and each family's share is the parameters this project splits by it."""
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.ntp_gpt import family_geometry
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.core.gpt import family_geometry
     from ntp_megatron.training.model import build_model, transformer_config
 
     model = {**TINY_MODEL, **overrides}

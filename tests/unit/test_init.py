@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.layout import make_topology
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.plan.layout import make_topology
 from tests.unit.test_grad_sync import MODEL
 
 FAMILIES = ("heads", "ffn", "vocab")
@@ -23,7 +23,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 
 
 def _ntp(cfg, units, **kwargs):
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import transformer_config
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -94,7 +94,7 @@ def test_initial_weights_do_not_depend_on_the_layout(megatron, model):
 def test_uniform_megatron_blocks_are_the_canonical_blocks(megatron):
     """A plain model at uniform TP k holds block r of k equal contiguous blocks on TP rank r: the canonical block
     of a healthy NTP replica, so plain TP k and every NTP layout start from the same weights."""
-    from ntp_megatron.ntp_gpt import uniform_shard
+    from ntp_megatron.core.gpt import uniform_shard
     from ntp_megatron.training.model import transformer_config
 
     cfg = load_job_config(None, [*MODEL, "model.ffn_hidden_size=48", "model.vocab_size=264"])
@@ -139,7 +139,7 @@ def test_generation_is_o_local(megatron, monkeypatch):
     """A TP4 rank's build generates exactly its own elements, in chunks, and draws nothing full-size: the only
     torch normal draw is the position embedding's constructor (replicated, so local). A build without
     initialisation (a re-formation's) generates nothing."""
-    import ntp_megatron.init as init
+    import ntp_megatron.core.init as init
 
     cfg = load_job_config(None, [*MODEL, "model.hidden_size=64", "model.ffn_hidden_size=200",
                                  "model.vocab_size=1000"])
@@ -181,8 +181,8 @@ def test_generation_is_o_local(megatron, monkeypatch):
 def test_generator_chunks_and_runs_give_the_same_values():
     """Any chunk size and any unit list: the elements of each unit are the TP1 tensor's (all three copy paths:
     contiguous rows, whole strided units, rows of a unit larger than a chunk)."""
-    from ntp_megatron.init import fill_normal_, stream_key
-    from ntp_megatron.layers import UnitShard
+    from ntp_megatron.core.init import fill_normal_, stream_key
+    from ntp_megatron.core.layers import UnitShard
 
     key = stream_key(3, "w")
     for outer, num_units, inner in ((1, 7, 5), (6, 9, 1), (5, 4, 3)):
@@ -270,7 +270,7 @@ def test_cuda_fusions_build_without_apex(megatron, normalization):  # noqa: F811
 def test_gpu_tail_branch_gives_the_cpu_values():
     """The GPU path computes the tail formula for every element and picks (no host sync); the CPU path only for the
     elements in the tail: every one of the 2^24 inputs gives the same bits either way."""
-    from ntp_megatron.init import standard_normal
+    from ntp_megatron.core.init import standard_normal
 
     bits = torch.arange(1 << 24, dtype=torch.int64)
     assert torch.equal(standard_normal(bits.clone(), gather_tail=True), standard_normal(bits.clone(), gather_tail=False))

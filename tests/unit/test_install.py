@@ -64,7 +64,7 @@ def test_wheel_carries_every_module_and_data_file(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = ("import ntp_megatron.elastic.keys, ntp_megatron.patches, ntp_megatron.sim.cli;"  # no torch: cheap
-            "from ntp_megatron import config;"
+            "from ntp_megatron.config import schema as config;"
             "print(config.__file__, ntp_megatron.patches.__file__, config.DEFAULT_CONFIG.is_file())")
     env = {**os.environ, "PYTHONPATH": str(site)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,

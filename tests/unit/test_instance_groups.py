@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from megatron.core import parallel_state as ps
 
-from ntp_megatron.config import load_job_config
-from ntp_megatron.groups import build_groups, group_mapping, intra_group_ranks, sync_group_ranks
-from ntp_megatron.layout import make_topology, next_topology
-from ntp_megatron.shard_layout import instance_of, instances, shard_holders
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.core.groups import build_groups, group_mapping, intra_group_ranks, sync_group_ranks
+from ntp_megatron.plan.layout import make_topology, next_topology
+from ntp_megatron.plan.optimizer_shards import instance_of, instances, shard_holders
 from ntp_megatron.training.parallel import uniform_parallel
 from tests.unit.test_group_scaling import fake_world  # noqa: F401 - the fixture
 

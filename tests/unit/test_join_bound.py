@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.layout import join_topology, make_topology, next_topology, transition_plan
-from ntp_megatron.reshard import own_lower_bound_bytes, plan_transfers
-from ntp_megatron import stages
+from ntp_megatron.plan.layout import join_topology, make_topology, next_topology, transition_plan
+from ntp_megatron.core.unit_moves import own_lower_bound_bytes, plan_transfers
+from ntp_megatron.plan import stages
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 16}
 PER_UNIT = {"heads": 3, "ffn": 5, "vocab": 7}  # elements per unit of each family (any positive numbers)

@@ -1,4 +1,4 @@
-"""A process group that goes on into the next generation (patches/torch_distributed_c10d.py, ntp_megatron.groups'
+"""A process group that goes on into the next generation (patches/torch_distributed_c10d.py, ntp_megatron.core.groups'
 GroupPool and GroupMaker), on a real one-process gloo world: taken out of torch's tables it survives
 ``destroy_process_group()`` of the default group and still runs collectives; put back under the next default group
 where the maker would have made it, torch knows it again (its ranks, its name, its tags), collectives through
@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ntp_megatron.group_plan import GroupKey
-from ntp_megatron.groups import GroupMaker, GroupPool
+from ntp_megatron.plan.group_plan import GroupKey
+from ntp_megatron.core.groups import GroupMaker, GroupPool
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
-from ntp_megatron.layout import make_topology
+from ntp_megatron.plan.layout import make_topology
 from datetime import timedelta
 
 pytestmark = pytest.mark.skipif(not c10d_patch.supported(), reason="written for torch 2.13's private tables")

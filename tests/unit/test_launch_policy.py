@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from ntp_megatron.config import load_job_config
+from ntp_megatron.config.schema import load_job_config
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Death
@@ -22,7 +22,7 @@ from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.forkserver import Child
 from ntp_megatron.launch.nodes import Nodes
 from ntp_megatron.launch.ntp import ControllerPolicy
-from ntp_megatron.placement import launch_slots
+from ntp_megatron.plan.placement import launch_slots
 
 
 class _Proc:

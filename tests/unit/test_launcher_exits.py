@@ -7,7 +7,7 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
-from ntp_megatron import launcher
+from ntp_megatron.launch import launcher
 
 
 class Exited:

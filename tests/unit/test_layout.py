@@ -1,7 +1,7 @@
 """Property tests of the pure layout layer: canonical blocks, sticky shrinking, widening, sync groups, plans.
 
-The reference checks below are written from the definitions (the rules in ntp_megatron.layout's module
-docstring), not from the implementation, so a bug in ntp_megatron.layout shows up as a disagreement rather than
+The reference checks below are written from the definitions (the rules in ntp_megatron.plan.layout's module
+docstring), not from the implementation, so a bug in ntp_megatron.plan.layout shows up as a disagreement rather than
 being copied into the expectation. Topologies are reached by random histories (dead slots at start, then shrinks
 and joins), because with sticky shrinking a layout depends on the whole history.
 """
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.layout import (
+from ntp_megatron.plan.layout import (
     FAMILIES,
     POLICIES,
     Move,

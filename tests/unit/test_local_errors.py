@@ -16,7 +16,7 @@ from ntp_megatron import faults, phases
 from ntp_megatron.elastic import errors, keys
 from ntp_megatron.elastic.commit import IterationAborted, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
-from ntp_megatron.layout import make_topology
+from ntp_megatron.plan.layout import make_topology
 from ntp_megatron.training.checkpoint import CheckpointError
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 8}

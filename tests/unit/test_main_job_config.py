@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from ntp_megatron.config import DEFAULT_CONFIG, load_job_config
+from ntp_megatron.config.schema import DEFAULT_CONFIG, load_job_config
 from tests.harness import REPO
 
 MAIN_JOB = REPO / "configs" / "main_job.yaml"
@@ -53,7 +53,7 @@ def _fake_checkout(tmp_path: Path) -> None:
 
 
 def test_pretrain_gpt_sh_runs_the_main_job_without_arguments(tmp_path):
-    assert _script_command(tmp_path) == ["-m", "ntp_megatron.launcher", "--config",
+    assert _script_command(tmp_path) == ["-m", "ntp_megatron.launch.launcher", "--config",
                                          str(tmp_path / "configs" / "main_job.yaml")]
-    assert _script_command(tmp_path, "--train-iters", "200") == ["-m", "ntp_megatron.launcher", "--train-iters",
+    assert _script_command(tmp_path, "--train-iters", "200") == ["-m", "ntp_megatron.launch.launcher", "--train-iters",
                                                                  "200"]

@@ -1,5 +1,5 @@
 """The measured state (:mod:`ntp_megatron.training.memory`) of real Megatron-Core objects against the plan
-(:mod:`ntp_megatron.memory_plan`), kind by kind, and the freeing of dead gradient buffers."""
+(:mod:`ntp_megatron.plan.memory_plan`), kind by kind, and the freeing of dead gradient buffers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ntp_megatron.layout import make_topology, next_topology
-from ntp_megatron.memory_plan import Training, rank_state
+from ntp_megatron.plan.layout import make_topology, next_topology
+from ntp_megatron.plan.memory_plan import Training, rank_state
 from ntp_megatron.training import memory
 from tests.unit.test_memory_plan import DIMS, _config, _objects
 

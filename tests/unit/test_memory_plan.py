@@ -1,4 +1,4 @@
-"""The planned state bytes (:mod:`ntp_megatron.memory_plan`): the parameter list against the real NTP GPT model, the
+"""The planned state bytes (:mod:`ntp_megatron.plan.memory_plan`): the parameter list against the real NTP GPT model, the
 byte counts against the tensors Megatron-Core and the NTP grad sync allocate, and the worst case over reachable
 layouts."""
 
@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from ntp_megatron.layout import make_topology, next_topology
-from ntp_megatron.memory_plan import (ModelDims, Training, gpt_params, param_specs, plan, rank_state,
+from ntp_megatron.plan.layout import make_topology, next_topology
+from ntp_megatron.plan.memory_plan import (ModelDims, Training, gpt_params, param_specs, plan, rank_state,
                                       stage_state, worst_state)
 
 DIMS = [
@@ -24,7 +24,7 @@ DIMS = [
 
 
 def _config(dims: ModelDims, precision: str = "fp32", dist_opt: bool = False, tp: int = 1, dead: str = ""):
-    from ntp_megatron.config import load_job_config
+    from ntp_megatron.config.schema import load_job_config
 
     overrides = [f"model.num_layers={dims.num_layers}", f"model.hidden_size={dims.hidden_size}",
                  f"model.num_attention_heads={dims.num_attention_heads}",
@@ -45,7 +45,7 @@ def _config(dims: ModelDims, precision: str = "fp32", dist_opt: bool = False, tp
 
 
 def test_dims_of_the_config_resolve_its_defaults():
-    from ntp_megatron.config import load_job_config
+    from ntp_megatron.config.schema import load_job_config
 
     cfg = load_job_config(overrides=["model.hidden_size=64", "model.num_attention_heads=8"])
     dims = ModelDims.of(cfg.model)
@@ -77,7 +77,7 @@ def test_pipeline_stages_split_the_model_and_the_plan_takes_the_largest_stage(ti
     with pytest.raises(ValueError, match="stage 2 out of range 0..1"):
         gpt_params(dataclasses.replace(whole, pipeline_stages=2), 2)
     # A rank's state is its own stage's, whether given the whole pipeline topology or its stage's (a rank's setup).
-    from ntp_megatron.stages import make_pipeline_topology
+    from ntp_megatron.plan.stages import make_pipeline_topology
 
     dims = dataclasses.replace(whole, pipeline_stages=2)
     topology = make_pipeline_topology(2, 2, 2, dims.units, dead_slots=[(1, 0, 1)])
@@ -92,8 +92,8 @@ def test_pipeline_stages_split_the_model_and_the_plan_takes_the_largest_stage(ti
 
 
 def test_the_plan_of_a_pipeline_config_is_per_stage():
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.memory_plan import plan_of, table
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.plan.memory_plan import plan_of, table
 
     sets = ["ntp.enabled=true", "parallel.tensor_model_parallel_size=2", "model.init=layout_free",
             "model.num_layers=4"]
@@ -111,8 +111,8 @@ def _objects(megatron, cfg, topology, rank: int):
 
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.grad_sync import shadow_module
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.core.grad_sync import shadow_module
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.components import build_optimizer
     from ntp_megatron.training.model import ddp_config, transformer_config
 
@@ -168,7 +168,7 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import ddp_config, transformer_config
     from tests.unit.test_shard_layout import _DpPosition
 
@@ -206,7 +206,7 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
 def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(megatron, precision):
     """A proxy and a survivor of a TP3 replica that lost a slot, under the distributed optimizer sharding over 2
     positions (a stand-in group): the rank's own model and accumulating gradient buffer (no parameter buffer),
-    each shadow's padded parameter and gradient buffers as :class:`ntp_megatron.grad_sync._Shadow` builds them
+    each shadow's padded parameter and gradient buffers as :class:`ntp_megatron.core.grad_sync._Shadow` builds them
     (its parameters live in them), and the optimizer over the shadows: at each position the main params (bf16) and
     Adam's moments of its shard of every shadow, the plan being the largest position's per shadow."""
     import copy
@@ -215,7 +215,7 @@ def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from ntp_megatron.grad_sync import _Shadow
+    from ntp_megatron.core.grad_sync import _Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
     from tests.unit.test_shard_layout import _DpPosition
 
@@ -359,10 +359,10 @@ def test_the_bound_covers_every_rank_of_every_reachable_layout(tp_base, units, d
 
 
 def test_a_min_tp_whose_plan_exceeds_the_budget_is_refused_naming_the_one_that_fits(capsys):
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.config_io import ConfigError
-    from ntp_megatron.launcher import main
-    from ntp_megatron.memory_plan import GIB, plan_of
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.config.files import ConfigError
+    from ntp_megatron.launch.launcher import main
+    from ntp_megatron.plan.memory_plan import GIB, plan_of
 
     base = ["parallel.tensor_model_parallel_size=4", "training.precision=bf16"]
     cfg = load_job_config(overrides=base)
@@ -386,9 +386,9 @@ def test_a_min_tp_whose_plan_exceeds_the_budget_is_refused_naming_the_one_that_f
 def test_the_budget_check_with_the_distributed_optimizer_uses_its_resolved_instances():
     """Under NTP with the distributed optimizer the instance count defaults (2 at an even DP): the plan shards over
     DP / 2, and a budget below it is one line, not a crash."""
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.config_io import ConfigError
-    from ntp_megatron.memory_plan import GIB, plan_of
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.config.files import ConfigError
+    from ntp_megatron.plan.memory_plan import GIB, plan_of
 
     base = ["parallel.tensor_model_parallel_size=2", "parallel.data_parallel_size=4",
             "parallel.use_distributed_optimizer=true", "training.global_batch_size=16"]

@@ -44,7 +44,7 @@ def test_sink_writes_json_lines_with_required_fields(tmp_path):
 def test_two_runs_started_in_one_second_get_a_tensorboard_series_each(tmp_path, monkeypatch):
     """A run relaunched in the second its predecessor started (a finished run's ``nothing to do`` and the next,
     say) must not write into the other's TensorBoard series."""
-    from ntp_megatron.config import JobConfig
+    from ntp_megatron.config.schema import JobConfig
     from ntp_megatron.launch import console
 
     monkeypatch.setattr(console.time, "strftime", lambda fmt: "20261202-080000")

@@ -2,7 +2,7 @@
 the launcher starts exactly its node's ranks on those devices.
 
 The properties are written from the definition (a slot's place depends on the grid alone; a replica never
-straddles nodes; each node provides tp·dp/nnodes devices), not from the formula in ntp_megatron.placement.
+straddles nodes; each node provides tp·dp/nnodes devices), not from the formula in ntp_megatron.plan.placement.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron import launcher
-from ntp_megatron.config import load_job_config
-from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
-from ntp_megatron.layout import make_topology
-from ntp_megatron.placement import Device, Placement, PlacementError, launch_slots
-from ntp_megatron.stages import make_pipeline_topology
+from ntp_megatron.launch import launcher
+from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.placement import Device, Placement, PlacementError, launch_slots
+from ntp_megatron.plan.stages import make_pipeline_topology
 from ntp_megatron.training import runtime
 
 UNITS = {"heads": 8, "ffn": 16, "vocab": 32}

@@ -9,38 +9,39 @@ import types
 
 import pytest
 
-from ntp_megatron import power
-from ntp_megatron.config import JobConfig
+from ntp_megatron.plan import power_curve
+from ntp_megatron.speed import power
+from ntp_megatron.config.schema import JobConfig
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_tp3_survivor_of_tp4_needs_four_thirds_performance():
-    boost = power.boost_model(max_power=2.0, alpha=0.5, points=None)
-    chosen = power.plan(boost, share=1 / 3, tp_base=4)
+    boost = power_curve.boost_model(max_power=2.0, alpha=0.5, points=None)
+    chosen = power_curve.plan(boost, share=1 / 3, tp_base=4)
     assert chosen.load == pytest.approx(4 / 3)
     assert chosen.power == pytest.approx((4 / 3) ** 2) and chosen.perf == pytest.approx(4 / 3) and not chosen.short
-    healthy = power.plan(boost, share=1 / 4, tp_base=4)
+    healthy = power_curve.plan(boost, share=1 / 4, tp_base=4)
     assert (healthy.power, healthy.perf) == (1.0, 1.0)
 
 
 def test_the_cap_leaves_a_rank_short_and_says_so():
-    boost = power.boost_model(max_power=1.3, alpha=0.58, points=None)  # the simulator's defaults
-    chosen = power.plan(boost, share=1 / 3, tp_base=4)
+    boost = power_curve.boost_model(max_power=1.3, alpha=0.58, points=None)  # the simulator's defaults
+    chosen = power_curve.plan(boost, share=1 / 3, tp_base=4)
     assert chosen.power == 1.3 and chosen.perf == pytest.approx(1.3 ** 0.58) and chosen.short
 
 
 def test_a_slow_rank_of_a_rebalanced_replica_needs_its_share_over_its_speed():
-    boost = power.boost_model(max_power=3.0, alpha=1.0, points=None)
+    boost = power_curve.boost_model(max_power=3.0, alpha=1.0, points=None)
     # Weight 50 (half speed), holding 1/7 of the replica's weights at TP4: 4/7 of a healthy rank's work at half
     # speed is 8/7 of a healthy rank's time; the others hold 2/7 each: 8/7 too.
-    slow, other = power.plan(boost, 1 / 7, 4, weight=50), power.plan(boost, 2 / 7, 4)
+    slow, other = power_curve.plan(boost, 1 / 7, 4, weight=50), power_curve.plan(boost, 2 / 7, 4)
     assert slow.load == pytest.approx(8 / 7) == other.load and slow.power == pytest.approx(8 / 7)
 
 
 def test_a_measured_table_curve_is_interpolated():
-    boost = power.boost_model(max_power=1.5, alpha=0.58, points=[[0.5, 0.6], [1.0, 1.0], [1.5, 1.2]])
-    chosen = power.plan(boost, share=0.55, tp_base=2)  # load 1.1: halfway between nominal and 1.5
+    boost = power_curve.boost_model(max_power=1.5, alpha=0.58, points=[[0.5, 0.6], [1.0, 1.0], [1.5, 1.2]])
+    chosen = power_curve.plan(boost, share=0.55, tp_base=2)  # load 1.1: halfway between nominal and 1.5
     assert chosen.power == pytest.approx(1.25) and chosen.perf == pytest.approx(1.1)
 
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from ntp_megatron import launcher
-from ntp_megatron.config import load_job_config
+from ntp_megatron.launch import launcher
+from ntp_megatron.config.schema import load_job_config
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.forkserver import Child
 from ntp_megatron.launch.processes import RankProcesses

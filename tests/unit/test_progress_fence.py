@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ntp_megatron import faults, phases
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.elastic import agent as agent_module
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.agent import Agent
@@ -180,9 +180,9 @@ def test_every_layer_marks_progress_in_forward_and_in_backward(megatron):
     at each layer's forward and backward, so a working rank's count moves within a micro-batch."""
     import torch
 
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.layout import make_topology
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.plan.layout import make_topology
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import mark_progress, transformer_config
 
     cfg = load_job_config(overrides=["ntp.enabled=true", "training.device=cpu", "ntp.progress_fence=true",

@@ -29,8 +29,8 @@ from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory
-from ntp_megatron.layout import make_topology
-from ntp_megatron.stages import load_topology, make_pipeline_topology, published_topology
+from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import load_topology, make_pipeline_topology, published_topology
 
 TIMEOUT_S = 20.0
 

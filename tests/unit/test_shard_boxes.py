@@ -1,4 +1,4 @@
-"""A distributed-optimizer shard written in model space (``ntp_megatron.sharding.flat_boxes`` / ``shard_boxes`` /
+"""A distributed-optimizer shard written in model space (``ntp_megatron.core.checkpoint_map.flat_boxes`` / ``shard_boxes`` /
 ``piece_sharded_tensor``): every element of every global tensor exactly once, whatever the buffer's buckets, the
 data-parallel size and the units each block holds. The element counts are numpy's, independent of the boxes'
 arithmetic."""
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.shard_layout import ParamSpec, buffer_layout, shard_pieces
-from ntp_megatron.sharding import Fragment, UnitAxis, flat_boxes, fragments, shard_boxes
+from ntp_megatron.plan.optimizer_shards import ParamSpec, buffer_layout, shard_pieces
+from ntp_megatron.core.checkpoint_map import Fragment, UnitAxis, flat_boxes, fragments, shard_boxes
 
 pytestmark = pytest.mark.unit
 
@@ -102,7 +102,7 @@ def test_a_piece_round_trips_through_its_boxes():
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from ntp_megatron.sharding import ModelPlace, piece_sharded_tensor
+    from ntp_megatron.core.checkpoint_map import ModelPlace, piece_sharded_tensor
 
     split = UnitAxis(axis=1, blocks=1, unit_len=2, num_units=4)
     local = torch.arange(4 * 4, dtype=torch.float32).reshape(4, 4)
@@ -131,8 +131,8 @@ def test_a_shadow_lies_where_its_blocks_units_are():
     tensor are refused."""
     import torch
 
-    from ntp_megatron.layers import UnitShard
-    from ntp_megatron.sharding import ModelPlace, place_of_units
+    from ntp_megatron.core.layers import UnitShard
+    from ntp_megatron.core.checkpoint_map import ModelPlace, place_of_units
 
     def tagged(units, rows_per_unit=2, cols=3):
         param = torch.zeros(2 * len(units) * rows_per_unit, cols)  # [gate, up] x units x rows

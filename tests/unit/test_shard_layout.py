@@ -1,4 +1,4 @@
-"""The buffer and distributed-optimizer shard geometry (ntp_megatron.shard_layout): its invariants over drawn
+"""The buffer and distributed-optimizer shard geometry (ntp_megatron.plan.optimizer_shards): its invariants over drawn
 parameter lists, and equality with the real Megatron-Core DDP buffers and DistributedOptimizer ranges; the
 instances, shard holders and the shard plan of a re-formation over drawn topologies."""
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.layout import TopologyError, join_topology, make_topology, next_topology, survivor_ranks
-from ntp_megatron.placement import Placement
-from ntp_megatron.shard_layout import (
+from ntp_megatron.plan.layout import TopologyError, join_topology, make_topology, next_topology, survivor_ranks
+from ntp_megatron.plan.placement import Placement
+from ntp_megatron.plan.optimizer_shards import (
     PARAM_ALIGN,
     STATE_BYTES,
     BufferLayout,

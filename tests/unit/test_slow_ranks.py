@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from ntp_megatron import faults, phases
-from ntp_megatron.config_io import ConfigError
-from ntp_megatron.device_model import EmulatedDevice
-from ntp_megatron.layout import make_topology, reweight_topology
-from ntp_megatron.straggler import Group, StragglerMonitor, groups_of
+from ntp_megatron.config.files import ConfigError
+from ntp_megatron.speed.device_model import EmulatedDevice
+from ntp_megatron.plan.layout import make_topology, reweight_topology
+from ntp_megatron.plan.rebalance import Group, StragglerMonitor, groups_of
 
 pytestmark = pytest.mark.unit
 
@@ -134,7 +134,7 @@ def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
     """TP8 -> TP7 with 8 heads: one survivor holds 2 heads, the others 1, and takes longer for it. Speed is work per
     second, the work being the units it holds (groups_of with the model's unit costs): nobody is slow. With speed
     taken as weight per second the survivor would look 1.3x slower and be rebalanced for nothing."""
-    from ntp_megatron.layout import next_topology
+    from ntp_megatron.plan.layout import next_topology
 
     topo = next_topology(make_topology(8, 1, {"heads": 8, "ffn": 64, "vocab": 64}), [7])
     identity = {lr: topo.slot_of(lr) for lr in range(7)}

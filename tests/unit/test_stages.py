@@ -1,4 +1,4 @@
-"""Pipeline topologies (ntp_megatron.stages): one NTP layout per stage, ranks stage by stage, and the pairing at
+"""Pipeline topologies (ntp_megatron.plan.stages): one NTP layout per stage, ranks stage by stage, and the pairing at
 stage boundaries of different TP degrees."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ntp_megatron.layout import Topology, make_topology
-from ntp_megatron.stages import PipelineTopology, load_topology, make_pipeline_topology
+from ntp_megatron.plan.layout import Topology, make_topology
+from ntp_megatron.plan.stages import PipelineTopology, load_topology, make_pipeline_topology
 
 pytestmark = pytest.mark.unit
 

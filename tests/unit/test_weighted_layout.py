@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron import stages
-from ntp_megatron.layout import (
+from ntp_megatron.plan import stages
+from ntp_megatron.plan.layout import (
     Topology,
     join_topology,
     make_topology,

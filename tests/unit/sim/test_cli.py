@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.sim import bench
 from ntp_megatron.sim.cli import main
 from ntp_megatron.sim.config import load

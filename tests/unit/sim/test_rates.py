@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.sim.calibration import StepTimeRatios, load_calibration
-from ntp_megatron.sim.config import Boost, DegradedSpeed
-from ntp_megatron.sim.rates import boost_table, drop_table, ntp_table, perf_at, power_for, reduced_tp
+from ntp_megatron.plan.power_curve import Boost, perf_at, power_for
+from ntp_megatron.sim.config import DegradedSpeed
+from ntp_megatron.sim.rates import boost_table, drop_table, ntp_table, reduced_tp
 
 CONTINUOUS = DegradedSpeed(model="continuous")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.memory_plan import ModelDims
-from ntp_megatron.power import boost_model
+from ntp_megatron.plan.memory_plan import ModelDims
+from ntp_megatron.plan.power_curve import boost_model
 from ntp_megatron.sim.straggler import degraded_step, group_step, main
 
 pytestmark = pytest.mark.unit

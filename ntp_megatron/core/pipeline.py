@@ -3,7 +3,7 @@
 Megatron's ``P2PCommunicator`` sends to one rank and receives from one rank per direction, the neighbours in the
 rank's pipeline group (TP rank ``i`` of one stage with TP rank ``i`` of the next). Under NTP two neighbouring
 stages of a replica may have different TP degrees, so :class:`NTPP2PCommunicator` keeps upstream's schedule and
-replaces only its transfer step (``_communicate``) by the pairing of :class:`ntp_megatron.stages.PipelineTopology`:
+replaces only its transfer step (``_communicate``) by the pairing of :class:`ntp_megatron.plan.stages.PipelineTopology`:
 one receive per direction, from a live rank of the same replica, and as many sends as there are ranks of the
 neighbouring stage that take their tensor from this rank (none, one, or more). All transfers of one step are posted
 together (``batch_isend_irecv``) on the generation's default group, then waited for.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ntp_megatron.patches.parallel_state import PipelinePosition
-from ntp_megatron.stages import PipelineTopology
+from ntp_megatron.plan.stages import PipelineTopology
 
 
 def _check_upstream() -> None:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-SHIPPED_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "tiny_corpus.txt"
 DOC_SEPARATOR = "\n\n\n"
 DEFAULT_JSON_KEY = "text"
 """Megatron's ``tools/preprocess_data.py`` reads this key of each JSON line unless told otherwise."""

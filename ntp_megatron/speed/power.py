@@ -5,63 +5,24 @@ NTP's other half (the paper's rack design): a replica that re-formed at a lower 
 work, so the job would wait for it at every gradient sync; its GPUs may draw more power instead, within the
 domain's cap. A rank's *load* is the work it holds over a healthy rank's (its share of the replica's TP-split
 weights times ``tp_base``: 4/3 at TP4 -> 3) over its speed (its weight / 100 in a rebalanced replica: a slow GPU
-holding fewer units still needs its share done in time). It needs the performance ``perf >= load``, i.e. the least
-power on the curve (the goodput simulator's: ``perf = power ** alpha``, or a table of measured points) that gives
-it, capped at ``max_power`` (x nominal). A healthy rank needs 1 (nominal: the default limit restored).
+holding fewer units still needs its share done in time). The power that load needs on the curve is worked out by
+:mod:`ntp_megatron.plan.power_curve` (pure, shared with the goodput simulator); a healthy rank needs 1 (nominal:
+the default limit restored). This module applies it.
 
 Applying it (:class:`NvmlLimits`, ``pynvml``: ``nvmlDeviceSetPowerManagementLimit`` on the rank's device, the
 default restored when its replica heals and at the end) needs the GPU extra and usually root. On CPU, without
 pynvml, or when NVML refuses, :class:`DryRunLimits` records what it would set: the ``boost`` records say which
-(``applied``, ``reason``). On the emulated device (:mod:`ntp_megatron.device_model`) the chosen power speeds the
+(``applied``, ``reason``). On the emulated device (:mod:`ntp_megatron.speed.device_model`) the chosen power speeds the
 rank's emulated compute up by ``perf(power)``, which closes the loop on CPU.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Optional, Protocol
-
-from ntp_megatron.sim.config import Boost, PerfTable, PowerLaw
-from ntp_megatron.sim.rates import perf_at, power_for
 
 logger = logging.getLogger(__name__)
 
-
-def boost_model(max_power: float, alpha: float, points: Optional[list[list[float]]]) -> Boost:
-    """The simulator's :class:`~ntp_megatron.sim.config.Boost` from the job's ``ntp.boost_*`` keys (validated
-    there: a table must be increasing and give performance 1 at nominal power)."""
-    curve = PerfTable(kind="table", points=[tuple(p) for p in points]) if points else PowerLaw(alpha=alpha)
-    return Boost(max_power=max_power, curve=curve)
-
-
-@dataclass(frozen=True)
-class BoostPlan:
-    """One rank's boost: the performance its load needs, the power it draws for it (x nominal), and what that
-    power gives (``perf(power)``: less than needed when the cap is reached)."""
-
-    load: float
-    power: float
-    perf: float
-
-    @property
-    def short(self) -> bool:
-        """The cap does not give the performance the load needs."""
-        return self.perf < self.load - 1e-9
-
-
-def plan(boost: Boost, share: float, tp_base: int, weight: int = 100) -> BoostPlan:
-    """The boost of a rank holding ``share`` of its replica's TP-split weights, at speed ``weight`` / 100."""
-    load = share * tp_base / (weight / 100)
-    if load <= 1.0 + 1e-9:
-        return BoostPlan(load, 1.0, 1.0)
-    power = power_for(boost, load)
-    if power is None:
-        power = boost.max_power
-    return BoostPlan(load, power, perf_at(boost, power))
-
-
-# -- applying it --------------------------------------------------------------------------------------------------
 
 class PowerLimits(Protocol):
     def set(self, multiplier: float) -> dict[str, Any]:

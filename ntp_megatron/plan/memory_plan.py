@@ -4,21 +4,21 @@ would not fit, before any rank starts.
 
 *State* is what lives for the whole run: parameters, gradient buffers, optimizer state (fp32 main params and
 moments), and on a rank of a degraded replica the slot-shaped shadow buffers of every canonical block it is the
-sync-group member of (:mod:`ntp_megatron.grad_sync`). Activations, the allocator's caches and communication
+sync-group member of (:mod:`ntp_megatron.core.grad_sync`). Activations, the allocator's caches and communication
 buffers are not state and are not counted. Byte sizes follow Megatron-Core: gradients accumulate in fp32
 (``grad_reduce_in_fp32``); Adam keeps two fp32 moments, and under bf16 / fp16 an fp32 main copy of every
 parameter it steps; with the distributed optimizer both cover only this rank's shard of each bucket, and the
-parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.shard_layout`). ``tests/unit/test_memory_plan.py``
+parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.plan.optimizer_shards`). ``tests/unit/test_memory_plan.py``
 pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core and the grad sync
 allocate, for healthy and degraded ranks, with and without the distributed optimizer (a degraded rank's model with
 its accumulating gradient buffer, its shadows' padded parameter and gradient buffers, and the optimizer's state of
-its shard of each shadow's buckets: :mod:`ntp_megatron.grad_sync`). A shadow's parameters are expanded single
+its shard of each shadow's buckets: :mod:`ntp_megatron.core.grad_sync`). A shadow's parameters are expanded single
 elements until its DDP points them into its parameter buffer, so building one allocates its buffers and nothing
 more.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of
-:class:`ntp_megatron.layers.UnitShard`). With pipeline stages a rank holds its stage's part of the model (its
+:class:`ntp_megatron.core.layers.UnitShard`). With pipeline stages a rank holds its stage's part of the model (its
 layers; the embeddings in the first stage, the final norm and the output layer in the last, which holds a copy
 of tied embeddings as its output layer), and a plan is the largest over the stages.
 """
@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from ntp_megatron.layout import Topology, balanced_counts
-from ntp_megatron.shard_layout import ParamSpec, buffer_layout, ddp_bucket_size, shard_numel
+from ntp_megatron.plan.layout import Topology, balanced_counts
+from ntp_megatron.plan.optimizer_shards import ParamSpec, buffer_layout, ddp_bucket_size, shard_numel
 
 GIB = 2**30
 
@@ -66,7 +66,7 @@ class ModelDims:
 
     @classmethod
     def of(cls, model, pipeline_stages: int = 1) -> "ModelDims":
-        """From a :class:`ntp_megatron.config.ModelSection`, its defaults resolved as :mod:`training.model` does."""
+        """From a :class:`ntp_megatron.config.schema.ModelSection`, its defaults resolved as :mod:`training.model` does."""
         heads = model.num_attention_heads
         return cls(num_layers=model.num_layers, hidden_size=model.hidden_size, num_attention_heads=heads,
                    num_query_groups=model.num_query_groups or heads,
@@ -79,7 +79,7 @@ class ModelDims:
 
     @property
     def units(self) -> dict[str, int]:
-        """Units per family (:meth:`ntp_megatron.config.JobConfig.unit_counts`)."""
+        """Units per family (:meth:`ntp_megatron.config.schema.JobConfig.unit_counts`)."""
         return {"heads": self.num_query_groups, "ffn": self.ffn_hidden_size, "vocab": self.vocab_size}
 
 
@@ -193,8 +193,8 @@ def _sharded(params: Sequence[ParamShape], units: Mapping[str, int], training: T
 
 
 def rank_state(dims: ModelDims, topology, rank: int, training: Training) -> StateBytes:
-    """The state ``rank`` of ``topology`` holds (:func:`state`): a :class:`~ntp_megatron.layout.Topology`, one
-    stage's with pipeline stages (its ``stage``), or a whole :class:`~ntp_megatron.stages.PipelineTopology`."""
+    """The state ``rank`` of ``topology`` holds (:func:`state`): a :class:`~ntp_megatron.plan.layout.Topology`, one
+    stage's with pipeline stages (its ``stage``), or a whole :class:`~ntp_megatron.plan.stages.PipelineTopology`."""
     if hasattr(topology, "stage_of"):
         topology = topology.stage_of(rank)
     stage = topology.stage
@@ -261,7 +261,7 @@ def stage_state(dims: ModelDims, tp_base: int, width: int, training: Training, s
     """At least the state of any rank of a replica's stage ``stage`` at ``width`` live slots, whatever died in
     what order.
 
-    :mod:`ntp_megatron.layout` keeps a degraded replica's unit counts balanced per family (a rank holds at most
+    :mod:`ntp_megatron.plan.layout` keeps a degraded replica's unit counts balanced per family (a rank holds at most
     ``ceil(N / width)`` units of a family of N) and deals proxy roles to the live slot with the fewest (a rank is
     the sync-group member of its own block and of at most ``ceil((tp_base - width) / width)`` dead ones). The
     bound takes all of those at once, its blocks the largest ones (blocks are balanced, larger first); it is exact
@@ -289,7 +289,7 @@ def plan(dims: ModelDims, tp_base: int, min_tp: int, training: Training) -> Plan
 
 
 def training_of(cfg) -> Training:
-    """The :class:`Training` choices of a :class:`ntp_megatron.config.JobConfig`."""
+    """The :class:`Training` choices of a :class:`ntp_megatron.config.schema.JobConfig`."""
     p = cfg.parallel
     instances = p.num_distributed_optimizer_instances
     return Training(precision=cfg.training.precision, optimizer=cfg.training.optimizer,
@@ -300,12 +300,12 @@ def training_of(cfg) -> Training:
 
 
 def dims_of(cfg) -> ModelDims:
-    """The :class:`ModelDims` of a :class:`ntp_megatron.config.JobConfig` (its model, split into its stages)."""
+    """The :class:`ModelDims` of a :class:`ntp_megatron.config.schema.JobConfig` (its model, split into its stages)."""
     return ModelDims.of(cfg.model, cfg.parallel.pipeline_model_parallel_size)
 
 
 def plan_of(cfg, min_tp: Optional[int] = None) -> Plan:
-    """:func:`plan` for a :class:`ntp_megatron.config.JobConfig` (down to its ``ntp.min_tp``, or ``min_tp``)."""
+    """:func:`plan` for a :class:`ntp_megatron.config.schema.JobConfig` (down to its ``ntp.min_tp``, or ``min_tp``)."""
     return plan(dims_of(cfg), cfg.parallel.tensor_model_parallel_size,
                 cfg.ntp.min_tp if min_tp is None else min_tp, training_of(cfg))
 

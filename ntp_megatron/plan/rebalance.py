@@ -3,10 +3,10 @@
 A slow GPU (thermal throttling, a bad link, a noisy neighbour) costs a synchronous job as much as a dead one:
 every rank of its TP group waits for it in every layer's collective, and every replica waits for that group at
 the gradient sync. Under NTP the group can give the slow rank fewer units instead
-(:func:`ntp_megatron.layout.reweight_topology`).
+(:func:`ntp_megatron.plan.layout.reweight_topology`).
 
 Each rank measures its compute time per iteration (its forward and backward passes, minus its waits on peers:
-:mod:`ntp_megatron.compute_time`) and sends its last iterations' times with its heartbeat, which its launcher reads
+:mod:`ntp_megatron.speed.compute_time`) and sends its last iterations' times with its heartbeat, which its launcher reads
 anyway: no collective and no request of its own. :class:`StragglerMonitor` compares the members of each TP group
 (one replica's stage) iteration by iteration. A member's *speed* is the work it holds (its units' parameter
 elements, :func:`groups_of`) per second of compute; its *relative speed* is that over the group's median speed (the
@@ -147,7 +147,7 @@ def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
     """Every TP group of ``topology`` (with or without pipeline stages) whose members are all in ``identity``
     (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks and,
     given each stage's parameter elements per unit of each family (``unit_costs[stage]``,
-    :func:`ntp_megatron.memory_plan.unit_cost`), the work each member holds."""
+    :func:`ntp_megatron.plan.memory_plan.unit_cost`), the work each member holds."""
     stages = getattr(topology, "stages", (topology,))
     by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
     out = []

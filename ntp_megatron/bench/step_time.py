@@ -23,31 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-RunModule = Callable[[str, Sequence[str], Path], tuple[int, str, str]]
-"""``run(module, args, out_dir)``: ``python -m module args`` (its output files go under ``out_dir``); returns
-(exit code, stdout, stderr)."""
-
-
-def run_in_subprocess(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:
-    """A fresh interpreter per run, as a user's job starts. The plain Megatron-Core reference (``tests.*``) runs
-    from the repository's root with one intra-op thread per rank, as ``ntp-launch`` starts its ranks (its
-    ``OMP_NUM_THREADS`` default): with every rank's threads on every core, its steps measured about 18x slower here."""
-    cwd, env = None, None
-    if module.startswith("tests."):
-        cwd, env = Path(__file__).resolve().parent.parent, {"OMP_NUM_THREADS": "1", **os.environ}
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=cwd, env=env)
-    return proc.returncode, proc.stdout, proc.stderr
-
+from ntp_megatron.bench import control_plane, slow_rank
+from ntp_megatron.bench.common import RunModule, layout_args, run_in_subprocess, run_job_records
 
 @dataclass(frozen=True)
 class Sizes:
@@ -82,7 +67,7 @@ class Sizes:
     """The recovery part: TP k x DP2 for each k, the last rank killed, groups kept against every group made anew."""
     control_plane_ranks: tuple[int, ...] = (1000, 4000, 10000)
     control_plane_iters: int = 8
-    """The control-plane load test (:mod:`ntp_megatron.control_plane_bench`): simulated ranks, iterations."""
+    """The control-plane load test (:mod:`ntp_megatron.bench.control_plane`): simulated ranks, iterations."""
 
 
 FULL = Sizes()
@@ -93,12 +78,6 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               init_tps=(1, 2), memory_dp=1, memory_instances=(1,), memory_iters=2, memory_micro_batch=2,
               reform_tp=None, recovery_tps=(2,), control_plane_ranks=(16,), control_plane_iters=2)
 
-MODEL = ["--set", "model.num_layers=2", "--set", "model.hidden_size=128", "--set", "model.num_attention_heads=8",
-         "--set", "model.seq_length=128", "--set", "model.hidden_dropout=0", "--set", "model.attention_dropout=0",
-         "--set", "training.micro_batch_size=4", "--set", "training.global_batch_size=16",
-         "--set", "training.lr_warmup_iters=1", "--set", "logging.tensorboard_dir=", "--set", "logging.log_interval=1000"]
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -106,24 +85,16 @@ class Case:
     ranks: int
 
 
-def _layout(tp: int, dp: int, ntp: bool, dead: Sequence[str] = (), pp: int = 1) -> tuple[str, ...]:
-    args = ["--set", f"parallel.tensor_model_parallel_size={tp}", "--set", f"parallel.data_parallel_size={dp}",
-            "--set", f"ntp.enabled={'true' if ntp else 'false'}", "--set", f"parallel.pipeline_model_parallel_size={pp}"]
-    if dead:
-        args += ["--set", f"ntp.dead_slots=[{','.join(dead)}]"]
-    return tuple(args)
-
-
 CASES = [
-    Case("megatron tp2x1", _layout(2, 1, False), 2),
-    Case("ntp tp2x1", _layout(2, 1, True), 2),
-    Case("megatron tp2x2", _layout(2, 2, False), 4),
-    Case("ntp tp2x2", _layout(2, 2, True), 4),
-    Case("ntp tp2+tp1", _layout(2, 2, True, ["1:1"]), 3),
-    Case("ntp tp1 (of tp2)", _layout(2, 1, True, ["0:1"]), 1),
-    Case("megatron pp2 tp2x1", _layout(2, 1, False, pp=2), 4),
-    Case("ntp pp2 tp2x1", _layout(2, 1, True, pp=2), 4),
-    Case("ntp pp2, stage 1 tp1", _layout(2, 1, True, ["0:1@1"], pp=2), 3),
+    Case("megatron tp2x1", layout_args(2, 1, False), 2),
+    Case("ntp tp2x1", layout_args(2, 1, True), 2),
+    Case("megatron tp2x2", layout_args(2, 2, False), 4),
+    Case("ntp tp2x2", layout_args(2, 2, True), 4),
+    Case("ntp tp2+tp1", layout_args(2, 2, True, ["1:1"]), 3),
+    Case("ntp tp1 (of tp2)", layout_args(2, 1, True, ["0:1"]), 1),
+    Case("megatron pp2 tp2x1", layout_args(2, 1, False, pp=2), 4),
+    Case("ntp pp2 tp2x1", layout_args(2, 1, True, pp=2), 4),
+    Case("ntp pp2, stage 1 tp1", layout_args(2, 1, True, ["0:1@1"], pp=2), 3),
 ]
 
 # (label, case, baseline case, note)
@@ -141,19 +112,7 @@ RATIOS = [
 # Communication of a healthy replica's ranks, in a job with one degraded replica and in the same job with none:
 # NTP's promise is that the healthy ranks' steps do not change (same collectives, same payload bytes).
 def comm_jobs(tp: int) -> dict[str, tuple[str, ...]]:
-    return {"no degraded replica": _layout(tp, 2, True), "one degraded replica": _layout(tp, 2, True, [f"1:{tp - 1}"])}
-
-
-def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModule, name: str,
-                    model: Sequence[str] = tuple(MODEL)) -> list[dict]:
-    run_dir = Path(tempfile.mkdtemp(prefix=name.replace(" ", "_").replace("(", "").replace(")", "")
-                                    .replace("=", ""), dir=workdir))
-    metrics = run_dir / "metrics.jsonl"
-    code, _, err = run("ntp_megatron.launcher", ["--run-dir", str(run_dir), "--metrics-file", str(metrics), *model,
-                                                 "--set", f"training.train_iters={iters}", *args], run_dir)
-    if code != 0:
-        raise SystemExit(f"bench: case {name!r} failed ({code}):\n{err[-3000:]}")
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {"no degraded replica": layout_args(tp, 2, True), "one degraded replica": layout_args(tp, 2, True, [f"1:{tp - 1}"])}
 
 
 def measure_comm(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
@@ -183,8 +142,8 @@ def measure_comm(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
 # A failure in the same job, absorbed by NTP and by the restart-from-checkpoint baseline (NTP off).
 def failure_jobs(sizes: Sizes) -> dict[str, list[str]]:
     failure = ["--inject-failure", f"kill:rank=3,iter={sizes.fail_at},phase=backward"]
-    return {"ntp": [*_layout(2, 2, True), *failure],
-            "restart from checkpoint": [*_layout(2, 2, False),
+    return {"ntp": [*layout_args(2, 2, True), *failure],
+            "restart from checkpoint": [*layout_args(2, 2, False),
                                         "--set", f"checkpoint.save_interval={sizes.ckpt_interval}", *failure]}
 
 
@@ -245,7 +204,7 @@ RECOVERY_DESIGNS = {"rebuild_all": ("--set", "ntp.keep_groups=false"), "keep_unt
 
 def recovery_jobs(sizes: Sizes) -> dict[tuple[int, str], list[str]]:
     """(TP, design) -> the job: TP x DP2, the last rank (replica 1's last slot) killed in the backward pass."""
-    return {(tp, design): [*_layout(tp, 2, True), "--inject-failure",
+    return {(tp, design): [*layout_args(tp, 2, True), "--inject-failure",
                            f"kill:rank={2 * tp - 1},iter={sizes.fail_at},phase=backward", *extra]
             for tp in sizes.recovery_tps for design, extra in RECOVERY_DESIGNS.items()}
 
@@ -296,17 +255,13 @@ STALL_MODEL = ["--set", "model.num_layers=4", "--set", "model.hidden_size=256", 
 
 
 def measure_slow_rank(smoke: bool, run: RunModule, workdir: Path) -> dict:
-    """A slow rank, not rebalanced and rebalanced, next to the healthy job (:mod:`ntp_megatron.slow_rank_bench`)."""
-    from ntp_megatron import slow_rank_bench
-
-    return slow_rank_bench.measure(slow_rank_bench.SLOW_SMOKE if smoke else slow_rank_bench.SLOW_FULL, run, workdir)
+    """A slow rank, not rebalanced and rebalanced, next to the healthy job (:mod:`ntp_megatron.bench.slow_rank`)."""
+    return slow_rank.measure(slow_rank.SLOW_SMOKE if smoke else slow_rank.SLOW_FULL, run, workdir)
 
 
 def measure_control_plane(sizes: Sizes) -> list[dict]:
-    """One row per (design, simulated ranks): :mod:`ntp_megatron.control_plane_bench` (its own processes)."""
-    from ntp_megatron import control_plane_bench
-
-    return control_plane_bench.measure(sizes.control_plane_ranks, sizes.control_plane_iters, period=0.5)
+    """One row per (design, simulated ranks): :mod:`ntp_megatron.bench.control_plane` (its own processes)."""
+    return control_plane.measure(sizes.control_plane_ranks, sizes.control_plane_iters, period=0.5)
 
 
 def stall_jobs(sizes: Sizes) -> dict[str, list[str]]:
@@ -346,7 +301,7 @@ def measure_checkpoint_stall(sizes: Sizes, run: RunModule, workdir: Path) -> dic
             extra = list(args)
             if args:
                 extra += ["--set", f"checkpoint.save={Path(tempfile.mkdtemp(prefix='ckpt', dir=workdir))}"]
-            records = run_job_records([*_layout(2, 1, False), *STALL_MODEL, *extra], sizes.stall_iters, workdir, run,
+            records = run_job_records([*layout_args(2, 1, False), *STALL_MODEL, *extra], sizes.stall_iters, workdir, run,
                                       name)
             runs[name].append(_stall_figures(records, sizes))
             print(f"checkpoint stall round {round_index + 1}/{rounds} {name:<12} done", file=sys.stderr)
@@ -387,14 +342,15 @@ def init_probe(tp: int, init: str, model: Sequence[str] = FULL.init_model) -> di
     """In a fresh process: build rank 0's NTP model of a TP ``tp`` replica with ``init``; time and peak RSS."""
     import os
     import resource
+    # imported here: the probe runs in its own process; the benchmark's driver never loads torch
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from ntp_megatron.config import load_job_config
-    from ntp_megatron.groups import dense_groups
-    from ntp_megatron.ntp_gpt import RankUnits, build_ntp_gpt
+    from ntp_megatron.config.schema import load_job_config
+    from ntp_megatron.core.groups import dense_groups
+    from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.patches import apply_patches
     from ntp_megatron.patches import parallel_state as ps_patch
     from ntp_megatron.training.model import transformer_config
@@ -440,7 +396,7 @@ def measure_init(sizes: Sizes, run: RunModule, workdir: Path) -> dict:
             for init in INIT_KINDS:
                 out = Path(tempfile.mkdtemp(prefix=f"init-{init}-tp{tp}", dir=workdir))
                 probe = ["--probe", str(tp), init, *(f"--probe-model={kv}" for kv in sizes.init_model)]
-                code, stdout, err = run("ntp_megatron.bench", probe, out)
+                code, stdout, err = run("ntp_megatron.bench.step_time", probe, out)
                 if code != 0:
                     raise SystemExit(f"bench: init probe tp{tp} {init} failed:\n{err[-3000:]}")
                 runs[f"{init} tp{tp}"].append(json.loads(stdout.strip().splitlines()[-1]))
@@ -485,7 +441,7 @@ def _largest(states: list[dict]) -> dict:
 
 
 def _memory_ntp(sizes: Sizes, instances: Optional[int], run: RunModule, workdir: Path, name: str) -> dict:
-    args = [*_layout(sizes.memory_tp, sizes.memory_dp, True),
+    args = [*layout_args(sizes.memory_tp, sizes.memory_dp, True),
             "--set", f"training.micro_batch_size={sizes.memory_micro_batch}"]
     if instances is not None:
         args += ["--set", "parallel.use_distributed_optimizer=true",
@@ -579,7 +535,7 @@ def measure_memory(sizes: Sizes, run: RunModule, workdir: Path, failure_records:
         dist_opt = ["--set", "parallel.use_distributed_optimizer=true",
                     "--set", "parallel.num_distributed_optimizer_instances=2"]
         for extra, label in (([], ""), (dist_opt, ", dist-opt k=2")):
-            records = run_job_records([*_layout(tp, 2, True), *extra, *kill], 5, workdir, run,
+            records = run_job_records([*layout_args(tp, 2, True), *extra, *kill], 5, workdir, run,
                                       f"reform tp{tp}{label}", model=MEMORY_MODEL)
             reform_jobs[f"TP{tp} x 2{label}, launch rank {2 * tp - 1} killed in iteration 3"] = reform_memory(records)
             print(f"memory reform tp{tp}{label} done", file=sys.stderr)
@@ -654,9 +610,8 @@ def table(result: dict) -> str:
                   f"| bytes moved / lower bound | {ntp['moved_bytes']:.0f} / {ntp['lower_bound_bytes']:.0f} | "
                   f"n/a (everything reloaded) | {failures['moved_over_lower_bound']:.3f} |"]
     if result.get("slow_rank"):
-        from ntp_megatron import slow_rank_bench
 
-        lines += slow_rank_bench.table_lines(result["slow_rank"])
+        lines += slow_rank.table_lines(result["slow_rank"])
     recovery = result.get("recovery")
     if recovery:
         lines += ["", f"Recovery, groups made anew against kept ({recovery['job']}), medians:", "",
@@ -671,7 +626,7 @@ def table(result: dict) -> str:
     control = result.get("control_plane")
     if control:
         lines += ["", "Control plane, one store against two levels (simulated ranks in nodes of 8; "
-                  "`ntp_megatron/control_plane_bench.py`):", "",
+                  "`ntp_megatron/bench/control_plane.py`):", "",
                   "| design | ranks | vote p50 (ms) | vote p99 (ms) | node vote p99 (ms) | oldest heartbeat (s) | "
                   "root requests/s | false fences | death → generation (s) | death → survivors noted (s) | "
                   "bytes read per rank | threads late p99 (ms) | CPU: harness / store (s) |",
@@ -791,9 +746,8 @@ def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subproces
         result["smoke"] = "every part once at its smallest size: not a measurement"
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     if result.get("slow_rank"):
-        from ntp_megatron import slow_rank_bench
 
-        print(f"step times per iteration: {slow_rank_bench.plot(result['slow_rank'], args.out.with_name('slow_rank.png'))}")
+        print(f"step times per iteration: {slow_rank.plot(result['slow_rank'], args.out.with_name('slow_rank.png'))}")
     print(table(result))
     print(f"\nwrote {args.out}")
     return 0

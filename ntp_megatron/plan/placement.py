@@ -1,7 +1,7 @@
 """Which node and which local device each slot runs on: a fixed place, computed from the configuration alone.
 
 The job's full grid of ``pipeline_model_parallel_size × data_parallel_size × tensor_model_parallel_size`` slots
-is laid out over the nodes in Megatron's rank order ((stage, replica, slot): :class:`ntp_megatron.grid.Grid`),
+is laid out over the nodes in Megatron's rank order ((stage, replica, slot): :class:`ntp_megatron.plan.grid.Grid`),
 ``devices_per_node`` slots per node, whether a slot is live, dead from the start, or in a dropped replica. So a slot's place never depends on which other slots are live: a dead slot leaves its device
 idle instead of shifting every later rank to another device or node, a replacement process for a slot starts on
 the slot's own device, and every node's launcher computes the same map without talking to the others.
@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ntp_megatron.config_io import ConfigError
-from ntp_megatron.grid import Grid
+from ntp_megatron.config.files import ConfigError
+from ntp_megatron.plan.grid import Grid
 
 
 class PlacementError(ConfigError):
@@ -105,7 +105,7 @@ def launch_slots(tp_base: int, dp: int, topology=None, pp: int = 1) -> list[tupl
     """(replica, slot) of each launch rank, in launch-rank order: the starting NTP ``topology``'s live slots (its
     generation-0 ranks), or, without NTP (None), Megatron's dense grid, where rank ``r`` is slot ``r % tp`` of
     replica ``r // tp`` (TP groups are consecutive ranks); with ``pp`` stages (NTP off) (replica, slot, stage), in
-    Megatron's order (:class:`ntp_megatron.grid.Grid`)."""
+    Megatron's order (:class:`ntp_megatron.plan.grid.Grid`)."""
     if topology is None:
         grid = Grid(tp_base, dp, pp)
         if pp == 1:

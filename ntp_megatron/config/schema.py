@@ -1,7 +1,7 @@
 """The training job's YAML schema: sections model / parallel / training / data / ntp / checkpoint / logging.
 
 The ``model`` section uses Megatron-Core's own ``TransformerConfig`` field names so a Megatron user
-recognises every key. Every section forbids unknown keys; see :mod:`ntp_megatron.config_io` for the
+recognises every key. Every section forbids unknown keys; see :mod:`ntp_megatron.config.files` for the
 one-line error format.
 """
 
@@ -14,11 +14,11 @@ from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ntp_megatron.config_io import ConfigError, load_config
+from ntp_megatron.config.files import ConfigError, load_config
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]  # ntp_megatron/
 # The repository's configs/, or its copy in the package (ntp_megatron.configs) when installed from a wheel.
 CONFIG_DIR = _PACKAGE_DIR / "configs" if (_PACKAGE_DIR / "configs").is_dir() else _PACKAGE_DIR.parent / "configs"
 DEFAULT_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
@@ -27,7 +27,7 @@ DEFAULT_CONFIG = CONFIG_DIR / "tiny_cpu.yaml"
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
     # use_attribute_docstrings: each field's docstring is its description, which docs/configuration.md is
-    # generated from (python -m ntp_megatron.config_docs).
+    # generated from (python -m ntp_megatron.config.docs).
 
 
 class ModelSection(_Section):
@@ -314,7 +314,7 @@ class NTPSection(_Section):
     """CPU tests and benchmarks: every rank also computes on an emulated device, sleeping its share (the fraction of
     its replica's tensor-parallel weights it holds) of this many milliseconds at each micro-batch of a training
     iteration, so that ranks wait on a slow peer as GPUs do instead of sharing the CPU with it
-    (:mod:`ntp_megatron.device_model`). null: off (the real compute only)."""
+    (:mod:`ntp_megatron.speed.device_model`). null: off (the real compute only)."""
     boost: bool = False
     """Power boost (docs/live-failures.md, power boost): every rank of a degraded or rebalanced replica draws the power
     that lets it keep a healthy replica's pace (its work over a healthy rank's, over its speed, on the
@@ -343,7 +343,7 @@ class NTPSection(_Section):
     @model_validator(mode="after")
     def _boost_curve(self) -> "NTPSection":
         if self.boost_points is not None:
-            from ntp_megatron.sim.config import check_curve_points
+            from ntp_megatron.plan.power_curve import check_curve_points
 
             try:
                 check_curve_points(self.boost_points, "ntp.boost_points")
@@ -352,8 +352,8 @@ class NTPSection(_Section):
         return self
 
     def boost_model(self):
-        """The power-performance curve and cap (:func:`ntp_megatron.power.boost_model`)."""
-        from ntp_megatron.power import boost_model
+        """The power-performance curve and cap (:func:`ntp_megatron.plan.power_curve.boost_model`)."""
+        from ntp_megatron.plan.power_curve import boost_model
 
         return boost_model(self.boost_max_power, self.boost_alpha, self.boost_points)
 
@@ -548,7 +548,7 @@ class JobConfig(_Section):
     def _memory_budget(self) -> "JobConfig":
         """``ntp.memory_budget_gib`` against the plan (after the instance count is resolved: it sets the shards)."""
         if self.ntp.enabled:
-            from ntp_megatron.memory_plan import check_budget
+            from ntp_megatron.plan.memory_plan import check_budget
 
             check_budget(self)
         return self
@@ -613,10 +613,10 @@ class JobConfig(_Section):
         }
 
     def topology(self):
-        """The starting NTP topology (generation 0): a :class:`ntp_megatron.layout.Topology`, or with pipeline stages
-        a :class:`ntp_megatron.stages.PipelineTopology`; pure, so the launcher and the tests can call it."""
-        from ntp_megatron.layout import make_topology, parse_dead_slots, parse_stage_slots
-        from ntp_megatron.stages import make_pipeline_topology
+        """The starting NTP topology (generation 0): a :class:`ntp_megatron.plan.layout.Topology`, or with pipeline stages
+        a :class:`ntp_megatron.plan.stages.PipelineTopology`; pure, so the launcher and the tests can call it."""
+        from ntp_megatron.plan.layout import make_topology, parse_dead_slots, parse_stage_slots
+        from ntp_megatron.plan.stages import make_pipeline_topology
 
         p = self.parallel
         if p.pipeline_model_parallel_size > 1:

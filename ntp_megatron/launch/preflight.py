@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ntp_megatron.config import JobConfig
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.config.files import ConfigError
 
 
 def check_data(cfg: JobConfig) -> None:

@@ -1,7 +1,7 @@
 """A Megatron-Core GPTModel whose TP-split tensors follow an NTP layout (one rank's view).
 
 Built from Megatron's local layer spec with the TP modules swapped for the unit-aware ones of
-:mod:`ntp_megatron.layers`; the GPTModel itself is upstream's, subclassed only to look tokens up and score
+:mod:`ntp_megatron.core.layers`; the GPTModel itself is upstream's, subclassed only to look tokens up and score
 them through vocabulary rows that are an explicit set per rank.
 """
 
@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ntp_megatron.layers import (
+from ntp_megatron.core.layers import (
     InitRecipe,
     NTPColumnParallelLinear,
     NTPRowParallelLinear,
@@ -29,8 +29,8 @@ from ntp_megatron.layers import (
     tag_parameter,
     vocab_parallel_cross_entropy,
 )
-from ntp_megatron.init import INIT_CHOICES, initialize_layout_free
-from ntp_megatron.sharding import ROLE_KEY, assign_replica_ids
+from ntp_megatron.core.init import INIT_CHOICES, initialize_layout_free
+from ntp_megatron.core.checkpoint_map import ROLE_KEY, assign_replica_ids
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class NTPGPTModel(GPTModel):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Upstream's sharded state dict — the keys and global shapes of plain Megatron-Core's GPTModel — with
         TP-split tensors as fragments of this rank's units, and replica ids from ``metadata["ntp_role"]`` (a
-        :class:`ntp_megatron.sharding.CheckpointRole`; see :mod:`ntp_megatron.training.checkpoint`), which
+        :class:`ntp_megatron.core.checkpoint_map.CheckpointRole`; see :mod:`ntp_megatron.training.checkpoint`), which
         decide the one replica that writes each piece."""
         role = (metadata or {}).get(ROLE_KEY)
         if role is None:

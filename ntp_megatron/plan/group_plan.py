@@ -41,9 +41,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
-from ntp_megatron import shard_layout
-from ntp_megatron.layout import Topology
-from ntp_megatron.stages import PipelineTopology
+from ntp_megatron.plan import optimizer_shards
+from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import PipelineTopology
 
 Identity = tuple[int, ...]
 
@@ -87,7 +87,7 @@ def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance:
     (that is, in replica order: ranks are numbered replica by replica), so a member's group rank is its
     replica's position in the instance."""
     present = {rep.index for rep in topology.replicas}
-    return tuple(sorted(topology.sync_member(r, block) for r in shard_layout.instances(dp, k)[instance]
+    return tuple(sorted(topology.sync_member(r, block) for r in optimizer_shards.instances(dp, k)[instance]
                         if r in present))
 
 
@@ -99,7 +99,7 @@ def key(topology: "Topology | PipelineTopology", role: str, place: tuple[int, ..
 
 def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
                     instances: int = 1) -> list[GroupKey]:
-    """Every group ``rank`` is a member of in ``topology``, as :func:`ntp_megatron.groups.build_groups` makes
+    """Every group ``rank`` is a member of in ``topology``, as :func:`ntp_megatron.core.groups.build_groups` makes
     them (which checks that it made exactly these)."""
     pipeline = topology if isinstance(topology, PipelineTopology) else None
     stage = pipeline.stage_of(rank) if pipeline is not None else topology
@@ -112,11 +112,11 @@ def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Opti
     if instances > 1:
         if dp is None:
             raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
-        instance, position = shard_layout.instance_of(replica.index, dp, instances)
+        instance, position = optimizer_shards.instance_of(replica.index, dp, instances)
         for b in blocks:
             keys.append(key(topology, "intra", (b, instance), intra_group_ranks(stage, b, dp, instances, instance)))
             keys.append(key(topology, "inter", (b, position),
-                            shard_layout.shard_holders(stage, dp, instances, (b, position))))
+                            optimizer_shards.shard_holders(stage, dp, instances, (b, position))))
     return keys
 
 

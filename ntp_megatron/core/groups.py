@@ -6,7 +6,7 @@ Sync group ``s`` has one member per replica: the rank at slot ``s``, or the prox
 slot is dead. Megatron-Core sees this rank's replica as its tensor- and model-parallel group. A rank of a
 healthy replica also sees its sync group as its data-parallel group: its DDP buckets are exactly a
 slot-``s`` rank's, so Megatron's own all-reduce does the sync at upstream's speed, with nothing added. A
-rank of a degraded replica gets itself alone as its data-parallel group; :mod:`ntp_megatron.grad_sync` runs
+rank of a degraded replica gets itself alone as its data-parallel group; :mod:`ntp_megatron.core.grad_sync` runs
 its sync groups.
 
 A rank makes ``tp_base + 2`` groups per generation, whatever the number of replicas (Megatron's dense
@@ -15,7 +15,7 @@ besides the default one: see :class:`GroupMaker` for how.
 
 Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is built from a
 topology object, so a re-formation can call :func:`build_groups` again; given a :class:`GroupPool`, a group the
-new generation shares with the one before (:mod:`ntp_megatron.group_plan`) goes on as the same object where its
+new generation shares with the one before (:mod:`ntp_megatron.plan.group_plan`) goes on as the same object where its
 members agreed to keep it, and only the others are made.
 """
 
@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from ntp_megatron import shard_layout
-from ntp_megatron.group_plan import GroupKey, intra_group_ranks, key, rank_group_keys, sync_group_ranks
-from ntp_megatron.grid import Grid
-from ntp_megatron.layout import Topology
-from ntp_megatron.stages import PipelineTopology
+from ntp_megatron.plan import optimizer_shards
+from ntp_megatron.plan.group_plan import GroupKey, intra_group_ranks, key, rank_group_keys, sync_group_ranks
+from ntp_megatron.plan.grid import Grid
+from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import PipelineTopology
 from ntp_megatron.patches import parallel_state as ps_patch
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.sockets import SocketScope
@@ -64,7 +64,7 @@ class PooledGroup:
 @dataclass
 class GroupPool:
     """This process's groups of one generation (``made`` and ``kept``) and those offered to it from the one
-    before (``offered``: those its members agreed to keep, :func:`ntp_megatron.group_plan.keep_verdict`)."""
+    before (``offered``: those its members agreed to keep, :func:`ntp_megatron.plan.group_plan.keep_verdict`)."""
 
     generation: int
     store_sockets: dict[int, str] = field(default_factory=dict)
@@ -173,14 +173,14 @@ class GroupMaker:
 
 def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, distributed_optimizer: bool = False,
                  instances: int = 1, pp_size: int = 1) -> ps_patch.RankGroups:
-    """``rank``'s groups in Megatron's dense grid at CP = 1 (upstream's rank order, :class:`ntp_megatron.grid.Grid`):
+    """``rank``'s groups in Megatron's dense grid at CP = 1 (upstream's rank order, :class:`ntp_megatron.plan.grid.Grid`):
     its TP group, its data-parallel group and, with ``pp_size`` stages, its pipeline lane, its replica's
     model-parallel group and the embedding groups.
 
     With the distributed optimizer, its grad-norm group: the world with one instance (the default group, not a
     copy); with ``instances`` k > 1 (Megatron's ``num_distributed_optimizer_instances``) the ranks of this
     rank's instance (every stage of it), together with the intra-instance part of its data-parallel group and its
-    twins' inter-instance group, by Megatron's rule (:func:`ntp_megatron.shard_layout.instances`). Every group but
+    twins' inter-instance group, by Megatron's rule (:func:`ntp_megatron.plan.optimizer_shards.instances`). Every group but
     the first is a partition of the world made by its members alone: a few calls per rank, whatever the world."""
     grid = Grid.of_world(tp_size, pp_size, world_size)
     if instances > 1 and not distributed_optimizer:
@@ -207,7 +207,7 @@ def dense_groups(tp_size: int, rank: int, world_size: int, timeout: timedelta, d
     intra_dp = inter = None
     if instances > 1:
         def place(r: int) -> tuple[int, int]:  # (instance, position) of replica r
-            return shard_layout.instance_of(r, grid.dp, instances)
+            return optimizer_shards.instance_of(r, grid.dp, instances)
 
         intra_dp = make.partition(grid.partition(lambda p, r, s: (p, s, place(r)[0])))
         inter = make.partition(grid.partition(lambda p, r, s: (p, s, place(r)[1])))
@@ -277,7 +277,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
     """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
     generation right after it joined (see :class:`GroupMaker`).
 
-    With pipeline stages (a :class:`ntp_megatron.stages.PipelineTopology`) the groups of ``rank``'s stage are
+    With pipeline stages (a :class:`ntp_megatron.plan.stages.PipelineTopology`) the groups of ``rank``'s stage are
     made from that stage's topology (TP group, sync groups per (stage, block): every rank makes every stage's
     sync groups, ``tp_base`` per stage), and its replica's model-parallel group (every stage of it: the grad norm,
     the token count and the loss cross stages in it) as a part of the partition of the world by replica.
@@ -289,7 +289,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
 
     With a ``pool`` (:class:`GroupPool`), the groups it offers are kept rather than made, and it records what was
     made and kept; the keys of the groups this rank ends up in are checked against
-    :func:`ntp_megatron.group_plan.rank_group_keys` (the plan the re-formation offered groups by)."""
+    :func:`ntp_megatron.plan.group_plan.rank_group_keys` (the plan the re-formation offered groups by)."""
     whole = topology
     make = GroupMaker(rank, timedelta(seconds=timeout_s), whole, pool)
     pipeline = topology if isinstance(topology, PipelineTopology) else None
@@ -318,7 +318,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
         if instances > 1:
             raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
         dp = max(rep.index for rep in topology.replicas) + 1  # one instance: only the replica index matters
-    instance, position = shard_layout.instance_of(replica.index, dp, instances)
+    instance, position = optimizer_shards.instance_of(replica.index, dp, instances)
     intra: dict[int, dist.ProcessGroup] = {}
     inter: dict[int, dist.ProcessGroup] = {}
     if instances == 1:
@@ -331,7 +331,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
                 if block in member_of and i == instance:
                     intra[block] = group
             for j in range(dp // instances):
-                ranks = shard_layout.shard_holders(topology, dp, instances, (block, j))
+                ranks = optimizer_shards.shard_holders(topology, dp, instances, (block, j))
                 group = make.every_rank(ranks, key(whole, "inter", (block, j), ranks))
                 if block in member_of and j == position:
                     inter[block] = group
@@ -347,7 +347,7 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
         first = topology.stage == 0
         pipe = ps_patch.PipelineGroups(
             lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
-            mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.pipeline.TiedEmbeddingSync
+            mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.core.pipeline.TiedEmbeddingSync
             pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp_group, dp_ranks=dp_ranks, alone=alone,
                                               rank=rank, pipeline=pipe))

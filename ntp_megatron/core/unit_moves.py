@@ -3,7 +3,7 @@
 When a replica's layout changes (a rank died and its units were dealt to the survivors, or a repaired rank
 takes its block back), the new owner of a unit fetches it from a process that holds it — a survivor of the
 same replica when there is one, else the rank holding the same canonical block in another replica
-(:func:`ntp_megatron.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
+(:func:`ntp_megatron.plan.layout.transition_plan`). Nothing is read from disk. Per (source, destination) pair one
 message carries, for each TP-split parameter of each moved unit's family, the unit's slice of the parameter and
 of every per-element optimizer state tensor (Adam's two moments, SGD's momentum), in an order both ends derive
 from the topology and the parameter names alone; it is sent one parameter at a time (:func:`exchange`). Under
@@ -27,11 +27,11 @@ from typing import Iterable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from ntp_megatron.adam_step import read_step, write_step
-from ntp_megatron.layers import UnitShard
-from ntp_megatron.layout import Topology, survivor_ranks, transition_plan
-from ntp_megatron.stages import PipelineTopology
-from ntp_megatron.shard_layout import ShardId, shard_plan
+from ntp_megatron.core.adam_step import read_step, write_step
+from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.plan.layout import Topology, survivor_ranks, transition_plan
+from ntp_megatron.plan.stages import PipelineTopology
+from ntp_megatron.plan.optimizer_shards import ShardId, shard_plan
 
 Unit = tuple[str, int]  # (family, unit id)
 
@@ -61,7 +61,7 @@ class Transfer:
 
 def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
     """The moves of :func:`transition_plan`, grouped into one message per (source, destination) pair, with
-    both ends numbered in the new generation. With pipeline stages (:class:`ntp_megatron.stages.PipelineTopology`)
+    both ends numbered in the new generation. With pipeline stages (:class:`ntp_megatron.plan.stages.PipelineTopology`)
     each stage's own: nothing crosses stages."""
     dead = list(dead_old_ranks)
     if isinstance(old, PipelineTopology):
@@ -296,7 +296,7 @@ class ShardTransfer:
 
 def plan_shard_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int], dp: int,
                          instances: int) -> list[ShardTransfer]:
-    """The moves of :func:`ntp_megatron.shard_layout.shard_plan` (each new sync member's shard it did not hold:
+    """The moves of :func:`ntp_megatron.plan.optimizer_shards.shard_plan` (each new sync member's shard it did not hold:
     from its twin in another instance, or from its own replica's old holder), one message per (source,
     destination) pair, both numbered in the new generation. Raises ``ShardLostError`` if a shard has no
     holder left (the controller does not publish such a generation)."""
@@ -318,7 +318,7 @@ def distributed_optimizer(optimizer):
 
 class ShardTensors:
     """One rank's shards, by block: for each block it serves (``sources``: block and the Megatron buffers that
-    hold it, :meth:`ntp_megatron.grad_sync.GradSync.shard_sources`), the pieces of its shard bucket by bucket, each
+    hold it, :meth:`ntp_megatron.core.grad_sync.GradSync.shard_sources`), the pieces of its shard bucket by bucket, each
     piece the dict of references Megatron's ``get_parameter_state_dp_reshardable`` gives (main param and state
     tensors, no copies), in the optimizer's ``gbuf_ranges`` order. Both holders of a shard have identical buffers
     (the block's canonical slot-shaped buckets, sharded over equal groups), so their pieces correspond one to one.

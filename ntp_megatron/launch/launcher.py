@@ -1,7 +1,7 @@
 """``ntp-launch``: starts a job's rank processes, hosts its store, watches them, reports and cleans up.
 
 The launcher owns the ``TCPStore`` (so no rank, rank 0 included, takes it down by dying) and the metrics
-sink. It places this node's ranks on their slots' devices (:mod:`ntp_megatron.placement`), starts them
+sink. It places this node's ranks on their slots' devices (:mod:`ntp_megatron.plan.placement`), starts them
 (:mod:`ntp_megatron.launch.processes`: every process dies with the launcher, even if it is killed outright),
 prefixes each rank's output with ``[rank N]``, and watches them: a death goes to the run's policy
 (:mod:`ntp_megatron.launch.policy`), which absorbs it (NTP), restarts the job, or names the rank that failed and
@@ -27,9 +27,13 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ntp_megatron import faults, memory_plan, metrics, preflight
-from ntp_megatron.config import JobConfig
-from ntp_megatron.config_io import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron import faults, metrics
+
+from ntp_megatron.launch import preflight
+
+from ntp_megatron.plan import memory_plan
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import build_parser, resolve_config
@@ -39,7 +43,7 @@ from ntp_megatron.launch.nodes import Nodes, host_store, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
-from ntp_megatron.placement import Placement, launch_slots
+from ntp_megatron.plan.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
 
 POLL_S = 0.02
@@ -80,7 +84,7 @@ class Launcher:
         may not have delivered its exit yet (a death the policy must still see)."""
 
     def _place(self, cfg: JobConfig) -> None:
-        """This node's launch ranks and the local device of each (:mod:`ntp_megatron.placement`): every slot has a
+        """This node's launch ranks and the local device of each (:mod:`ntp_megatron.plan.placement`): every slot has a
         fixed device of a fixed node, live or not, so a dead slot leaves its device idle and a replacement starts
         on the same device. Every node computes the same map from the config alone."""
         p = cfg.parallel
@@ -385,7 +389,7 @@ class Launcher:
 
     def _summarize(self, exit_code: int) -> None:
         """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""
-        from ntp_megatron import run_report
+        from ntp_megatron.launch import run_report
 
         summary = run_report.summarize(self.console.sink.records, wall_s=time.time() - self.started)
         self.console.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})

@@ -3,12 +3,12 @@
 A TP-split tensor is viewed as ``[outer, units, inner]``: the unit axis is where Megatron splits it, and a
 unit (attention query group with its heads, FFN hidden unit, vocabulary row) can sit on any rank as long as
 the first GEMM's rows and the second GEMM's columns of that unit sit together. Each rank keeps its units in
-ascending order. Layouts come from :mod:`ntp_megatron.layout`; this module only builds modules for them.
+ascending order. Layouts come from :mod:`ntp_megatron.plan.layout`; this module only builds modules for them.
 
 How the Megatron classes are reused: each NTP class calls the upstream constructor with a size that
 upstream's ``divide(size, tp)`` turns into this rank's local size (``local × tp``), with initialisation off,
 then records the true global size and the rank's :class:`UnitShard` on every split parameter. Initial
-values come later: from :mod:`ntp_megatron.init` (the default: each element a function of seed, name and global
+values come later: from :mod:`ntp_megatron.core.init` (the default: each element a function of seed, name and global
 index, computed for this rank's units only), or from :func:`initialize_like_megatron`, which draws every master
 weight at its global size in Megatron's own order, so any layout starts from the weights a TP1 Megatron model
 built with ``use_cpu_initialization`` would have (at O(model) cost per rank).
@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 
-from ntp_megatron.sharding import ntp_module_sharded_state_dict
+from ntp_megatron.core.checkpoint_map import ntp_module_sharded_state_dict
 
 @dataclass(frozen=True)
 class UnitShard:

@@ -12,8 +12,8 @@ import json
 import textwrap
 from typing import Callable, Optional, Sequence
 
-from ntp_megatron.config import JobConfig
-from ntp_megatron.config_io import ConfigError
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.config.files import ConfigError
 
 BYTE_LEVEL_NAMES = ("byte-level", "ByteLevel", "ByteLevelTokenizer")
 

@@ -362,7 +362,7 @@ class Topology:
     """Family -> number of units, e.g. ``{"heads": 8, "ffn": 256, "vocab": 256}``; each at least ``tp_base``."""
     replicas: tuple[Replica, ...]
     stage: int = 0
-    """The pipeline stage this is the layout of (:class:`ntp_megatron.stages.PipelineTopology`); 0 without stages."""
+    """The pipeline stage this is the layout of (:class:`ntp_megatron.plan.stages.PipelineTopology`); 0 without stages."""
     rank_base: int = 0
     """The first process-group rank of this stage: its ranks are ``rank_base .. rank_base + world_size - 1`` (the
     stages before it hold the lower ones); 0 without stages."""
@@ -906,7 +906,7 @@ def parse_stage_slots(items: Iterable[str | tuple[int, ...] | list[int]] | str |
 
     Also accepts one comma-separated string (``"1:3@1,0:2"``, handy on a command line), ``(replica, slot)`` pairs
     and ``(replica, slot, stage)`` triples already parsed, and None/empty for no dead slots. Range checks are
-    :func:`make_topology`'s (and :func:`ntp_megatron.stages.make_pipeline_topology`'s) job.
+    :func:`make_topology`'s (and :func:`ntp_megatron.plan.stages.make_pipeline_topology`'s) job.
     """
     if items is None:
         return []

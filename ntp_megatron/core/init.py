@@ -6,7 +6,7 @@ each rank computes only the elements of its own units, on its own device, in chu
 chunk) memory, and the same value for an element whatever layout holds it (any unit list, uneven, non-contiguous).
 
 The global element index of a TP-split tensor is taken over the tensor folded as ``[units, outer, inner]`` (see
-:class:`ntp_megatron.layers.UnitShard`), partition dimension outermost, so every unit is one contiguous range of
+:class:`ntp_megatron.core.layers.UnitShard`), partition dimension outermost, so every unit is one contiguous range of
 indices. A replicated tensor is one unit.
 
 The generator is counter-based: SplitMix64's finaliser over ``key + (index + 1) * golden_gamma`` (``key`` hashes
@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ntp_megatron.layers import UnitShard
+from ntp_megatron.core.layers import UnitShard
 
 logger = logging.getLogger(__name__)
 

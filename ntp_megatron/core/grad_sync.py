@@ -2,7 +2,7 @@
 
 Every TP-split tensor is cut into ``tp_base`` canonical blocks of units (block ``s`` is what slot ``s`` of a
 healthy replica holds). Gradients of block ``s`` are summed in sync group ``s``, which has one member per
-replica (see :mod:`ntp_megatron.groups`):
+replica (see :mod:`ntp_megatron.core.groups`):
 
 * A rank of a **healthy** replica holds exactly block ``s``. Its DDP buckets are those of plain Megatron-Core
   at slot ``s``, its data-parallel group is sync group ``s``, and upstream's ``finalize_model_grads`` syncs
@@ -45,7 +45,7 @@ that shard of the parameters is updated:
   parameter all-gather that makes every rank's parameters whole again is :meth:`GradSync.param_gather`, a step
   of its own after the optimizer's.
 * A degraded rank's shadows hold real slot-shaped parameters in Megatron's parameter buffer, sharded like a
-  healthy slot-``s`` rank's over the same groups (:meth:`ntp_megatron.groups.NTPGroups.with_sync_groups`), and its
+  healthy slot-``s`` rank's over the same groups (:meth:`ntp_megatron.core.groups.NTPGroups.with_sync_groups`), and its
   optimizer steps its shard of every shadow (its own DDP only accumulates). The shadows are filled from the model
   before the optimizer is built over them (its bf16 main params are copies taken then: the dead blocks' units
   come from the replica peers holding them). After the sync only the shards are valid, so nothing is copied
@@ -73,11 +73,11 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 
 from ntp_megatron import phases
-from ntp_megatron.groups import NTPGroups, rebind_process_groups
-from ntp_megatron.layers import UnitShard
-from ntp_megatron.layout import Topology
-from ntp_megatron.pipeline import tied_embedding_sync
-from ntp_megatron.shard_layout import Bucket, BufferLayout, ParamPlace, shard_pieces
+from ntp_megatron.core.groups import NTPGroups, rebind_process_groups
+from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.plan.layout import Topology
+from ntp_megatron.core.pipeline import tied_embedding_sync
+from ntp_megatron.plan.optimizer_shards import Bucket, BufferLayout, ParamPlace, shard_pieces
 
 # Attributes Megatron's DDP and optimizer read from a parameter; a shadow parameter carries them too.
 _PARAM_ATTRS = ("allreduce", "shared_embedding", "tensor_model_parallel", "partition_dim", "partition_stride",
@@ -195,7 +195,7 @@ def _unit_view(tensor: torch.Tensor, shard: UnitShard, units: int) -> torch.Tens
 
 
 def buffer_layout_of(buffer) -> tuple[BufferLayout, dict[str, torch.nn.Parameter]]:
-    """The geometry of one of Megatron's ``_ParamAndGradBuffer`` objects as :mod:`ntp_megatron.shard_layout`
+    """The geometry of one of Megatron's ``_ParamAndGradBuffer`` objects as :mod:`ntp_megatron.plan.optimizer_shards`
     describes it (parameters named by their place in the buffer), and those names' parameters."""
     order = sorted(buffer.param_index_map.items(), key=lambda item: item[1][0])
     params = {f"{start}": param for param, (start, _, _) in order}

@@ -163,7 +163,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     from ntp_megatron.elastic import keys, watchdog
     from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
-    from ntp_megatron.stages import load_topology, published_topology
+    from ntp_megatron.plan.stages import load_topology, published_topology
 
     nodes = args.ranks // RANKS_PER_NODE
     mine = [n for n in range(nodes) if n % args.workers == args.index]
@@ -273,7 +273,7 @@ def worker(args: argparse.Namespace) -> dict:
         relays = []
     else:
         from ntp_megatron.elastic.relay import NodeRelay
-        from ntp_megatron.layout import make_topology
+        from ntp_megatron.plan.layout import make_topology
 
         # The worker's nodes keep their stores in one server, each under its own prefix: one event loop thread
         # answers them all, as a node's own store would on the node's own CPUs.
@@ -383,7 +383,7 @@ def worker(args: argparse.Namespace) -> dict:
 # -- the coordinator ---------------------------------------------------------------------------------------------------
 
 def _spawn(argv: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ntp_megatron.control_plane_bench", *argv], stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "ntp_megatron.bench.control_plane", *argv], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV}, **kw)
 
 
@@ -401,7 +401,7 @@ def run(design: str, ranks: int, iters: int, period: float) -> dict:
     """One row: ``design`` at ``ranks`` simulated ranks, ``iters`` iterations, then one death."""
     from ntp_megatron.elastic import keys
     from ntp_megatron.elastic.controller import Controller, Death
-    from ntp_megatron.layout import make_topology
+    from ntp_megatron.plan.layout import make_topology
 
     server = _spawn(["serve"])
     workers: list[subprocess.Popen] = []

@@ -239,7 +239,7 @@ def twin_replicas(replica: int, dp: int, k: int) -> tuple[int, ...]:
 # Under NTP, sync group b (one member per replica: the rank at slot b, or the proxy of block b) shards block b's
 # canonical buckets; with k instances, shard (b, j) is position j's part and is held by the sync-group members of
 # the j-th replica of every instance. ``dp`` is the launch data-parallel size (instances are fixed for the job);
-# ranks are the generation's process-group ranks of ``ntp_megatron.layout.Topology``.
+# ranks are the generation's process-group ranks of ``ntp_megatron.plan.layout.Topology``.
 
 ShardId = tuple[int, int]
 """(block, position in the instance)."""
@@ -291,7 +291,7 @@ def shard_plan(old, new, dead_ranks, dp: int, k: int) -> list[ShardMove]:
     instance (a replica healthy in ``old`` first, then the lowest replica index). A process that keeps its role
     keeps its shard: no move. Sorted by (shard, dst). Raises :class:`ShardLostError` naming every needed shard
     without a surviving holder."""
-    from ntp_megatron.layout import survivor_ranks
+    from ntp_megatron.plan.layout import survivor_ranks
 
     dead = set(dead_ranks)
     new_of = survivor_ranks(old, new, dead)

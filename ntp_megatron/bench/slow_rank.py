@@ -2,7 +2,7 @@
 and without power boost, next to the same job healthy.
 
 TP4 x DP2 under NTP on the emulated device (``ntp.emulated_device_ms``: on this 2-core machine a sleeping rank would
-hand its CPU to its peers, :mod:`ntp_megatron.device_model`): without a slowdown; with launch rank 1 at ``factor``
+hand its CPU to its peers, :mod:`ntp_megatron.speed.device_model`): without a slowdown; with launch rank 1 at ``factor``
 from iteration ``slow_at`` until ``slow_end`` and rebalancing off (``ntp.rebalance=false``); and the same with
 rebalancing. Step time per iteration of each, the medians of each stretch (healthy; slow; rebalanced, from the
 iteration after the rebalance's re-formation; after the slowdown ended and the units went back), their ratios to the
@@ -43,9 +43,9 @@ SLOW_SMOKE = SlowSizes(tp=2, iters=7, slow_at=2, slow_end=6, factor=3.0, window=
 
 
 def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
-    from ntp_megatron.bench import _layout
+    from ntp_megatron.bench.common import layout_args
 
-    base = [*_layout(sizes.tp, 2, True), "--set", f"ntp.emulated_device_ms={sizes.device_ms:g}",
+    base = [*layout_args(sizes.tp, 2, True), "--set", f"ntp.emulated_device_ms={sizes.device_ms:g}",
             "--set", f"ntp.rebalance_window={sizes.window}", "--set", "logging.state_checksums=true"]
     slow = ["--inject-failure", f"slow:rank=1,factor={sizes.factor:g},iter={sizes.slow_at}",
             "--inject-failure", f"slow:rank=1,factor=1,iter={sizes.slow_end}"]
@@ -79,10 +79,10 @@ def replicas_disagree(records: list[dict]) -> tuple[int, list[int]]:
 
 def _model_dims():
     """The benchmark job's model (``bench.MODEL`` over the default config), for the simulator's prediction."""
-    from ntp_megatron.bench import MODEL
-    from ntp_megatron.config import DEFAULT_CONFIG, JobConfig
-    from ntp_megatron.config_io import load_config
-    from ntp_megatron.memory_plan import ModelDims
+    from ntp_megatron.bench.common import MODEL
+    from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
+    from ntp_megatron.config.files import load_config
+    from ntp_megatron.plan.memory_plan import ModelDims
 
     overrides = [value for flag, value in zip(MODEL[::2], MODEL[1::2]) if flag == "--set"]
     return ModelDims.of(load_config(JobConfig, DEFAULT_CONFIG, overrides).model)
@@ -91,7 +91,7 @@ def _model_dims():
 def predicted(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
     """The simulator's straggler model (:mod:`ntp_megatron.sim.straggler`) on the same case: the healthy run's
     compute fraction (the passes' compute time over the step time, medians) and the same model and factor."""
-    from ntp_megatron.power import boost_model
+    from ntp_megatron.plan.power_curve import boost_model
     from ntp_megatron.sim.straggler import degraded_step, group_step
 
     healthy = [r for r in runs["healthy"] if r.get("kind") == "iteration" and r["iteration"] > 1]
@@ -159,7 +159,7 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
 
 
 def measure(sizes: SlowSizes, run, workdir: Path) -> dict:
-    from ntp_megatron.bench import run_job_records
+    from ntp_megatron.bench.common import run_job_records
 
     runs = {name: run_job_records(args, sizes.iters, workdir, run, f"slow-{name}")
             for name, args in jobs(sizes).items()}
@@ -220,14 +220,14 @@ def plot(result: dict, path: Path) -> Path:
     ax.set_ylabel("step time (s)")
     ax.set_title(result["job"][:110], fontsize="small")
     ax.legend(fontsize="small", loc="upper right")
-    fig.tight_layout()
+    fig.tightlayout_args()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-if __name__ == "__main__":  # python -m ntp_megatron.slow_rank_bench BENCH_JSON PNG: the plot again from a run's JSON
+if __name__ == "__main__":  # python -m ntp_megatron.bench.slow_rank BENCH_JSON PNG: the plot again from a run's JSON
     import json
     import sys
 

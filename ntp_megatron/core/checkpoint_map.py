@@ -1,7 +1,7 @@
 """How one rank's NTP state maps onto Megatron-Core's global tensors, for ``dist_checkpointing``.
 
 A TP-split tensor of an NTP rank holds an explicit, possibly uneven and non-contiguous, list of units
-(:class:`ntp_megatron.layers.UnitShard`): a degraded rank may hold query groups {0, 1, 6}. Megatron describes a
+(:class:`ntp_megatron.core.layers.UnitShard`): a degraded rank may hold query groups {0, 1, 6}. Megatron describes a
 rank's part of a global tensor with ``ShardedTensor`` boxes (a global offset and a local shape per axis), so
 each maximal run of consecutive units becomes one box, *a fragment*, with an explicit global offset and no
 regular grid (``axis_fragmentations=None``). One local tensor maps to several fragments, so it is wrapped in a
@@ -83,7 +83,7 @@ class UnitAxis:
     @classmethod
     def of(cls, local_shape: Sequence[int], axis: int, num_units: int, num_local: int, outer: int,
            inner: int) -> "UnitAxis":
-        """From a parameter's ``[outer, units, inner]`` folding (:class:`ntp_megatron.layers.UnitShard`) and its
+        """From a parameter's ``[outer, units, inner]`` folding (:class:`ntp_megatron.core.layers.UnitShard`) and its
         local shape: the axes before ``axis`` fold into ``outer`` (what is left of it is ``blocks``), the axes
         after it into ``inner`` (what is left of it is ``unit_len``)."""
         shape = tuple(local_shape)

@@ -1,7 +1,7 @@
 """NTP with pipeline stages: a generation is one NTP layout per stage. Pure Python, no torch.
 
 A replica is a TP × PP grid. Each stage of it has its own live slots, dead blocks, proxies and dealt units: one
-:class:`ntp_megatron.layout.Topology` per stage, all of one generation, ``tp_base``, unit counts and set of
+:class:`ntp_megatron.plan.layout.Topology` per stage, all of one generation, ``tp_base``, unit counts and set of
 replicas (a replica dropped is dropped in every stage). A process is identified across generations by
 ``(replica, slot, stage)``. Ranks are numbered stage by stage, as Megatron numbers its grid (stage slowest): stage
 ``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each stage's topology
@@ -24,7 +24,7 @@ widths this is Megatron's own pairing (TP rank ``i`` with TP rank ``i``).
 
 Transitions
 -----------
-A failure re-forms the stages that lost ranks, each by :func:`ntp_megatron.layout.next_topology`'s rules; every
+A failure re-forms the stages that lost ranks, each by :func:`ntp_megatron.plan.layout.next_topology`'s rules; every
 other stage keeps its layout (its ranks are renumbered only when an earlier stage lost some). A replica that falls
 below ``min_tp`` in one stage is dropped from every stage (``drop_replica``), or the failure is unrecoverable.
 A rejoin widens the stages its slots belong to; a dropped replica comes back only with slots in every stage. Units
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterable, Mapping, Optional
 
-from ntp_megatron import layout
-from ntp_megatron.layout import Move, Replica, Topology, TopologyError, make_topology
+from ntp_megatron.plan import layout
+from ntp_megatron.plan.layout import Move, Replica, Topology, TopologyError, make_topology
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ def published_topology(base: "Topology | PipelineTopology", info: dict, generati
 
 def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[int], min_tp: int = 1,
                   policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.layout.next_topology`, for a topology with or without stages (module docstring)."""
+    """:func:`ntp_megatron.plan.layout.next_topology`, for a topology with or without stages (module docstring)."""
     if not isinstance(current, PipelineTopology):
         return layout.next_topology(current, dead_ranks, min_tp=min_tp, policy=policy)
     dead = set(dead_ranks)
@@ -306,7 +306,7 @@ def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[i
 
 def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable[tuple[int, ...]], min_tp: int = 1
                   ) -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.layout.join_topology`, for a topology with or without stages (``(replica, slot, stage)``
+    """:func:`ntp_megatron.plan.layout.join_topology`, for a topology with or without stages (``(replica, slot, stage)``
     triples with stages)."""
     if not isinstance(current, PipelineTopology):
         return layout.join_topology(current, joined_slots, min_tp=min_tp)
@@ -327,7 +327,7 @@ def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable
 
 def reweight_topology(current: "Topology | PipelineTopology", weights: Mapping[tuple[int, int], Mapping[int, int]]
                       ) -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.layout.reweight_topology` for a topology with or without stages: ``weights`` maps
+    """:func:`ntp_megatron.plan.layout.reweight_topology` for a topology with or without stages: ``weights`` maps
     ``(replica, stage)`` (stage 0 without stages) to that stage's slot weights; other stages keep their layout."""
     per_stage: dict[int, dict[int, Mapping[int, int]]] = {}
     stages = current.num_stages if isinstance(current, PipelineTopology) else 1
@@ -353,7 +353,7 @@ def weights_from_json(items: list) -> dict[tuple[int, int], dict[int, int]]:
 
 def transition_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology",
                     dead_ranks: Iterable[int] = ()) -> list[Move]:
-    """:func:`ntp_megatron.layout.transition_plan`, for a topology with or without stages: each stage's own
+    """:func:`ntp_megatron.plan.layout.transition_plan`, for a topology with or without stages: each stage's own
     (units never cross stages), in stage order."""
     if not isinstance(old, PipelineTopology):
         return layout.transition_plan(old, new, dead_ranks)
@@ -364,7 +364,7 @@ def transition_plan(old: "Topology | PipelineTopology", new: "Topology | Pipelin
 
 def restart_layout(tp_base: int, dp: int, live_slots: Iterable[tuple[int, ...]], min_tp: int = 1, pp: int = 1
                    ) -> tuple[list[int], list[tuple[int, ...]]]:
-    """:func:`ntp_megatron.layout.restart_layout` with ``pp`` stages (``(replica, slot, stage)`` live slots): a
+    """:func:`ntp_megatron.plan.layout.restart_layout` with ``pp`` stages (``(replica, slot, stage)`` live slots): a
     replica below ``min_tp`` in any stage is dropped from every stage; the dead slots are triples."""
     if pp == 1:
         return layout.restart_layout(tp_base, dp, [slot[:2] for slot in live_slots], min_tp)
