@@ -90,7 +90,7 @@ class MetricsSink:
             self._file = metrics_file.open("a", buffering=1)
         self._tb = None
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # TensorBoard takes a second to import: only when asked
 
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import socket
 
+import psutil
+
 
 def socket_fds() -> dict[int, str]:
     """This process's open file descriptors that are sockets, with the socket's identity (its inode): a number
@@ -59,16 +61,12 @@ class SocketScope:
 def connections_to(port: int) -> int:
     """This process's established TCP connections whose far end is ``port`` (a store's clients: on one host a
     port names one store)."""
-    import psutil
-
     return sum(1 for c in _tcp(psutil) if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
 
 
 def connected_to(sockets: dict[int, str], port: int) -> dict[int, str]:
     """Those of ``sockets`` (fd -> identity) whose far end is ``port``: of the sockets that appeared while a store
     client was made, the client's own (another thread may have opened one meanwhile)."""
-    import psutil
-
     ours = {c.fd for c in _tcp(psutil) if c.raddr and c.raddr.port == port}
     return {fd: identity for fd, identity in sockets.items() if fd in ours}
 

@@ -26,6 +26,8 @@ class UnsupportedMegatronVersion(RuntimeError):
 
 def check_megatron_version() -> str:
     """The installed megatron-core version; raises if the patches were not written for it."""
+    # Megatron-Core loads when the patches are applied, never when this package is imported (the launcher, the
+    # simulator and the config import it at no cost)
     from megatron.core.package_info import __version__ as version
 
     if not version.startswith(TESTED_MEGATRON_CORE) and os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
@@ -44,11 +46,12 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     """
     if _applied:
         return list(_applied)
-    import torch
+    import torch  # see check_megatron_version: nothing heavy at import time
 
     version = check_megatron_version()
     if cpu is None:
         cpu = not torch.cuda.is_available()
+    # each patch module imports the Megatron-Core module it patches: loaded only here
     from ntp_megatron.patches import (
         datasets_gpt_dataset,
         dist_checkpointing_checkpointable,
@@ -84,6 +87,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
                      "dist_checkpointing_checkpointable", "dist_checkpointing_validation", "torch_distributed_work",
                      "dist_checkpointing_filesystem_async (write point)"])
     if cpu:
+        # the CPU-only patches, loaded on a CPU run only
         from ntp_megatron.patches import (
             cpu_shim,
             optimizer_clip_grads,
@@ -102,7 +106,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         _applied.extend(["cpu_shim", "tensor_parallel_random", "optimizer_clip_grads", "optimizer_optimizer",
                          "optimizer_distrib_optimizer (CPU types)", "optimizer_grad_scaler",
                          "dist_checkpointing_filesystem_async"])
-    from ntp_megatron.patches import optimizer_param_groups
+    from ntp_megatron.patches import optimizer_param_groups  # after the CPU shim (below)
 
     # After the CPU shim, whose view of torch it wraps. Inactive until NTP switches it on.
     optimizer_param_groups.apply()

@@ -161,6 +161,7 @@ def apply() -> None:
         if getattr(module, "torch", None) is not torch:
             raise RuntimeError(f"cpu_shim: {name} does not use the plain torch module; patch written for 0.16.x")
         module.torch = _CpuTorch(name)
+    # after the modules above see the shim's torch
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     if not getattr(LanguageModule.setup_embeddings_and_output_layer, "ntp_cpu_shim", False):

@@ -44,6 +44,16 @@ import time
 from datetime import timedelta
 from typing import Optional, Sequence
 
+import torch.distributed as dist
+
+from ntp_megatron.elastic import keys, watchdog
+from ntp_megatron.elastic.agent import Agent
+from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.elastic.relay import NodeRelay
+from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import load_topology, published_topology
+
 RANKS_PER_NODE = 8
 TP = 8
 HEARTBEAT_S = 0.2
@@ -83,8 +93,6 @@ class Counting:
 
 
 def _client(port: int, timeout_s: float = CLIENT_TIMEOUT_S):
-    import torch.distributed as dist
-
     return dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
@@ -118,8 +126,6 @@ class _FakeProcess:
 
 
 def _agent(store, ranks: list[int], fenced: list):
-    from ntp_megatron.elastic.agent import Agent
-
     class CountingAgent(Agent):
         def _kill(self, rank, proc, failed_at, cause):  # nothing is stuck here: a fence is a false one
             self.notes[rank] = (failed_at, cause)
@@ -159,11 +165,6 @@ def _run_agents(agents: list, halt: Halt) -> list[threading.Thread]:
 
 def worker(args: argparse.Namespace) -> dict:
     """Simulate the nodes ``n`` with ``n % workers == index``; print a JSON record of what they saw."""
-    import torch.distributed as dist
-
-    from ntp_megatron.elastic import keys, watchdog
-    from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
-    from ntp_megatron.plan.stages import load_topology, published_topology
 
     nodes = args.ranks // RANKS_PER_NODE
     mine = [n for n in range(nodes) if n % args.workers == args.index]
@@ -272,8 +273,6 @@ def worker(args: argparse.Namespace) -> dict:
             t.start()
         relays = []
     else:
-        from ntp_megatron.elastic.relay import NodeRelay
-        from ntp_megatron.plan.layout import make_topology
 
         # The worker's nodes keep their stores in one server, each under its own prefix: one event loop thread
         # answers them all, as a node's own store would on the node's own CPUs.
@@ -389,8 +388,6 @@ def _spawn(argv: list[str], **kw) -> subprocess.Popen:
 
 def serve() -> None:
     """The root store, in a process of its own (its CPU time is the store's)."""
-    import torch.distributed as dist
-
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=CLIENT_TIMEOUT_S),
                           wait_for_workers=False)
     print(store.port, flush=True)
@@ -399,9 +396,6 @@ def serve() -> None:
 
 def run(design: str, ranks: int, iters: int, period: float) -> dict:
     """One row: ``design`` at ``ranks`` simulated ranks, ``iters`` iterations, then one death."""
-    from ntp_megatron.elastic import keys
-    from ntp_megatron.elastic.controller import Controller, Death
-    from ntp_megatron.plan.layout import make_topology
 
     server = _spawn(["serve"])
     workers: list[subprocess.Popen] = []

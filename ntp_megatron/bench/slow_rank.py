@@ -22,6 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ntp_megatron.bench.common import MODEL, layout_args, run_job_records
+from ntp_megatron.config.files import load_config
+from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
+from ntp_megatron.plan.memory_plan import ModelDims
+from ntp_megatron.plan.power_curve import boost_model
+from ntp_megatron.sim.straggler import degraded_step, group_step
+
 
 @dataclass(frozen=True)
 class SlowSizes:
@@ -43,8 +50,6 @@ SLOW_SMOKE = SlowSizes(tp=2, iters=7, slow_at=2, slow_end=6, factor=3.0, window=
 
 
 def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
-    from ntp_megatron.bench.common import layout_args
-
     base = [*layout_args(sizes.tp, 2, True), "--set", f"ntp.emulated_device_ms={sizes.device_ms:g}",
             "--set", f"ntp.rebalance_window={sizes.window}", "--set", "logging.state_checksums=true"]
     slow = ["--inject-failure", f"slow:rank=1,factor={sizes.factor:g},iter={sizes.slow_at}",
@@ -79,11 +84,6 @@ def replicas_disagree(records: list[dict]) -> tuple[int, list[int]]:
 
 def _model_dims():
     """The benchmark job's model (``bench.MODEL`` over the default config), for the simulator's prediction."""
-    from ntp_megatron.bench.common import MODEL
-    from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
-    from ntp_megatron.config.files import load_config
-    from ntp_megatron.plan.memory_plan import ModelDims
-
     overrides = [value for flag, value in zip(MODEL[::2], MODEL[1::2]) if flag == "--set"]
     return ModelDims.of(load_config(JobConfig, DEFAULT_CONFIG, overrides).model)
 
@@ -91,9 +91,6 @@ def _model_dims():
 def predicted(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
     """The simulator's straggler model (:mod:`ntp_megatron.sim.straggler`) on the same case: the healthy run's
     compute fraction (the passes' compute time over the step time, medians) and the same model and factor."""
-    from ntp_megatron.plan.power_curve import boost_model
-    from ntp_megatron.sim.straggler import degraded_step, group_step
-
     healthy = [r for r in runs["healthy"] if r.get("kind") == "iteration" and r["iteration"] > 1]
     fraction = min(1.0, statistics.median(r["compute_ms"] for r in healthy)
                    / statistics.median(r["elapsed_ms"] for r in healthy))
@@ -159,8 +156,6 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
 
 
 def measure(sizes: SlowSizes, run, workdir: Path) -> dict:
-    from ntp_megatron.bench.common import run_job_records
-
     runs = {name: run_job_records(args, sizes.iters, workdir, run, f"slow-{name}")
             for name, args in jobs(sizes).items()}
     return figures(runs, sizes)
@@ -201,10 +196,10 @@ def table_lines(result: dict) -> list[str]:
 
 def plot(result: dict, path: Path) -> Path:
     """Step time per iteration of every run (the slowdown's iterations shaded), from the part's JSON."""
-    import matplotlib
+    import matplotlib  # imported when a plot is drawn: it costs the benchmark's start-up half a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, steps in result["step_ms"].items():
@@ -220,7 +215,7 @@ def plot(result: dict, path: Path) -> Path:
     ax.set_ylabel("step time (s)")
     ax.set_title(result["job"][:110], fontsize="small")
     ax.legend(fontsize="small", loc="upper right")
-    fig.tightlayout_args()
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -23,16 +23,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 from ntp_megatron.bench import control_plane, slow_rank
 from ntp_megatron.bench.common import RunModule, layout_args, run_in_subprocess, run_job_records
+from ntp_megatron.config.schema import load_job_config
+
 
 @dataclass(frozen=True)
 class Sizes:
@@ -340,15 +348,9 @@ INIT_KINDS = ("megatron", "layout_free")
 
 def init_probe(tp: int, init: str, model: Sequence[str] = FULL.init_model) -> dict:
     """In a fresh process: build rank 0's NTP model of a TP ``tp`` replica with ``init``; time and peak RSS."""
-    import os
-    import resource
-    # imported here: the probe runs in its own process; the benchmark's driver never loads torch
-    from datetime import timedelta
+    # Megatron-Core (a few seconds to import) loads in the probe's own process, never in the benchmark's driver
+    from megatron.core import parallel_state
 
-    import torch
-    import torch.distributed as dist
-
-    from ntp_megatron.config.schema import load_job_config
     from ntp_megatron.core.groups import dense_groups
     from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.patches import apply_patches
@@ -375,8 +377,6 @@ def init_probe(tp: int, init: str, model: Sequence[str] = FULL.init_model) -> di
     seconds = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     params = sum(p.numel() for p in model.parameters())
-    from megatron.core import parallel_state
-
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return {"tp": tp, "init": init, "build_s": seconds, "peak_rss_mb": peak_mb,

@@ -15,6 +15,10 @@ from typing import Iterable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ntp_megatron.config.files import ConfigError, load_config
+from ntp_megatron.plan.layout import make_topology, parse_dead_slots, parse_stage_slots
+from ntp_megatron.plan.memory_plan import check_budget
+from ntp_megatron.plan.power_curve import boost_model, check_curve_points
+from ntp_megatron.plan.stages import make_pipeline_topology
 
 logger = logging.getLogger(__name__)
 
@@ -343,8 +347,6 @@ class NTPSection(_Section):
     @model_validator(mode="after")
     def _boost_curve(self) -> "NTPSection":
         if self.boost_points is not None:
-            from ntp_megatron.plan.power_curve import check_curve_points
-
             try:
                 check_curve_points(self.boost_points, "ntp.boost_points")
             except ConfigError as exc:
@@ -353,8 +355,6 @@ class NTPSection(_Section):
 
     def boost_model(self):
         """The power-performance curve and cap (:func:`ntp_megatron.plan.power_curve.boost_model`)."""
-        from ntp_megatron.plan.power_curve import boost_model
-
         return boost_model(self.boost_max_power, self.boost_alpha, self.boost_points)
 
 
@@ -548,8 +548,6 @@ class JobConfig(_Section):
     def _memory_budget(self) -> "JobConfig":
         """``ntp.memory_budget_gib`` against the plan (after the instance count is resolved: it sets the shards)."""
         if self.ntp.enabled:
-            from ntp_megatron.plan.memory_plan import check_budget
-
             check_budget(self)
         return self
 
@@ -615,9 +613,6 @@ class JobConfig(_Section):
     def topology(self):
         """The starting NTP topology (generation 0): a :class:`ntp_megatron.plan.layout.Topology`, or with pipeline stages
         a :class:`ntp_megatron.plan.stages.PipelineTopology`; pure, so the launcher and the tests can call it."""
-        from ntp_megatron.plan.layout import make_topology, parse_dead_slots, parse_stage_slots
-        from ntp_megatron.plan.stages import make_pipeline_topology
-
         p = self.parallel
         if p.pipeline_model_parallel_size > 1:
             return make_pipeline_topology(

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.dist_checkpointing.mapping import (
     ReplicaId,
@@ -313,8 +314,6 @@ def ntp_module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
                                   allow_shape_mismatch: bool = False) -> ShardedStateDict:
     """The sharded state dict of one NTP layer: its NTP-tagged parameters as fragments, everything else
     (replicated tensors, extra state) as upstream describes it. Keys are upstream's."""
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     state = module.state_dict(prefix="", keep_vars=True)
     out: ShardedStateDict = {}

@@ -11,6 +11,7 @@ together (``batch_isend_irecv``) on the generation's default group, then waited 
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -24,8 +25,6 @@ from ntp_megatron.plan.stages import PipelineTopology
 def _check_upstream() -> None:
     """The private method replaced below, as megatron-core 0.16's ``P2PCommunicator`` has it: a keyword-only
     ``_communicate`` taking these arguments (and returning the received tensors and the pending requests)."""
-    import inspect
-
     want = ["self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", "wait_on_reqs"]
     got = list(inspect.signature(P2PCommunicator._communicate).parameters)
     if got != want:

@@ -35,7 +35,8 @@ from ntp_megatron.plan.layout import Topology, TopologyError
 from ntp_megatron.plan.stages import PipelineTopology, join_topology, live_widths, next_topology, replica_widths, \
     reweight_topology, transition_plan, weights_to_json, with_generation
 from ntp_megatron.plan.rebalance import Decision
-from ntp_megatron.plan.optimizer_shards import lost_shards, shard_holders
+from ntp_megatron.plan import memory_plan
+from ntp_megatron.plan.optimizer_shards import buffer_layout, lost_shards, shard_holders, shard_numel
 
 AWARE_WAIT_S = 10.0
 
@@ -519,9 +520,6 @@ class ShardedOptimizer:
     @classmethod
     def of(cls, cfg) -> Optional["ShardedOptimizer"]:
         """A :class:`ntp_megatron.config.schema.JobConfig`'s, None without the distributed optimizer."""
-        from ntp_megatron.plan import memory_plan
-        from ntp_megatron.plan.optimizer_shards import buffer_layout, shard_numel
-
         p = cfg.parallel
         if not p.use_distributed_optimizer:
             return None

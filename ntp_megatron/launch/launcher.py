@@ -27,19 +27,25 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from ntp_megatron import faults, metrics
 
-from ntp_megatron.launch import preflight
+from ntp_megatron.launch import preflight, run_report
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.elastic import keys
+from ntp_megatron.elastic.agent import Agent
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.errors import own_error_cause, reported_error
+from ntp_megatron.elastic.relay import NodeRelay
+from ntp_megatron.elastic.watchdog import store_factory
 from ntp_megatron.launch.cli import build_parser, resolve_config
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
-from ntp_megatron.launch.nodes import Nodes, host_store, write_address
+from ntp_megatron.launch.nodes import Nodes, host_store, try_check, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
@@ -202,20 +208,18 @@ class Launcher:
     # -- the job -------------------------------------------------------------------------------------------
     def run(self) -> int:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        from ntp_megatron.training import pretrain  # the import every forked rank then skips
+        # Megatron-Core loads here, not at start-up (a bad flag fails in a second), and before any fork: the import
+        # every forked rank then skips
+        from ntp_megatron.training import data, pretrain
 
         if self.args.node_rank == 0:
             # Megatron's dataset index caches are written here, once, before any rank or process group exists;
             # forked ranks inherit the dataset, other nodes' ranks read the caches after node 0's store is up.
             pretrain.prebuild_dataset(self.run_dir, self.cfg)
-            from ntp_megatron.training import data
-
             self.console.say(data.describe(self.cfg))
             if self.cfg.ntp.enabled:
                 self.console.say(memory_plan.describe(memory_plan.plan_of(self.cfg)))
         if self.start_method == "fork":
-            import torch
-
             if torch.cuda.is_initialized():  # a forked child cannot use a CUDA context made by its parent
                 raise RuntimeError("CUDA was initialised in the launcher before forking ranks (by an import?)")
         server = ForkServer()  # before any thread of this process: see ntp_megatron.launch.forkserver
@@ -291,9 +295,6 @@ class Launcher:
     def _host_node_store(self) -> None:
         """Under NTP on a node other than node 0: host the node's store on this host, where its ranks vote, beat and
         wait, and the relay that ends the root's generations in it."""
-        from ntp_megatron.elastic.relay import NodeRelay
-        from ntp_megatron.elastic.watchdog import store_factory
-
         timeout = self.cfg.parallel.timeout_s
         self.node_store = host_store("127.0.0.1", 0, timeout)
         stop = threading.Event()  # ends a connection to a root that has gone (node 0's launcher ended first)
@@ -313,8 +314,6 @@ class Launcher:
             self.processes.stop_all()
             return 1
         if self.cfg.ntp.enabled or any(not isinstance(f, faults.RankFailure) for f in self.failures):
-            from ntp_megatron.elastic.agent import Agent
-
             self.agent = Agent(self.node_store, lambda: self.processes.ranks, self.cfg.ntp.heartbeat_timeout_s,
                                startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
                                say=self.console.say, live=self.policy.live_launch_ranks, fence=self.cfg.ntp.enabled,
@@ -376,9 +375,6 @@ class Launcher:
         """Every in-rank ``--inject-failure`` that never fired, in one line each and an event: the run never reached
         its iteration and phase (a ``reform`` with no re-formation after it, an iteration past the end of a run
         that stopped early), so a run that was meant to test it did not."""
-        from ntp_megatron.elastic import keys
-        from ntp_megatron.launch.nodes import try_check
-
         if self.store is None:
             return
         for spec in self.failures:
@@ -389,8 +385,6 @@ class Launcher:
 
     def _summarize(self, exit_code: int) -> None:
         """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""
-        from ntp_megatron.launch import run_report
-
         summary = run_report.summarize(self.console.sink.records, wall_s=time.time() - self.started)
         self.console.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
         for line in run_report.summary_lines(summary):

@@ -17,7 +17,8 @@ from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.launch.preflight import pin_checkpoint_load
-from ntp_megatron.plan.stages import load_topology
+from ntp_megatron.plan.layout import TopologyError
+from ntp_megatron.plan.stages import load_topology, restart_layout
 from ntp_megatron.plan.rebalance import Decision, StragglerMonitor, groups_of
 
 
@@ -214,9 +215,7 @@ class RestartSurvivorsPolicy(ControllerPolicy):
         (:func:`ntp_megatron.plan.layout.restart_layout`), the global batch and data order unchanged. The restarted
         job has its own launch ranks (0..), store and controller; injected failures that fired stay fired. False
         if no layout or configuration is possible (the caller stops the job)."""
-        from ntp_megatron.plan.layout import TopologyError
-        from ntp_megatron.plan.stages import restart_layout
-        from ntp_megatron.training import checkpoint
+        from ntp_megatron.training import checkpoint  # Megatron-Core (seconds to import) only when a job restarts
 
         host, c, p = self.host, self.controller, self.host.cfg.parallel
         live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]

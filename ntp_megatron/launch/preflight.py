@@ -12,15 +12,18 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ntp_megatron.config.schema import JobConfig
+import torch
+
 from ntp_megatron.config.files import ConfigError
+from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.training import runtime
 
 
 def check_data(cfg: JobConfig) -> None:
     """Indexed data exists and its split has what evaluation reads (:func:`ntp_megatron.training.data.check_data`)."""
     if cfg.data.mock:
         return
-    from ntp_megatron.training import data
+    from ntp_megatron.training import data  # Megatron-Core's datasets: loaded only when real data is read
 
     try:
         data.check_data(cfg)
@@ -32,10 +35,6 @@ def check_device(cfg: JobConfig) -> None:
     """A config that asks for CUDA (``training.device: cuda`` or ``parallel.backend: nccl``) on a machine where
     torch sees no CUDA device, or ``auto`` on a GPU machine whose CUDA is broken (the environment or the driver
     names GPUs, torch sees none): one line here instead of one per rank. Creates no CUDA context."""
-    import torch
-
-    from ntp_megatron.training import runtime
-
     if cfg.ntp.progress_fence and cfg.training.device == "auto" and cfg.parallel.backend != "gloo":
         try:
             cuda = torch.cuda.is_available()
@@ -100,9 +99,8 @@ def resume_point(cfg: JobConfig):
     Megatron's habit of giving ``--save`` and ``--load`` the same directory works from the first run: with no
     checkpoint there yet the run starts fresh and says so, and the next run resumes from what it saved. A
     ``load`` directory that is not the save directory must exist and hold a checkpoint."""
-    from ntp_megatron.training import runtime
-
     runtime.quiet_optional_dependency_warnings()
+    # Megatron-Core (seconds to import) loads only where a checkpoint is read, after its warnings are quieted
     from ntp_megatron.training.checkpoint import resolve_load_dir
 
     ck = cfg.checkpoint
@@ -129,9 +127,8 @@ def pin_checkpoint_load(cfg: JobConfig):
     (:func:`ntp_megatron.training.checkpoint.plan_load`)."""
     if not cfg.checkpoint.load:
         return None
-    from ntp_megatron.training import runtime
-
     runtime.quiet_optional_dependency_warnings()
+    # Megatron-Core (seconds to import) loads only where a checkpoint is read, after its warnings are quieted
     from ntp_megatron.training import checkpoint
 
     try:  # verifies its files too

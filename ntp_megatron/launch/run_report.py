@@ -131,10 +131,10 @@ def plot(records: list[dict[str, Any]], path: Path,
     iterations, _ = _iterations(records)
     if not iterations:
         return None
-    import matplotlib
+    import matplotlib  # imported when a plot is drawn: it costs the launcher's start-up half a second
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     steps = sorted(iterations)
     panels = 3 if compute else 2

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ntp_megatron.plan.layout import survivor_ranks
+
 PARAM_ALIGN = 64
 """Distributed optimizer only: parameter starts are padded to 64 elements (128-byte aligned at >= 16 bits)."""
 BUCKET_ALIGN = 128
@@ -291,8 +293,6 @@ def shard_plan(old, new, dead_ranks, dp: int, k: int) -> list[ShardMove]:
     instance (a replica healthy in ``old`` first, then the lowest replica index). A process that keeps its role
     keeps its shard: no move. Sorted by (shard, dst). Raises :class:`ShardLostError` naming every needed shard
     without a surviving holder."""
-    from ntp_megatron.plan.layout import survivor_ranks
-
     dead = set(dead_ranks)
     new_of = survivor_ranks(old, new, dead)
     old_present = {rep.index for rep in old.replicas}

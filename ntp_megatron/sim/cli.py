@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
+from ntp_megatron.sim.config import load
+from ntp_megatron.sim.report import summary_table, write_outputs
+from ntp_megatron.sim.run import simulate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,9 +32,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="ntp-sim: %(message)s")
-    from ntp_megatron.sim.config import load
-    from ntp_megatron.sim.report import summary_table, write_outputs
-    from ntp_megatron.sim.run import simulate
 
     started = time.perf_counter()
     try:

@@ -129,10 +129,10 @@ def _sweep_axis(base: SimConfig, points: list[PointResult]) -> tuple[list[float]
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # imported only when plotting: the simulator's tables need no matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend
 
     return plt
 

@@ -206,7 +206,7 @@ def run_poisson(cfg: SimConfig, layout: Layout, strategies: list[Strategy], tick
 
 def simulate(points: list[tuple[str, SimConfig]], progress: bool = False) -> tuple[list[PointResult], list[str]]:
     """Run every sweep point; returns the results and notes to show the user (calibration fallbacks etc.)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # only for a progress bar: the simulator's library use needs none
 
     total = sum(cfg.run.trials for _, cfg in points)
     notes: list[str] = []

@@ -21,9 +21,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError, load_config
+from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
 from ntp_megatron.plan.layout import make_topology, reweight_topology
 from ntp_megatron.plan.memory_plan import ModelDims, unit_cost
-from ntp_megatron.plan.power_curve import Boost
+from ntp_megatron.plan.power_curve import Boost, plan
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,6 @@ def group_step(dims: ModelDims, tp: int, factor: float, compute_fraction: float 
     rebalanced = max(shares[s] * tp / speed[s] for s in range(tp))
     boosted = None
     if boost is not None:
-        from ntp_megatron.plan.power_curve import plan
-
         boosted = max(shares[s] * tp / speed[s] / plan(boost, shares[s], tp, weights[s]).perf for s in range(tp))
     return StragglerCase(step(factor), step(rebalanced), step(boosted) if boosted is not None else None, weight,
                          shares)
@@ -75,18 +75,12 @@ def degraded_step(dims: ModelDims, tp: int, dead_slot: int, compute_fraction: fl
     plain = max(shares) * tp
     boosted = None
     if boost is not None:
-        from ntp_megatron.plan.power_curve import plan
-
         boosted = max(s * tp / plan(boost, s, tp).perf for s in shares)
     frame = 1 - compute_fraction
     return frame + compute_fraction * plain, (frame + compute_fraction * boosted) if boosted is not None else None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
-    from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
-    from ntp_megatron.config.files import load_config
-
     p = argparse.ArgumentParser(prog="python -m ntp_megatron.sim.straggler", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a job config: its model section is the model "
                    "(default: configs/tiny_cpu.yaml)")

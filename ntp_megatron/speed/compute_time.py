@@ -73,7 +73,7 @@ def clock_for(device_type: str, cuda: Optional[Any] = None) -> "HostClock | Devi
     if device_type != "cuda":
         return HostClock()
     if cuda is None:
-        import torch
+        import torch  # only on a CUDA rank: the host's clock needs no torch
 
         cuda = torch.cuda
     clock = DeviceClock(cuda)

@@ -98,7 +98,7 @@ def open_limits(device_uuid: Optional[str], dry_run: bool) -> PowerLimits:
     if device_uuid is None:
         return DryRunLimits("no GPU (CPU run): dry run")
     try:
-        import pynvml
+        import pynvml  # optional: the gpu extra; without it a dry run
     except ImportError:
         return DryRunLimits("pynvml is not installed (the gpu extra): dry run")
     try:

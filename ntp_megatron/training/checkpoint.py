@@ -89,6 +89,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
 from ntp_megatron.core.adam_step import keeps_step_in_groups
+from ntp_megatron.core.gpt import NTPGPTModel
 from ntp_megatron.elastic.errors import OwnError
 from ntp_megatron.patches.dist_checkpointing_filesystem_async import die_with_parent
 from ntp_megatron.core.checkpoint_map import (
@@ -205,8 +206,6 @@ class _Layout:
 
 
 def _is_ntp(model) -> bool:
-    from ntp_megatron.core.gpt import NTPGPTModel
-
     return isinstance(model.module, NTPGPTModel)
 
 

@@ -19,7 +19,10 @@ from typing import Iterator, Optional
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                    parse_and_normalize_split)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.tokenizers import MegatronTokenizer
 
 from ntp_megatron.config.schema import DataSection, JobConfig, split_fractions
@@ -67,8 +70,6 @@ def describe(cfg: JobConfig) -> str:
     needed = f"{t.train_iters * t.global_batch_size} training samples of {m.seq_length} tokens"
     if cfg.data.mock:
         return f"data: mock (Megatron-Core MockGPTDataset, vocabulary {m.vocab_size}), {needed}"
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     prefixes, weights = parse_blend(cfg.data.data_path)
     parts = []
     for i, prefix in enumerate(prefixes):
@@ -137,10 +138,6 @@ def check_evaluation_split(cfg: JobConfig) -> None:
     document of some prefix (Megatron's builder would loop forever on it), before anything is built."""
     if cfg.data.mock or not cfg.training.evaluates:
         return
-    from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     split_matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(cfg.data.split))
     for prefix in parse_blend(cfg.data.data_path)[0]:
         documents = IndexedDataset(prefix, mmap=True).sequence_lengths.shape[0]

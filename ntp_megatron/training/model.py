@@ -11,14 +11,18 @@ import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.models.gpt import GPTModel
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 
 from ntp_megatron import phases
 from ntp_megatron.config.schema import JobConfig
+from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt, uniform_shard
+from ntp_megatron.core.init import initialize_layout_free
 from ntp_megatron.plan.optimizer_shards import ddp_bucket_size
 
 logger = logging.getLogger(__name__)
@@ -107,14 +111,10 @@ FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusi
 
 
 def _fused_rope_available() -> bool:
-    from megatron.core.models.common.embeddings import rope_utils
-
     return rope_utils.fused_apply_rotary_pos_emb is not None
 
 
 def layer_spec(cfg: JobConfig):
-    from megatron.core.models.gpt import gpt_layer_specs
-
     if cfg.model.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -174,8 +174,6 @@ def build_model(
             if initialize:
                 initialize_uniform_layout_free(gpt, tf_config, cfg.training.seed, pg_collection.tp, pp.rank())
     else:
-        from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
-
         units = RankUnits(*(tuple(topology.units_of(rank, family)) for family in ("heads", "ffn", "vocab")))
         gpt = build_ntp_gpt(tf_config, units, m.normalization, m.vocab_size, initialize=initialize,
                             init=cfg.initializer, seed=cfg.training.seed, device=device,
@@ -203,8 +201,6 @@ def mark_progress(gpt: torch.nn.Module) -> None:
     """A progress mark (:func:`ntp_megatron.phases.tick`) as every transformer layer's forward begins and as its
     backward begins, so that a working rank's progress count moves within a micro-batch (``ntp.progress_fence``:
     the launcher takes a rank whose count stands still while its peers wait on it for a stuck one)."""
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     for module in gpt.modules():
         if isinstance(module, TransformerLayer):
             module.register_forward_pre_hook(_tick_forward)
@@ -243,9 +239,6 @@ def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerC
                                    stage: int = 0) -> None:
     """``model.init: layout_free`` for a plain Megatron model at uniform TP, any stage: the same values as every NTP
     layout (and every pipeline layout: layers are named by their global number)."""
-    from ntp_megatron.core.init import initialize_layout_free
-    from ntp_megatron.core.gpt import uniform_shard
-
     rank, size = tp_group.rank(), tp_group.size()
     initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size),
                            layer_offset=layer_offset(tf_config, stage))
@@ -253,6 +246,4 @@ def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerC
 
 def layer_offset(tf_config: TransformerConfig, stage: int) -> int:
     """The global number of pipeline stage ``stage``'s first transformer layer (Megatron's rule)."""
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     return get_transformer_layer_offset(tf_config, pp_rank=stage)

@@ -59,12 +59,9 @@ def read_documents(path: Path, json_key: Optional[str]) -> Iterator[str]:
 def build_indexed_dataset(inputs: Sequence[Path], output_prefix: str, json_key: Optional[str] = None,
                           vocab_size: int = 256) -> tuple[str, int, int]:
     """Write ``<output_prefix>_text_document.{bin,idx}``; returns (dataset prefix, documents, tokens)."""
-    import numpy
-    import torch
-
-    from ntp_megatron.training.runtime import quiet_optional_dependency_warnings
-
     quiet_optional_dependency_warnings()
+    # Megatron-Core (seconds to import) after its warnings are quieted, and only when data is written: --help and a
+    # bad argument answer at once
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
     from megatron.core.tokenizers import MegatronTokenizer
 

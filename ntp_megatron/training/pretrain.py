@@ -29,13 +29,19 @@ from megatron.core import tensor_parallel  # noqa: E402
 
 from ntp_megatron import faults, phases  # noqa: E402
 
-from ntp_megatron.speed import compute_time, device_model
+from ntp_megatron.speed import compute_time, device_model  # noqa: E402
 from ntp_megatron.config.schema import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
-from ntp_megatron.elastic.generation import JobStopped  # noqa: E402
+from ntp_megatron.elastic.generation import ElasticRank, JobStopped, NodePlane  # noqa: E402
 from ntp_megatron.elastic.reform import Retired  # noqa: E402
-from ntp_megatron.elastic.session import NullSession  # noqa: E402
+from ntp_megatron.elastic.session import ElasticSession, NullSession  # noqa: E402
+from ntp_megatron.elastic.watchdog import store_factory  # noqa: E402
 from ntp_megatron.patches import apply_patches  # noqa: E402
+from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups  # noqa: E402
+from ntp_megatron.plan.placement import Placement, launch_nodes, launch_slots  # noqa: E402
+from ntp_megatron.speed.power import open_limits  # noqa: E402
+from ntp_megatron.training.boosting import Booster  # noqa: E402
+from ntp_megatron.training.builder import RankBuilder  # noqa: E402
 from ntp_megatron.training import checkpoint, data, parallel  # noqa: E402
 from ntp_megatron.training.comm_stats import CommStats  # noqa: E402
 from ntp_megatron.training.components import build_components  # noqa: E402
@@ -135,12 +141,6 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
 
 def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.device) -> tuple[Trainer, dist.Store]:
     """NTP on: everything but the layout-dependent objects, which the first (re-)formation builds."""
-    from ntp_megatron.elastic.generation import ElasticRank
-    from ntp_megatron.elastic.session import ElasticSession
-    from ntp_megatron.elastic.watchdog import store_factory
-    from ntp_megatron.patches.optimizer_param_groups import set_identical_param_groups
-    from ntp_megatron.training.builder import RankBuilder
-
     set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
     p = cfg.parallel
     elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port),
@@ -161,10 +161,6 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
 def _node_plane(env: runtime.RankEnv, cfg: JobConfig):
     """On several nodes, the two-level control plane: this node's store (the root itself on node 0) and where every
     launch rank runs. None on one node."""
-    from ntp_megatron.elastic.generation import NodePlane
-    from ntp_megatron.elastic.watchdog import store_factory
-    from ntp_megatron.plan.placement import Placement, launch_nodes, launch_slots
-
     if env.nnodes == 1:
         return None
     p = cfg.parallel
@@ -241,9 +237,6 @@ def _booster(cfg: JobConfig, env: runtime.RankEnv, device: torch.device,
     """Power boost for this rank (``ntp.boost``), on its device's NVML power limit or as a dry run."""
     if not cfg.ntp.boost:
         return None
-    from ntp_megatron.speed.power import open_limits
-    from ntp_megatron.training.boosting import Booster
-
     uuid = None
     if device.type == "cuda":  # NVML names the device by its UUID (its indices are not CUDA's)
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -7,17 +7,15 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import metrics, phases
 from ntp_megatron.patches import dist_checkpointing_filesystem_async
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.loop_state import LoopState
-
-if TYPE_CHECKING:
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 
 class Checkpoints:
@@ -47,8 +45,6 @@ class Checkpoints:
         queue = None
         if trainer.cfg.checkpoint.async_save:
             if self.async_saves is None:
-                from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
                 self.async_saves = AsyncCallsQueue(persistent=False)  # a forked writer per save
             self.finalize(blocking=True)
             queue = self.async_saves

@@ -40,7 +40,7 @@ def serve() -> int:
     os.environ.clear()
     os.environ.update(env)
     runtime.become_rank_process(int(env[runtime.ENV_RANK]))
-    from ntp_megatron.training import pretrain
+    from ntp_megatron.training import pretrain  # loaded already by __main__ below; a name for it here
 
     return pretrain.main()
 

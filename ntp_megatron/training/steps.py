@@ -10,6 +10,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ntp_megatron import phases
+from ntp_megatron.core.pipeline import NTPP2PCommunicator
 
 
 def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iterator: Iterator, num_microbatches: int,
@@ -19,8 +20,6 @@ def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iter
     on the other stages)."""
     groups = {"pg_collection": setup.pg}
     if setup.stages > 1 and setup.groups is not None:  # NTP: stages of different widths border each other
-        from ntp_megatron.core.pipeline import NTPP2PCommunicator
-
         device = next(model.parameters()).device
         groups["p2p_communicator"] = NTPP2PCommunicator(setup.groups.pipeline, setup.rank, tf_config, device)
     elif setup.stages > 1:  # the 1F1B schedule takes explicit groups only together with its communicator
