@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ntp_megatron.core.adam_step import read_step, write_step
 from ntp_megatron.core.layers import UnitShard
 from ntp_megatron.plan.layout import Topology, survivor_ranks, transition_plan
-from ntp_megatron.plan.stages import PipelineTopology
+from ntp_megatron.plan.stages import has_stages, stages_of
 from ntp_megatron.plan.optimizer_shards import ShardId, shard_plan
 
 Unit = tuple[str, int]  # (family, unit id)
@@ -64,8 +64,8 @@ def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) 
     both ends numbered in the new generation. With pipeline stages (:class:`ntp_megatron.plan.stages.PipelineTopology`)
     each stage's own: nothing crosses stages."""
     dead = list(dead_old_ranks)
-    if isinstance(old, PipelineTopology):
-        return [transfer for before, after in zip(old.stages, new.stages)
+    if has_stages(old):
+        return [transfer for before, after in zip(stages_of(old), stages_of(new))
                 for transfer in plan_transfers(before, after, [r for r in dead if r in before.ranks])]
     survivors = survivor_ranks(old, new, dead)
     grouped: dict[tuple[int, int], list[Unit]] = defaultdict(list)

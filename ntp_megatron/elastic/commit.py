@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import keys, publication
 from ntp_megatron.phases import waiting
 
 COMMIT, ABORT = "commit", "abort"
@@ -52,8 +52,6 @@ class NodeShare:
 BRING_WAIT_S = 1.0
 """How long a node's last voter waits on the root for the decision before it looks whether the generation ended
 without one."""
-_ABSENT = "\x00absent"
-"""What ``compare_set`` answers for a key that does not exist (and then leaves it absent)."""
 
 
 class CommitProtocol:
@@ -133,7 +131,7 @@ class CommitProtocol:
         if value is None:  # the generation ended without a decision: the relay copies its end
             return
         if value == COMMIT_REFORM:  # the ranks move to the generation published for it: copy it first
-            copy_published(self.root, self.store, since=self.generation)
+            publication.copy_to_node(self.root, self.store, since=self.generation)
         self.store.set(key, value)
         if iteration is not None and iteration > 2:
             self.store.delete_key(keys.decision(self.generation, iteration - 2))
@@ -146,7 +144,7 @@ class CommitProtocol:
             try:
                 with waiting():
                     self.root.wait([key], timedelta(seconds=BRING_WAIT_S))
-                value = read_if_set(self.root, key)  # None if the wait ended on a compare_set that wrote nothing
+                value = keys.read_if_set(self.root, key)  # None if the wait ended on a compare_set that wrote nothing
                 if value is not None:
                     return value.decode()
             except dist.DistStoreError:
@@ -232,36 +230,6 @@ def settle(store: dist.Store, generation: int) -> Optional[tuple[int, str, int]]
 def abandon_formation(store: dist.Store, generation: int) -> bool:
     """Controller side: mark a re-formation incomplete unless it already completed; True if it was stopped."""
     return _first_write(store, keys.formed(generation), INCOMPLETE) == INCOMPLETE
-
-
-def read_if_set(store: dist.Store, key: str) -> Optional[bytes]:
-    """``key``'s value, or None if it is not set: one request (``check`` then ``get`` are three)."""
-    value = store.compare_set(key, _ABSENT, _ABSENT)
-    return None if value == _ABSENT.encode() else value
-
-
-def copy_published(root: dist.Store, local: dist.Store, since: int = -1) -> int:
-    """Copy into a node's store the generations the controller published after ``since`` (their ``info``, then
-    ``latest``); returns the newest, or ``since`` if none is published."""
-    value = read_if_set(root, keys.LATEST)
-    latest = int(value.decode()) if value is not None else -1
-    for generation in range(since + 1, latest + 1):
-        local.set(keys.info(generation), read_if_set(root, keys.info(generation)))
-    if latest > since:
-        raise_latest(local, latest)
-    return max(latest, since)
-
-
-def raise_latest(local: dist.Store, latest: int) -> int:
-    """Set a node store's ``latest`` to ``latest`` unless it holds a newer generation; returns what it holds. Two
-    writers copy it from the root (the relay, a node's last voter that brings ``commit+reform``), each from a read
-    that may be older than the other's write: a plain set could take the node's ranks back to a generation already
-    ended, whose end the relay does not write again."""
-    want = str(latest)
-    current = local.compare_set(keys.LATEST, "", want)  # set where absent
-    while int(current.decode()) < latest:
-        current = local.compare_set(keys.LATEST, current, want)
-    return int(current.decode())
 
 
 def note_aware(store: dist.Store, generation: int, launch_rank: int, when: float) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
-from ntp_megatron.elastic import group_backend, keys
+from ntp_megatron.elastic import group_backend, keys, publication
 from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
 from ntp_megatron.plan.group_plan import GroupKey, Offer, keep_verdict
@@ -34,7 +34,6 @@ from ntp_megatron.sockets import SocketScope, connections_to, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import load_topology, published_topology
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ class NodePlane:
     min_tp: int = 1
     policy: str = "drop_replica"
     """``ntp.min_tp`` and ``ntp.on_unrecoverable``: with them a rank computes a new generation's topology from what
-    its publication says changed, as the controller did (:func:`ntp_megatron.plan.stages.published_topology`)."""
+    its publication says changed, as the controller did (:func:`ntp_megatron.elastic.publication.computed`)."""
 
     def first_on_node(self, topology: Topology, identities: dict[int, tuple[int, ...]], launch_rank: int) -> bool:
         """Whether ``launch_rank`` is the first live launch rank of this node in ``topology``."""
@@ -152,9 +151,9 @@ class ElasticRank:
             info = self.info(generation)
             base = self._topologies.get(info["base"])
             if base is not None:
-                topology = published_topology(base, info, generation, self.nodes.min_tp, self.nodes.policy)
+                topology = publication.computed(base, info, generation, self.nodes.min_tp, self.nodes.policy)
         if topology is None:
-            topology = load_topology(json.loads(self.ctl.get(keys.topology(generation))))
+            topology = publication.topology(self.ctl, generation)
         self._topologies[generation] = topology
         for old in sorted(self._topologies)[:-TOPOLOGIES_KEPT]:
             del self._topologies[old]
@@ -171,10 +170,10 @@ class ElasticRank:
         return out
 
     def latest(self) -> int:
-        return int(self.local.get(keys.LATEST).decode())
+        return publication.latest(self.local)
 
     def info(self, generation: int) -> dict:
-        return json.loads(self.local.get(keys.info(generation)))
+        return publication.info(self.local, generation)
 
     def rank_in(self, topology: Topology) -> Optional[int]:
         return topology.rank_of(*self.identity)
@@ -360,7 +359,7 @@ class ElasticRank:
         while True:
             if self.local.check([keys.STOP]):
                 raise JobStopped(f"job stopped by the launcher: {self.local.get(keys.STOP).decode()}")
-            latest = int(self.local.get(keys.LATEST).decode()) if self.local.check([keys.LATEST]) else 0
+            latest = max(publication.newest(self.local), 0)
             if latest > generation:
                 return self.topology(latest), self.info(latest)
             if time.monotonic() > deadline:

@@ -9,7 +9,7 @@ A *generation* is one process-group epoch: its topology, its own store prefix fo
 from __future__ import annotations
 
 import json
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 PREFIX = "elastic/"
 LATEST = PREFIX + "latest"
@@ -255,3 +255,14 @@ def evaluated(generation: int, iteration: int, split: str, final: bool) -> str:
     """JSON record of an evaluation, written by every rank that completed it in generation ``g`` (so a rank whose
     evaluation failed there knows, after the re-formation, whether to do it again)."""
     return f"{PREFIX}gen{generation}/evaluated/{split}/{iteration}{'/final' if final else ''}"
+
+
+_ABSENT = "\x00absent"
+"""What ``compare_set`` answers for a key that does not exist (and then leaves it absent)."""
+
+
+def read_if_set(store: Any, key: str) -> Optional[bytes]:
+    """``key``'s value in ``store`` (a ``torch.distributed.Store``), or None if it is not set: one request
+    (``check`` then ``get`` are three)."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if value == _ABSENT.encode() else value

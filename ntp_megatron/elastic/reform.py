@@ -44,7 +44,7 @@ from ntp_megatron.core.adam_step import read_step, write_step
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, COMPLETE, CommitProtocol
-from ntp_megatron.elastic.controller import ShardedOptimizer
+from ntp_megatron.plan.succession import ShardedOptimizer
 from ntp_megatron.elastic.errors import OWN_OR_PEER, GenerationEnded, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.host import Builder, RankObjects, Training
@@ -412,7 +412,7 @@ class Reformer:
                                             for j in joined)
         elif info.get("weights"):
             what = "rebalanced: " + "; ".join(
-                f"replica {r}" + (f" stage {p}" if isinstance(topology, stages.PipelineTopology) else "") + " "
+                f"replica {r}" + (f" stage {p}" if stages.has_stages(topology) else "") + " "
                 + (", ".join(f"slot {slot} weight {w}" for slot, w in pairs) or "even") for r, p, pairs in info["weights"])
         else:
             what = f"recovered in {recovery_s:.2f} s"

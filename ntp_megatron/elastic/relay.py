@@ -44,7 +44,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.commit import copy_published, raise_latest, read_if_set
+from ntp_megatron.elastic.publication import copy_to_node, published_since, raise_latest
 from ntp_megatron.sockets import SocketScope, connected_to, shutdown_sockets
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ class NodeRelay:
             if self._await(root, keys.LATEST) is None:
                 return  # stopped
             if root.check([keys.LATEST]):  # a wait also ends when a compare_set names the absent key
-                self.published = copy_published(root, local)
+                self.published = copy_to_node(root, local)
         while not self._stop.is_set():
             g = self.generation
             ended = self._await(root, keys.abort(g))
@@ -230,17 +230,14 @@ class NodeRelay:
         completed): its formation's verdict, the last committed iteration's decision (a rank that had not stepped
         it rolls forward) and the next one's."""
         out = []
-        committed = int(read_if_set(root, keys.COMMITTED).decode())
+        committed = int(keys.read_if_set(root, keys.COMMITTED).decode())
         for key in (keys.STOP, keys.formed(g), keys.decision(g, committed), keys.decision(g, committed + 1)):
-            value = read_if_set(root, key)
+            value = keys.read_if_set(root, key)
             if value is not None:  # the same value where a rank of the node brought it already
                 out.append((key, value))
         # Then what was published: a survivor reads the decision on the iteration it voted once it sees the new
         # generation.
-        latest = int(read_if_set(root, keys.LATEST).decode())
-        out += [(keys.info(h), read_if_set(root, keys.info(h))) for h in range(self.published + 1, latest + 1)]
-        out.append((keys.LATEST, str(latest)))
-        return out
+        return out + published_since(root, self.published)
 
     def _await(self, root: dist.Store, key: str) -> Optional[bytes]:
         """The root's value of ``key`` once it is written; None if the relay stops first."""

@@ -11,14 +11,15 @@ from typing import Optional
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.config.files import ConfigError
-from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.controller import Controller, Death, ShardedOptimizer
+from ntp_megatron.elastic import keys, publication
+from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.plan.succession import ShardedOptimizer
 from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
 from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.launch.preflight import pin_checkpoint_load
 from ntp_megatron.plan.layout import TopologyError
-from ntp_megatron.plan.stages import load_topology, restart_layout
+from ntp_megatron.plan.stages import restart_layout
 from ntp_megatron.plan.rebalance import Decision, StragglerMonitor, groups_of
 
 
@@ -299,13 +300,11 @@ class WorkerNodePolicy(NTPPolicy):
             return
         store = self.host.store
         try:
-            if not store.check([keys.COMPLETED]):  # generation 0 still forming (a get would wait for it)
-                return
-            completed, latest = (int(store.get(k).decode()) for k in (keys.COMPLETED, keys.LATEST))
-            if completed != latest:
+            completed = publication.newest(store, keys.COMPLETED)  # -1 while generation 0 forms: never waits
+            if completed < 0 or completed != publication.newest(store):
                 return
             if completed != self._topology_generation:
-                self._topology = load_topology(json.loads(store.get(keys.topology(completed)).decode()))
+                self._topology = publication.topology(store, completed)
                 self._topology_generation = completed
             local = {lr: self.host.launch_slots[lr] for lr in self.host.local_ranks}
             decisions = [d.to_json() for d in self.slow_groups(self._topology, local, completed)]

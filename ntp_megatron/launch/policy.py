@@ -19,7 +19,8 @@ import torch.distributed as dist
 from ntp_megatron.plan import stages
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.plan.grid import Grid
-from ntp_megatron.elastic.controller import Death, injected_failure
+from ntp_megatron.elastic.controller import Death
+from ntp_megatron.elastic.failure_report import injected_failure
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.nodes import Nodes, publish_death, published_deaths, read_abort, set_abort

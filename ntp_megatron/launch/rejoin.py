@@ -10,16 +10,14 @@ has formed, its rank's count starts over, so every later failure of the slot get
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from typing import Callable
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import keys, publication
 from ntp_megatron.launch.processes import describe_exit, signal_group
-from ntp_megatron.plan.stages import load_topology
 
 
 class Rejoins:
@@ -152,7 +150,7 @@ def _generation(store: dist.Store, key: str) -> int:
     """The generation number under ``key`` (:data:`~ntp_megatron.elastic.keys.LATEST` or ``COMPLETED``), -1 if
     there is none (or the store cannot say)."""
     try:
-        return int(store.get(key).decode()) if store.check([key]) else -1
+        return publication.newest(store, key)
     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
         return -1
 
@@ -164,7 +162,7 @@ def slot_live(store: dist.Store, generation_key: str, slot: tuple[int, int]) -> 
     if generation < 0:
         return False
     try:
-        topology = load_topology(json.loads(store.get(keys.topology(generation)).decode()))
+        topology = publication.topology(store, generation)
     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
         return False
     return topology.rank_of(*slot) is not None

@@ -28,6 +28,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
+from ntp_megatron.plan.stages import reweight_topology, stages_of
+
 NORMAL = 100
 """The weight of a rank at normal speed."""
 
@@ -148,7 +150,7 @@ def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
     (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks and,
     given each stage's parameter elements per unit of each family (``unit_costs[stage]``,
     :func:`ntp_megatron.plan.memory_plan.unit_cost`), the work each member holds."""
-    stages = getattr(topology, "stages", (topology,))
+    stages = stages_of(topology)
     by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
     out = []
     for p, stage in enumerate(stages):
@@ -163,3 +165,18 @@ def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
             out.append(Group(rep.index, p, {s: by_place[rep.index, s, p] for s in rep.slots}, dict(rep.weights),
                              work))
     return out
+
+
+def refusal(old, decision: Decision, min_tp: int) -> Optional[str]:
+    """Why ``decision`` is not worth a re-formation of ``old`` (a job's topology), None if it is: "" when its weights
+    give the layout ``old`` already has; a sentence when a rank would hold more of a family than at ``min_tp`` (what
+    the memory plan and ``ntp.memory_budget_gib`` vouch for)."""
+    where = (decision.replica, decision.stage)
+    new = stages_of(reweight_topology(old, {where: dict(decision.weights)}))[decision.stage]
+    before, after = stages_of(old)[decision.stage].replica(decision.replica), new.replica(decision.replica)
+    most = {f: max(len(units) for units in new.layout(f, decision.replica)) for f in new.units}
+    over = {f: n for f, n in most.items() if n > -(-new.units[f] // min_tp)}
+    if over:
+        return (f"not rebalancing replica {decision.replica} to weights {dict(decision.weights)}: a rank would "
+                f"hold {over} units, more than at ntp.min_tp ({min_tp}), which the memory plan vouches for")
+    return None if after.dealt != before.dealt else ""

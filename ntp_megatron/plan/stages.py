@@ -204,6 +204,16 @@ def live_widths(topology: "Topology | PipelineTopology") -> list:
     return [rep.width for rep in topology.replicas]
 
 
+def stages_of(topology: "Topology | PipelineTopology") -> tuple[Topology, ...]:
+    """The layout of every stage of a job's topology: the topology itself where the job has no pipeline stages."""
+    return topology.stages if isinstance(topology, PipelineTopology) else (topology,)
+
+
+def has_stages(topology: "Topology | PipelineTopology") -> bool:
+    """Whether the job runs pipeline stages (its events and lines then name the stage)."""
+    return isinstance(topology, PipelineTopology)
+
+
 def _step(direction: str) -> int:
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")

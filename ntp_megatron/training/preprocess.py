@@ -59,9 +59,15 @@ def read_documents(path: Path, json_key: Optional[str]) -> Iterator[str]:
 def build_indexed_dataset(inputs: Sequence[Path], output_prefix: str, json_key: Optional[str] = None,
                           vocab_size: int = 256) -> tuple[str, int, int]:
     """Write ``<output_prefix>_text_document.{bin,idx}``; returns (dataset prefix, documents, tokens)."""
+    # torch and Megatron-Core (seconds to import) only when data is written, Megatron-Core after its warnings are
+    # quieted: --help and a bad argument answer at once
+    import numpy
+    import torch
+
+    from ntp_megatron.training.runtime import quiet_optional_dependency_warnings
+
     quiet_optional_dependency_warnings()
-    # Megatron-Core (seconds to import) after its warnings are quieted, and only when data is written: --help and a
-    # bad argument answer at once
+    # now Megatron-Core (see above)
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
     from megatron.core.tokenizers import MegatronTokenizer
 

@@ -4,16 +4,15 @@ must wait for each other (a vote completes only when every rank voted)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import keys, publication
 from ntp_megatron.elastic.commit import CommitProtocol, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.layout import Topology, make_topology
-from ntp_megatron.plan.stages import PipelineTopology, load_topology, make_pipeline_topology
+from ntp_megatron.plan.stages import PipelineTopology, make_pipeline_topology
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
 WAIT_S = 10.0
@@ -55,13 +54,13 @@ class Job:
 
     # -- what the store says -------------------------------------------------------------------------------------
     def topology(self, generation: int) -> "Topology | PipelineTopology":
-        return load_topology(json.loads(self.store.get(keys.topology(generation))))
+        return publication.topology(self.store, generation)
 
     def info(self, generation: int) -> dict:
-        return json.loads(self.store.get(keys.info(generation)))
+        return publication.info(self.store, generation)
 
     def latest(self) -> int:
-        return int(self.store.get(keys.LATEST))
+        return publication.latest(self.store)
 
     def committed(self) -> int:
         return int(self.store.get(keys.COMMITTED))

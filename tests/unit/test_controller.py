@@ -486,13 +486,13 @@ def test_a_rebalance_that_moves_nothing_or_exceeds_min_tp_is_not_published():
     assert not strict.controller.rebalance([half]) and strict.latest() == 0
     assert any("not rebalancing replica 0" in line and "ntp.min_tp (4)" in line for line in strict.said)
     worked = []
-    import ntp_megatron.elastic.controller as controller_module
-    real = controller_module.reweight_topology
-    controller_module.reweight_topology = lambda *a, **k: worked.append(1) or real(*a, **k)
+    import ntp_megatron.plan.rebalance as rebalance_module  # where a decision is worked out
+    real = rebalance_module.reweight_topology
+    rebalance_module.reweight_topology = lambda *a, **k: worked.append(1) or real(*a, **k)
     try:  # the monitor makes the refused decision again at every pass: not worked out again, not said again
         assert not strict.controller.rebalance([half]) and not strict.controller.rebalance([half])
     finally:
-        controller_module.reweight_topology = real
+        rebalance_module.reweight_topology = real
     assert worked == [] and sum("not rebalancing" in line for line in strict.said) == 1
     job = _job(4, 1)
     job.form(0)

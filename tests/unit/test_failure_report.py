@@ -118,7 +118,7 @@ def test_notes_whose_count_was_lost_are_still_reported_once_the_wait_is_over():
     old = make_topology(2, 2, UNITS)
     for rank in (0, 1, 2):
         store.set(keys.aware(0, rank), repr(time.time()))  # no count
-    controller._report([Death(3, time.time(), "was killed by signal SIGKILL", 4242)], old, None, [0, 1, 2],
+    controller.reports.report([Death(3, time.time(), "was killed by signal SIGKILL", 4242)], old, None, [0, 1, 2],
                        wait_s=0.2)
     [failed] = [r for r in records if r.get("event") == "rank_failed"]
     assert failed["detect_s"] is not None, failed

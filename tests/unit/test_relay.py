@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import ABORT, BRING_WAIT_S, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, \
-    CommitProtocol, NodeShare, abandon_formation, copy_published, raise_latest, settle
+    CommitProtocol, NodeShare, abandon_formation, settle
 from ntp_megatron.elastic.controller import Controller, Death
+from ntp_megatron.elastic.publication import copy_to_node, raise_latest
 from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory
@@ -53,7 +54,7 @@ class Nodes:
         self.per_node = per_node
         self.controller = Controller(self.root, make_topology(1, sum(per_node), {"layer": 2}), min_tp=1,
                                      policy="drop_replica", say=lambda _: None, emit=lambda _: None)
-        self.controller._report_deaths = lambda *args: None  # its wait for the survivors' notes is not tested here
+        self.controller.reports.start = lambda *args: None  # its wait for the survivors' notes is not tested here
         self.relays = {i: NodeRelay(lambda t: _client(self.root.port, t), i)
                        for i in range(1, len(per_node))}
 
@@ -317,7 +318,7 @@ def test_a_survivor_that_sees_the_new_generation_finds_its_decision_first(by):
     root = _root()
     controller = Controller(root, make_topology(1, 2, {"layer": 2}), min_tp=1, policy="drop_replica",
                             say=lambda _: None, emit=lambda _: None)
-    controller._report_deaths = lambda *args: None
+    controller.reports.start = lambda *args: None
     server = _root()
     written: list[str] = []
     relay = NodeRelay(lambda t: _client(root.port, t), 1, lambda t: Recording(_client(server.port, t), written))
@@ -355,7 +356,7 @@ def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(stag
     start = make_topology(4, 2, {"vocab": 64, "layer": 8}) if stages == 1 else \
         make_pipeline_topology(4, 2, 2, {"vocab": 64, "layer": 8})
     controller = Controller(store, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
-    controller._report_deaths = lambda *args: None
+    controller.reports.start = lambda *args: None
     store.set(keys.abort(0), "")  # nothing of the ranks: the controller only publishes
     assert controller.handle([Death(rank, 0.0, "killed") for rank in dead[:1]]) is None
     if len(dead) > 1:  # before generation 1 formed
@@ -401,7 +402,7 @@ def test_latest_never_goes_back_in_a_node_store():
         root.set(keys.info(g), json.dumps({"g": g}))
     root.set(keys.LATEST, "1")  # what the slow writer read
     node.set(keys.LATEST, "2")  # what the other wrote meanwhile
-    assert copy_published(root, node, since=0) == 1
+    assert copy_to_node(root, node, since=0) == 1
     assert node.get(keys.LATEST).decode() == "2"
     assert json.loads(node.get(keys.info(1))) == {"g": 1}
     assert raise_latest(node, 3) == 3 and node.get(keys.LATEST).decode() == "3"

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.elastic.controller import ShardedOptimizer
+from ntp_megatron.plan.succession import ShardedOptimizer
 from tests.unit.elastic_job import Job
 from tests.unit.interleavings import hash_store
 

@@ -1,0 +1,105 @@
+"""A generation's publication: the one place that writes what a generation is, and the one every reader goes through.
+
+The controller (launcher of node 0) publishes generation ``g`` with :func:`publish`: its *info* (the generation it
+builds on, the slots that died or join, new weights, the iteration settled, the deaths), its whole topology, then
+``latest``. Everyone else reads it here: a rank (:func:`topology`, computed from the info where the rank holds the
+topology it builds on, as the controller computed it), a node's relay and last voter (the info and ``latest``
+copied into the node's store: :func:`copy_to_node`, :func:`published_since`), the launcher's rejoin and rebalance
+requests, the control plane's load test.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+from ntp_megatron.elastic import keys
+from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import PipelineTopology, load_topology, published_topology
+
+Store = Any
+"""A ``torch.distributed.Store`` (root or node store): duck-typed, so this module loads without torch."""
+JobTopology = Union[Topology, PipelineTopology]
+
+
+def publish(store: Store, topology: JobTopology, info: dict, boundary_of: Optional[int] = None) -> list[tuple[str, str]]:
+    """Publish ``topology``'s generation: its info, its topology, then ``latest``; with ``boundary_of``, ask that
+    running generation to move to it after its next committed iteration (an admission or a rebalance). Returns what a
+    node's store needs of it (info and latest), for the controller to write into the end of the generations it
+    replaces."""
+    g = topology.generation
+    text = json.dumps(info)
+    store.set(keys.info(g), text)
+    store.set(keys.topology(g), json.dumps(topology.to_json()))
+    store.set(keys.LATEST, str(g))
+    if boundary_of is not None:
+        store.set(keys.reform_requested(boundary_of), str(g))
+    return [(keys.info(g), text), (keys.LATEST, str(g))]
+
+
+# -- reading ----------------------------------------------------------------------------------------------------------
+
+def latest(store: Store) -> int:
+    """The newest published generation (waits, within the store's timeout, until generation 0 is published)."""
+    return int(store.get(keys.LATEST).decode())
+
+
+def newest(store: Store, key: str = keys.LATEST) -> int:
+    """The generation number under ``key`` (``keys.LATEST`` or ``keys.COMPLETED``) without waiting; -1 if there is
+    none yet."""
+    value = keys.read_if_set(store, key)
+    return int(value.decode()) if value is not None else -1
+
+
+def info(store: Store, generation: int) -> dict:
+    """Why ``generation`` exists (see :func:`publish`)."""
+    return json.loads(store.get(keys.info(generation)))
+
+
+def topology(store: Store, generation: int) -> JobTopology:
+    """``generation``'s whole topology, as published (one read of its size: a rank that holds the generation it
+    builds on computes it instead, :func:`computed`)."""
+    return load_topology(json.loads(store.get(keys.topology(generation))))
+
+
+def computed(base: JobTopology, published: dict, generation: int, min_tp: int = 1,
+             policy: str = "drop_replica") -> JobTopology:
+    """``generation``'s topology from the one it builds on and what its info says changed, as the controller computed
+    it (:func:`ntp_megatron.plan.stages.published_topology`)."""
+    return published_topology(base, published, generation, min_tp, policy)
+
+
+# -- a node's copy ----------------------------------------------------------------------------------------------------
+
+def published_since(root: Store, since: int) -> list[tuple[str, bytes | str]]:
+    """What a node's store lacks of the root's publications after generation ``since``: each one's info, then
+    ``latest`` (last: a rank that sees it finds the info there)."""
+    newest_g = newest(root)
+    out: list[tuple[str, bytes | str]] = [(keys.info(g), keys.read_if_set(root, keys.info(g)))
+                                          for g in range(since + 1, newest_g + 1)]
+    out.append((keys.LATEST, str(newest_g)))
+    return out
+
+
+def copy_to_node(root: Store, local: Store, since: int = -1) -> int:
+    """Copy into a node's store the generations published after ``since`` (their info, then ``latest``); returns the
+    newest, or ``since`` if none is published."""
+    entries = published_since(root, since)
+    newest_g = int(entries[-1][1])
+    for key, value in entries[:-1]:
+        local.set(key, value)
+    if newest_g > since:
+        raise_latest(local, newest_g)
+    return max(newest_g, since)
+
+
+def raise_latest(local: Store, generation: int) -> int:
+    """Set a node store's ``latest`` to ``generation`` unless it holds a newer one; returns what it holds. Two
+    writers copy it from the root (the relay, a node's last voter that brings ``commit+reform``), each from a read
+    that may be older than the other's write: a plain set could take the node's ranks back to a generation already
+    ended, whose end the relay does not write again."""
+    want = str(generation)
+    current = local.compare_set(keys.LATEST, "", want)  # set where absent
+    while int(current.decode()) < generation:
+        current = local.compare_set(keys.LATEST, current, want)
+    return int(current.decode())
