@@ -22,7 +22,8 @@ Store = Any
 JobTopology = Union[Topology, PipelineTopology]
 
 
-def publish(store: Store, topology: JobTopology, info: dict, boundary_of: Optional[int] = None) -> list[tuple[str, str]]:
+def publish(store: Store, topology: JobTopology, info: dict,
+            boundary_of: Optional[int] = None) -> list[tuple[str, str]]:
     """Publish ``topology``'s generation: its info, its topology, then ``latest``; with ``boundary_of``, ask that
     running generation to move to it after its next committed iteration (an admission or a rebalance). Returns what a
     node's store needs of it (info and latest), for the controller to write into the end of the generations it

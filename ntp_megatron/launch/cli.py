@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Optional, Sequence, Union
 
 from ntp_megatron import faults
-
 from ntp_megatron.config import flags
+from ntp_megatron.config.files import ConfigError
 from ntp_megatron.config.schema import JobConfig, load_job_config
+from ntp_megatron.launch import preflight
+from ntp_megatron.plan import memory_plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,3 +55,53 @@ def resolve_config(args: argparse.Namespace, extra: Sequence[str]) -> JobConfig:
     if args.run_dir is not None:
         overrides.append(f"logging.run_dir={json.dumps(str(args.run_dir))}")
     return load_job_config(args.config, overrides)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What the command line asks this launcher to run, checked before any rank starts."""
+
+    cfg: JobConfig
+    config_path: Path
+    """Where the resolved config is written for the ranks to read."""
+    failures: list
+    """The ``--inject-failure`` specs (:func:`ntp_megatron.faults.parse_failure_spec`)."""
+    start: Optional[Any]
+    """The checkpoint the run resumes from (:class:`ntp_megatron.training.checkpoint.Progress`), or None."""
+
+
+def prepare(args: argparse.Namespace, extra: Sequence[str]) -> Union[Job, int]:
+    """The job the command line describes, or an exit code when there is nothing to start (``--print-memory-plan``,
+    a run already complete). Raises :class:`ConfigError` (one line, exit code 2) for bad input."""
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
+    if args.node_rank > 0 and args.store_port == 0:
+        raise ConfigError(f"--store-port: node {args.node_rank} needs the port of node 0's store (node 0 says it, "
+                          "and writes it to <run dir>/store.json)")
+    cfg = resolve_config(args, extra)
+    if args.print_memory_plan:
+        if not cfg.ntp.enabled:
+            raise ConfigError("--print-memory-plan: the plan is NTP's (layouts down to ntp.min_tp); set "
+                              "ntp.enabled: true")
+        print(memory_plan.table(cfg))
+        return 0
+    if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
+        raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
+                          "use drop_replica or stop")
+    preflight.check_data(cfg)
+    preflight.check_device(cfg)
+    preflight.check_checkpoint_save(cfg)
+    start, note = preflight.resume_point(cfg)
+    if note:
+        print(f"ntp-launch: {note}", file=sys.stderr)
+    done = preflight.nothing_to_do(cfg, start)
+    if done:
+        print(f"ntp-launch: {done}", file=sys.stderr)
+        return 0
+    specs = args.failures if args.failures else cfg.faults.inject
+    checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
+    eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
+    failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints, cfg.ntp.enabled,
+                                          start.iteration if start else 0, eval_interval) for f in specs]
+    config_path = Path(cfg.logging.run_dir).resolve() / f"config.node{args.node_rank}.json"
+    return Job(cfg, config_path, failures, start)

@@ -22,7 +22,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -31,21 +30,18 @@ import torch
 
 from ntp_megatron import faults, metrics
 
-from ntp_megatron.launch import preflight, run_report
+from ntp_megatron.launch import describe, summary
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
-from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.agent import Agent
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.errors import own_error_cause, reported_error
-from ntp_megatron.elastic.relay import NodeRelay
-from ntp_megatron.elastic.watchdog import store_factory
-from ntp_megatron.launch.cli import build_parser, resolve_config
+from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
-from ntp_megatron.launch.nodes import Nodes, host_store, try_check, write_address
+from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
@@ -107,40 +103,9 @@ class Launcher:
         """Launch rank -> local device index (``LOCAL_RANK``), for the ranks this node runs."""
         self.local_ranks = list(self.devices)
 
-    def _stages(self) -> list[str]:
-        """With pipeline stages, where each runs and who each launch rank is: per stage and replica, its launch
-        ranks and their slots (ascending together), its dead slots, and the nodes."""
-        p = self.cfg.parallel
-        if p.pipeline_model_parallel_size == 1:
-            return []
-        layers = self.cfg.model.num_layers // p.pipeline_model_parallel_size
-        lines = []
-        for stage in range(p.pipeline_model_parallel_size):
-            ranks = [r for r, (_, _, st) in enumerate(self.launch_slots) if st == stage]
-            nodes = sorted({self.placement.device(*self.launch_slots[r]).node for r in ranks})
-            replicas = []
-            for replica in range(p.data_parallel_size):
-                mine = [r for r in ranks if self.launch_slots[r][0] == replica]
-                slots = [self.launch_slots[r][1] for r in mine]
-                dead = [s for s in range(p.tensor_model_parallel_size) if s not in slots]
-                if not mine:
-                    replicas.append(f"replica {replica} dropped")
-                    continue
-                dead_text = f" (dead slot{'s' if len(dead) > 1 else ''} {_spans(dead)})" if dead else ""
-                replicas.append(f"replica {replica} = launch rank{'s' if len(mine) > 1 else ''} {_spans(mine)} "
-                                f"in slot{'s' if len(mine) > 1 else ''} {_spans(slots)}{dead_text}")
-            lines.append(f"stage {stage} (layers {stage * layers}..{(stage + 1) * layers - 1}) on "
-                         f"node{'s' if len(nodes) > 1 else ''} {_spans(nodes)}: {'; '.join(replicas)}")
-        return lines
-
     def _where(self) -> str:
-        """Where this node's ranks run, for the start message: which local devices, and which stay idle."""
-        idle = [i for i in range(self.placement.devices_per_node) if i not in self.devices.values()]
-        if self.args.nnodes == 1 and not idle:
-            return ""
-        used = _spans(sorted(self.devices.values())) or "none"
-        idle_text = f" (device{'s' if len(idle) > 1 else ''} {_spans(idle)} idle)" if idle else ""
-        return f" on node {self.args.node_rank}, devices {used}{idle_text}"
+        """Where this node's ranks run, for the start message (:func:`ntp_megatron.launch.describe.where`)."""
+        return describe.where(self.devices, self.placement.devices_per_node, self.args.nnodes, self.args.node_rank)
 
     # -- what the ranks are told -------------------------------------------------------------------------------
     def spare_env(self) -> dict[str, str]:
@@ -262,9 +227,9 @@ class Launcher:
         if self.start is not None:
             self.console.say(self.start.notice or
                              f"resuming from checkpoint {self.start.path} (iteration {self.start.iteration})")
-        self.console.say(f"started ranks {_spans(self.local_ranks) or 'none'} of {self.world_size}{self._where()} "
-                         f"(store {self.args.store_host}:{self.nodes.port}, run dir {self.run_dir})")
-        for line in self._stages():
+        self.console.say(f"started ranks {describe.spans(self.local_ranks) or 'none'} of {self.world_size}"
+                         f"{self._where()} (store {self.args.store_host}:{self.nodes.port}, run dir {self.run_dir})")
+        for line in describe.stage_lines(self.cfg, self.placement, self.launch_slots):
             self.console.say(line)
 
         def on_signal(signum, _frame):
@@ -288,24 +253,18 @@ class Launcher:
             if self.console.sink is not None:
                 if self.args.node_rank == 0:
                     self.console.sink.event("job_ended", exit_code=exit_code)
-                    self._summarize(exit_code)
+                    summary.summarize(self.cfg, self.console.sink, self.console.say, self.started, self.run_dir,
+                                      (self.metrics_file, self.tensorboard_dir), self.store, self.failures)
                 self.console.sink.close()
         return exit_code
 
     def _host_node_store(self) -> None:
-        """Under NTP on a node other than node 0: host the node's store on this host, where its ranks vote, beat and
-        wait, and the relay that ends the root's generations in it."""
-        timeout = self.cfg.parallel.timeout_s
-        self.node_store = host_store("127.0.0.1", 0, timeout)
-        stop = threading.Event()  # ends a connection to a root that has gone (node 0's launcher ended first)
-        self.relay = NodeRelay(store_factory(self.args.store_host, self.nodes.port, stop), self.args.node_rank,
-                               store_factory("127.0.0.1", self.node_store.port, stop),
-                               beat_s=self.cfg.ntp.heartbeat_timeout_s / 4,
-                               ranks=lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())),
-                               stop=stop)
-        self.console.say(f"node {self.args.node_rank}: its ranks vote, beat and wait in the node's store on port "
-                         f"{self.node_store.port}; a relay follows node 0's store at {self.args.store_host}:"
-                         f"{self.nodes.port}")
+        """Under NTP on a node other than node 0: the node's own store and the relay that follows the root's
+        (:func:`ntp_megatron.launch.nodes.host_node_store`)."""
+        self.node_store, self.relay = host_node_store(
+            self.args.store_host, self.nodes.port, self.args.node_rank, self.cfg.parallel.timeout_s,
+            self.cfg.ntp.heartbeat_timeout_s / 4,
+            lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())), self.console.say)
 
     def _monitor(self) -> int:
         """Wait for the ranks: every pass hands the deaths reaped since the last one to the run's policy, which
@@ -371,92 +330,17 @@ class Launcher:
             deaths.append(Death(proc.rank, when, cause, proc.pid, error, bool(reported and reported.get("echo"))))
             timeout = DEBOUNCE_S
 
-    def _report_unfired(self) -> None:
-        """Every in-rank ``--inject-failure`` that never fired, in one line each and an event: the run never reached
-        its iteration and phase (a ``reform`` with no re-formation after it, an iteration past the end of a run
-        that stopped early), so a run that was meant to test it did not."""
-        if self.store is None:
-            return
-        for spec in self.failures:
-            if isinstance(spec, faults.RankFailure) and not try_check(self.store, keys.fired(str(spec))):
-                self.console.say(f"injected failure {spec} did not fire: the run never reached iteration "
-                                 f"{spec.iteration} in phase {spec.phase} on launch rank {spec.rank}")
-                self.console.sink.event("failure_not_fired", spec=str(spec))
-
-    def _summarize(self, exit_code: int) -> None:
-        """The end-of-run summary (goodput, iterations lost) and ``<run_dir>/run.png``."""
-        summary = run_report.summarize(self.console.sink.records, wall_s=time.time() - self.started)
-        self.console.sink.write({"kind": "event", "event": "job_summary", "time": time.time(), **summary})
-        for line in run_report.summary_lines(summary):
-            self.console.say(line)
-        if self.args.node_rank == 0:
-            self._report_unfired()
-        saves = [r for r in self.console.sink.records if r.get("event") == "checkpoint_saved"]
-        if saves:
-            self.console.say(f"checkpoints: {Path(self.cfg.checkpoint.save).resolve()} (latest: iteration "
-                      f"{saves[-1]['iteration']})")
-        self.console.say(f"metrics: {self.metrics_file or 'off'} | tensorboard: {self.tensorboard_dir or 'off'}")
-        try:
-            path = run_report.plot(self.console.sink.records, self.run_dir / "run.png", self.console.sink.compute)
-            if path is not None:
-                self.console.say(f"run plot: {path}")
-        except Exception as exc:  # noqa: BLE001 - a plot must never fail a run
-            self.console.say(f"could not draw the run plot: {exc}")
-
-
-
-def _spans(numbers: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0..2, 5"``."""
-    runs: list[list[int]] = []
-    for n in numbers:
-        if runs and n == runs[-1][-1] + 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
-
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
-        if not 0 <= args.node_rank < args.nnodes:
-            raise ConfigError(f"--node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
-        if args.node_rank > 0 and args.store_port == 0:
-            raise ConfigError(f"--store-port: node {args.node_rank} needs the port of node 0's store (node 0 says it, "
-                              "and writes it to <run dir>/store.json)")
-        cfg = resolve_config(args, extra)
-        if args.print_memory_plan:
-            if not cfg.ntp.enabled:
-                raise ConfigError("--print-memory-plan: the plan is NTP's (layouts down to ntp.min_tp); set "
-                                  "ntp.enabled: true")
-            print(memory_plan.table(cfg))
-            return 0
-        if cfg.ntp.enabled and cfg.ntp.on_unrecoverable == "restart" and args.nnodes > 1:
-            raise ConfigError(f"ntp.on_unrecoverable 'restart' runs on one node only (got --nnodes {args.nnodes}); "
-                              "use drop_replica or stop")
-        preflight.check_data(cfg)
-        preflight.check_device(cfg)
-        preflight.check_checkpoint_save(cfg)
-        start, note = preflight.resume_point(cfg)
-        if note:
-            print(f"ntp-launch: {note}", file=sys.stderr)
-        done = preflight.nothing_to_do(cfg, start)
-        if done:
-            print(f"ntp-launch: {done}", file=sys.stderr)
-            return 0
-        specs = args.failures if args.failures else cfg.faults.inject
-        checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
-        eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
-        failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints,
-                                              cfg.ntp.enabled, start.iteration if start else 0, eval_interval)
-                    for f in specs]
-        run_dir = Path(cfg.logging.run_dir).resolve()
-        config_path = run_dir / f"config.node{args.node_rank}.json"
-        launcher = Launcher(cfg, config_path, args, failures, start)  # refuses a placement before anything is made
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config_path.write_text(cfg.model_dump_json(indent=2))
+        job = prepare(args, extra)
+        if not isinstance(job, Job):
+            return job  # done before any rank starts (--print-memory-plan, nothing left to train)
+        launcher = Launcher(job.cfg, job.config_path, args, job.failures, job.start)  # refuses a placement first
+        job.config_path.parent.mkdir(parents=True, exist_ok=True)
+        job.config_path.write_text(job.cfg.model_dump_json(indent=2))
     except ConfigError as exc:
         print(f"ntp-launch: {exc}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

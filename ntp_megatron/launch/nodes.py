@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +22,8 @@ import torch.distributed as dist
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Death
-from ntp_megatron.elastic.watchdog import wait_for_port
+from ntp_megatron.elastic.relay import NodeRelay
+from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
 
 NODE_WAIT_FRACTION = 0.8
 """Node 0 waits this fraction of ``parallel.timeout_s`` for the other nodes, so that its message comes before
@@ -113,6 +115,20 @@ class Nodes:
     def restart(self) -> None:
         """A fresh store (a restarted job): no death of it was read yet."""
         self._remote_deaths_seen = 0
+
+
+def host_node_store(root_host: str, root_port: int, node_rank: int, timeout_s: float, beat_s: float,
+                    ranks: Callable[[], int], say: Callable[[str], None]) -> tuple[dist.TCPStore, NodeRelay]:
+    """Under NTP on a node other than node 0: host the node's store on this host, where its ranks vote, beat and wait,
+    and the relay that ends the root's generations in it (``ranks``: how many of the node's ranks run, for its
+    heartbeat)."""
+    node_store = host_store("127.0.0.1", 0, timeout_s)
+    stop = threading.Event()  # ends a connection to a root that has gone (node 0's launcher ended first)
+    relay = NodeRelay(store_factory(root_host, root_port, stop), node_rank,
+                      store_factory("127.0.0.1", node_store.port, stop), beat_s=beat_s, ranks=ranks, stop=stop)
+    say(f"node {node_rank}: its ranks vote, beat and wait in the node's store on port {node_store.port}; a relay "
+        f"follows node 0's store at {root_host}:{root_port}")
+    return node_store, relay
 
 
 def write_address(run_dir: Path, host: str, port: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ntp_megatron.launch import launcher
+from ntp_megatron.launch import describe, launcher
 from ntp_megatron.config.schema import load_job_config
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.plan.layout import make_topology
@@ -119,7 +119,7 @@ def test_the_launcher_says_who_each_launch_rank_is_in_every_stage(tmp_path):
     node0 = _launcher(tmp_path, 2, 0, "ntp.enabled=true", "parallel.tensor_model_parallel_size=2",
                       "parallel.data_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
                       "model.init=layout_free", "ntp.dead_slots=[0:1@0]")
-    assert node0._stages() == [
+    assert describe.stage_lines(node0.cfg, node0.placement, node0.launch_slots) == [
         "stage 0 (layers 0..0) on node 0: replica 0 = launch rank 0 in slot 0 (dead slot 1); "
         "replica 1 = launch ranks 1..2 in slots 0..1",
         "stage 1 (layers 1..1) on node 1: replica 0 = launch ranks 3..4 in slots 0..1; "
