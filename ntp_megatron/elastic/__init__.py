@@ -5,7 +5,7 @@ Launcher side: :mod:`.controller` (decides the next topology and settles the ite
 object the training loop calls), :mod:`.generation` (this process's membership in the job's generations),
 :mod:`.watchdog` (heartbeat; gets the rank out of a collective the moment its generation is over), :mod:`.commit`
 (one store decision per iteration), :mod:`.reform` (rebuilds groups, layers and optimizer state for the next
-generation, through the small interfaces of :mod:`.host` that the training code implements) and :mod:`.errors`
+generation, through the small interfaces of :mod:`.interfaces` that the training code implements) and :mod:`.errors`
 (a rank's own error told apart from a peer's failure). :mod:`.keys` names what they share in the launcher's
 store. Nothing here imports :mod:`ntp_megatron.training`.
 """

@@ -91,7 +91,7 @@ class Agent:
         """Ranks whose heartbeat key this agent has set if it was missing (:meth:`_read_beats`)."""
         self.compute_times: dict[int, list] = {}
         """Launch rank -> its last iterations' compute times, ``[iteration, seconds]``, as its heartbeat sent them
-        (for the straggler monitor, :mod:`ntp_megatron.plan.rebalance`)."""
+        (for the rebalance monitor, :mod:`ntp_megatron.plan.rebalance`)."""
         self.oldest_beat_s = 0.0
         """The oldest heartbeat seen so far, as its age when read (how far the store lags behind the ranks)."""
         self._stall_published = 0.0

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from ntp_megatron.plan.layout import Topology, TopologyError
 from ntp_megatron.plan.rebalance import Decision, refusal
-from ntp_megatron.plan.stages import has_stages, join_topology, live_widths, reweight_topology, stages_of, \
+from ntp_megatron.plan.stages import has_stages, join_topology, live_widths, rebalanced_topology, stages_of, \
     weights_to_json, with_generation
 
 
@@ -64,9 +64,9 @@ class Boundary:
         return True
 
     def rebalance(self, decisions: list[Decision]) -> bool:
-        """Reweight TP groups whose ranks run at different speeds (:mod:`ntp_megatron.plan.rebalance`) at the next
+        """Rebalance TP groups whose ranks run at different speeds (:mod:`ntp_megatron.plan.rebalance`) at the next
         iteration boundary: publish the next generation, in which each slow rank holds a share of the units in
-        proportion to its speed (:func:`ntp_megatron.plan.stages.reweight_topology`; nothing dies, no other group
+        proportion to its speed (:func:`ntp_megatron.plan.stages.rebalanced_topology`; nothing dies, no other group
         changes). False if a re-formation is in progress (decide again later)."""
         c = self.controller
         if c.forming() or not decisions:
@@ -76,7 +76,7 @@ class Boundary:
         if not decisions:
             return False
         weights = {(d.replica, d.stage): dict(d.weights) for d in decisions}
-        new = self._at_boundary(reweight_topology(old, weights), {"weights": weights_to_json(weights)})
+        new = self._at_boundary(rebalanced_topology(old, weights), {"weights": weights_to_json(weights)})
         stages = has_stages(old)
         for d in decisions:
             where = f"replica {d.replica}" + (f" stage {d.stage}" if stages else "")

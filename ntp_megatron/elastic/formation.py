@@ -34,7 +34,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMPLETE
 from ntp_megatron.elastic.errors import GenerationEnded
 from ntp_megatron.elastic.generation import ElasticRank, Generation
-from ntp_megatron.elastic.host import Builder, RankObjects, Training
+from ntp_megatron.elastic.interfaces import Builder, RankObjects, Training
 from ntp_megatron.plan.layout import Topology
 
 OWN, UNITS, SHARDS = "own", "units", "shards"

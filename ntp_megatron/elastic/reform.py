@@ -20,8 +20,8 @@
 
 A peer's failure at any step sends the rank back to 1 for the newest generation; the rank's own error ends it
 (:mod:`ntp_megatron.elastic.errors`). Every wait is bounded. The rank's objects are made by the training code
-through :class:`ntp_megatron.elastic.host.Builder`; the loop's state is read and set through
-:class:`ntp_megatron.elastic.host.Training`. After adopting each generation every rank emits a ``reform_rank``
+through :class:`ntp_megatron.elastic.interfaces.Builder`; the loop's state is read and set through
+:class:`ntp_megatron.elastic.interfaces.Training`. After adopting each generation every rank emits a ``reform_rank``
 record: whether it rebuilt its objects or kept them (and that the kept ones are the same objects).
 """
 
@@ -41,7 +41,7 @@ from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, CommitProtocol
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.formation import Formation, Staged
 from ntp_megatron.elastic.generation import ElasticRank, Generation
-from ntp_megatron.elastic.host import Builder, RankObjects, Training
+from ntp_megatron.elastic.interfaces import Builder, RankObjects, Training
 from ntp_megatron.elastic.reform_report import report_rank, report_reformed
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.plan.group_plan import GroupKey, rank_group_keys

@@ -17,7 +17,7 @@ from ntp_megatron.core.unit_moves import plan_shard_transfers, state_keys
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.formation import Staged
 from ntp_megatron.elastic.generation import ElasticRank
-from ntp_megatron.elastic.host import RankObjects, Training
+from ntp_megatron.elastic.interfaces import RankObjects, Training
 from ntp_megatron.plan import stages
 from ntp_megatron.plan.succession import ShardedOptimizer
 

@@ -25,7 +25,7 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank
-from ntp_megatron.elastic.host import Builder, Training
+from ntp_megatron.elastic.interfaces import Builder, Training
 from ntp_megatron.elastic.reform import Reformer
 
 T = TypeVar("T")

@@ -187,7 +187,7 @@ class Heartbeat:
 def beat() -> dict:
     """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
     works), ``waiting_since`` (when its main thread began waiting on a collective, or None) and ``compute`` (its
-    last iterations' compute times, ``[iteration, seconds]``: what the launcher's straggler monitor reads, with no
+    last iterations' compute times, ``[iteration, seconds]``: what the launcher's rebalance monitor reads, with no
     request of its own)."""
     iteration, phase = phases.current()
     return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress(),

@@ -14,18 +14,18 @@
 from __future__ import annotations
 
 from ntp_megatron.launch import ntp
-from ntp_megatron.launch.policy import DeathPolicy, Host, RestartFromCheckpoint, StopOnFailure
+from ntp_megatron.launch.policy import DeathPolicy, LauncherView, RestartFromCheckpoint, StopOnFailure
 
 
-def choose(host: Host) -> DeathPolicy:
+def choose(launcher: LauncherView) -> DeathPolicy:
     """The policy of this run: by whether NTP is on, which node this is, and what the config says."""
-    cfg = host.cfg
+    cfg = launcher.cfg
     if cfg.ntp.enabled:
-        if host.args.node_rank != 0:
-            return ntp.WorkerNodePolicy(host)
+        if launcher.args.node_rank != 0:
+            return ntp.WorkerNodePolicy(launcher)
         if cfg.ntp.on_unrecoverable == "restart":
-            return ntp.RestartSurvivorsPolicy(host)
-        return ntp.ControllerPolicy(host)
-    if cfg.checkpoint.save is not None and not host.nodes.multi:
-        return RestartFromCheckpoint(host)
-    return StopOnFailure(host)
+            return ntp.RestartSurvivorsPolicy(launcher)
+        return ntp.ControllerPolicy(launcher)
+    if cfg.checkpoint.save is not None and not launcher.nodes.multi:
+        return RestartFromCheckpoint(launcher)
+    return StopOnFailure(launcher)

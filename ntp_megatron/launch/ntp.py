@@ -15,42 +15,42 @@ from ntp_megatron.elastic import keys, publication
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.succession import ShardedOptimizer
 from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
-from ntp_megatron.launch.policy import DeathPolicy, Host, tp_per_replica
+from ntp_megatron.launch.policy import DeathPolicy, LauncherView, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.launch.preflight import pin_checkpoint_load
 from ntp_megatron.plan.layout import TopologyError
 from ntp_megatron.plan.stages import restart_layout
-from ntp_megatron.plan.rebalance import Decision, StragglerMonitor, groups_of
+from ntp_megatron.plan.rebalance import Decision, RebalanceMonitor, groups_of
 
 
 class NTPPolicy(DeathPolicy):
-    def __init__(self, host: Host) -> None:
-        super().__init__(host)
-        self.rejoins = Rejoins(host, self.admitted)
-        ntp = host.cfg.ntp
-        self.stragglers = StragglerMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
+    def __init__(self, launcher: LauncherView) -> None:
+        super().__init__(launcher)
+        self.rejoins = Rejoins(launcher, self.admitted)
+        ntp = launcher.cfg.ntp
+        self.rebalance_monitor = RebalanceMonitor(ntp.rebalance_threshold, ntp.rebalance_window) if ntp.rebalance else None
         self._measured_generation = -1
-        dims = memory_plan.dims_of(host.cfg)
+        dims = memory_plan.dims_of(launcher.cfg)
         self._unit_costs = {p: memory_plan.unit_cost(dims, p) for p in range(dims.pipeline_stages)}
 
     def begin(self) -> None:
         self.rejoins.fill_spares()
 
     def slow_groups(self, topology, identity, completed: int) -> list[Decision]:
-        """This node's ranks' compute times (from their heartbeats) to the straggler monitor; the groups of
-        ``identity``'s ranks to reweight (``ntp.rebalance``). ``completed``: the newest formed generation, whose
+        """This node's ranks' compute times (from their heartbeats) to the rebalance monitor; the groups of
+        ``identity``'s ranks to rebalance (``ntp.rebalance``). ``completed``: the newest formed generation, whose
         layout ``topology`` is: iterations before it do not count."""
-        agent = self.host.agent
-        if self.stragglers is None or agent is None or self.training_done:
+        agent = self.launcher.agent
+        if self.rebalance_monitor is None or agent is None or self.training_done:
             return []
         if completed != self._measured_generation:  # a new layout: only its own iterations count
             self._measured_generation = completed
-            self.stragglers.reset(int(self.host.store.get(keys.COMMITTED).decode()))
+            self.rebalance_monitor.reset(int(self.launcher.store.get(keys.COMMITTED).decode()))
         for launch_rank, measured in agent.compute_times.items():
-            self.stragglers.observe(launch_rank, measured)
-        last = self.host.cfg.training.train_iters
+            self.rebalance_monitor.observe(launch_rank, measured)
+        last = self.launcher.cfg.training.train_iters
         # A decision takes effect two iterations later at the earliest (published, then at the next boundary).
-        return [d for d in self.stragglers.decide(groups_of(topology, identity, self._unit_costs))
+        return [d for d in self.rebalance_monitor.decide(groups_of(topology, identity, self._unit_costs))
                 if max(d.iterations) + 2 < last]
 
     def admitted(self, launch_rank: int) -> bool:
@@ -71,18 +71,18 @@ class NTPPolicy(DeathPolicy):
     def failed_replacements(self, deaths: list[Death]) -> list[Death]:
         """Handle the deaths of replacements (this node's, or on node 0 any node's) that died before they were
         admitted — the job never relied on them — and return the other deaths."""
-        host = self.host
+        launcher = self.launcher
         stopped = {d.launch_rank for d in deaths if self.rejoins.stopped_at_end(d.launch_rank)}
         booting = [d for d in deaths
-                   if ((self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in host.local_ranks)
+                   if ((self.rejoins.is_replacement(d.launch_rank) or d.launch_rank not in launcher.local_ranks)
                        and not self.admitted(d.launch_rank))
                    or d.launch_rank in stopped]  # admitted, never formed, stopped at the end
         for d in booting:
-            try_delete(host.store, keys.joining(d.launch_rank))  # so that it is never admitted
+            try_delete(launcher.store, keys.joining(d.launch_rank))  # so that it is never admitted
             self.replacement_died(d)
             if self.training_done or d.launch_rank in stopped:
                 continue  # stopped by a launcher: the run completed before it was admitted (or formed)
-            host.console.say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
+            launcher.console.say(f"replacement for launch rank {d.launch_rank} (pid {d.pid}) {d.cause} before it was "
                              f"admitted; the job goes on without it")
             self.rejoins.schedule(d.launch_rank)
         return [d for d in deaths if d not in booting]
@@ -103,13 +103,13 @@ class ControllerPolicy(NTPPolicy):
         super().begin()
 
     def _controller(self) -> Controller:
-        host, ntp = self.host, self.host.cfg.ntp
-        start = host.start
+        launcher, ntp = self.launcher, self.launcher.cfg.ntp
+        start = launcher.start
         resume = {} if start is None else {"start_iteration": start.iteration,
-                                           "start_consumed": start.samples(host.cfg.training.global_batch_size)}
-        return Controller(host.store, host.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable, host.console.say,
-                          host.console.emit, dump_stacks=host.processes.dump_stacks, hold=host.console.hold,
-                          release=host.console.release, sharded=ShardedOptimizer.of(host.cfg), **resume)
+                                           "start_consumed": start.samples(launcher.cfg.training.global_batch_size)}
+        return Controller(launcher.store, launcher.cfg.topology(), ntp.min_tp, ntp.on_unrecoverable, launcher.console.say,
+                          launcher.console.emit, dump_stacks=launcher.processes.dump_stacks, hold=launcher.console.hold,
+                          release=launcher.console.release, sharded=ShardedOptimizer.of(launcher.cfg), **resume)
 
     def admitted(self, launch_rank: int) -> bool:
         c = self.controller
@@ -119,15 +119,15 @@ class ControllerPolicy(NTPPolicy):
         return self.controller.live_launch_ranks()
 
     def news(self, deaths: list[Death]) -> Optional[int]:
-        if self.host.nodes.multi:
-            deaths += self.host.nodes.remote_deaths(self.host.store)
+        if self.launcher.nodes.multi:
+            deaths += self.launcher.nodes.remote_deaths(self.launcher.store)
         return None
 
     def handle(self, deaths: list[Death]) -> Optional[int]:
         deaths = self.failed_replacements(deaths)
         if not deaths:
             return None
-        say = self.host.console.say
+        say = self.launcher.console.say
         for d in deaths:
             say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
         reason = self.controller.handle(deaths)
@@ -141,16 +141,16 @@ class ControllerPolicy(NTPPolicy):
 
     def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
         """NTP cannot absorb ``deaths`` and the controller stopped the job."""
-        self.host.console.emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
+        self.launcher.console.emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
         return self.stop_job(deaths)
 
     def after(self) -> None:
         super().after()
         self._rebalance()
-        if self.host.cfg.ntp.rejoin_after_s is None or self.training_done:
+        if self.launcher.cfg.ntp.rejoin_after_s is None or self.training_done:
             return
         # Any node's replacements: each announces itself in the store.
-        store, c = self.host.store, self.controller
+        store, c = self.launcher.store, self.controller
         ready = [lr for lr in c.identity if not self.admitted(lr) and try_check(store, keys.joining(lr))]
         if ready and c.admit(ready):
             for lr in ready:
@@ -158,22 +158,22 @@ class ControllerPolicy(NTPPolicy):
                     store.delete_key(keys.joining(lr))
 
     def _rebalance(self) -> None:
-        """Reweight the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
+        """Rebalance the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
         c = self.controller
-        if self.stragglers is None or c.forming():
+        if self.rebalance_monitor is None or c.forming():
             return
-        local = {lr: c.identity[lr] for lr in self.host.local_ranks}
+        local = {lr: c.identity[lr] for lr in self.launcher.local_ranks}
         decisions = self.slow_groups(c.latest, local, c.completed.generation) + self._requests()
         # Published now, a decision takes effect after the next committed iteration at the earliest.
-        if decisions and int(self.host.store.get(keys.COMMITTED).decode()) + 2 < self.host.cfg.training.train_iters:
+        if decisions and int(self.launcher.store.get(keys.COMMITTED).decode()) + 2 < self.launcher.cfg.training.train_iters:
             c.rebalance(decisions)
 
     def _requests(self) -> list[Decision]:
         """Other nodes' rebalance requests since the last pass (one request when there are none), those made in the
         current layout (an older one's measurements say nothing of it)."""
-        if not self.host.nodes.multi:
+        if not self.launcher.nodes.multi:
             return []
-        store, c = self.host.store, self.controller
+        store, c = self.launcher.store, self.controller
         made = int(store.add(keys.REBALANCE_REQUESTS, 0))
         if made <= self._requests_seen:
             return []
@@ -186,7 +186,7 @@ class ControllerPolicy(NTPPolicy):
             request = json.loads(raw.decode())
             if request["generation"] == c.completed.generation:
                 out += [d for d in map(Decision.from_json, request["decisions"])
-                        if max(d.iterations) + 2 < self.host.cfg.training.train_iters]
+                        if max(d.iterations) + 2 < self.launcher.cfg.training.train_iters]
         for name in names:
             try_delete(store, name)
         return out
@@ -200,14 +200,14 @@ class RestartSurvivorsPolicy(ControllerPolicy):
     checkpoint on fresh processes for the slots that survived."""
 
     def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
-        host, ck = self.host, self.host.cfg.checkpoint
+        launcher, ck = self.launcher, self.launcher.cfg.checkpoint
         if any(d.error is not None for d in deaths):
-            host.console.say("not restarting: the rank's own error would stop the restarted job again")
+            launcher.console.say("not restarting: the rank's own error would stop the restarted job again")
             return super().unrecoverable(reason, deaths)
-        if ck.save is not None and host.restarts < ck.max_restarts and self._restart():
+        if ck.save is not None and launcher.restarts < ck.max_restarts and self._restart():
             return None
-        host.console.say(f"no restart left ({host.restarts} of at most {ck.max_restarts} done)"
-                         if host.restarts >= ck.max_restarts else "the job cannot restart")
+        launcher.console.say(f"no restart left ({launcher.restarts} of at most {ck.max_restarts} done)"
+                         if launcher.restarts >= ck.max_restarts else "the job cannot restart")
         return super().unrecoverable(reason, deaths)
 
     def _restart(self) -> bool:
@@ -218,43 +218,43 @@ class RestartSurvivorsPolicy(ControllerPolicy):
         if no layout or configuration is possible (the caller stops the job)."""
         from ntp_megatron.training import checkpoint  # Megatron-Core (seconds to import) only when a job restarts
 
-        host, c, p = self.host, self.controller, self.host.cfg.parallel
+        launcher, c, p = self.launcher, self.controller, self.launcher.cfg.parallel
         live = [c.identity[lr] for lr in sorted(c.identity) if lr not in c.dead]
         try:
             dropped, dead_slots = restart_layout(p.tensor_model_parallel_size, p.data_parallel_size, live,
-                                                 host.cfg.ntp.min_tp, p.pipeline_model_parallel_size)
-            data = host.cfg.model_dump()
+                                                 launcher.cfg.ntp.min_tp, p.pipeline_model_parallel_size)
+            data = launcher.cfg.model_dump()
             data["ntp"]["dropped_replicas"] = dropped
             data["ntp"]["dead_slots"] = [f"{d[0]}:{d[1]}" + "".join(f"@{q}" for q in d[2:]) for d in dead_slots]
-            if checkpoint.resolve_load_dir(Path(host.cfg.checkpoint.save)) is not None:  # the run's own: all of it
-                data["checkpoint"].update(load=host.cfg.checkpoint.save, finetune=False, no_load_optim=False,
+            if checkpoint.resolve_load_dir(Path(launcher.cfg.checkpoint.save)) is not None:  # the run's own: all of it
+                data["checkpoint"].update(load=launcher.cfg.checkpoint.save, finetune=False, no_load_optim=False,
                                           no_load_rng=False)
             cfg = JobConfig.model_validate(data)
             start = pin_checkpoint_load(cfg)
         except (TopologyError, ValueError, ConfigError) as exc:
-            host.console.say(f"cannot restart on the surviving processes: {exc}")
+            launcher.console.say(f"cannot restart on the surviving processes: {exc}")
             return False
-        host.restarts += 1
+        launcher.restarts += 1
         at = f"checkpoint {start.path} (iteration {start.iteration})" if start else "the start (no checkpoint yet)"
-        host.console.say(f"restarting from {at} with {cfg.world_size} fresh processes for the surviving slots: TP "
-                         f"per replica {tp_per_replica(cfg)} (restart {host.restarts} of at most "
+        launcher.console.say(f"restarting from {at} with {cfg.world_size} fresh processes for the surviving slots: TP "
+                         f"per replica {tp_per_replica(cfg)} (restart {launcher.restarts} of at most "
                          f"{cfg.checkpoint.max_restarts})")
-        host.processes.stop_all()
+        launcher.processes.stop_all()
         c.close()
-        fired = [spec for spec in host.failures if try_check(host.store, keys.fired(str(spec)))]
-        host.relaunch(cfg, start)  # a fresh store; every surviving slot keeps its device (one node)
+        fired = [spec for spec in launcher.failures if try_check(launcher.store, keys.fired(str(spec)))]
+        launcher.relaunch(cfg, start)  # a fresh store; every surviving slot keeps its device (one node)
         for spec in fired:
-            host.store.set(keys.fired(str(spec)), "1")
+            launcher.store.set(keys.fired(str(spec)), "1")
         self.controller = self._controller()
-        if self.stragglers is not None:  # the new processes count their iterations from the checkpoint's
-            self.stragglers = StragglerMonitor(host.cfg.ntp.rebalance_threshold, host.cfg.ntp.rebalance_window)
-        host.finished.clear()
+        if self.rebalance_monitor is not None:  # the new processes count their iterations from the checkpoint's
+            self.rebalance_monitor = RebalanceMonitor(launcher.cfg.ntp.rebalance_threshold, launcher.cfg.ntp.rebalance_window)
+        launcher.finished.clear()
         self.training_done = False
-        host.respawn()
+        launcher.respawn()
         self.rejoins.reset()
-        if host.agent is not None:
-            host.agent.restart(host.store)
-        host.console.emit({"kind": "event", "event": "restarted", "restart": host.restarts, "time": time.time(),
+        if launcher.agent is not None:
+            launcher.agent.restart(launcher.store)
+        launcher.console.emit({"kind": "event", "event": "restarted", "restart": launcher.restarts, "time": time.time(),
                            "iteration": start.iteration if start else 0, "tp_per_replica": tp_per_replica(cfg)})
         return True
 
@@ -269,25 +269,25 @@ class WorkerNodePolicy(NTPPolicy):
     _topology = None
 
     def admitted(self, launch_rank: int) -> bool:
-        return slot_live(self.host.store, keys.LATEST, self.host.launch_slots[launch_rank])
+        return slot_live(self.launcher.store, keys.LATEST, self.launcher.launch_slots[launch_rank])
 
     def news(self, deaths: list[Death]) -> Optional[int]:
-        store = self.host.store
+        store = self.launcher.store
         if try_check(store, keys.STOP):
-            self.host.console.say(f"the job was stopped: {store.get(keys.STOP).decode()}")
-            self.host.processes.stop_all()
+            self.launcher.console.say(f"the job was stopped: {store.get(keys.STOP).decode()}")
+            self.launcher.processes.stop_all()
             return 1
         return None
 
     def handle(self, deaths: list[Death]) -> Optional[int]:
         for d in self.failed_replacements(deaths):
-            self.host.console.say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
-            publish_death(self.host.store, d)
+            self.launcher.console.say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
+            publish_death(self.launcher.store, d)
             self.rejoins.schedule(d.launch_rank)
         return None
 
     def replacement_died(self, death: Death) -> None:
-        publish_death(self.host.store, death)  # node 0 may have admitted it meanwhile: it decides
+        publish_death(self.launcher.store, death)  # node 0 may have admitted it meanwhile: it decides
 
     def after(self) -> None:
         super().after()
@@ -296,9 +296,9 @@ class WorkerNodePolicy(NTPPolicy):
     def _request_rebalance(self) -> None:
         """This node's TP groups with slow ranks, as a request to node 0's controller: once per layout and decision
         (node 0 may refuse one: a later, different decision in the same layout is asked again)."""
-        if self.stragglers is None:
+        if self.rebalance_monitor is None:
             return
-        store = self.host.store
+        store = self.launcher.store
         try:
             completed = publication.newest(store, keys.COMPLETED)  # -1 while generation 0 forms: never waits
             if completed < 0 or completed != publication.newest(store):
@@ -306,12 +306,12 @@ class WorkerNodePolicy(NTPPolicy):
             if completed != self._topology_generation:
                 self._topology = publication.topology(store, completed)
                 self._topology_generation = completed
-            local = {lr: self.host.launch_slots[lr] for lr in self.host.local_ranks}
+            local = {lr: self.launcher.launch_slots[lr] for lr in self.launcher.local_ranks}
             decisions = [d.to_json() for d in self.slow_groups(self._topology, local, completed)]
             if decisions and (completed, decisions) != self._requested:
                 n = int(store.add(keys.REBALANCE_REQUESTS, 1))
                 store.set(keys.rebalance_request(n), json.dumps({
-                    "node": self.host.args.node_rank, "generation": completed, "decisions": decisions}))
+                    "node": self.launcher.args.node_rank, "generation": completed, "decisions": decisions}))
                 self._requested = (completed, decisions)
         except Exception:  # noqa: BLE001 - the root store goes away with the job; node 0's stop ends this node
             return

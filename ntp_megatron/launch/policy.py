@@ -32,7 +32,7 @@ the failed rank from what it has (the first death that is not an echo of another
 POLL_S = 0.02
 
 
-class Host(Protocol):
+class LauncherView(Protocol):
     """What a policy uses of the launcher."""
 
     cfg: JobConfig
@@ -61,8 +61,8 @@ class Host(Protocol):
 
 
 class DeathPolicy:
-    def __init__(self, host: Host) -> None:
-        self.host = host
+    def __init__(self, launcher: LauncherView) -> None:
+        self.launcher = launcher
         self.training_done = False
         """A rank of the running job completed the run."""
 
@@ -74,14 +74,14 @@ class DeathPolicy:
         outcome = self.news(deaths)
         if outcome is not None:
             return outcome
-        if self.host.nodes.multi:
-            reason, death = read_abort(self.host.store)
+        if self.launcher.nodes.multi:
+            reason, death = read_abort(self.launcher.store)
             if reason is not None:
                 if death is not None:
                     self.report_failure(death)  # the failure the aborting node named
                 else:
-                    self.host.console.say(f"another node aborted the job: {reason}")
-                self.host.processes.stop_all()
+                    self.launcher.console.say(f"another node aborted the job: {reason}")
+                self.launcher.processes.stop_all()
                 return 1
         if deaths:
             outcome = self.handle(deaths)
@@ -110,7 +110,7 @@ class DeathPolicy:
 
     def live_launch_ranks(self) -> list[int]:
         """The launch ranks the job runs now (for failures injected from outside)."""
-        return [r for r, p in self.host.processes.ranks.items() if p.poll() is None]
+        return [r for r, p in self.launcher.processes.ranks.items() if p.poll() is None]
 
     def close(self) -> None:
         """The run is over."""
@@ -118,23 +118,23 @@ class DeathPolicy:
     # -- shared by the policies ------------------------------------------------------------------------------
     def report_failure(self, death: Death) -> None:
         """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
-        host = self.host
-        where = "" if death.launch_rank in host.local_ranks else "another node aborted the job: "
-        host.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
-        record = injected_failure(host.store, death.launch_rank) or reported_error(host.store, death.launch_rank) or {}
-        host.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
+        launcher = self.launcher
+        where = "" if death.launch_rank in launcher.local_ranks else "another node aborted the job: "
+        launcher.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
+        record = injected_failure(launcher.store, death.launch_rank) or reported_error(launcher.store, death.launch_rank) or {}
+        launcher.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
                            "cause": death.cause, "time": record.get("time", death.time),
                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
 
     def stop_job(self, deaths: list[Death]) -> int:
         """End the job on every node, naming ``deaths``; the launcher's exit code."""
-        host = self.host
-        set_abort(host.store, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths),
+        launcher = self.launcher
+        set_abort(launcher.store, "; ".join(f"rank {d.launch_rank} {d.cause}" for d in deaths),
                   deaths[0] if len(deaths) == 1 else None)
-        live = sum(p.poll() is None for p in host.processes.ranks.values())
-        host.console.say(f"stopping the other {live} local rank(s)")
-        host.processes.stop_all()
-        host.console.say("all ranks stopped")
+        live = sum(p.poll() is None for p in launcher.processes.ranks.values())
+        launcher.console.say(f"stopping the other {live} local rank(s)")
+        launcher.processes.stop_all()
+        launcher.console.say("all ranks stopped")
         return 1
 
 
@@ -154,12 +154,12 @@ class StopOnFailure(DeathPolicy):
         else the earliest. With several nodes every launcher publishes its deaths in the store and waits up to
         ``SETTLE_S`` for one that is not an echo, so each names the same rank whichever node's deaths it saw
         first."""
-        host, store = self.host, self.host.store
+        launcher, store = self.launcher, self.launcher.store
         deaths = list(local)
         if all(is_echo(d) for d in deaths):
             deaths += [Death(p.rank, time.time(), "is stopped (hung): its peers' collectives timed out", p.pid)
-                       for p in host.processes.stalled()]
-        if host.nodes.multi:
+                       for p in launcher.processes.stalled()]
+        if launcher.nodes.multi:
             for d in deaths:
                 publish_death(store, d)
             deadline = time.monotonic() + SETTLE_S
@@ -175,11 +175,11 @@ class StopOnFailure(DeathPolicy):
         failed = min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank) is None,
                                             is_echo(d), d.time))
         if failed.echo:  # the rank whose error it echoes may exit a moment later: name that one
-            others = [r for r in range(host.world_size) if r not in {d.launch_rank for d in deaths}]
+            others = [r for r in range(launcher.world_size) if r not in {d.launch_rank for d in deaths}]
             found = cause_behind_echoes(store, others)
             if found is not None:
                 rank, report = found
-                proc = host.processes.ranks.get(rank)  # None: a rank of another node
+                proc = launcher.processes.ranks.get(rank)  # None: a rank of another node
                 failed = Death(rank, report["time"], own_error_cause(report), proc.pid if proc else 0, report["error"])
         return failed
 
@@ -189,18 +189,18 @@ class RestartFromCheckpoint(StopOnFailure):
     start them all again (fresh processes) from the newest checkpoint, at most ``checkpoint.max_restarts`` times."""
 
     def after_failure(self, failed: Death) -> Optional[int]:
-        host, ck = self.host, self.host.cfg.checkpoint
+        launcher, ck = self.launcher, self.launcher.cfg.checkpoint
         if failed.error is not None:
-            host.console.say("not restarting: the rank's own error would stop the restarted job again")
+            launcher.console.say("not restarting: the rank's own error would stop the restarted job again")
             return super().after_failure(failed)
-        if host.restarts >= ck.max_restarts:
+        if launcher.restarts >= ck.max_restarts:
             return super().after_failure(failed)
-        host.restarts += 1
-        host.console.say(f"restarting all {host.world_size} ranks from the last checkpoint in {ck.save} (restart "
-                         f"{host.restarts} of at most {ck.max_restarts})")
-        host.processes.stop_all()
-        host.console.emit({"kind": "event", "event": "restarted", "restart": host.restarts, "time": time.time()})
-        host.respawn()
+        launcher.restarts += 1
+        launcher.console.say(f"restarting all {launcher.world_size} ranks from the last checkpoint in {ck.save} (restart "
+                         f"{launcher.restarts} of at most {ck.max_restarts})")
+        launcher.processes.stop_all()
+        launcher.console.emit({"kind": "event", "event": "restarted", "restart": launcher.restarts, "time": time.time()})
+        launcher.respawn()
         return None
 
 

@@ -21,10 +21,10 @@ from ntp_megatron.launch.processes import describe_exit, signal_group
 
 
 class Rejoins:
-    def __init__(self, host, admitted: Callable[[int], bool]) -> None:
-        """``host``: the launcher (:class:`ntp_megatron.launch.policy.Host`); ``admitted(launch_rank)``: whether
-        the newest published generation has the rank's slot."""
-        self.host = host
+    def __init__(self, launcher, admitted: Callable[[int], bool]) -> None:
+        """``launcher``: what a policy sees of it (:class:`ntp_megatron.launch.policy.LauncherView`);
+        ``admitted(launch_rank)``: whether the newest published generation has the rank's slot."""
+        self.launcher = launcher
         self.admitted = admitted
         self.due: dict[int, float] = {}
         """Launch rank -> when to start a replacement process for it."""
@@ -38,7 +38,7 @@ class Rejoins:
 
     @property
     def ntp(self):
-        return self.host.cfg.ntp
+        return self.launcher.cfg.ntp
 
     def is_replacement(self, launch_rank: int) -> bool:
         """This node started a replacement for ``launch_rank`` at some point."""
@@ -47,11 +47,11 @@ class Rejoins:
     def schedule(self, launch_rank: int) -> None:
         """Plan a replacement for a failed rank after the repair delay, a bounded number of times in a row."""
         after = self.ntp.rejoin_after_s
-        if after is None or launch_rank not in self.host.local_ranks:
+        if after is None or launch_rank not in self.launcher.local_ranks:
             return
         attempts = self.attempts.get(launch_rank, 0)
         if attempts >= self.ntp.max_rejoin_attempts:
-            self.host.console.say(f"launch rank {launch_rank}: {attempts} replacements failed; its replica stays "
+            self.launcher.console.say(f"launch rank {launch_rank}: {attempts} replacements failed; its replica stays "
                                   "degraded")
             return
         self.due[launch_rank] = time.time() + after
@@ -60,14 +60,14 @@ class Rejoins:
         """Start the replacements that are due; count completed admissions. Once the run is complete, replacements
         whose admission has not completed are stopped: there is nothing left to join (a generation may have been
         published for one at the last iteration boundary, which the other ranks never crossed)."""
-        processes = self.host.processes
+        processes = self.launcher.processes
         if training_done:
             self.due.clear()
             for rank in self.attempts:
                 proc = processes.ranks.get(rank)
                 if proc is not None and proc.poll() is None and self.stranded(rank):
                     try:
-                        self.host.store.set(keys.stopped_at_end(rank), str(proc.pid))
+                        self.launcher.store.set(keys.stopped_at_end(rank), str(proc.pid))
                     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
                         pass
                     signal_group(proc.pid, signal.SIGTERM)
@@ -84,29 +84,29 @@ class Rejoins:
         self.fill_spares()
 
     def _start(self, rank: int, now: float) -> None:
-        host, processes = self.host, self.host.processes
+        launcher, processes = self.launcher, self.launcher.processes
         self.attempts[rank] = self.attempts.get(rank, 0) + 1
-        self.started_after[rank] = _generation(host.store, keys.LATEST)
-        if host.agent is not None:
-            host.agent.forget(rank)
+        self.started_after[rank] = _generation(launcher.store, keys.LATEST)
+        if launcher.agent is not None:
+            launcher.agent.forget(rank)
         spare = processes.idle_spare()
-        env = host.rank_env(rank, joining=True)
+        env = launcher.rank_env(rank, joining=True)
         if spare is not None:
             processes.assign(spare, rank, env)
             proc = spare
         else:
             proc = processes.start(rank, env, fresh=True)
         processes.record_pids()
-        host.console.emit({"kind": "event", "event": "replacement_started", "launch_rank": rank, "pid": proc.pid,
+        launcher.console.emit({"kind": "event", "event": "replacement_started", "launch_rank": rank, "pid": proc.pid,
                            "attempt": self.attempts[rank], "warm": spare is not None, "time": now})
         how = ", a warm spare" if spare is not None else ""
-        host.console.say(f"starting a replacement for launch rank {rank} (pid {proc.pid}{how}, attempt "
+        launcher.console.say(f"starting a replacement for launch rank {rank} (pid {proc.pid}{how}, attempt "
                          f"{self.attempts[rank]} of {self.ntp.max_rejoin_attempts})")
 
     def fill_spares(self) -> None:
         """Keep ``ntp.warm_spares`` spares on this node (none without ``ntp.rejoin_after_s``). A spare that dies
         unassigned is replaced until ``ntp.max_rejoin_attempts`` spares have died; after that replacements start cold."""
-        ntp, processes, say = self.ntp, self.host.processes, self.host.console.say
+        ntp, processes, say = self.ntp, self.launcher.processes, self.launcher.console.say
         if ntp.rejoin_after_s is None or not ntp.warm_spares:
             return
         for dead in processes.dead_spares():
@@ -116,7 +116,7 @@ class Rejoins:
         if self.spare_deaths >= ntp.max_rejoin_attempts:
             return
         while len(processes.spares) < ntp.warm_spares:
-            processes.start_spare(self.host.spare_env())
+            processes.start_spare(self.launcher.spare_env())
 
     def reset(self) -> None:
         """The job restarted on fresh processes: nothing is due, no attempt counts."""
@@ -128,22 +128,22 @@ class Rejoins:
     def stranded(self, launch_rank: int) -> bool:
         """Once the run is complete: this node's replacement for ``launch_rank`` was never part of a completed
         formation, admitted or not, so nothing trained with it (False when the store cannot say)."""
-        return (self.is_replacement(launch_rank) and _generation(self.host.store, keys.COMPLETED) >= 0
+        return (self.is_replacement(launch_rank) and _generation(self.launcher.store, keys.COMPLETED) >= 0
                 and not self._formed_with(launch_rank))
 
     def stopped_at_end(self, launch_rank: int) -> bool:
         """Some node's launcher stopped ``launch_rank``'s replacement at the end of the run (:meth:`step`)."""
         try:
-            return self.host.store.check([keys.stopped_at_end(launch_rank)])
+            return self.launcher.store.check([keys.stopped_at_end(launch_rank)])
         except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
             return False
 
     def _formed_with(self, launch_rank: int) -> bool:
         """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a
         completed generation from before the replacement started may have the slot too: its dead process's)."""
-        store = self.host.store
+        store = self.launcher.store
         return (_generation(store, keys.COMPLETED) > self.started_after.get(launch_rank, -1)
-                and slot_live(store, keys.COMPLETED, self.host.launch_slots[launch_rank]))
+                and slot_live(store, keys.COMPLETED, self.launcher.launch_slots[launch_rank]))
 
 
 def _generation(store: dist.Store, key: str) -> int:

@@ -87,7 +87,7 @@ slowest slot's time (count / weight) is as small as counts within one unit of th
 the ones reached with the fewest moves; remaining ties go to the slots the families dealt before (coarsest first)
 gave least above their shares, then to the lowest slot. Units move straight there: a slot above its count gives the units it holds
 away from home first (the largest), then its own block's largest, each to the unit's block's member if that one is
-short, else to the lowest slot that is short. :func:`reweight_topology` changes a replica's weights (nothing dies,
+short, else to the lowest slot that is short. :func:`rebalanced_topology` changes a replica's weights (nothing dies,
 proxies and sync groups stay); even weights on a full replica make it canonical again (lent units go home). With
 even weights these rules are the ones above exactly. A death in a weighted replica makes its slots alike again
 (survivors keep what they hold, the counts are balanced by the rules above): dealt by weight, a survivor could hold
@@ -127,7 +127,7 @@ __all__ = [
     "parse_dead_slots",
     "parse_stage_slots",
     "restart_layout",
-    "reweight_topology",
+    "rebalanced_topology",
     "shares",
     "survivor_ranks",
     "transition_plan",
@@ -1039,7 +1039,7 @@ def join_topology(current: Topology, joined_slots: Iterable[tuple[int, int]], mi
     return _build(current.generation + 1, current.tp_base, current.units, drafts)
 
 
-def reweight_topology(current: Topology, weights: Mapping[int, Mapping[int, int]]) -> Topology:
+def rebalanced_topology(current: Topology, weights: Mapping[int, Mapping[int, int]]) -> Topology:
     """The topology of generation g+1 in which each replica listed in ``weights`` (replica index -> live slot ->
     positive weight; an empty mapping: its slots alike again) shares every family in proportion to its slots'
     weights, with the fewest moves (module docstring, "Weighted dealing"): a slow slot lends units of its block to

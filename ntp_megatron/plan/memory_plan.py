@@ -126,7 +126,7 @@ def gpt_params(dims: ModelDims, stage: int = 0) -> list[ParamShape]:
 
 def unit_cost(dims: ModelDims, stage: int = 0) -> dict[str, int]:
     """Parameter elements of one unit of each family in pipeline stage ``stage``: a rank's GEMM work per unit it
-    holds (the straggler monitor and the simulator's straggler model weigh ranks' work by it)."""
+    holds (the rebalance monitor and the simulator's rebalance model weigh ranks' work by it)."""
     cost = dict.fromkeys(dims.units, 0)
     for p in gpt_params(dims, stage):
         if p.family is not None:

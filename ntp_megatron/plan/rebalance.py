@@ -3,22 +3,22 @@
 A slow GPU (thermal throttling, a bad link, a noisy neighbour) costs a synchronous job as much as a dead one:
 every rank of its TP group waits for it in every layer's collective, and every replica waits for that group at
 the gradient sync. Under NTP the group can give the slow rank fewer units instead
-(:func:`ntp_megatron.plan.layout.reweight_topology`).
+(:func:`ntp_megatron.plan.layout.rebalanced_topology`).
 
 Each rank measures its compute time per iteration (its forward and backward passes, minus its waits on peers:
 :mod:`ntp_megatron.speed.compute_time`) and sends its last iterations' times with its heartbeat, which its launcher reads
-anyway: no collective and no request of its own. :class:`StragglerMonitor` compares the members of each TP group
+anyway: no collective and no request of its own. :class:`RebalanceMonitor` compares the members of each TP group
 (one replica's stage) iteration by iteration. A member's *speed* is the work it holds (its units' parameter
 elements, :func:`groups_of`) per second of compute; its *relative speed* is that over the group's median speed (the
 higher median: with two members, the faster one), and ``100 * relative speed`` is the weight it should have. A
-member whose weight that way is off its current one by more than ``threshold`` (lower for a new straggler or one
+member whose weight that way is off its current one by more than ``threshold`` (lower for a newly slow rank or one
 that slowed further; higher, or within ``threshold`` of normal, for a weighted one whose slowdown ended) in each
 of the last ``window`` iterations it measured in the group's current layout gets its window's mean (within 1..100,
 and 100 when that is within ``threshold`` of it); the others keep theirs. A group whose weights all come out alike is even again (canonical
 when every slot is live: the units go home). The controller publishes only decisions that move units
 (:meth:`ntp_megatron.elastic.controller.Controller.rebalance`).
 
-Times of a group's iterations before its current layout took effect do not count (:meth:`StragglerMonitor.reset`
+Times of a group's iterations before its current layout took effect do not count (:meth:`RebalanceMonitor.reset`
 when a new generation completes).
 """
 
@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
-from ntp_megatron.plan.stages import reweight_topology, stages_of
+from ntp_megatron.plan.stages import rebalanced_topology, stages_of
 
 NORMAL = 100
 """The weight of a rank at normal speed."""
@@ -36,7 +36,7 @@ NORMAL = 100
 
 @dataclass(frozen=True)
 class Decision:
-    """Reweight one TP group: ``weights`` (live slot -> weight; empty: alike again) for replica ``replica``'s stage
+    """Rebalance one TP group: ``weights`` (live slot -> weight; empty: alike again) for replica ``replica``'s stage
     ``stage``, because of the measured ``slowness`` (slot -> mean compute time over the group's median)."""
 
     replica: int
@@ -71,7 +71,7 @@ class Group:
     to the weights."""
 
 
-class StragglerMonitor:
+class RebalanceMonitor:
     def __init__(self, threshold: float, window: int) -> None:
         if threshold <= 1.0 or window < 1:
             raise ValueError(f"threshold must be > 1 and window >= 1, got {threshold}, {window}")
@@ -96,7 +96,7 @@ class StragglerMonitor:
             del mine[old]
 
     def decide(self, groups: Iterable[Group]) -> list[Decision]:
-        """The groups to reweight now, and how."""
+        """The groups to rebalance now, and how."""
         return [d for g in groups if (d := self._decide(g)) is not None]
 
     def _decide(self, group: Group) -> Decision | None:
@@ -119,7 +119,7 @@ class StragglerMonitor:
             for s in slots:
                 speeds[s].append(speed[s] / median)
         # A member whose speed implies a weight off its current one by more than the threshold, in every iteration
-        # of the window: slower (a new straggler, or one that slowed further) or faster (its slowdown ended).
+        # of the window: slower (a newly slow rank, or one that slowed further) or faster (its slowdown ended).
         # A weighted member counts as faster also when its speed is within the threshold of normal: work that does
         # not shrink with the units it holds (norms, embeddings, launches) keeps its measured speed below its
         # weight's, so "faster than its weight by the threshold" may never come once its slowdown ended.
@@ -172,7 +172,7 @@ def refusal(old, decision: Decision, min_tp: int) -> Optional[str]:
     give the layout ``old`` already has; a sentence when a rank would hold more of a family than at ``min_tp`` (what
     the memory plan and ``ntp.memory_budget_gib`` vouch for)."""
     where = (decision.replica, decision.stage)
-    new = stages_of(reweight_topology(old, {where: dict(decision.weights)}))[decision.stage]
+    new = stages_of(rebalanced_topology(old, {where: dict(decision.weights)}))[decision.stage]
     before, after = stages_of(old)[decision.stage].replica(decision.replica), new.replica(decision.replica)
     most = {f: max(len(units) for units in new.layout(f, decision.replica)) for f in new.units}
     over = {f: n for f, n in most.items() if n > -(-new.units[f] // min_tp)}

@@ -281,7 +281,7 @@ def published_topology(base: "Topology | PipelineTopology", info: dict, generati
     if info.get("joined"):
         new = join_topology(base, [tuple(slot) for slot in info["joined"]], min_tp=min_tp)
     elif info.get("weights"):
-        new = reweight_topology(base, weights_from_json(info["weights"]))
+        new = rebalanced_topology(base, weights_from_json(info["weights"]))
     else:
         dead = [base.rank_of(*identity) for identity in info["dead"]]
         new = next_topology(base, [rank for rank in dead if rank is not None], min_tp=min_tp, policy=policy)
@@ -335,9 +335,9 @@ def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable
                        _next_generation(stage) for p, stage in enumerate(current.stages))
 
 
-def reweight_topology(current: "Topology | PipelineTopology", weights: Mapping[tuple[int, int], Mapping[int, int]]
+def rebalanced_topology(current: "Topology | PipelineTopology", weights: Mapping[tuple[int, int], Mapping[int, int]]
                       ) -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.plan.layout.reweight_topology` for a topology with or without stages: ``weights`` maps
+    """:func:`ntp_megatron.plan.layout.rebalanced_topology` for a topology with or without stages: ``weights`` maps
     ``(replica, stage)`` (stage 0 without stages) to that stage's slot weights; other stages keep their layout."""
     per_stage: dict[int, dict[int, Mapping[int, int]]] = {}
     stages = current.num_stages if isinstance(current, PipelineTopology) else 1
@@ -346,13 +346,13 @@ def reweight_topology(current: "Topology | PipelineTopology", weights: Mapping[t
             raise ValueError(f"weights for replica {replica}: stage {stage} out of range 0..{stages - 1}")
         per_stage.setdefault(stage, {})[replica] = given
     if not isinstance(current, PipelineTopology):
-        return layout.reweight_topology(current, per_stage.get(0, {}))
-    return _renumbered(layout.reweight_topology(stage, per_stage[p]) if p in per_stage else _next_generation(stage)
+        return layout.rebalanced_topology(current, per_stage.get(0, {}))
+    return _renumbered(layout.rebalanced_topology(stage, per_stage[p]) if p in per_stage else _next_generation(stage)
                        for p, stage in enumerate(current.stages))
 
 
 def weights_to_json(weights: Mapping[tuple[int, int], Mapping[int, int]]) -> list:
-    """``[[replica, stage, [[slot, weight], ...]], ...]``: a generation's reweighting as it is published."""
+    """``[[replica, stage, [[slot, weight], ...]], ...]``: a generation's rebalance as it is published."""
     return [[replica, stage, [[slot, w] for slot, w in sorted(given.items())]]
             for (replica, stage), given in sorted(weights.items())]
 

@@ -9,7 +9,7 @@ under power boost. Healthy, every rank holds the canonical blocks: one ``tp``-th
 
 * not rebalanced: the slowed rank holds its block and takes ``factor`` times as long;
 * rebalanced: the runtime weighs it ``round(100 / factor)`` (:mod:`ntp_megatron.plan.rebalance` measures its speed)
-  and deals every family by weight (:func:`ntp_megatron.plan.layout.reweight_topology`): the step is the slowest rank's;
+  and deals every family by weight (:func:`ntp_megatron.plan.layout.rebalanced_topology`): the step is the slowest rank's;
 * boosted: each rank draws the power its load needs on the curve, capped (:func:`ntp_megatron.plan.power_curve.plan`).
 
 ``python -m ntp_megatron.sim.straggler --config configs/tiny_cpu.yaml --tp 4 --factor 2`` prints the three.
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError, load_config
 from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
-from ntp_megatron.plan.layout import make_topology, reweight_topology
+from ntp_megatron.plan.layout import make_topology, rebalanced_topology
 from ntp_megatron.plan.memory_plan import ModelDims, unit_cost
 from ntp_megatron.plan.power_curve import Boost, plan
 
@@ -49,7 +49,7 @@ def group_step(dims: ModelDims, tp: int, factor: float, compute_fraction: float 
     whole = sum(cost[f] * n for f, n in dims.units.items())
     weight = max(1, min(100, round(100 / factor)))
     weights = {s: (weight if s == slot else 100) for s in range(tp)}
-    topo = reweight_topology(make_topology(tp, 1, dims.units), {0: weights})
+    topo = rebalanced_topology(make_topology(tp, 1, dims.units), {0: weights})
     shares = tuple(sum(cost[f] * len(topo.units_of(s, f)) for f in dims.units) / whole for s in range(tp))
     speed = {s: (1 / factor if s == slot else 1.0) for s in range(tp)}
 

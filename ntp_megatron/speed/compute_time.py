@@ -1,4 +1,4 @@
-"""A rank's compute time per iteration, its waits on peers excluded: what the straggler monitor compares.
+"""A rank's compute time per iteration, its waits on peers excluded: what the rebalance monitor compares.
 
 On CPU (gloo) collectives block the host, so the host's clock less the time the main thread spent in collective
 waits is the compute (:class:`HostClock`, :func:`ntp_megatron.phases.compute_clock`). On CUDA (NCCL) the host only

@@ -1,5 +1,5 @@
 """How a rank's Megatron-Core objects are made for a layout under NTP: the training side of
-:class:`ntp_megatron.elastic.host.Builder`, which the re-formation calls for every generation."""
+:class:`ntp_megatron.elastic.interfaces.Builder`, which the re-formation calls for every generation."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ class Trainer:
         record.update(elapsed_ms=elapsed * 1e3, time=time.time(),
                       tokens_per_s=record["global_batch_size"] * self.cfg.model.seq_length / elapsed)
 
-    # -- the loop's side of a re-formation (ntp_megatron.elastic.host.Training) ------------------------------------
+    # -- the loop's side of a re-formation (ntp_megatron.elastic.interfaces.Training) ------------------------------------
     def pending_iteration(self) -> Optional[int]:
         return self.pending["iteration"] if self.pending is not None else None
 

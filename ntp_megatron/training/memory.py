@@ -25,7 +25,7 @@ Alongside, every record carries the process's resident-set high-water mark since
 ``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs``): everything the process touched, the Python
 interpreter and its libraries included, so it is an upper bound of the rest, meaningful as a difference.
 
-:class:`RankMemory` is the training side of :class:`ntp_megatron.elastic.host.Memory`: it measures, emits the
+:class:`RankMemory` is the training side of :class:`ntp_megatron.elastic.interfaces.Memory`: it measures, emits the
 ``memory`` records (docs/metrics.md), and frees (and restores) gradient buffers that are dead during a
 re-formation.
 """
@@ -172,7 +172,7 @@ def role(topology, rank: int) -> str:
 
 
 class RankMemory:
-    """One rank's measurements (:class:`ntp_megatron.elastic.host.Memory`)."""
+    """One rank's measurements (:class:`ntp_megatron.elastic.interfaces.Memory`)."""
 
     def __init__(self, cfg, device: torch.device, launch_rank: int) -> None:
         self.cfg, self.device, self.launch_rank = cfg, device, launch_rank

@@ -70,7 +70,7 @@ def test_power_boost_of_a_degraded_replica_is_recorded_and_ends_when_it_heals(tm
 
 def test_a_slow_rank_on_another_node_is_rebalanced_through_node_0(tmp_path):
     """Two launchers on one host: replica 1 is node 1's. Its launcher reads its ranks' heartbeats, finds launch rank
-    3 slow and asks node 0's controller (one request through the root store), which publishes the reweighted
+    3 slow and asks node 0's controller (one request through the root store), which publishes the rebalanced
     generation; both nodes finish the run."""
     from tests.jobs.test_multi_node import _two_nodes
 

@@ -456,7 +456,7 @@ def test_out_of_memory_with_another_own_error_in_the_same_batch_stops_the_job(ot
 # -- rebalancing a slow rank --------------------------------------------------------------------------------------
 
 def test_a_rebalance_is_published_for_the_next_iteration_boundary():
-    from ntp_megatron.plan.layout import reweight_topology
+    from ntp_megatron.plan.layout import rebalanced_topology
     from ntp_megatron.plan.rebalance import Decision
 
     job = _job(2, 2)
@@ -466,7 +466,7 @@ def test_a_rebalance_is_published_for_the_next_iteration_boundary():
     assert Decision.from_json(json.loads(json.dumps(slow.to_json()))) == slow
     assert job.controller.rebalance([slow])
     assert job.latest() == 1 and job.store.check([keys.reform_requested(0)])
-    assert job.topology(1) == dataclasses.replace(reweight_topology(job.topology(0), {0: {0: 100, 1: 40}}),
+    assert job.topology(1) == dataclasses.replace(rebalanced_topology(job.topology(0), {0: {0: 100, 1: 40}}),
                                                   generation=1)
     assert job.info(1)["weights"] == [[0, 0, [[0, 100], [1, 40]]]] and job.info(1)["dead"] == []
     [event] = [e for e in job.events if e.get("event") == "rebalanced"]
@@ -487,12 +487,12 @@ def test_a_rebalance_that_moves_nothing_or_exceeds_min_tp_is_not_published():
     assert any("not rebalancing replica 0" in line and "ntp.min_tp (4)" in line for line in strict.said)
     worked = []
     import ntp_megatron.plan.rebalance as rebalance_module  # where a decision is worked out
-    real = rebalance_module.reweight_topology
-    rebalance_module.reweight_topology = lambda *a, **k: worked.append(1) or real(*a, **k)
+    real = rebalance_module.rebalanced_topology
+    rebalance_module.rebalanced_topology = lambda *a, **k: worked.append(1) or real(*a, **k)
     try:  # the monitor makes the refused decision again at every pass: not worked out again, not said again
         assert not strict.controller.rebalance([half]) and not strict.controller.rebalance([half])
     finally:
-        rebalance_module.reweight_topology = real
+        rebalance_module.rebalanced_topology = real
     assert worked == [] and sum("not rebalancing" in line for line in strict.said) == 1
     job = _job(4, 1)
     job.form(0)

@@ -72,7 +72,7 @@ class _Sink:
         self.records.append(record)
 
 
-class _Host:
+class _Launcher:
     def __init__(self, *overrides: str) -> None:
         self.cfg = load_job_config(None, ["ntp.enabled=true", "ntp.rejoin_after_s=0", *overrides])
         self.args = argparse.Namespace(nnodes=1, node_rank=0)
@@ -97,64 +97,64 @@ class _Host:
         return [r for r in self.console.sink.records if r.get("event") == name]
 
 
-def _formed(host: _Host, generation: int) -> None:
+def _formed(launcher: _Launcher, generation: int) -> None:
     """The ranks of ``generation`` finished forming it (as the last ready rank records)."""
-    host.store.set(keys.COMPLETED, str(generation))
+    launcher.store.set(keys.COMPLETED, str(generation))
 
 
-def _aware(host: _Host, generation: int) -> None:
+def _aware(launcher: _Launcher, generation: int) -> None:
     """The survivors noticed that ``generation`` is over."""
     for rank in (0, 1, 2):
-        note_aware(host.store, generation, rank, time.time())
+        note_aware(launcher.store, generation, rank, time.time())
 
 
 def test_a_slot_that_fails_four_times_gets_its_fourth_replacement():
-    host = _Host("ntp.max_rejoin_attempts=3")
-    ntp = modes.choose(host)
+    launcher = _Launcher("ntp.max_rejoin_attempts=3")
+    ntp = modes.choose(launcher)
     assert isinstance(ntp, ControllerPolicy)
     ntp.begin()
     generation = 0
-    _formed(host, generation)
+    _formed(launcher, generation)
     for failure in range(1, 5):
-        death = host.processes.ranks[3].die()
+        death = launcher.processes.ranks[3].die()
         assert ntp.step([death]) is None  # absorbed: generation + 1 without launch rank 3
-        _aware(host, generation)
+        _aware(launcher, generation)
         generation += 1
-        _formed(host, generation)
+        _formed(launcher, generation)
         assert ntp.step([]) is None  # the replacement is due at once (rejoin_after_s 0)
-        assert host.processes.started == [3] * failure, f"failure {failure}: no replacement started"
-        host.store.set(keys.joining(3), "{}")  # the replacement announces itself ...
+        assert launcher.processes.started == [3] * failure, f"failure {failure}: no replacement started"
+        launcher.store.set(keys.joining(3), "{}")  # the replacement announces itself ...
         assert ntp.step([]) is None  # ... and is admitted: generation + 1 with launch rank 3
         generation += 1
         assert ntp.controller.latest.generation == generation
-        _formed(host, generation)
+        _formed(launcher, generation)
         assert ntp.step([]) is None
     ntp.close()
-    assert [e["attempt"] for e in host.events("replacement_started")] == [1, 1, 1, 1]
-    assert [e["launch_rank"] for e in host.events("rank_failed")] == [3, 3, 3, 3]
+    assert [e["attempt"] for e in launcher.events("replacement_started")] == [1, 1, 1, 1]
+    assert [e["launch_rank"] for e in launcher.events("rank_failed")] == [3, 3, 3, 3]
 
 
 def test_replacements_that_die_before_their_admission_are_bounded():
     """The bound itself: replacements in a row that die before they are admitted — the first one started while
     the degraded generation still forms (the completed one before it has the slot: its dead process's) — then
     none."""
-    host = _Host("ntp.max_rejoin_attempts=3")
-    ntp = modes.choose(host)
+    launcher = _Launcher("ntp.max_rejoin_attempts=3")
+    ntp = modes.choose(launcher)
     ntp.begin()
-    _formed(host, 0)
-    ntp.step([host.processes.ranks[3].die()])
+    _formed(launcher, 0)
+    ntp.step([launcher.processes.ranks[3].die()])
     for attempt in range(1, 4):
         ntp.step([])
-        assert host.processes.started == [3] * attempt
+        assert launcher.processes.started == [3] * attempt
         if attempt == 1:
-            _aware(host, 0)
-            _formed(host, 1)
+            _aware(launcher, 0)
+            _formed(launcher, 1)
             ntp.step([])
-        ntp.step([host.processes.ranks[3].die()])  # dies while booting: never admitted
+        ntp.step([launcher.processes.ranks[3].die()])  # dies while booting: never admitted
     ntp.step([])
     ntp.close()
-    assert host.processes.started == [3, 3, 3]
-    assert [e["attempt"] for e in host.events("replacement_started")] == [1, 2, 3]
+    assert launcher.processes.started == [3, 3, 3]
+    assert [e["attempt"] for e in launcher.events("replacement_started")] == [1, 2, 3]
 
 
 def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_completes(monkeypatch):
@@ -165,31 +165,31 @@ def test_a_replacement_admitted_at_the_last_boundary_is_stopped_when_the_run_com
 
     stopped = []
     monkeypatch.setattr(rejoin, "signal_group", lambda pid, sig: stopped.append(pid))
-    host = _Host()
-    ntp = modes.choose(host)
+    launcher = _Launcher()
+    ntp = modes.choose(launcher)
     ntp.begin()
-    _formed(host, 0)
-    ntp.step([host.processes.ranks[3].die()])
-    _aware(host, 0)
-    _formed(host, 1)
+    _formed(launcher, 0)
+    ntp.step([launcher.processes.ranks[3].die()])
+    _aware(launcher, 0)
+    _formed(launcher, 1)
     ntp.step([])
-    replacement = host.processes.ranks[3]
-    assert host.processes.started == [3]
-    host.store.set(keys.joining(3), "{}")
+    replacement = launcher.processes.ranks[3]
+    assert launcher.processes.started == [3]
+    launcher.store.set(keys.joining(3), "{}")
     ntp.step([])
     assert ntp.controller.latest.generation == 2 and ntp.admitted(3)  # published, never formed
     ntp.rank_finished(0)  # a rank of generation 1 completed the run
     ntp.step([])
     assert stopped == [replacement.pid]
-    assert host.store.check([keys.stopped_at_end(3)])  # whichever node's controller sees the exit reads it
+    assert launcher.store.check([keys.stopped_at_end(3)])  # whichever node's controller sees the exit reads it
     assert ntp.step([replacement.die()]) is None
     assert ntp.controller.failures == 1, "the stopped replacement is no failure"
-    ntp.step([host.processes.ranks[1].die()])  # a rank that trained, dying now: a failure as ever
+    ntp.step([launcher.processes.ranks[1].die()])  # a rank that trained, dying now: a failure as ever
     assert ntp.controller.failures == 2
     for rank in range(4):  # every survivor noticed, so that the report of rank 1's death does not wait for them
-        note_aware(host.store, 2, rank, time.time())
+        note_aware(launcher.store, 2, rank, time.time())
     ntp.close()
-    assert sorted(e["launch_rank"] for e in host.events("rank_failed")) == [1, 3]  # reported by threads
+    assert sorted(e["launch_rank"] for e in launcher.events("rank_failed")) == [1, 3]  # reported by threads
 
 
 # -- a rank's own error stops the job in every mode ------------------------------------------------------------------
@@ -209,70 +209,70 @@ class _StoppingProcesses(_Processes):
         return []
 
 
-def _error_death(host: _Host, rank: int) -> Death:
+def _error_death(launcher: _Launcher, rank: int) -> Death:
     """What the launcher makes of a rank that reported an error of its own and exited 1."""
-    host.processes.ranks[rank].child._exited(1, time.time())
+    launcher.processes.ranks[rank].child._exited(1, time.time())
     return Death(rank, time.time(), "failed with an error of its own (iteration 3, phase checkpoint): OSError: x",
                  100 + rank, error="OSError: [Errno 30] Read-only file system: '/ck'")
 
 
 def test_a_rank_error_is_not_restarted_from_a_checkpoint_without_ntp(tmp_path):
-    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
-    host.processes = _StoppingProcesses()
+    launcher = _Launcher("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    launcher.processes = _StoppingProcesses()
     respawned = []
-    host.respawn = lambda: respawned.append(True)
-    policy = modes.choose(host)
+    launcher.respawn = lambda: respawned.append(True)
+    policy = modes.choose(launcher)
     assert type(policy).__name__ == "RestartFromCheckpoint"
     policy.begin()
     echo = Death(1, time.time() - 1, "stopped after another rank's failure broke its collectives (exit code 3)", 101)
-    assert policy.step([echo, _error_death(host, 2)]) == 1  # the job ends: no restart
-    assert respawned == [] and host.restarts == 0 and host.processes.stopped >= 1
-    failed = host.events("rank_failed")
+    assert policy.step([echo, _error_death(launcher, 2)]) == 1  # the job ends: no restart
+    assert respawned == [] and launcher.restarts == 0 and launcher.processes.stopped >= 1
+    failed = launcher.events("rank_failed")
     assert [e["launch_rank"] for e in failed] == [2], failed  # the error, not the echo, is named
 
 
 def test_without_ntp_the_error_a_rank_only_echoed_is_not_the_one_named(tmp_path):
     """A failed checkpoint write reaches every rank of the save; the one that gathered the results names the
     cause, the others report an echo of it, earlier or not."""
-    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
-    host.processes = _StoppingProcesses()
-    policy = modes.choose(host)
+    launcher = _Launcher("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    launcher.processes = _StoppingProcesses()
+    policy = modes.choose(launcher)
     policy.begin()
-    echo = _error_death(host, 1)
+    echo = _error_death(launcher, 1)
     echo = Death(1, echo.time - 1, echo.cause, echo.pid, error="CheckpointError: a write failed on another rank",
                  echo=True)
-    assert policy.step([echo, _error_death(host, 2)]) == 1
-    assert [e["launch_rank"] for e in host.events("rank_failed")] == [2]
+    assert policy.step([echo, _error_death(launcher, 2)]) == 1
+    assert [e["launch_rank"] for e in launcher.events("rank_failed")] == [2]
 
 
 def test_without_ntp_an_echo_that_dies_first_waits_for_the_report_of_the_cause(tmp_path):
-    host = _Host("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
-    host.processes = _StoppingProcesses()
-    policy = modes.choose(host)
+    launcher = _Launcher("ntp.enabled=false", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    launcher.processes = _StoppingProcesses()
+    policy = modes.choose(launcher)
     policy.begin()
-    echo = _error_death(host, 1)
+    echo = _error_death(launcher, 1)
     echo = Death(1, echo.time, echo.cause, echo.pid, error="CheckpointError: another rank failed", echo=True)
     report = ('{"error": "CheckpointError: this rank\'s write failed: OSError: [Errno 28] No space left on device", '
               '"iteration": 2, "phase": "checkpoint", "time": 0, "echo": false}')
-    timer = threading.Timer(0.3, lambda: host.store.set(keys.rank_error(3), report))
+    timer = threading.Timer(0.3, lambda: launcher.store.set(keys.rank_error(3), report))
     timer.start()
     try:
         assert policy.step([echo]) == 1
     finally:
         timer.join()
-    [failed] = host.events("rank_failed")
+    [failed] = launcher.events("rank_failed")
     assert failed["launch_rank"] == 3 and "No space left" in failed["cause"] and failed["iteration"] == 2
 
 
 def test_a_rank_error_is_not_restarted_by_ntp_on_unrecoverable_restart(tmp_path):
-    host = _Host("ntp.on_unrecoverable=restart", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
-    host.processes = _StoppingProcesses()
-    host.relaunch = lambda cfg, start: (_ for _ in ()).throw(AssertionError("restarted"))
-    policy = modes.choose(host)
+    launcher = _Launcher("ntp.on_unrecoverable=restart", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
+    launcher.processes = _StoppingProcesses()
+    launcher.relaunch = lambda cfg, start: (_ for _ in ()).throw(AssertionError("restarted"))
+    policy = modes.choose(launcher)
     assert type(policy).__name__ == "RestartSurvivorsPolicy"
     policy.begin()
-    _formed(host, 0)
-    host.store.set(keys.rank_error(2), '{"error": "OSError: x", "iteration": 3, "phase": "checkpoint", "time": 0}')
-    assert policy.step([_error_death(host, 2)]) == 1
-    assert host.restarts == 0 and host.store.check([keys.STOP])
-    assert "error of its own" in host.store.get(keys.STOP).decode()
+    _formed(launcher, 0)
+    launcher.store.set(keys.rank_error(2), '{"error": "OSError: x", "iteration": 3, "phase": "checkpoint", "time": 0}')
+    assert policy.step([_error_death(launcher, 2)]) == 1
+    assert launcher.restarts == 0 and launcher.store.check([keys.STOP])
+    assert "error of its own" in launcher.store.get(keys.STOP).decode()

@@ -1,5 +1,5 @@
 """Slow ranks, the pure parts: the ``slow:`` spec, the rank's pace (Slowdown, the emulated device), and the
-straggler monitor's decisions."""
+rebalance monitor's decisions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from ntp_megatron import faults, phases
 from ntp_megatron.config.files import ConfigError
 from ntp_megatron.speed.device_model import EmulatedDevice
-from ntp_megatron.plan.layout import make_topology, reweight_topology
-from ntp_megatron.plan.rebalance import Group, StragglerMonitor, groups_of
+from ntp_megatron.plan.layout import make_topology, rebalanced_topology
+from ntp_megatron.plan.rebalance import Group, RebalanceMonitor, groups_of
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +89,7 @@ def test_emulated_device_sleeps_its_share_at_training_micro_batches(monkeypatch)
     assert slept == [0.1, 0.1] and device.busy_s == pytest.approx(0.2)
 
 
-def feed(monitor: StragglerMonitor, times: dict[int, list[float]], first: int = 1) -> None:
+def feed(monitor: RebalanceMonitor, times: dict[int, list[float]], first: int = 1) -> None:
     for launch_rank, series in times.items():
         monitor.observe(launch_rank, [(first + i, t) for i, t in enumerate(series)])
 
@@ -97,7 +97,7 @@ def feed(monitor: StragglerMonitor, times: dict[int, list[float]], first: int = 
 def test_a_rank_slower_than_its_group_for_the_window_gets_a_share_in_proportion():
     topo = make_topology(4, 2, {"heads": 8})
     identity = {lr: topo.slot_of(lr) for lr in range(8)}
-    monitor = StragglerMonitor(threshold=1.2, window=3)
+    monitor = RebalanceMonitor(threshold=1.2, window=3)
     feed(monitor, {lr: [1.0, 1.0, 1.0] for lr in range(8)})
     feed(monitor, {1: [1.0, 2.0, 2.0]})  # slower only in the last two: not for the whole window
     assert monitor.decide(groups_of(topo, identity)) == []
@@ -108,8 +108,8 @@ def test_a_rank_slower_than_its_group_for_the_window_gets_a_share_in_proportion(
 
 
 def test_a_rebalanced_rank_as_fast_as_its_share_keeps_it_and_gets_it_back_once_fast():
-    topo = reweight_topology(make_topology(2, 1, {"heads": 8}), {0: {0: 100, 1: 50}})
-    monitor = StragglerMonitor(threshold=1.2, window=2)
+    topo = rebalanced_topology(make_topology(2, 1, {"heads": 8}), {0: {0: 100, 1: 50}})
+    monitor = RebalanceMonitor(threshold=1.2, window=2)
     groups = [Group(0, 0, {0: 0, 1: 1}, dict(topo.replica(0).weights))]
     feed(monitor, {0: [1.0, 1.0], 1: [1.0, 1.1]})  # half the work in the same time: still half as fast
     assert monitor.decide(groups) == []
@@ -122,12 +122,12 @@ def test_a_rebalanced_rank_as_fast_as_its_share_keeps_it_and_gets_it_back_once_f
 
 
 def test_monitor_needs_every_member_and_a_whole_window():
-    monitor = StragglerMonitor(threshold=1.5, window=2)
+    monitor = RebalanceMonitor(threshold=1.5, window=2)
     feed(monitor, {0: [1.0, 1.0], 1: [3.0, 3.0]})
     assert monitor.decide([Group(0, 0, {0: 0, 1: 1, 2: 2})]) == []  # slot 2's times missing
     assert monitor.decide([Group(0, 0, {0: 0})]) == []  # one member: nothing to compare
     with pytest.raises(ValueError):
-        StragglerMonitor(threshold=1.0, window=3)
+        RebalanceMonitor(threshold=1.0, window=3)
 
 
 def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
@@ -141,7 +141,7 @@ def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
     costs = {0: {"heads": 300, "ffn": 10, "vocab": 5}}
     [group] = groups_of(topo, identity, costs)
     assert sorted(group.work.values())[-1] > sorted(group.work.values())[0]  # uneven work
-    monitor = StragglerMonitor(threshold=1.2, window=3)
+    monitor = RebalanceMonitor(threshold=1.2, window=3)
     feed(monitor, {lr: [group.work[topo.slot_of(lr)[1]] / 1000] * 3 for lr in range(7)})  # time = work
     assert monitor.decide([group]) == []
     assert monitor.decide([Group(0, 0, group.members, {})]) != []  # what weighing by weight alone would do
@@ -151,11 +151,11 @@ def test_a_recovered_rank_gets_its_units_back_though_fixed_work_keeps_it_below_i
     """Weight 80 after a 1.25x slowdown that ended: with a third of its compute not shrinking with its units, it
     measures at 0.9 of the others' speed, not faster than its weight by the threshold; being within the threshold of
     normal, it gets 100 back (helper-5's loop kept it at 80 for good)."""
-    monitor = StragglerMonitor(threshold=1.2, window=2)
+    monitor = RebalanceMonitor(threshold=1.2, window=2)
     group = Group(0, 0, {0: 0, 1: 1}, {0: 100, 1: 80}, {0: 1.0, 1: 0.8})
     feed(monitor, {0: [1.0, 1.0], 1: [0.8 / 0.9, 0.8 / 0.9]})  # speed 0.9 of the other's
     [decision] = monitor.decide([group])
     assert decision.weights == {}
-    monitor = StragglerMonitor(threshold=1.2, window=2)
+    monitor = RebalanceMonitor(threshold=1.2, window=2)
     feed(monitor, {0: [1.0, 1.0], 1: [0.8 / 0.8, 0.8 / 0.8]})  # still at 0.8: as its weight says, nothing to do
     assert monitor.decide([group]) == []

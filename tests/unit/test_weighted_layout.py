@@ -23,7 +23,7 @@ from ntp_megatron.plan.layout import (
     join_topology,
     make_topology,
     next_topology,
-    reweight_topology,
+    rebalanced_topology,
     shares,
     transition_plan,
 )
@@ -68,7 +68,7 @@ def test_worked_example_slow_slot_1_at_half_speed():
     the extra head goes to the lowest slot, so the FFN's extras go to the slots with nothing extra yet. Replica 1
     and the sync groups do not change."""
     start = make_topology(4, 2, {"heads": 8, "ffn": 16})
-    slow = reweight_topology(start, {0: {0: 100, 1: 50, 2: 100, 3: 100}})
+    slow = rebalanced_topology(start, {0: {0: 100, 1: 50, 2: 100, 3: 100}})
     assert slow.generation == 1
     assert slow.layout("heads", 0) == [[0, 1, 3], [2], [4, 5], [6, 7]]
     # FFN: slot 0 already holds the extra head, so the two extra FFN units go to slots 2 and 3.
@@ -79,7 +79,7 @@ def test_worked_example_slow_slot_1_at_half_speed():
     moves = transition_plan(start, slow)
     assert [(m.family, m.unit, m.src, m.dst) for m in moves] == [("ffn", 6, 1, 3), ("ffn", 7, 1, 2),
                                                                  ("heads", 3, 1, 0)]
-    back = reweight_topology(slow, {0: {}})
+    back = rebalanced_topology(slow, {0: {}})
     assert back.replica(0) == start.replica(0) and back.is_healthy(0)
     assert [(m.family, m.unit, m.src, m.dst) for m in transition_plan(slow, back)] == [
         ("ffn", 6, 3, 1), ("ffn", 7, 2, 1), ("heads", 3, 0, 1)]
@@ -119,7 +119,7 @@ def weighted_histories(draw):
             rep = draw(st.sampled_from(topo.replicas))
             even = draw(st.booleans()) and draw(st.booleans())
             weights = {} if even else {s: draw(st.integers(1, 200)) for s in rep.slots}
-            new = reweight_topology(topo, {rep.index: weights})
+            new = rebalanced_topology(topo, {rep.index: weights})
             steps.append(("reweight", topo, new, (rep.index, weights)))
         topo = new
     return steps
@@ -245,21 +245,21 @@ def test_deaths_and_joins_of_weighted_replicas(steps):
 
 def test_reweighting_a_stage_of_a_pipeline_leaves_the_other_stages():
     start = stages.make_pipeline_topology(3, 2, 2, {"heads": 6, "ffn": 9, "vocab": 12})
-    new = stages.reweight_topology(start, {(1, 1): {0: 100, 1: 30, 2: 100}})
+    new = stages.rebalanced_topology(start, {(1, 1): {0: 100, 1: 30, 2: 100}})
     assert new.stages[0].replicas == tuple(
         type(r)(r.index, r.slots, r.ranks, r.proxies, r.dealt, r.weights) for r in start.stages[0].replicas)
     assert new.stages[1].replica(1).weights == {0: 100, 1: 30, 2: 100}
     info = {"base": 0, "dead": [], "weights": stages.weights_to_json({(1, 1): {0: 100, 1: 30, 2: 100}})}
     assert stages.published_topology(start, info, 1) == new
     with pytest.raises(ValueError, match="stage 2 out of range"):
-        stages.reweight_topology(start, {(0, 2): {}})
+        stages.rebalanced_topology(start, {(0, 2): {}})
 
 
 def test_reweight_errors():
     topo = make_topology(4, 1, {"heads": 8}, dead_slots=[(0, 3)])
     with pytest.raises(ValueError, match=r"exactly its live slots \[0, 1, 2\]"):
-        reweight_topology(topo, {0: {0: 1, 1: 1, 2: 1, 3: 1}})
+        rebalanced_topology(topo, {0: {0: 1, 1: 1, 2: 1, 3: 1}})
     with pytest.raises(ValueError, match="weight of slot 1 must be >= 1"):
-        reweight_topology(topo, {0: {0: 1, 1: 0, 2: 1}})
+        rebalanced_topology(topo, {0: {0: 1, 1: 0, 2: 1}})
     with pytest.raises(ValueError, match="no replica with index 1"):
-        reweight_topology(topo, {1: {}})
+        rebalanced_topology(topo, {1: {}})
