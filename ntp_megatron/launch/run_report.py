@@ -122,8 +122,46 @@ def _plot_compute(ax, compute: dict[int, dict[int, tuple[int, float]]], records:
     ax.legend(loc="upper right", fontsize="small")
 
 
+LABEL_ROW_PT = 11
+"""The height of one row of event labels on the loss panel (points: a "small" label's)."""
+LABEL_CHARS_ACROSS = 110
+"""About how many characters of a "small" label fit across the run plot's 9-inch axes."""
+
+
+def label_rows(labels: list[tuple[float, str, str]], x_span: float,
+               chars_across: float = LABEL_CHARS_ACROSS) -> list[int]:
+    """A row for each label ``(x, text, ha)``, the lowest where it comes no closer than a character to a label
+    already placed in that row: a label takes ``len(text) / chars_across`` of the x axis (``x_span`` iterations),
+    right of ``x`` (``ha`` "left") or left of it ("right")."""
+    per_char = x_span / chars_across
+    rows: list[list[tuple[float, float]]] = []
+    out = []
+    for x, text, ha in labels:
+        width = (len(text) + 1) * per_char
+        lo, hi = (x, x + width) if ha == "left" else (x - width, x)
+        row = next((i for i, taken in enumerate(rows) if not any(lo <= b and a <= hi for a, b in taken)), len(rows))
+        if row == len(rows):
+            rows.append([])
+        rows[row].append((lo, hi))
+        out.append(row)
+    return out
+
+
 def plot(records: list[dict[str, Any]], path: Path,
          compute: Optional[dict[int, dict[int, tuple[int, float]]]] = None) -> Optional[Path]:
+    """Draw the run plot (:func:`figure`) into ``path``; None if the run has no iteration."""
+    fig = figure(records, compute)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt  # loaded by figure() already
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def figure(records: list[dict[str, Any]], compute: Optional[dict[int, dict[int, tuple[int, float]]]] = None):
     """Loss per iteration with the validation loss (points; the end-of-training ones as stars), TP per replica over
     iterations, failures (red) and rejoins (green) marked; with ranks' compute times, a third panel: each replica's
     slowest rank's compute per iteration (``compute``: :attr:`ntp_megatron.metrics.MetricsSink.compute`),
@@ -166,26 +204,23 @@ def plot(records: list[dict[str, Any]], path: Path,
     tp_ax.set_ylim(bottom=0)
     tp_ax.yaxis.get_major_locator().set_params(integer=True)
     tp_ax.legend(loc="lower left", fontsize="small")
+    labels = []  # (x, text, color, ha): failures and rejoins, drawn in rows so that close ones do not overlap
     for event in _events(records, "rank_failed"):
         if event.get("iteration") is not None:
-            for ax in (loss_ax, tp_ax):
-                ax.axvline(event["iteration"], color="tab:red", linestyle="--", linewidth=1)
-            loss_ax.annotate(f"rank {event.get('launch_rank')} failed", (event["iteration"], loss_ax.get_ylim()[1]),
-                             color="tab:red", fontsize="small", ha="left", va="top")
+            labels.append((event["iteration"], f"rank {event.get('launch_rank')} failed", "tab:red", "left"))
     for event in _events(records, "reformed"):
         if event.get("joined"):
-            at = event["resume_iteration"]
-            for ax in (loss_ax, tp_ax):
-                ax.axvline(at, color="tab:green", linestyle="--", linewidth=1)
             slots = ", ".join(f"replica {j[0]} slot {j[1]}" + "".join(f" stage {p}" for p in j[2:])
                               for j in event["joined"])
-            loss_ax.annotate(f"{slots} rejoined", (at, loss_ax.get_ylim()[1]), color="tab:green",
-                             fontsize="small", ha="right", va="top")
+            labels.append((event["resume_iteration"], f"{slots} rejoined", "tab:green", "right"))
+    x_span = max(steps[-1] - steps[0], 1)
+    for (x, text, color, ha), row in zip(labels, label_rows([(x, t, ha) for x, t, _, ha in labels], x_span)):
+        for ax in (loss_ax, tp_ax):
+            ax.axvline(x, color=color, linestyle="--", linewidth=1)
+        loss_ax.annotate(text, (x, loss_ax.get_ylim()[1]), xytext=(0, -LABEL_ROW_PT * row), textcoords="offset points",
+                         color=color, fontsize="small", ha=ha, va="top")
     if compute:
         _plot_compute(axes[2], compute, records)
     loss_ax.set_title("ntp-megatron run")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
