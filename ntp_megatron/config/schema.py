@@ -15,6 +15,7 @@ from typing import Iterable, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ntp_megatron.config.files import ConfigError, load_config
+from ntp_megatron.config.timing import TimingSection
 from ntp_megatron.plan.layout import make_topology, parse_dead_slots, parse_stage_slots
 from ntp_megatron.plan.memory_plan import check_budget
 from ntp_megatron.plan.power_curve import boost_model, check_curve_points
@@ -467,6 +468,8 @@ class JobConfig(_Section):
     """Log lines, metrics, TensorBoard."""
     faults: FaultsSection = Field(default_factory=FaultsSection)
     """Injected failures."""
+    timing: TimingSection = Field(default_factory=TimingSection)
+    """Grace periods, waits and polls of the launcher and the live path (``ntp_megatron/config/timing.py``)."""
 
     @model_validator(mode="after")
     def _batch(self) -> "JobConfig":

@@ -1,6 +1,6 @@
 """The launcher's hands on its own ranks: fencing ranks that stopped responding, and controller-side failures.
 
-*Fencing.* A rank that stopped (``T`` in ``/proc/<pid>/stat``: SIGSTOP) for ``STOPPED_GRACE_S``, or whose
+*Fencing.* A rank that stopped (``T`` in ``/proc/<pid>/stat``: SIGSTOP) for ``timing.stopped_grace_s``, or whose
 heartbeat (:class:`ntp_megatron.elastic.watchdog.Heartbeat`) is older than ``ntp.heartbeat_timeout_s`` —
 stuck so hard that even its heartbeat thread cannot run — is SIGKILLed before anything else happens, so it can
 never come back and write; the reaper then reports it dead like any other. The heartbeat is a Python thread,
@@ -30,6 +30,7 @@ from typing import Callable, Optional, Protocol
 import torch.distributed as dist
 
 from ntp_megatron import faults, phases
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 
 
@@ -42,10 +43,6 @@ class _Process(Protocol):
 
 NO_BEAT = json.dumps({"t": 0.0})
 """A rank's heartbeat key before its first beat (:meth:`Agent._read_beats`)."""
-STOPPED_GRACE_S = 0.5
-STALL_REFRESH_S = 0.5
-"""How often a launcher whose rank still waits confirms the stall in the store; a stall not confirmed for
-``3 * STALL_REFRESH_S`` is over."""
 
 
 def process_state(pid: int) -> str:
@@ -147,7 +144,7 @@ class Agent:
                 continue
             if process_state(proc.pid) in ("T", "t"):
                 since = self.stopped_since.setdefault(rank, now)
-                if now - since >= STOPPED_GRACE_S:
+                if now - since >= timing.current().stopped_grace_s:
                     self._kill(rank, proc, since, f"hung: stopped (SIGSTOP), fenced after {now - since:.1f} s")
                 continue
             self.stopped_since.pop(rank, None)
@@ -197,7 +194,7 @@ class Agent:
         half = self.heartbeat_timeout_s / 2
         waiting_since = beat.get("waiting_since")
         if waiting_since is not None and now - waiting_since >= half:
-            if now - self._stall_published >= STALL_REFRESH_S:
+            if now - self._stall_published >= timing.current().stall_refresh_s:
                 self._stall_published = now
                 try:
                     self.shared.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
@@ -220,7 +217,7 @@ class Agent:
         except Exception:  # noqa: BLE001 - the store is going away with the job
             return
         stall = json.loads(raw) if raw else None
-        if stall is None or now - stall["t"] > 3 * STALL_REFRESH_S:
+        if stall is None or now - stall["t"] > 3 * timing.current().stall_refresh_s:
             return
         for rank, proc, beat, since in stale:
             if rank == stall["launch_rank"]:

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys, publication
 from ntp_megatron.phases import waiting
 
@@ -49,9 +50,6 @@ class NodeShare:
     nodes: int
 
 
-BRING_WAIT_S = 1.0
-"""How long a node's last voter waits on the root for the decision before it looks whether the generation ended
-without one."""
 
 
 class CommitProtocol:
@@ -143,12 +141,12 @@ class CommitProtocol:
         while True:
             try:
                 with waiting():
-                    self.root.wait([key], timedelta(seconds=BRING_WAIT_S))
+                    self.root.wait([key], timedelta(seconds=timing.current().bring_wait_s))
                 value = keys.read_if_set(self.root, key)  # None if the wait ended on a compare_set that wrote nothing
                 if value is not None:
                     return value.decode()
             except dist.DistStoreError:
-                pass  # not written within BRING_WAIT_S
+                pass  # not written within timing.bring_wait_s
             if self.root.check([keys.abort(self.generation)]) and not self.root.check([key]):
                 return None
             if time.monotonic() > deadline:

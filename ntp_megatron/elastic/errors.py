@@ -6,7 +6,7 @@ the next generation, when
 1. it is a transport error — a collective or the store failed because a peer went away (torch's
    ``DistNetworkError``, gloo's and NCCL's connection errors, a wait given up because the generation ended) — or
    the controller's verdict (an aborted iteration, an incomplete formation); or
-2. the generation is marked over (its abort key, or the job's stop key) within :data:`PEER_GRACE_S` of the
+2. the generation is marked over (its abort key, or the job's stop key) within ``timing.peer_grace_s`` of the
    exception. This covers an error that a peer's death causes indirectly, e.g. a library that wraps the broken
    connection in an exception of its own, or a collective timed out: the controller marks the generation over as
    soon as the launcher reaps the dead process, well under a second after the death. Other torch.distributed
@@ -20,7 +20,7 @@ line naming it (with the traceback when it is a bug rather than a condition of t
 The controller then stops the job naming the error (:func:`reported_error`), instead of re-forming around it.
 
 Running out of memory is never a peer's failure and is reported at once, without waiting out
-:data:`PEER_GRACE_S`: peers blocked in a collective with this rank are released by the controller's verdict,
+``timing.peer_grace_s``: peers blocked in a collective with this rank are released by the controller's verdict,
 which comes as soon as this rank has exited. Its report says ``out_of_memory``, so that the controller can take
 it for a layout that does not fit (a degraded replica) rather than for a bug.
 """
@@ -38,13 +38,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ntp_megatron import phases
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.commit import IterationAborted
 from ntp_megatron.patches.torch_distributed_work import CollectiveAbandoned
 
-PEER_GRACE_S = 5.0
-"""How long a rank waits for its generation to be marked over before it calls an exception its own. Bounds the
-time from a rank's own error to the stop of the job; far above the controller's reaction to a death."""
 
 EXIT_RANK_ERROR = 1
 """Exit code of a rank whose own code failed (after it reported the error)."""
@@ -63,11 +61,6 @@ OWN_OR_PEER = (Exception, CheckpointException)
 that failed on some rank) derives from ``BaseException``: an ``except Exception`` alone would let it end the
 process with no report."""
 
-
-ECHO_WAIT_S = 2.0
-"""How long the controller (or the launcher, NTP off) waits for the report that names the cause when every death
-it has is a rank that only echoed another's error (:class:`OwnError` ``echo``): the ranks of one failed save all
-raise at the same moment, but exit some milliseconds apart."""
 
 
 class OwnError(RuntimeError):
@@ -113,7 +106,7 @@ def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> 
         return False
     if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_peer_failure(exc):
         return True
-    return marked_over(PEER_GRACE_S)
+    return marked_over(timing.current().peer_grace_s)
 
 
 def describe(exc: BaseException) -> str:
@@ -155,8 +148,8 @@ def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
 
 def cause_behind_echoes(store: dist.Store, launch_ranks: list[int]) -> Optional[tuple[int, dict]]:
     """Launcher side, when every reported error at hand is an echo: the first of ``launch_ranks`` to report an
-    error that is not, within :data:`ECHO_WAIT_S`; None if none does (the echoes are all there is)."""
-    deadline = time.monotonic() + ECHO_WAIT_S
+    error that is not, within ``timing.echo_wait_s``; None if none does (the echoes are all there is)."""
+    deadline = time.monotonic() + timing.current().echo_wait_s
     while True:
         for launch_rank in launch_ranks:
             report = reported_error(store, launch_rank)

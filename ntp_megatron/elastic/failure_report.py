@@ -17,15 +17,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 from ntp_megatron.plan.layout import Topology
 
-AWARE_WAIT_S = 10.0
-"""How long a report waits for every survivor to note the failure before it names those that did not."""
-POLL_S = 0.01
-"""How often the report reads the survivors' count while it waits."""
-FULL_CHECK_S = 0.5
-"""A full check of the notes that failed (the count includes ranks that died since) is not repeated sooner."""
 
 
 def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:
@@ -40,7 +35,7 @@ def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:
 
 class FailureReports:
     """Reports of the controller's batches of deaths, each from a thread of its own (bounded by
-    :data:`AWARE_WAIT_S`)."""
+    ``timing.report_wait_s``)."""
 
     def __init__(self, store: dist.Store, identity: dict[int, tuple[int, ...]], dead: set[int], policy: str,
                  say: Callable[[str], None], emit: Callable[[dict], None],
@@ -72,20 +67,21 @@ class FailureReports:
 
     def close(self) -> None:
         """Wait (bounded) for the reports still waiting on survivors, before the store goes away."""
-        deadline = time.monotonic() + AWARE_WAIT_S
+        deadline = time.monotonic() + timing.current().report_wait_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def report(self, deaths: list, old: Topology, settled: Optional[dict], survivors: list[int],
-               wait_s: float = AWARE_WAIT_S) -> None:
+               wait_s: Optional[float] = None) -> None:
         """Wait up to ``wait_s`` for ``survivors`` to note the end of ``old``'s generation, then write the report
-        (``wait_s`` 0: nobody re-forms, report now)."""
+        (``wait_s`` 0: nobody re-forms, report now; None: ``timing.report_wait_s``)."""
+        wait_s = timing.current().report_wait_s if wait_s is None else wait_s
         outcome = self._wait_aware(old.generation, survivors, wait_s)
         if outcome is None:
             return  # the store is shutting down with the job
         aware, missing, survivors = outcome
         if missing:
-            self.say(f"launch ranks {missing} did not notice the failure within {AWARE_WAIT_S:.0f} s; "
+            self.say(f"launch ranks {missing} did not notice the failure within {wait_s:.0f} s; "
                      "their stacks follow")
             self.dump_stacks(missing)
         for d in deaths:
@@ -114,10 +110,10 @@ class FailureReports:
                     if got is not None:
                         aware = got
                         break
-                    full_check_at = time.monotonic() + FULL_CHECK_S
+                    full_check_at = time.monotonic() + timing.current().report_full_check_s
             except Exception:  # noqa: BLE001 - the store is shutting down with the job
                 return None
-            time.sleep(POLL_S)
+            time.sleep(timing.current().report_poll_s)
         missing: list[int] = []
         if survivors and not aware and not stopped and wait_s > 0:  # out of time: name the ranks that did not notice
             try:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 from megatron.core import parallel_state
 
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import group_backend, keys, publication
 from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.watchdog import GenerationWatchdog, Heartbeat, StoreFactory
@@ -37,8 +38,6 @@ from ntp_megatron.plan.layout import Topology
 
 logger = logging.getLogger(__name__)
 
-WATCH_TIMEOUT_S = 3600.0
-POLL_S = 0.01
 
 
 class JobStopped(SystemExit):
@@ -189,7 +188,7 @@ class ElasticRank:
         # and a member that dies meanwhile must not cost the whole timeout.
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
-        watchdog = GenerationWatchdog(self.open_local, topology.generation, scope.sockets, WATCH_TIMEOUT_S,
+        watchdog = GenerationWatchdog(self.open_local, topology.generation, scope.sockets, timing.current().watch_timeout_s,
                                       self.group_backend)
         if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
@@ -364,7 +363,7 @@ class ElasticRank:
                 return self.topology(latest), self.info(latest)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no generation after {generation} within {self.timeout_s:.0f} s")
-            time.sleep(POLL_S)
+            time.sleep(timing.current().generation_poll_s)
 
     def marked_over(self, generation: int, within_s: float) -> bool:
         """Whether ``generation`` is marked over or the job stopped, now or within ``within_s`` seconds (a
@@ -373,7 +372,7 @@ class ElasticRank:
         while not self.local.check([keys.abort(generation)]) and not self.local.check([keys.STOP]):
             if time.monotonic() > deadline:
                 return False
-            time.sleep(POLL_S)
+            time.sleep(timing.current().generation_poll_s)
         return True
 
 

@@ -43,6 +43,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.publication import copy_to_node, published_since, raise_latest
 from ntp_megatron.sockets import SocketScope, connected_to, shutdown_sockets
@@ -52,12 +53,6 @@ logger = logging.getLogger(__name__)
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of a store with the given timeout (seconds)."""
 
-WAIT_S = 30.0
-"""How long a relay thread blocks on one store call before it asks again (a wait for a generation's end lasts as long
-as the generation: one request to the root per node every ``WAIT_S``)."""
-CONNECT_TIMEOUT_S = 60.0
-RETRY_S = 1.0
-"""How long a relay thread whose store call failed waits before it connects again."""
 _CONNECTING = threading.Lock()
 """One client made at a time in this process, so that the sockets that appear while it is made are its own."""
 
@@ -71,18 +66,19 @@ class NodeRelay:
     ended first) gives up at once."""
 
     def __init__(self, open_root: StoreFactory, node_rank: int, open_local: Optional[StoreFactory] = None,
-                 host: str = "127.0.0.1", beat_s: float = 1.0, wait_s: float = WAIT_S,
+                 host: str = "127.0.0.1", beat_s: float = 1.0, wait_s: Optional[float] = None,
                  ranks: Callable[[], int] = lambda: 0,
                  wrap_root: Callable[[dist.Store], dist.Store] = lambda store: store,
                  stop: Optional[threading.Event] = None) -> None:
         self.node_rank = node_rank
-        self.beat_s, self.wait_s = beat_s, wait_s
+        self.beat_s = beat_s
+        self.wait_s = timing.current().relay_wait_s if wait_s is None else wait_s
         self.ranks = ranks
         self._open_root_raw = open_root
         self._polling_root = lambda store: wrap_root(self._polling(store))
         self._server: Optional[dist.TCPStore] = None
         if open_local is None:
-            self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=CONNECT_TIMEOUT_S),
+            self._server = dist.TCPStore(host, 0, None, True, timeout=timedelta(seconds=timing.current().relay_connect_timeout_s),
                                          wait_for_workers=False)
             port = self._server.port
             open_local = lambda timeout_s: dist.TCPStore(host, port, None, False,  # noqa: E731
@@ -153,7 +149,7 @@ class NodeRelay:
                     return
                 logger.error("node %d relay: %s: %s; connecting again", self.node_rank, type(exc).__name__, exc)
                 self.errors.append(f"{type(exc).__name__}: {exc}")
-                self._stop.wait(RETRY_S)
+                self._stop.wait(timing.current().relay_retry_s)
             again = True
 
     def _connect(self, local: bool, again: bool) -> tuple[Optional[dist.Store], dist.Store]:
@@ -171,7 +167,7 @@ class NodeRelay:
             if self._stop.is_set():
                 raise RuntimeError("the relay is stopping")
             with SocketScope() as scope:
-                store = open_store(CONNECT_TIMEOUT_S)
+                store = open_store(timing.current().relay_connect_timeout_s)
             sockets = scope.sockets
         server = getattr(store, "underlying_store", store)  # a PrefixStore's is the client
         if len(sockets) > 1 and hasattr(server, "port"):  # another thread opened one meanwhile

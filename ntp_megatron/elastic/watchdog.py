@@ -26,22 +26,13 @@ from typing import Callable, Iterable, Optional
 import torch.distributed as dist
 
 from ntp_megatron import phases
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.group_backend import GlooBackend, GroupBackend
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
 logger = logging.getLogger(__name__)
 
-ESCAPE_GRACE_S = 0.05
-"""How long after its generation ended a rank still waits on a collective of it. On a group whose sockets were shut
-down gloo's own error normally arrives within milliseconds; on a group left as it was (no dead member: it may go on)
-none comes, so a rank blocked there waits out this grace before it re-forms, and it is kept short (it was 0.2 s while
-every group was shut down: `scripts/bench.sh --only recovery` measured those 0.2 s on top of every recovery once
-groups were kept). A wait given up where gloo's error was merely late costs nothing but a held group
-(:class:`ntp_megatron.elastic.generation._Held`). (A timing choice, not a guarantee: gloo's event loop may still copy
-bytes it had already received into a given-up collective's buffers; none of them is used before the rank has
-re-formed, a re-formation rebuilds or re-sends whatever the failed generation was computing, and a group that goes
-on is drained first.)"""
 
 StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
@@ -53,7 +44,7 @@ class GenerationWatchdog:
     its default group) and the process groups the backend says (the value of the key names the dead,
     :func:`ntp_megatron.elastic.keys.abort_value`). On gloo those with a dead member; one without is left as it is
     (it may go on into the next generation, :mod:`ntp_megatron.plan.group_plan`), and a rank blocked in it gives its
-    wait up after ``ESCAPE_GRACE_S``.
+    wait up after ``timing.escape_grace_s``.
 
     The thread ends when the key appears (the controller always sets it when a generation ends) or when its
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
@@ -110,10 +101,10 @@ class GenerationWatchdog:
 
     def reason(self) -> Optional[str]:
         """Part of the wait escape (:mod:`ntp_megatron.patches.torch_distributed_work`): a collective of this
-        generation still waited on ``ESCAPE_GRACE_S`` after its sockets were shut down is one gloo will not wake
+        generation still waited on ``timing.escape_grace_s`` after its sockets were shut down is one gloo will not wake
         before the collective timeout (a message in mid-transfer); the rank gives it up."""
         fired = self._fired_monotonic
-        if fired is None or time.monotonic() - fired < ESCAPE_GRACE_S:
+        if fired is None or time.monotonic() - fired < timing.current().escape_grace_s:
             return None
         return (f"generation {self.generation} ended {time.monotonic() - fired:.2f} s ago and a collective of it "
                 f"was still blocked: given up")

@@ -37,10 +37,10 @@ import time
 import traceback
 from typing import Callable, NoReturn, Optional
 
+from ntp_megatron.config import timing
 from ntp_megatron.training.runtime import die_with_parent, set_process_name
 
 _MAX_MESSAGE = 1 << 20
-START_TIMEOUT_S = 60.0
 
 
 class Child:
@@ -107,7 +107,7 @@ class ForkServer:
         fds = [stdout, stderr] + ([pass_fd[1]] if pass_fd is not None else [])
         with self._cond:
             socket.send_fds(self._sock, [json.dumps(request).encode()], fds)
-            deadline = time.monotonic() + START_TIMEOUT_S
+            deadline = time.monotonic() + timing.current().process_start_timeout_s
             while not self._started:
                 if self._closed or not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise RuntimeError("the launcher's fork server did not start the process")

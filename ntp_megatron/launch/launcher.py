@@ -33,6 +33,7 @@ from ntp_megatron import faults, metrics
 from ntp_megatron.launch import describe, summary
 
 from ntp_megatron.plan import memory_plan
+from ntp_megatron.config import timing
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.config.files import EXIT_CONFIG_ERROR, ConfigError
 from ntp_megatron.elastic.agent import Agent
@@ -48,11 +49,6 @@ from ntp_megatron.launch.processes import RankProcesses, describe_exit
 from ntp_megatron.plan.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
 
-POLL_S = 0.02
-DEBOUNCE_S = 0.05
-"""Deaths within this long of each other are handled as one failure (one new generation)."""
-EXIT_DELIVERY_S = 5.0
-"""How long the monitor waits for the exit of a process it has seen exit to be delivered (its relay reaps it)."""
 
 
 class Launcher:
@@ -291,7 +287,7 @@ class Launcher:
                 return 0
 
     def _all_collected(self) -> bool:
-        """Every rank has exited and its exit was handled; bounded: an exit not delivered ``EXIT_DELIVERY_S`` after
+        """Every rank has exited and its exit was handled; bounded: an exit not delivered ``timing.exit_delivery_s`` after
         every process is seen to have exited counts as handled."""
         ranks = list(self.processes.ranks.values())
         if not all(p.poll() is not None for p in ranks):
@@ -301,13 +297,13 @@ class Launcher:
             return True
         now = time.monotonic()
         self._exited_since = self._exited_since or now
-        return now - self._exited_since > EXIT_DELIVERY_S
+        return now - self._exited_since > timing.current().exit_delivery_s
 
     def _collect_exits(self) -> list[Death]:
         """Reaped ranks since the last poll; deaths (non-zero exits) as ``Death`` records. A death waits
-        ``DEBOUNCE_S`` for its companions, so simultaneous failures make one generation."""
+        ``timing.death_debounce_s`` for its companions, so simultaneous failures make one generation."""
         deaths: list[Death] = []
-        timeout = POLL_S
+        timeout = timing.current().exit_poll_s
         while True:
             try:
                 proc, returncode = self.processes.exits.get(timeout=timeout)
@@ -328,7 +324,7 @@ class Launcher:
             if error is not None:
                 cause = own_error_cause(reported)
             deaths.append(Death(proc.rank, when, cause, proc.pid, error, bool(reported and reported.get("echo"))))
-            timeout = DEBOUNCE_S
+            timeout = timing.current().death_debounce_s
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -338,6 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job = prepare(args, extra)
         if not isinstance(job, Job):
             return job  # done before any rank starts (--print-memory-plan, nothing left to train)
+        timing.use(job.cfg.timing)
         launcher = Launcher(job.cfg, job.config_path, args, job.failures, job.start)  # refuses a placement first
         job.config_path.parent.mkdir(parents=True, exist_ok=True)
         job.config_path.write_text(job.cfg.model_dump_json(indent=2))

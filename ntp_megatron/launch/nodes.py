@@ -20,17 +20,12 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
 
-NODE_WAIT_FRACTION = 0.8
-"""Node 0 waits this fraction of ``parallel.timeout_s`` for the other nodes, so that its message comes before
-its ranks' rendezvous times out."""
-NODE_WAIT_QUIET_S = 1.0
-"""Nodes that connect within this long after node 0 started are not worth a "waiting for" line."""
-POLL_S = 0.1
 ADDRESS_FILE = "store.json"
 
 
@@ -78,11 +73,11 @@ class Nodes:
 
     def wait_for_nodes(self, store: dist.Store, started: float) -> bool:
         """Node 0: wait until every other node's launcher has connected, saying which ones it waits for; at
-        ``NODE_WAIT_FRACTION`` of the timeout (before the ranks' own rendezvous gives up) one line, the abort key
+        ``timing.node_wait_fraction`` of the timeout (before the ranks' own rendezvous gives up) one line, the abort key
         set, and False."""
         if self.node_rank != 0 or not self.multi:
             return True
-        limit = NODE_WAIT_FRACTION * self.timeout_s
+        limit = timing.current().node_wait_fraction * self.timeout_s
         waiting_for: set[int] = set()
         while True:
             missing = [i for i in range(1, self.nnodes) if not try_check(store, keys.node(i))]
@@ -96,10 +91,10 @@ class Nodes:
                 set_abort(store, f"node {missing[0]} did not join")
                 return False
             for i in missing:
-                if i not in waiting_for and waited > NODE_WAIT_QUIET_S:
+                if i not in waiting_for and waited > timing.current().node_wait_quiet_s:
                     self.say(f"waiting for node {i} of {self.nnodes} at {self.host}:{self.port}")
                     waiting_for.add(i)
-            time.sleep(POLL_S)
+            time.sleep(timing.current().node_poll_s)
 
     def remote_deaths(self, store: dist.Store) -> list[Death]:
         """Deaths other nodes' launchers published since the last call (node 0), each said as a node report."""

@@ -17,6 +17,7 @@ from typing import Optional, Protocol
 import torch.distributed as dist
 
 from ntp_megatron.plan import stages
+from ntp_megatron.config import timing
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.plan.grid import Grid
 from ntp_megatron.elastic.controller import Death
@@ -25,11 +26,6 @@ from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, re
 from ntp_megatron.launch.console import Console
 from ntp_megatron.launch.nodes import Nodes, publish_death, published_deaths, read_abort, set_abort
 from ntp_megatron.launch.processes import RankProcesses, is_echo
-
-SETTLE_S = 2.0
-"""NTP off, several nodes: how long a launcher waits for the other nodes' reports of a failure before it names
-the failed rank from what it has (the first death that is not an echo of another)."""
-POLL_S = 0.02
 
 
 class LauncherView(Protocol):
@@ -152,7 +148,7 @@ class StopOnFailure(DeathPolicy):
     def failure_behind(self, local: list[Death]) -> Death:
         """The death the others echo — an injected failure's, else one that is not an echo (:func:`is_echo`),
         else the earliest. With several nodes every launcher publishes its deaths in the store and waits up to
-        ``SETTLE_S`` for one that is not an echo, so each names the same rank whichever node's deaths it saw
+        ``timing.echo_settle_s`` for one that is not an echo, so each names the same rank whichever node's deaths it saw
         first."""
         launcher, store = self.launcher, self.launcher.store
         deaths = list(local)
@@ -162,9 +158,9 @@ class StopOnFailure(DeathPolicy):
         if launcher.nodes.multi:
             for d in deaths:
                 publish_death(store, d)
-            deadline = time.monotonic() + SETTLE_S
+            deadline = time.monotonic() + timing.current().echo_settle_s
             while all(is_echo(d) or d.echo for d in deaths) and time.monotonic() < deadline:
-                time.sleep(POLL_S)
+                time.sleep(timing.current().echo_settle_poll_s)
                 _, decided = read_abort(store)
                 if decided is not None:  # another node has named the failure already
                     return decided

@@ -23,10 +23,10 @@ from typing import IO, Optional
 from ntp_megatron import metrics
 from ntp_megatron.elastic.agent import process_state
 from ntp_megatron.launch.console import Console
+from ntp_megatron.config import timing
 from ntp_megatron.launch.forkserver import Child, ForkServer
 from ntp_megatron.training import runtime
 
-STOP_GRACE_S = 5.0
 RANK_MODULE = "ntp_megatron.training.pretrain"
 SPARE_MODULE = "ntp_megatron.training.spare"
 
@@ -236,15 +236,15 @@ class RankProcesses:
         for proc in live:
             signal_group(proc.pid, signal.SIGCONT)  # a stopped (hung) rank cannot act on SIGTERM
             signal_group(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + timing.current().stop_grace_s
         for proc in live:
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         for proc in [*self.ranks.values(), *self.spares]:
             signal_group(proc.pid, signal.SIGKILL)  # also takes any grandchildren left in the group
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + timing.current().stop_grace_s
         for proc in [*self.ranks.values(), *self.spares]:
             if not proc.wait(timeout=max(0.0, deadline - time.monotonic())):  # in the kernel (D state): say so
-                self.console.say(f"process {proc.pid} has not exited {STOP_GRACE_S:.0f} s after SIGKILL")
+                self.console.say(f"process {proc.pid} has not exited {timing.current().stop_grace_s:.0f} s after SIGKILL")
 
     def stalled(self) -> list[RankProcess]:
         """Live ranks that are stopped (SIGSTOP, a hang)."""

@@ -30,6 +30,7 @@ from megatron.core import tensor_parallel  # noqa: E402
 from ntp_megatron import faults, phases  # noqa: E402
 
 from ntp_megatron.speed import compute_time, device_model  # noqa: E402
+from ntp_megatron.config import timing  # noqa: E402
 from ntp_megatron.config.schema import JobConfig  # noqa: E402
 from ntp_megatron.elastic import errors, keys  # noqa: E402
 from ntp_megatron.elastic.generation import ElasticRank, JobStopped, NodePlane  # noqa: E402
@@ -61,6 +62,7 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher asks for stacks of a stuck rank
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     cfg = JobConfig.model_validate_json(env.config_path.read_text())
+    timing.use(cfg.timing)
     if env.world_size != cfg.world_size:
         raise SystemExit(f"world size {env.world_size} != the {cfg.world_size} ranks the config describes")
     device = runtime.select_device(cfg.training.device)

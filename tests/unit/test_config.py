@@ -182,3 +182,26 @@ def test_megatron_style_flags_become_overrides():
 def test_async_save_without_ntp():
     cfg = load_job_config(overrides=["ntp.enabled=false", "checkpoint.async_save=true"])
     assert cfg.checkpoint.async_save and not cfg.ntp.enabled
+
+
+def test_the_timing_section_is_tuned_from_yaml_or_flags_and_reaches_the_code(tmp_path):
+    """Every grace period, wait and poll is a key of ``timing`` (ntp_megatron/config/timing.py): set in YAML, by
+    --set or by its flag; installed by :func:`timing.use`, what the code reads at the moment it waits."""
+    from ntp_megatron.config import timing
+    from ntp_megatron.config.flags import translate
+
+    path = tmp_path / "job.yaml"
+    path.write_text("timing:\n  peer_grace_s: 8.0\n")
+    cfg = load_job_config(path, ["timing.report_wait_s=3", *translate(["--stop-grace-s", "7"])])
+    assert (cfg.timing.peer_grace_s, cfg.timing.report_wait_s, cfg.timing.stop_grace_s) == (8.0, 3.0, 7.0)
+    assert cfg.timing.bring_wait_s == timing.TimingSection().bring_wait_s
+    before = timing.current()
+    try:
+        timing.use(cfg.timing)
+        assert timing.current().peer_grace_s == 8.0
+    finally:
+        timing.use(before)
+    with pytest.raises(ConfigError, match="timing.peer_grace"):
+        load_job_config(None, ["timing.peer_grace=1"])
+    with pytest.raises(ConfigError, match="timing.stop_grace_s"):
+        load_job_config(None, ["timing.stop_grace_s=0"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
+from ntp_megatron.config import timing
 from ntp_megatron.launch import launcher
 
 
@@ -41,5 +42,5 @@ def test_a_rank_that_has_exited_is_not_done_until_its_exit_is_handled(monkeypatc
 def test_an_exit_never_delivered_ends_the_wait_after_a_bound():
     mon = monitor({0: Exited(0)})
     assert not mon._all_collected()
-    mon._exited_since -= launcher.EXIT_DELIVERY_S + 0.1  # as if that long had passed
+    mon._exited_since -= timing.current().exit_delivery_s + 0.1  # as if that long had passed
     assert mon._all_collected()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_megatron import faults, phases
+from ntp_megatron.config import timing
 from ntp_megatron.elastic import errors, keys
 from ntp_megatron.elastic.commit import IterationAborted, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
@@ -25,7 +26,7 @@ GRACE_S = 0.3
 
 @pytest.fixture(autouse=True)
 def short_grace(monkeypatch):
-    monkeypatch.setattr(errors, "PEER_GRACE_S", GRACE_S)
+    monkeypatch.setattr(timing, "_current", timing.current().model_copy(update={"peer_grace_s": GRACE_S}))
     yield
     phases.install(None)
 
