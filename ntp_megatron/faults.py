@@ -191,43 +191,11 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     if not sep or action not in (*ACTIONS, "random", "slow"):
         raise ConfigError(f"--inject-failure {text!r}: {USAGE}")
     if action == "slow":
-        f = _fields(text, rest, {"rank": int, "factor": float, "iter": int})
-        for required in ("rank", "factor"):
-            if required not in f:
-                raise ConfigError(f"--inject-failure {text!r}: missing {required}; expected slow:rank=R,factor=F"
-                                  "[,iter=N]")
-        if not 1 <= f["factor"] <= 100:
-            raise ConfigError(f"--inject-failure {text!r}: factor must be in 1..100 (1 ends a slowdown), got "
-                              f"{f['factor']:g}")
-        slow = SlowRank(rank=f["rank"], factor=f["factor"], iteration=f.get("iter", 1))
-        if slow.iteration < 1:
-            raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
-        if train_iters is not None and slow.iteration > train_iters:
-            raise ConfigError(f"--inject-failure {text!r}: iter {slow.iteration} is past training.train_iters "
-                              f"({train_iters}); it would never take effect")
-        _check_rank(text, slow.rank, world_size)
-        return slow
+        return _slow_rank(text, rest, world_size, train_iters)
     if action == "random":
-        f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str})
-        if "mtbf" not in f:
-            raise ConfigError(f"--inject-failure {text!r}: missing mtbf (mean seconds between failures)")
-        if f["mtbf"] <= 0:
-            raise ConfigError(f"--inject-failure {text!r}: mtbf must be > 0")
-        if f.get("max") is not None and f["max"] < 1:
-            raise ConfigError(f"--inject-failure {text!r}: max must be ≥ 1")
-        if f.get("action", "kill") not in ("kill", "hang"):
-            raise ConfigError(f"--inject-failure {text!r}: action must be kill or hang, got {f['action']!r}")
-        return RandomFailures(mtbf_s=f["mtbf"], seed=f.get("seed", 0), max=f.get("max"), action=f.get("action", "kill"))
+        return _random_failures(text, rest)
     if "after=" in rest:
-        if action != "kill":
-            raise ConfigError(f"--inject-failure {text!r}: after= applies to kill only (kill:rank=R,after=S)")
-        f = _fields(text, rest, {"rank": int, "after": float})
-        if "rank" not in f:
-            raise ConfigError(f"--inject-failure {text!r}: missing rank; {USAGE}")
-        if f["after"] < 0:
-            raise ConfigError(f"--inject-failure {text!r}: after must be ≥ 0 seconds")
-        _check_rank(text, f["rank"], world_size)
-        return TimedKill(rank=f["rank"], after_s=f["after"])
+        return _timed_kill(text, action, rest, world_size)
     f = _fields(text, rest, {"rank": int, "iter": int, "phase": str, "code": int})
     for required in ("rank", "iter"):
         if required not in f:
@@ -235,6 +203,73 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     if "code" in f and action != "exit":
         raise ConfigError(f"--inject-failure {text!r}: code applies to the exit action only")
     phase = f.get("phase", "start")
+    _check_phase(text, action, phase, f["iter"], train_iters, checkpoints, ntp, eval_interval)
+    spec = RankFailure(action=action, rank=f["rank"], iteration=f["iter"], phase=phase,  # type: ignore[arg-type]
+                       code=f.get("code", 1))
+    if spec.iteration < 1:
+        raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
+    if train_iters is not None and spec.iteration > train_iters:
+        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is past training.train_iters "
+                          f"({train_iters}); it would never fire")
+    if spec.iteration <= resumes_after:
+        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is not after iteration {resumes_after}, "
+                          "where the run resumes from its checkpoint; it would never fire")
+    _check_rank(text, spec.rank, world_size)
+    if spec.action == "exit" and not 1 <= spec.code <= 255:
+        raise ConfigError(f"--inject-failure {text!r}: code must be in 1..255")
+    return spec
+
+
+def _slow_rank(text: str, rest: str, world_size: Optional[int], train_iters: Optional[int]) -> SlowRank:
+    """``slow:rank=R,factor=F[,iter=N]`` (:func:`parse_failure_spec`)."""
+    f = _fields(text, rest, {"rank": int, "factor": float, "iter": int})
+    for required in ("rank", "factor"):
+        if required not in f:
+            raise ConfigError(f"--inject-failure {text!r}: missing {required}; expected slow:rank=R,factor=F"
+                              "[,iter=N]")
+    if not 1 <= f["factor"] <= 100:
+        raise ConfigError(f"--inject-failure {text!r}: factor must be in 1..100 (1 ends a slowdown), got "
+                          f"{f['factor']:g}")
+    slow = SlowRank(rank=f["rank"], factor=f["factor"], iteration=f.get("iter", 1))
+    if slow.iteration < 1:
+        raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
+    if train_iters is not None and slow.iteration > train_iters:
+        raise ConfigError(f"--inject-failure {text!r}: iter {slow.iteration} is past training.train_iters "
+                          f"({train_iters}); it would never take effect")
+    _check_rank(text, slow.rank, world_size)
+    return slow
+
+
+def _random_failures(text: str, rest: str) -> RandomFailures:
+    """``random:mtbf=S[,seed=K][,max=M][,action=kill|hang]`` (:func:`parse_failure_spec`)."""
+    f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str})
+    if "mtbf" not in f:
+        raise ConfigError(f"--inject-failure {text!r}: missing mtbf (mean seconds between failures)")
+    if f["mtbf"] <= 0:
+        raise ConfigError(f"--inject-failure {text!r}: mtbf must be > 0")
+    if f.get("max") is not None and f["max"] < 1:
+        raise ConfigError(f"--inject-failure {text!r}: max must be ≥ 1")
+    if f.get("action", "kill") not in ("kill", "hang"):
+        raise ConfigError(f"--inject-failure {text!r}: action must be kill or hang, got {f['action']!r}")
+    return RandomFailures(mtbf_s=f["mtbf"], seed=f.get("seed", 0), max=f.get("max"), action=f.get("action", "kill"))
+
+
+def _timed_kill(text: str, action: str, rest: str, world_size: Optional[int]) -> TimedKill:
+    """``kill:rank=R,after=S`` (:func:`parse_failure_spec`)."""
+    if action != "kill":
+        raise ConfigError(f"--inject-failure {text!r}: after= applies to kill only (kill:rank=R,after=S)")
+    f = _fields(text, rest, {"rank": int, "after": float})
+    if "rank" not in f:
+        raise ConfigError(f"--inject-failure {text!r}: missing rank; {USAGE}")
+    if f["after"] < 0:
+        raise ConfigError(f"--inject-failure {text!r}: after must be ≥ 0 seconds")
+    _check_rank(text, f["rank"], world_size)
+    return TimedKill(rank=f["rank"], after_s=f["after"])
+
+
+def _check_phase(text: str, action: str, phase: str, iteration: int, train_iters: Optional[int], checkpoints: bool,
+                 ntp: bool, eval_interval: Optional[int]) -> None:
+    """Whether ``action`` can fire in ``phase`` at ``iteration`` of this run (:func:`parse_failure_spec`)."""
     if phase not in PHASES:
         raise ConfigError(f"--inject-failure {text!r}: phase must be one of {', '.join(PHASES)}, got {phase!r}")
     if action == "spin" and phase not in SPIN_PHASES:
@@ -252,23 +287,9 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
         if eval_interval is None:
             raise ConfigError(f"--inject-failure {text!r}: phase eval needs evaluation (set training.eval_interval "
                               "and training.eval_iters)")
-        if f["iter"] % eval_interval and f["iter"] != train_iters:
-            raise ConfigError(f"--inject-failure {text!r}: no evaluation follows iteration {f['iter']}: use a "
+        if iteration % eval_interval and iteration != train_iters:
+            raise ConfigError(f"--inject-failure {text!r}: no evaluation follows iteration {iteration}: use a "
                               f"multiple of training.eval_interval ({eval_interval}) or training.train_iters")
-    spec = RankFailure(action=action, rank=f["rank"], iteration=f["iter"], phase=phase,  # type: ignore[arg-type]
-                       code=f.get("code", 1))
-    if spec.iteration < 1:
-        raise ConfigError(f"--inject-failure {text!r}: iter must be ≥ 1")
-    if train_iters is not None and spec.iteration > train_iters:
-        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is past training.train_iters "
-                          f"({train_iters}); it would never fire")
-    if spec.iteration <= resumes_after:
-        raise ConfigError(f"--inject-failure {text!r}: iter {spec.iteration} is not after iteration {resumes_after}, "
-                          "where the run resumes from its checkpoint; it would never fire")
-    _check_rank(text, spec.rank, world_size)
-    if spec.action == "exit" and not 1 <= spec.code <= 255:
-        raise ConfigError(f"--inject-failure {text!r}: code must be in 1..255")
-    return spec
 
 
 def _check_rank(text: str, rank: int, world_size: Optional[int]) -> None:

@@ -13,8 +13,10 @@ A rank makes ``tp_base + 2`` groups per generation, whatever the number of repli
 initializer at TP 1 made 112,646 per rank at 10,240 ranks), and at TP ≥ 2 no world-sized group exists
 besides the default one: see :class:`GroupMaker` for how.
 
-Every group gets an explicit timeout (``new_group`` without one waits 30 minutes). Everything is built from a
-topology object, so a re-formation can call :func:`build_groups` again; given a :class:`GroupPool`, a group the
+Which groups there are, and in which order they are made, is :func:`ntp_megatron.plan.group_plan.rank_group_calls`'
+(pure, unit-tested); :func:`build_groups` makes that list call by call and decides nothing of it. Every group gets an
+explicit timeout (``new_group`` without one waits 30 minutes). Everything is built from a topology object, so a
+re-formation can call :func:`build_groups` again; given a :class:`GroupPool`, a group the
 new generation shares with the one before (:mod:`ntp_megatron.plan.group_plan`) goes on as the same object where its
 members agreed to keep it, and only the others are made.
 """
@@ -32,7 +34,7 @@ from torch.distributed import distributed_c10d
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from ntp_megatron.plan import optimizer_shards
-from ntp_megatron.plan.group_plan import GroupKey, intra_group_ranks, key, rank_group_keys, sync_group_ranks
+from ntp_megatron.plan.group_plan import GroupKey, PlannedGroup, rank_group_calls
 from ntp_megatron.plan.grid import Grid
 from ntp_megatron.plan.layout import Topology
 from ntp_megatron.plan.stages import PipelineTopology
@@ -109,6 +111,19 @@ class GroupMaker:
         self.topology = topology
         """The whole generation (to name groups by their members' identities); only needed with a pool."""
         self.pool = pool
+
+    def realise(self, call: PlannedGroup) -> Optional[dist.ProcessGroup]:
+        """The group of one call of the plan (:func:`ntp_megatron.plan.group_plan.rank_group_calls`), made the way
+        the call says; None where this rank is not a member."""
+        if call.how == "first":
+            return self.first_local(call.ranks, call.key)
+        if call.how == "alone":
+            return self.alone(call.key)
+        if call.how == "part":
+            return self.partition(call.parts, call.key)
+        if call.how == "every_rank":
+            return self.every_rank(call.ranks, call.key)
+        raise ValueError(f"unknown way to make a group: {call.how!r}")
 
     def first_local(self, ranks: Iterable[int], key: Optional[GroupKey] = None) -> dist.ProcessGroup:
         """The group of ``ranks`` (this rank among them, disjoint from every other rank's first group), made
@@ -277,68 +292,55 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
     """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
     generation right after it joined (see :class:`GroupMaker`).
 
-    With pipeline stages (a :class:`ntp_megatron.plan.stages.PipelineTopology`) the groups of ``rank``'s stage are
-    made from that stage's topology (TP group, sync groups per (stage, block): every rank makes every stage's
-    sync groups, ``tp_base`` per stage), and its replica's model-parallel group (every stage of it: the grad norm,
-    the token count and the loss cross stages in it) as a part of the partition of the world by replica.
+    The groups are :func:`ntp_megatron.plan.group_plan.rank_group_calls`' list, made one by one in its order, each
+    with ``timeout_s``: nothing here decides which groups there are. With pipeline stages (a
+    :class:`ntp_megatron.plan.stages.PipelineTopology`) that is the TP group of ``rank``'s stage, the sync groups
+    per (stage, block) — every rank makes every stage's, ``tp_base`` per stage — and its replica's model-parallel
+    group (every stage of it: the grad norm, the token count and the loss cross stages in it).
 
     With ``instances`` k > 1 (over the ``dp`` launch replicas) it also makes, for every block, the intra-instance
     part of the sync group (k groups) and the twins' groups (dp/k): ``tp_base·(k + dp/k)`` more calls by every
     rank. They are exposed in :class:`NTPGroups` (``intra``, ``inter``, :meth:`NTPGroups.with_sync_groups`) and
     not installed: Megatron's globals and ``pg_collection`` keep one instance.
 
-    With a ``pool`` (:class:`GroupPool`), the groups it offers are kept rather than made, and it records what was
-    made and kept; the keys of the groups this rank ends up in are checked against
-    :func:`ntp_megatron.plan.group_plan.rank_group_keys` (the plan the re-formation offered groups by)."""
-    whole = topology
-    make = GroupMaker(rank, timedelta(seconds=timeout_s), whole, pool)
-    pipeline = topology if isinstance(topology, PipelineTopology) else None
-    stages = pipeline.stages if pipeline is not None else (topology,)
-    topology = pipeline.stage_of(rank) if pipeline is not None else topology
+    With a ``pool`` (:class:`GroupPool`), the groups it offers are kept rather than made (a re-formation offers
+    them from the same plan: :func:`ntp_megatron.plan.group_plan.rank_group_keys`), and it records what was made
+    and kept."""
+    make = GroupMaker(rank, timedelta(seconds=timeout_s), topology, pool)
+    made: dict[GroupKey, tuple[tuple[int, ...], dist.ProcessGroup]] = {}
+    for call in rank_group_calls(topology, rank, dp, instances):  # the plan's order: the same on every rank
+        group = make.realise(call)
+        if call.key is not None:
+            made[call.key] = (call.ranks, group)
+    if pool is not None and pool.offered:  # offered from a plan with other arguments: a caller's mistake
+        raise RuntimeError(f"rank {rank}: groups offered that the plan does not have: "
+                           f"{sorted(k.label() for k in pool.offered)}")
+    return _assemble(topology, rank, made, dp, instances, pool)
+
+
+def _assemble(whole: "Topology | PipelineTopology", rank: int,
+              made: dict[GroupKey, tuple[tuple[int, ...], dist.ProcessGroup]], dp: Optional[int], instances: int,
+              pool: Optional[GroupPool]) -> NTPGroups:
+    """The groups ``rank`` made (key -> its ranks and group), by role, installed into Megatron-Core's globals."""
+    def role(name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], dist.ProcessGroup]]:
+        return {k.place: value for k, value in made.items() if k.role == name}  # in the plan's order
+
+    pipeline = whole if isinstance(whole, PipelineTopology) else None
+    topology = pipeline.stage_of(rank) if pipeline is not None else whole
     replica = topology.replica_of(rank)
-    tp_ranks = tuple(sorted(replica.ranks))
-    tp_group = make.first_local(tp_ranks, key(whole, "tp", (topology.stage,), tp_ranks))
-    alone = make.alone(key(whole, "alone", (), [rank]))
-    mp = None
-    if pipeline is not None:  # before the sync groups, which leave ranks members of different numbers of groups
-        mp = make.partition((pipeline.replica_ranks(r) for r in pipeline.replica_indices),
-                            key(whole, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
-    member_of = set(topology.member_blocks(rank))
-    sync: dict[int, dist.ProcessGroup] = {}
-    sync_ranks: dict[int, tuple[int, ...]] = {}
-    for stage in stages:  # in stage order on every rank
-        for block in range(stage.tp_base):
-            ranks = sync_group_ranks(stage, block)
-            group = make.every_rank(ranks, key(whole, "sync", (stage.stage, block), ranks))
-            if stage is topology and block in member_of:
-                sync[block], sync_ranks[block] = group, ranks
-    if pipeline is not None and instances > 1:
-        raise ValueError("distributed-optimizer instances with pipeline stages are not supported under NTP yet")
-    if dp is None:
-        if instances > 1:
-            raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
-        dp = max(rep.index for rep in topology.replicas) + 1  # one instance: only the replica index matters
+    [(tp_ranks, tp_group)] = role("tp").values()
+    [(_, alone)] = role("alone").values()
+    mp = next((group for _, group in role("mp").values()), None)
+    sync_made = {place[1]: value for place, value in role("sync").items()}  # this rank's stage: ascending blocks
+    sync = {block: group for block, (_, group) in sync_made.items()}
+    intra = dict(sync) if instances == 1 else {place[0]: group for place, (_, group) in role("intra").items()}
+    inter = {place[0]: group for place, (_, group) in role("inter").items()}
+    if dp is None:  # one instance (the plan refuses more without dp): only the replica index matters
+        dp = max(rep.index for rep in topology.replicas) + 1
     instance, position = optimizer_shards.instance_of(replica.index, dp, instances)
-    intra: dict[int, dist.ProcessGroup] = {}
-    inter: dict[int, dist.ProcessGroup] = {}
-    if instances == 1:
-        intra = dict(sync)
-    else:
-        for block in range(topology.tp_base):
-            for i in range(instances):
-                ranks = intra_group_ranks(topology, block, dp, instances, i)
-                group = make.every_rank(ranks, key(whole, "intra", (block, i), ranks))
-                if block in member_of and i == instance:
-                    intra[block] = group
-            for j in range(dp // instances):
-                ranks = optimizer_shards.shard_holders(topology, dp, instances, (block, j))
-                group = make.every_rank(ranks, key(whole, "inter", (block, j), ranks))
-                if block in member_of and j == position:
-                    inter[block] = group
     healthy = topology.is_healthy(replica.index)
     if healthy:
-        [(block, dp_group)] = sync.items()
-        dp_ranks = sync_ranks[block]
+        [(dp_ranks, dp_group)] = sync_made.values()
     else:
         dp_group, dp_ranks = alone, (rank,)
     pipe = None
@@ -349,14 +351,8 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
             lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
             mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.core.pipeline.TiedEmbeddingSync
             pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
-    pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp_group, dp_ranks=dp_ranks, alone=alone,
-                                              rank=rank, pipeline=pipe))
-    if pool is not None:
-        expected = sorted(rank_group_keys(whole, rank, dp, instances))
-        if sorted(pool.groups) != expected or pool.offered:
-            raise RuntimeError(f"rank {rank}: the groups made and kept ({sorted(k.label() for k in pool.groups)}) are "
-                               f"not the plan's ({[k.label() for k in expected]}); left offered: "
-                               f"{sorted(k.label() for k in pool.offered)}")
+    pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp_group, dp_ranks=dp_ranks,
+                                              alone=alone, rank=rank, pipeline=pipe))
     return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy,
                      instances=instances, instance=instance, position=position, intra=intra, inter=inter,
                      pipeline=pipeline, mp=mp, pool=pool)

@@ -1,4 +1,10 @@
-"""Which process groups a rank keeps, makes and lets go of when the generation changes (pure: no torch).
+"""Which process groups a rank makes in a generation, and which it keeps, makes and lets go of when the generation
+changes (pure: no torch).
+
+:func:`rank_group_calls` is the one enumeration of a generation's groups: every ``new_group`` call a rank makes, in
+the order every rank makes them. :func:`ntp_megatron.core.groups.build_groups` makes exactly that list, and
+everything that asks which groups a rank is in (:func:`rank_group_keys`, the re-formation's offers, the tests'
+checks) reads the same list.
 
 A group is named by what it is, not by the ranks that number it in one generation: its role, its place (stage,
 block, instance) and its members' identities — (replica, slot), or (replica, slot, stage) with pipeline stages —
@@ -97,27 +103,72 @@ def key(topology: "Topology | PipelineTopology", role: str, place: tuple[int, ..
     return GroupKey(role, tuple(place), identities(topology, sorted(ranks)))
 
 
-def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
-                    instances: int = 1) -> list[GroupKey]:
-    """Every group ``rank`` is a member of in ``topology``, as :func:`ntp_megatron.core.groups.build_groups` makes
-    them (which checks that it made exactly these)."""
+@dataclass(frozen=True)
+class PlannedGroup:
+    """One ``new_group`` call in a rank's sequence (:func:`rank_group_calls`)."""
+
+    how: str
+    """``first`` (the generation's first group: this rank's replica stage, made by its members alone), ``alone``
+    (this rank by itself), ``part`` (this rank's part of a partition of the world, made by each part's members
+    alone), ``every_rank`` (every rank of the world makes it, member or not, at the same point of its sequence)."""
+    ranks: tuple[int, ...]
+    """The group's ranks, ascending."""
+    key: Optional[GroupKey]
+    """Its key where this rank is a member; None where it is not (an ``every_rank`` call it only records)."""
+    parts: tuple[tuple[int, ...], ...] = ()
+    """``part`` only: every part of the partition (the maker checks that they cover the world)."""
+
+
+def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
+                     instances: int = 1) -> list[PlannedGroup]:
+    """Every ``new_group`` call ``rank`` makes in ``topology``, in order: the one enumeration of a generation's
+    groups. :func:`ntp_megatron.core.groups.build_groups` makes exactly these, one by one, and
+    :func:`rank_group_keys` (what a re-formation offers to keep) is the member calls among them.
+
+    The order is torch's requirement: the first group (this rank's replica stage), this rank alone, with
+    pipeline stages its replica's model-parallel group (its part of the partition of the world by replica), then
+    the groups every rank makes whether it is a member or not — the sync groups, stage by stage and block by block,
+    and with ``instances`` k > 1 (over the ``dp`` launch replicas) per block the k intra-instance parts of its sync
+    group and then its dp/k twins' groups. Those are a function of the topology alone, the same list on every rank;
+    every rank has made the same number of groups before each (one first group, one alone, one part)."""
     pipeline = topology if isinstance(topology, PipelineTopology) else None
+    if pipeline is not None and instances > 1:
+        raise ValueError("distributed-optimizer instances with pipeline stages are not supported under NTP yet")
+    if instances > 1 and dp is None:
+        raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
     stage = pipeline.stage_of(rank) if pipeline is not None else topology
     replica = stage.replica_of(rank)
-    keys = [key(topology, "tp", (stage.stage,), sorted(replica.ranks)), key(topology, "alone", (), [rank])]
-    if pipeline is not None:
-        keys.append(key(topology, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
-    blocks = stage.member_blocks(rank)
-    keys += [key(topology, "sync", (stage.stage, b), sync_group_ranks(stage, b)) for b in blocks]
+    tp_ranks = tuple(sorted(replica.ranks))
+    calls = [PlannedGroup("first", tp_ranks, key(topology, "tp", (stage.stage,), tp_ranks)),
+             PlannedGroup("alone", (rank,), key(topology, "alone", (), [rank]))]
+    if pipeline is not None:  # before the sync groups, which leave ranks members of different numbers of groups
+        parts = tuple(tuple(sorted(pipeline.replica_ranks(r))) for r in pipeline.replica_indices)
+        mine = tuple(sorted(pipeline.replica_ranks(replica.index)))
+        calls.append(PlannedGroup("part", mine, key(topology, "mp", (replica.index,), mine), parts))
+    for s in pipeline.stages if pipeline is not None else (topology,):  # in stage order
+        calls += [_every_rank(topology, rank, "sync", (s.stage, b), sync_group_ranks(s, b)) for b in range(s.tp_base)]
     if instances > 1:
-        if dp is None:
-            raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
-        instance, position = optimizer_shards.instance_of(replica.index, dp, instances)
-        for b in blocks:
-            keys.append(key(topology, "intra", (b, instance), intra_group_ranks(stage, b, dp, instances, instance)))
-            keys.append(key(topology, "inter", (b, position),
-                            optimizer_shards.shard_holders(stage, dp, instances, (b, position))))
-    return keys
+        assert dp is not None
+        for b in range(stage.tp_base):
+            calls += [_every_rank(topology, rank, "intra", (b, i), intra_group_ranks(stage, b, dp, instances, i))
+                      for i in range(instances)]
+            calls += [_every_rank(topology, rank, "inter", (b, j),
+                                  optimizer_shards.shard_holders(stage, dp, instances, (b, j)))
+                      for j in range(dp // instances)]
+    return calls
+
+
+def _every_rank(topology: "Topology | PipelineTopology", rank: int, role: str, place: tuple[int, ...],
+                ranks: Iterable[int]) -> PlannedGroup:
+    ranks = tuple(sorted(ranks))
+    return PlannedGroup("every_rank", ranks, key(topology, role, place, ranks) if rank in ranks else None)
+
+
+def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
+                    instances: int = 1) -> list[GroupKey]:
+    """Every group ``rank`` is a member of in ``topology``, in the order it makes them: the member calls of
+    :func:`rank_group_calls`."""
+    return [call.key for call in rank_group_calls(topology, rank, dp, instances) if call.key is not None]
 
 
 @dataclass(frozen=True)

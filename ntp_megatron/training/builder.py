@@ -10,7 +10,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.core.grad_sync import abandon_collectives
+from ntp_megatron.core.shadows import abandon_collectives
 from ntp_megatron.core.groups import GroupPool, rebind_process_groups
 from ntp_megatron.plan.layout import Topology
 from ntp_megatron.training import checkpoint

@@ -13,7 +13,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.core.grad_sync import Adoptable, GradSync, release_ddp
+from ntp_megatron.core.grad_sync import GradSync
+from ntp_megatron.core.shadows import Adoptable, release_ddp
 from ntp_megatron.patches.optimizer_distrib_optimizer import defer_param_sync
 from ntp_megatron.patches.optimizer_grad_norm import set_grad_norm_override
 from ntp_megatron.core.unit_moves import adopt_shard_state, point_main_params

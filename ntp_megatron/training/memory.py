@@ -67,7 +67,7 @@ def ddp_buffers(ddp) -> list:
 
 
 def shadows(parts) -> list:
-    """The shadows (``grad_sync._Shadow``) of a degraded rank's objects; none on a healthy rank or NTP off."""
+    """The shadows (:class:`ntp_megatron.core.shadows.Shadow`) of a degraded rank's objects; none on a healthy rank or NTP off."""
     setup = getattr(parts, "setup", None)
     grad_sync = getattr(setup, "grad_sync", None)
     return [s for s in getattr(grad_sync, "shadows", {}).values() if s.ddp is not None]

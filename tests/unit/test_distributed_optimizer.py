@@ -57,7 +57,7 @@ def test_shard_norm_table_equals_the_whole_buffer_table(megatron):
     within cells; and summing the one-contributor cells in any order gives the same bits."""
     import torch
 
-    from ntp_megatron.core.grad_sync import shard_square_sums
+    from ntp_megatron.core.grad_norm import shard_square_sums
 
     cfg = load_job_config(None, MODEL)
     topo = make_topology(3, 1, cfg.unit_counts())

@@ -40,7 +40,7 @@ def test_shadow_buckets_are_a_healthy_slot_ranks_buckets(megatron):
     parameters in the same buckets at the same offsets with the same shapes (uneven blocks, small buckets)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.core.grad_sync import shadow_module
+    from ntp_megatron.core.shadows import shadow_module
     from ntp_megatron.training.model import ddp_config, transformer_config
 
     cfg = load_job_config(None, [f"{kv}" for kv in MODEL])
@@ -136,7 +136,7 @@ def test_real_shadows_have_a_healthy_slot_ranks_buffers_and_shards(megatron):
     import torch
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.core.grad_sync import _Shadow
+    from ntp_megatron.core.shadows import Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
     from tests.unit.test_shard_layout import _DpPosition
 
@@ -155,7 +155,7 @@ def test_real_shadows_have_a_healthy_slot_ranks_buffers_and_shards(megatron):
         pg.dp = pg.dp_cp = pg.intra_dp_cp = _DpPosition(size, position)
         groups = SimpleNamespace(with_sync_groups=lambda block, pg=pg: pg)
         for block in blocks:
-            shadow = _Shadow(own.module, topo, block, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
+            shadow = Shadow(own.module, topo, block, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
             healthy = DistributedDataParallel(tf_config, ddp_config(cfg),
                                               _ntp_model(cfg, [tuple(topo.block(f, block)) for f in families]),
                                               pg_collection=pg)

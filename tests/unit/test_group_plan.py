@@ -9,8 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ntp_megatron.plan import optimizer_shards as shards
 from ntp_megatron.plan import stages
-from ntp_megatron.plan.group_plan import GroupKey, Offer, blocked_by, event_plan, keep_verdict, rank_group_keys
+from ntp_megatron.plan.group_plan import (GroupKey, Offer, blocked_by, event_plan, intra_group_ranks, keep_verdict, key,
+                                         rank_group_calls, rank_group_keys, sync_group_ranks)
 from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
 from ntp_megatron.plan.stages import with_generation
 
@@ -156,3 +158,58 @@ def test_keys_name_groups_by_identity_not_by_rank():
     [tp_new] = [k for k in rank_group_keys(new, new.rank_of(2, 0)) if k.role == "tp"]
     assert new.rank_of(2, 0) != old.rank_of(2, 0) and tp_old == tp_new
     assert isinstance(tp_old, GroupKey) and tp_old.label() == tp_new.label()
+
+
+def _membership_rule(topology, rank, dp=None, k=1) -> list[GroupKey]:
+    """The groups a rank is in, by the rule stated independently of the plan's enumeration: its replica stage,
+    itself, its replica (with stages), the sync group of each block it serves (ascending), and per such block its
+    instance's part of it and its twins' group."""
+    pipeline = topology if isinstance(topology, stages.PipelineTopology) else None
+    stage = pipeline.stage_of(rank) if pipeline is not None else topology
+    replica = stage.replica_of(rank)
+    keys = [key(topology, "tp", (stage.stage,), replica.ranks), key(topology, "alone", (), [rank])]
+    if pipeline is not None:
+        keys.append(key(topology, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
+    blocks = stage.member_blocks(rank)
+    keys += [key(topology, "sync", (stage.stage, b), sync_group_ranks(stage, b)) for b in blocks]
+    if k > 1:
+        instance, position = shards.instance_of(replica.index, dp, k)
+        for b in blocks:
+            keys.append(key(topology, "intra", (b, instance), intra_group_ranks(stage, b, dp, k, instance)))
+            keys.append(key(topology, "inter", (b, position), shards.shard_holders(stage, dp, k, (b, position))))
+    return keys
+
+
+@st.composite
+def planned_topologies(draw):
+    """A topology with dead slots: flat with 1-3 distributed-optimizer instances, or with 2-3 pipeline stages."""
+    tp, k = draw(st.integers(1, 4)), draw(st.sampled_from([1, 2, 3]))
+    pp = draw(st.sampled_from([1, 1, 2, 3])) if k == 1 else 1
+    dp = k * draw(st.integers(1, 3))
+    slots = [(r, s, p) for r in range(dp) for s in range(1, tp) for p in range(pp)]  # slot 0 stays
+    dead = draw(st.lists(st.sampled_from(slots), unique=True, max_size=3)) if slots else []
+    if pp == 1:
+        return make_topology(tp, dp, UNITS, dead_slots=[(r, s) for r, s, _ in dead]), dp, k
+    return stages.make_pipeline_topology(tp, dp, pp, UNITS, dead_slots=dead), dp, k
+
+
+@settings(max_examples=100, deadline=None)
+@given(planned_topologies())
+def test_the_plan_is_one_call_sequence_every_rank_shares_and_its_members_are_the_rule(case):
+    """The groups every rank makes whether a member or not come in one order on every rank, after as many
+    groups made by their members alone on every rank (torch's condition for naming a group alike on all its
+    members); a rank's member calls are the groups the membership rule names, in that order."""
+    topology, dp, k = case
+    sequences = set()
+    for rank in range(topology.world_size):
+        calls = rank_group_calls(topology, rank, dp, k)
+        local = [c for c in calls if c.how != "every_rank"]
+        assert calls[:len(local)] == local, "the groups made by members alone come first"
+        assert [c.how for c in local] == ["first", "alone"] + (["part"] if isinstance(topology, stages.PipelineTopology) else [])
+        assert all(rank in c.ranks and c.key is not None for c in local)
+        shared = [c for c in calls if c.how == "every_rank"]
+        sequences.add(tuple(c.ranks for c in shared))
+        assert all((c.key is not None) == (rank in c.ranks) for c in shared)
+        assert rank_group_keys(topology, rank, dp, k) == [c.key for c in calls if c.key is not None] \
+            == _membership_rule(topology, rank, dp, k)
+    assert len(sequences) == 1, "every rank makes the shared groups in one order"

@@ -9,12 +9,16 @@ fails fast. Then the same builder in real gloo processes, through a failure and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ntp_megatron.config.schema import load_job_config
+from ntp_megatron.core.groups import GroupPool, build_groups
+from ntp_megatron.plan import stages
+from ntp_megatron.plan.group_plan import rank_group_calls, rank_group_keys
 from ntp_megatron.plan.layout import make_topology
 from ntp_megatron.training.parallel import ntp_parallel, uniform_parallel
 
@@ -174,3 +178,30 @@ def test_plain_pipeline_groups_are_megatrons(fake_world, tp, dp, pp):
         assert ps.is_pipeline_first_stage() == (stage == 0) and ps.is_pipeline_last_stage() == (stage == pp - 1)
         assert ps.is_rank_in_embedding_group() == ends
         assert ps.get_pipeline_model_parallel_next_rank() == lane[(stage + 1) % pp]
+
+
+_UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
+PLANNED = {  # topology, dp, distributed-optimizer instances
+    "healthy": (make_topology(4, 3, _UNITS), 3, 1),
+    "dead slots": (make_topology(4, 3, _UNITS, dead_slots=[(1, 3), (2, 0), (2, 1)]), 3, 1),
+    "instances": (make_topology(2, 4, _UNITS, dead_slots=[(1, 1)]), 4, 2),
+    "pipeline": (stages.make_pipeline_topology(2, 2, 2, _UNITS, dead_slots=[(1, 1, 1)]), 2, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(PLANNED))
+def test_build_groups_makes_the_plans_groups_call_for_call(fake_world, case):
+    """``core.groups.build_groups`` realises ``plan.group_plan.rank_group_calls`` on every rank: the same groups in
+    the same order, made by their members alone exactly where the plan says, each with the job's timeout; with a
+    pool, the groups it holds are the plan's member groups (``rank_group_keys``, what a re-formation offers), in
+    order."""
+    topology, dp, k = PLANNED[case]
+    for rank in range(topology.world_size):
+        world = fake_world(topology.world_size, rank)
+        pool = GroupPool(topology.generation)
+        build_groups(topology, rank, 60.0, dp=dp, instances=k, pool=pool)
+        planned = rank_group_calls(topology, rank, dp, k)
+        assert [(c["ranks"], c["local"]) for c in world.calls] == \
+            [(list(p.ranks), p.how != "every_rank") for p in planned]
+        assert all(c["timeout"] == timedelta(seconds=60) for c in world.calls)
+        assert pool.made == list(pool.groups) == rank_group_keys(topology, rank, dp, k) and not pool.kept

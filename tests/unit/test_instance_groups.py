@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from megatron.core import parallel_state as ps
 
 from ntp_megatron.config.schema import load_job_config
-from ntp_megatron.core.groups import build_groups, group_mapping, intra_group_ranks, sync_group_ranks
+from ntp_megatron.core.groups import build_groups, group_mapping
+from ntp_megatron.plan.group_plan import intra_group_ranks, sync_group_ranks
 from ntp_megatron.plan.layout import make_topology, next_topology
 from ntp_megatron.plan.optimizer_shards import instance_of, instances, shard_holders
 from ntp_megatron.training.parallel import uniform_parallel

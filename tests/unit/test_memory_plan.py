@@ -111,7 +111,7 @@ def _objects(megatron, cfg, topology, rank: int):
 
     from megatron.core.distributed import DistributedDataParallel
 
-    from ntp_megatron.core.grad_sync import shadow_module
+    from ntp_megatron.core.shadows import shadow_module
     from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.components import build_optimizer
     from ntp_megatron.training.model import ddp_config, transformer_config
@@ -206,7 +206,7 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
 def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(megatron, precision):
     """A proxy and a survivor of a TP3 replica that lost a slot, under the distributed optimizer sharding over 2
     positions (a stand-in group): the rank's own model and accumulating gradient buffer (no parameter buffer),
-    each shadow's padded parameter and gradient buffers as :class:`ntp_megatron.core.grad_sync._Shadow` builds them
+    each shadow's padded parameter and gradient buffers as :class:`ntp_megatron.core.shadows.Shadow` builds them
     (its parameters live in them), and the optimizer over the shadows: at each position the main params (bf16) and
     Adam's moments of its shard of every shadow, the plan being the largest position's per shadow."""
     import copy
@@ -215,7 +215,7 @@ def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from ntp_megatron.core.grad_sync import _Shadow
+    from ntp_megatron.core.shadows import Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
     from tests.unit.test_shard_layout import _DpPosition
 
@@ -233,7 +233,7 @@ def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(
             pg = copy.copy(megatron)
             pg.dp = pg.dp_cp = pg.intra_dp_cp = _DpPosition(size, j)
             groups = SimpleNamespace(with_sync_groups=lambda block, pg=pg: pg)
-            shadows = [_Shadow(model.module, degraded, b, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
+            shadows = [Shadow(model.module, degraded, b, groups, tf_config, ddp_config(cfg), distributed_optimizer=True)
                        for b in blocks]
             chunks = [s.ddp for s in shadows]
             optimizer = DistributedOptimizer(
