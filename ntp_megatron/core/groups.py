@@ -37,7 +37,7 @@ from ntp_megatron.plan import optimizer_shards
 from ntp_megatron.plan.group_plan import GroupKey, PlannedGroup, rank_group_calls
 from ntp_megatron.plan.grid import Grid
 from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import PipelineTopology
+from ntp_megatron.plan.stages import PipelineTopology, pipeline_of
 from ntp_megatron.patches import parallel_state as ps_patch
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.sockets import SocketScope
@@ -325,7 +325,7 @@ def _assemble(whole: "Topology | PipelineTopology", rank: int,
     def role(name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], dist.ProcessGroup]]:
         return {k.place: value for k, value in made.items() if k.role == name}  # in the plan's order
 
-    pipeline = whole if isinstance(whole, PipelineTopology) else None
+    pipeline = pipeline_of(whole)
     topology = pipeline.stage_of(rank) if pipeline is not None else whole
     replica = topology.replica_of(rank)
     [(tp_ranks, tp_group)] = role("tp").values()

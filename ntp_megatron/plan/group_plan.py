@@ -49,7 +49,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from ntp_megatron.plan import optimizer_shards
 from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import PipelineTopology
+from ntp_megatron.plan.stages import PipelineTopology, pipeline_of, stages_of
 
 Identity = tuple[int, ...]
 
@@ -131,7 +131,7 @@ def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Opt
     and with ``instances`` k > 1 (over the ``dp`` launch replicas) per block the k intra-instance parts of its sync
     group and then its dp/k twins' groups. Those are a function of the topology alone, the same list on every rank;
     every rank has made the same number of groups before each (one first group, one alone, one part)."""
-    pipeline = topology if isinstance(topology, PipelineTopology) else None
+    pipeline = pipeline_of(topology)
     if pipeline is not None and instances > 1:
         raise ValueError("distributed-optimizer instances with pipeline stages are not supported under NTP yet")
     if instances > 1 and dp is None:
@@ -145,7 +145,7 @@ def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Opt
         parts = tuple(tuple(sorted(pipeline.replica_ranks(r))) for r in pipeline.replica_indices)
         mine = tuple(sorted(pipeline.replica_ranks(replica.index)))
         calls.append(PlannedGroup("part", mine, key(topology, "mp", (replica.index,), mine), parts))
-    for s in pipeline.stages if pipeline is not None else (topology,):  # in stage order
+    for s in stages_of(topology):  # in stage order
         calls += [_every_rank(topology, rank, "sync", (s.stage, b), sync_group_ranks(s, b)) for b in range(s.tp_base)]
     if instances > 1:
         assert dp is not None

@@ -209,6 +209,11 @@ def stages_of(topology: "Topology | PipelineTopology") -> tuple[Topology, ...]:
     return topology.stages if isinstance(topology, PipelineTopology) else (topology,)
 
 
+def pipeline_of(topology: "Topology | PipelineTopology") -> Optional[PipelineTopology]:
+    """The job's topology as a pipeline, None where it has no pipeline stages."""
+    return topology if isinstance(topology, PipelineTopology) else None
+
+
 def has_stages(topology: "Topology | PipelineTopology") -> bool:
     """Whether the job runs pipeline stages (its events and lines then name the stage)."""
     return isinstance(topology, PipelineTopology)
