@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The NTP equivalence property test on fresh random cases (the suite runs a fixed, derandomized set):
 #   scripts/fuzz_equivalence.sh --examples 100 [--seed S] [--log runs/fuzz/cases.jsonl]
-# Every case is a real NTP job and plain Megatron-Core at TP1 (see tests/jobs/test_ntp_equivalence.py). One line
+# Every case is a real NTP job and plain Megatron-Core at TP1 (see tests/jobs/equivalence/test_ntp_equivalence.py). One line
 # per case goes to the log (case, outcome, worst differences, seconds); a summary is printed at the end.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
@@ -23,7 +23,7 @@ mkdir -p "$(dirname "$log")"
 cd "$ROOT"
 status=0
 NTP_FUZZ_EXAMPLES="$examples" NTP_FUZZ_LOG="$log" "$PY" -m pytest -q -p no:cacheprovider \
-  "tests/jobs/test_ntp_equivalence.py::test_ntp_computes_plain_megatron_tp1" \
+  "tests/jobs/equivalence/test_ntp_equivalence.py::test_ntp_computes_plain_megatron_tp1" \
   --hypothesis-seed="${seed:-$RANDOM$RANDOM}" --hypothesis-show-statistics || status=$?
 "$PY" - "$log" <<'PY'
 import json, sys

@@ -24,7 +24,7 @@ between layouts (its draws depend on the TP shard and, with PP, on the stage), s
 
 ``train --state FILE`` also writes the final parameters and Adam moments (a whole state), and ``--out``
 each iteration's lm loss, grad norm and learning rate (``--full-records``: those records without the state): the
-independent reference of the NTP equivalence property test (``tests/jobs/test_ntp_equivalence.py``), run in a
+independent reference of the NTP equivalence property test (``tests/jobs/equivalence/test_ntp_equivalence.py``), run in a
 process that never imports ntp-megatron (it asserts so). ``--spread FILE`` then trains the same model at TP1 × DP1
 without the distributed optimizer and writes its records there: plain Megatron-Core's own spread between layouts.
 

@@ -23,7 +23,7 @@ whole canonical blocks, the fewest pieces), else the lowest-index replica. A TP-
 fragments and the writer's TP rank 0's replicated tensors are main, whatever replicas are degraded or gone.
 
 Everything here except the torch-level builders is plain data, so coverage properties can be checked for any
-topology without processes (``tests/jobs/test_ntp_checkpoint.py``).
+topology without processes (``tests/jobs/checkpoint/test_ntp_checkpoint.py``).
 """
 
 from __future__ import annotations

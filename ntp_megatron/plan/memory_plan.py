@@ -8,7 +8,7 @@ sync-group member of (:mod:`ntp_megatron.core.grad_sync`). Activations, the allo
 buffers are not state and are not counted. Byte sizes follow Megatron-Core: gradients accumulate in fp32
 (``grad_reduce_in_fp32``); Adam keeps two fp32 moments, and under bf16 / fp16 an fp32 main copy of every
 parameter it steps; with the distributed optimizer both cover only this rank's shard of each bucket, and the
-parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.plan.optimizer_shards`). ``tests/unit/test_memory_plan.py``
+parameters live in the DDP's padded flat buffer (:mod:`ntp_megatron.plan.optimizer_shards`). ``tests/unit/plan/test_memory_plan.py``
 pins the parameter list to the real NTP GPT model and the totals to the tensors Megatron-Core and the grad sync
 allocate, for healthy and degraded ranks, with and without the distributed optimizer (a degraded rank's model with
 its accumulating gradient buffer, its shadows' padded parameter and gradient buffers, and the optimizer's state of

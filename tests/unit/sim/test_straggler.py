@@ -43,7 +43,7 @@ def test_boost_with_room_on_the_curve_gives_a_healthy_step():
 
 def test_coarse_heads_cost_the_rebalanced_group():
     """The tiny model's 8 heads over TP4: a slot holds 3 heads where its share is 16/7, so the rebalanced group is
-    slower than its lost capacity says (the worked example of tests/unit/test_weighted_layout.py)."""
+    slower than its lost capacity says (the worked example of tests/unit/plan/test_weighted_layout.py)."""
     tiny = ModelDims(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=8, kv_channels=8,
                      ffn_hidden_size=256, vocab_size=256, max_position_embeddings=64)
     case = group_step(tiny, 4, 2.0)
