@@ -1,4 +1,4 @@
-"""The suite's own checks (``tests/harness.py``), on records written out by hand: the moved-bytes bound of a
+"""The suite's own checks (``tests/harness/``), on records written out by hand: the moved-bytes bound of a
 re-formation, and that every live (replica, TP rank) reports agreeing state checksums."""
 
 from __future__ import annotations

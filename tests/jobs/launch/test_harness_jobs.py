@@ -1,4 +1,4 @@
-"""The suite's job runner (``tests/harness.py``) with real jobs: a job that outlives its timeout, or a test
+"""The suite's job runner (``tests/harness/``) with real jobs: a job that outlives its timeout, or a test
 interrupted while its job runs (pytest-timeout raises inside the test), leaves no process behind, and the
 zygote runs the next job."""
 
