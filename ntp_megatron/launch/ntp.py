@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Optional
 
 from ntp_megatron.plan import memory_plan
@@ -226,9 +225,9 @@ class RestartSurvivorsPolicy(ControllerPolicy):
             data = launcher.cfg.model_dump()
             data["ntp"]["dropped_replicas"] = dropped
             data["ntp"]["dead_slots"] = [f"{d[0]}:{d[1]}" + "".join(f"@{q}" for q in d[2:]) for d in dead_slots]
-            if checkpoint.resolve_load_dir(Path(launcher.cfg.checkpoint.save)) is not None:  # the run's own: all of it
-                data["checkpoint"].update(load=launcher.cfg.checkpoint.save, finetune=False, no_load_optim=False,
-                                          no_load_rng=False)
+            own = checkpoint.restart_checkpoint(launcher.cfg.checkpoint)
+            if own is not None:  # the run's own: all of it
+                data["checkpoint"].update(load=str(own), finetune=False, no_load_optim=False, no_load_rng=False)
             cfg = JobConfig.model_validate(data)
             start = pin_checkpoint_load(cfg)
         except (TopologyError, ValueError, ConfigError) as exc:

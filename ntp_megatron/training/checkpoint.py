@@ -518,6 +518,14 @@ def _is_checkpoint_name(name: str) -> bool:
     return name == RELEASE or (name.startswith("iter_") and name[5:].isdigit())
 
 
+def restart_checkpoint(ck) -> Optional[Path]:
+    """The one rule for where a restarted job resumes (every restart: NTP off, or ``ntp.on_unrecoverable: restart``):
+    the run's own newest checkpoint (``checkpoint.save``), all of it, when it saved one; None: from
+    ``checkpoint.load`` as the launcher pinned it at the start (or from the start). ``ck``: the config's
+    ``checkpoint`` section."""
+    return Path(ck.save) if ck.save and resolve_load_dir(Path(ck.save)) is not None else None
+
+
 def resolve_load_dir(load: Path) -> Optional[Path]:
     """``load`` itself if it is one checkpoint (``metadata.json`` in it, or named ``iter_*`` or ``release``:
     complete or not, loading says which), else the one its ``latest_checkpointed_iteration.txt`` names (an

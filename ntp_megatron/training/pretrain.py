@@ -131,7 +131,7 @@ def build_plain_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.devi
     # A restart resumes from the newest checkpoint of this run, if any, all of it; else from checkpoint.load (which
     # the launcher pinned to one complete checkpoint, and to the parts of it to load).
     ck = cfg.checkpoint
-    restarted_from = ck.save if env.restart and ck.save and checkpoint.resolve_load_dir(Path(ck.save)) else None
+    restarted_from = checkpoint.restart_checkpoint(ck) if env.restart else None
     load = restarted_from or ck.load
     if load:
         plan = checkpoint.FULL if restarted_from else checkpoint.LoadPlan.of(ck)
