@@ -218,7 +218,8 @@ def figure(records: list[dict[str, Any]], compute: Optional[dict[int, dict[int, 
         for ax in (loss_ax, tp_ax):
             ax.axvline(x, color=color, linestyle="--", linewidth=1)
         loss_ax.annotate(text, (x, loss_ax.get_ylim()[1]), xytext=(0, -LABEL_ROW_PT * row), textcoords="offset points",
-                         color=color, fontsize="small", ha=ha, va="top")
+                         color=color, fontsize="small", ha=ha, va="top", zorder=5,  # above the event lines
+                         bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 0.5})
     if compute:
         _plot_compute(axes[2], compute, records)
     loss_ax.set_title("ntp-megatron run")
