@@ -1,6 +1,6 @@
 """Benchmarks (``scripts/bench.sh``): ratios measured side by side in one run, a table and a JSON; never tests.
 
-:mod:`.cli` (the command line: the parts in turn), :mod:`.sizes` (how long each part runs: the full run,
+:mod:`.cli` (the command line: the parts in turn), :mod:`.sizes` (how long each part runs: the default, ``--full``,
 ``--smoke``), :mod:`.step_time` (step time of NTP against plain Megatron-Core, failures, recovery, checkpoint
 stalls), :mod:`.init_weights` (one rank's model initialisation), :mod:`.memory` (training state and re-formation
 peaks), :mod:`.control_plane` (the control plane's load test), :mod:`.slow_rank` (a slow rank and power boost),

@@ -1,7 +1,10 @@
 """``scripts/bench.sh`` (``python -m ntp_megatron.bench``): every part of the benchmark, a table and a JSON.
 
-``--only PART`` runs one part; ``--smoke`` runs every part once at its smallest (what the test suite runs). How
-long each part runs: :mod:`ntp_megatron.bench.sizes`.
+With no arguments every part runs at the default sizes, about 10 minutes here, each part with its headline ratio;
+``--full`` runs them as docs/benchmarks.md measured them (more than 20 minutes: the control plane at 4,000 and
+10,000 simulated ranks, the slow-rank part's long schedule, second rounds); ``--only PART`` runs one part, at the
+default sizes or with ``--full``; ``--smoke`` runs every part once at its smallest (what the test suite runs). What
+the default leaves out, part by part: :mod:`ntp_megatron.bench.sizes`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -17,7 +21,7 @@ from typing import Callable, Optional, Sequence
 from ntp_megatron.bench import control_plane, init_weights, memory, slow_rank, step_time
 from ntp_megatron.bench.common import RunModule, run_in_subprocess
 from ntp_megatron.bench.report import table
-from ntp_megatron.bench.sizes import FULL, SMOKE, Sizes
+from ntp_megatron.bench.sizes import Sizes, choose
 
 
 @dataclass
@@ -79,7 +83,7 @@ class Part:
 
 
 PARTS = [
-    Part("", "CPU, gloo", _step_time),  # no --only of its own: it runs in a whole run
+    Part("step-time", "CPU, gloo", _step_time),
     Part("recovery", "CPU, gloo", _recovery),
     Part("control-plane", "CPU", _control_plane),
     Part("slow-rank", "CPU, gloo, emulated device", _slow_rank),
@@ -99,27 +103,32 @@ def measure_parts(only: Optional[str], ctx: Context) -> dict:
             continue
         if only is not None:
             result.update({"machine": part.machine, "cases": {}, "ratios": []})
+        started = time.monotonic()
         result.update(part.measure(ctx))
+        print(f"bench: {part.name} took {time.monotonic() - started:.0f} s", file=sys.stderr)
     return result
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=FULL.iters, help="iterations per job")
-    p.add_argument("--warmup", type=int, default=FULL.warmup, help="iterations dropped from the start of each job")
-    p.add_argument("--rounds", type=int, default=FULL.rounds, help="interleaved rounds over all cases")
+    p.add_argument("--iters", type=int, default=None, help="iterations per job (12)")
+    p.add_argument("--warmup", type=int, default=None, help="iterations dropped from the start of each job (3)")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds over all cases (1; with --full 2)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/bench.json"))
-    p.add_argument("--only", choices=[part.name for part in PARTS if part.name], default=None,
+    p.add_argument("--only", choices=[part.name for part in PARTS], default=None,
                    help="run one part only (its figures alone in the JSON and the table)")
-    p.add_argument("--smoke", action="store_true",
-                   help="every part once at its smallest size: a check that the harness runs, not a measurement")
+    sizes = p.add_mutually_exclusive_group()
+    sizes.add_argument("--full", action="store_true",
+                       help="every part at its full sizes, as docs/benchmarks.md measured it (more than 20 minutes)")
+    sizes.add_argument("--smoke", action="store_true",
+                       help="every part once at its smallest size: a check that the harness runs, not a measurement")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None, run: RunModule = run_in_subprocess) -> int:
     """``run``: how each job and probe process is started (the suite's smoke test forks them from its zygote)."""
     args = parser().parse_args(argv)
-    sizes = SMOKE if args.smoke else Sizes(iters=args.iters, warmup=args.warmup, rounds=args.rounds)
+    sizes = choose(args.smoke, args.full, args.iters, args.warmup, args.rounds)
     if sizes.warmup >= sizes.iters:
         print("bench: --warmup must be below --iters", file=sys.stderr)
         return 2

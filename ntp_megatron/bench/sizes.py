@@ -1,7 +1,26 @@
-"""How long each part of ``scripts/bench.sh`` runs: ``FULL`` (the benchmark as docs/benchmarks.md measured it) and
-``SMOKE`` (``--smoke``: every part once at its smallest, what the test suite runs; its figures mean nothing).
+"""How long each part of ``scripts/bench.sh`` runs: the default (a coffee break), ``--full`` and ``--smoke``.
 
-Pure: no torch.
+``FULL`` is the benchmark as docs/benchmarks.md measured it: more than 20 minutes here, most of it in two parts
+(the slow-rank part's five 40-iteration jobs at 6 s a step, 19 minutes; the one-store design's control plane at
+4,000 and 10,000 simulated ranks, over 8 minutes). ``DEFAULT`` (no flag) runs every part, each with its headline
+ratio, in about 10 minutes on this 2-core machine; what it leaves out is what ``--full`` adds:
+
+- every part: one round instead of two interleaved ones (each case still runs next to the one it is compared
+  with; a second round narrows the spread, it does not change what is compared);
+- communication: a healthy replica's collectives at TP2 x 2 (4 ranks) instead of TP4 x 2 (8);
+- recovery, groups kept against made anew: TP2 x DP2 (``--full`` adds TP4 x DP2);
+- control plane: two levels against one store at 1,000 simulated ranks (``--full`` adds 4,000 and 10,000);
+- a slow rank: the same five jobs (healthy; slow, not rebalanced; rebalanced; degraded; boosted) on a shorter
+  schedule, 16 iterations at 2 s of emulated device per replica micro-batch instead of 40 at 6 s
+  (:data:`SLOW_DEFAULT`; the CPU's own compute then weighs more, so the ratios are lower than the full run's);
+- initial weights: TP1 and TP8 (``--full`` adds TP2 and TP4);
+- memory: one distributed-optimizer instance (``--full`` adds two) and the re-forming ranks' peaks of the failure
+  part's job only (``--full`` adds TP3 x 2 jobs of its own, so ``--only memory`` shows peaks only with ``--full``).
+
+``--only PART`` runs one part at the chosen sizes: ``--only PART --full`` is what ``--only PART`` ran before.
+``SMOKE`` runs every part once at its smallest (what the test suite runs); its figures mean nothing.
+
+Pure: no torch, so that the unit tests can check the presets against each other without a job.
 """
 
 from __future__ import annotations
@@ -28,6 +47,9 @@ class SlowSizes:
 
 
 SLOW_FULL = SlowSizes()
+SLOW_DEFAULT = SlowSizes(iters=16, slow_at=3, slow_end=11, window=2, device_ms=2000.0)
+"""Slow from iteration 3, measured over 2 iterations, rebalanced from about iteration 6, the slowdown's end at 11
+and the units back from about 14: every stretch of the full schedule, each a few iterations long."""
 SLOW_SMOKE = SlowSizes(tp=2, iters=7, slow_at=2, slow_end=6, factor=3.0, window=2, device_ms=100.0)
 
 
@@ -68,6 +90,8 @@ class Sizes:
 
 
 FULL = Sizes()
+DEFAULT = Sizes(rounds=1, comm_tp=2, init_tps=(1, 8), memory_instances=(1,), reform_tp=None, recovery_tps=(2,),
+                control_plane_ranks=(1000,), slow_rank=SLOW_DEFAULT)
 SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4, fail_at=3, ckpt_interval=2,
               stall_iters=5, stall_interval=2, stall_warmup=1,
               init_model=("model.num_layers=1", "model.hidden_size=64", "model.num_attention_heads=4",
@@ -76,3 +100,13 @@ SMOKE = Sizes(iters=2, warmup=1, rounds=1, comm_iters=2, comm_tp=2, fail_iters=4
               reform_tp=None, recovery_tps=(2,), control_plane_ranks=(16,), control_plane_iters=2,
               slow_rank=SLOW_SMOKE)
 
+
+def choose(smoke: bool = False, full: bool = False, iters: Optional[int] = None, warmup: Optional[int] = None,
+           rounds: Optional[int] = None) -> Sizes:
+    """The command line's sizes: ``SMOKE`` as it is (``--iters`` and the like do not apply to it), else ``FULL`` or
+    ``DEFAULT`` with what ``--iters``, ``--warmup`` and ``--rounds`` set."""
+    if smoke:
+        return SMOKE
+    base = FULL if full else DEFAULT
+    given = {"iters": iters, "warmup": warmup, "rounds": rounds}
+    return replace(base, **{name: value for name, value in given.items() if value is not None})

@@ -14,7 +14,8 @@ on at TP ``tp - 1``), without boost and with ``ntp.boost`` at a cap the curve ne
 boost is a dry run here (no GPU), and the emulated device runs ``perf(power)`` times faster. Step times after the
 re-formation against the healthy run's.
 
-The schedule: :class:`~ntp_megatron.bench.sizes.SlowSizes`.
+The schedule: :class:`~ntp_megatron.bench.sizes.SlowSizes` (``SLOW_FULL`` under ``--full``, a shorter
+``SLOW_DEFAULT`` by default).
 """
 
 from __future__ import annotations
