@@ -52,7 +52,7 @@ across them, so every optimizer shard lives on k ranks; PP1 only), ``--overlap``
 ``--bucket-size``. ``--shards DIR`` writes every rank's distributed-optimizer shard (fp32 main params and Adam
 moments in bucket order, ``get_parameter_state_dp_reshardable``) with its instance and position, so twins can be
 compared. ``--memory DIR`` writes every rank's state bytes by kind and step times (the benchmark's reference,
-``ntp_megatron.bench.step_time``). With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
+``ntp_megatron.bench.memory``). With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
 all-gather. With TP or PP, each stage's TP ranks at DP rank 0 join their shards and rank 0 gathers the stages'

@@ -1,5 +1,5 @@
 """What the benchmark's parts share: running a module, the benchmark's model, a job's layout flags, a job's
-iteration records."""
+iteration records, a ratio that a zero baseline leaves out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 RunModule = Callable[[str, Sequence[str], Path], tuple[int, str, str]]
 """``run(module, args, out_dir)``: ``python -m module args`` (its output files go under ``out_dir``); returns
@@ -51,3 +51,8 @@ def run_job_records(args: Sequence[str], iters: int, workdir: Path, run: RunModu
     if code != 0:
         raise SystemExit(f"bench: case {name!r} failed ({code}):\n{err[-3000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def ratio(a: float, b: float) -> Optional[float]:
+    """``a / b``, or None where the baseline is not above zero (the table shows a dash)."""
+    return a / b if b > 0 else None

@@ -41,8 +41,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -163,70 +164,98 @@ def _run_agents(agents: list, halt: Halt) -> list[threading.Thread]:
 
 # -- one worker process ----------------------------------------------------------------------------------------------
 
-def worker(args: argparse.Namespace) -> dict:
-    """Simulate the nodes ``n`` with ``n % workers == index``; print a JSON record of what they saw."""
+class _Worker:
+    """One worker process: its nodes (``n % workers == index``), its threads, and what they saw (under ``lock``).
+    Every thread waits at ``connected`` with the main thread, then for ``go``: connections are made before the
+    clock starts."""
 
-    nodes = args.ranks // RANKS_PER_NODE
-    mine = [n for n in range(nodes) if n % args.workers == args.index]
-    root_requests = [0]
-    failed: list[str] = []
-    """Why simulated ranks gave up (a store call that failed or timed out)."""
-    latencies: list[tuple[int, int, float]] = []
-    """(node, iteration, vote latency) of every real rank's vote."""
-    node_latencies: list[float] = []
-    """Per node and iteration: from the arrival to the decision in hand on every rank of the node (a real node: its
-    slowest rank; a simulated one: its last voter's fetch from the root)."""
-    late: list[float] = []
-    fenced: list = []
-    learned: list[float] = []
-    read_bytes: list[int] = []
-    stop, go = threading.Event(), threading.Event()
-    halt = Halt()
-    connected = threading.Barrier(1)  # replaced below once the thread count is known
-    voted = threading.Event()
-    still_voting: list[int] = []
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.nodes = args.ranks // RANKS_PER_NODE
+        self.mine = [n for n in range(self.nodes) if n % args.workers == args.index]
+        self.root_requests = [0]
+        self.failed: list[str] = []
+        """Why simulated ranks gave up (a store call that failed or timed out)."""
+        self.latencies: list[tuple[int, int, float]] = []
+        """(node, iteration, vote latency) of every real rank's vote."""
+        self.node_latencies: list[float] = []
+        """Per node and iteration: from the arrival to the decision in hand on every rank of the node (a real node:
+        its slowest rank; a simulated one: its last voter's fetch from the root)."""
+        self.late: list[float] = []
+        self.fenced: list = []
+        self.learned: list[float] = []
+        self.read_bytes: list[int] = []
+        self.stop, self.go, self.voted = threading.Event(), threading.Event(), threading.Event()
+        self.halt = Halt()
+        self.lock = threading.Lock()
+        self.t0 = 0.0
+        self.ranks: list[int] = []
+        self.still_voting = 0
+        self.connected = threading.Barrier(1)
+        self.threads: list[threading.Thread] = []
+        self.agents: list = []
+        self.relays: dict[int, NodeRelay] = {}
+        self.nodes_server: Optional[dist.TCPStore] = None
+        """Two levels: the server of the worker's node stores (held here: it lives as long as the worker)."""
+        self.heartbeats: list = []
 
-    def done_voting() -> None:
-        with lock:
-            still_voting[0] -= 1
-            if still_voting[0] == 0:
-                voted.set()
-    lock = threading.Lock()
-    t0: list[float] = []
+    def root(self) -> Counting:
+        """A client of the root store whose requests count."""
+        return Counting(_client(self.args.port), self.root_requests)
 
-    def ready() -> None:
+    def expect(self, ranks: list[int], drivers: int = 0) -> None:
+        """The real ranks (the last to finish voting sets ``voted``); ``connected`` waits for them, ``drivers``
+        more threads and the main thread."""
+        self.ranks, self.still_voting = ranks, len(ranks)
+        self.connected = threading.Barrier(len(ranks) + drivers + 1)
+
+    def start(self, threads: list[threading.Thread]) -> None:
+        self.threads += threads
+        for t in threads:
+            t.start()
+
+    def ready(self) -> None:
         """Connected: wait for the coordinator's start (every worker connected)."""
-        connected.wait()
-        go.wait()
+        self.connected.wait()
+        self.go.wait()
 
-    def arrive(k: int) -> float:
+    def arrive(self, k: int) -> float:
         """Wait for iteration ``k``'s scheduled end of step; returns when this rank's vote starts (later than
         scheduled if the previous vote ran over, or the thread was late)."""
-        at = t0[0] + k * args.period
+        at = self.t0 + k * self.args.period
         while (left := at - time.time()) > 0:  # the simulated step's end (pacing, not synchronisation)
-            stop.wait(left)
+            self.stop.wait(left)
         now = time.time()
-        late.append(now - at)
+        self.late.append(now - at)
         return now
 
-    def simulate(r: int, store, protocol, learn) -> None:
+    def _gave_up(self, exc: Exception) -> None:
+        with self.lock:
+            self.failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+
+    def _done_voting(self) -> None:
+        with self.lock:
+            self.still_voting -= 1
+            if self.still_voting == 0:
+                self.voted.set()
+
+    def simulate(self, r: int, store, protocol: CommitProtocol, learn: Callable[[], int]) -> None:
         """Simulated rank ``r``: begin and vote every iteration in ``store``, then wait there for the failure's
         generation to end, ``learn`` the new one (returns the bytes it read) and note in the root that it noticed
         (the controller's failure report waits for every survivor's note)."""
-        ready()
+        self.ready()
         try:
-            for k in range(1, args.iters + 1):
-                at = arrive(k)
+            for k in range(1, self.args.iters + 1):
+                at = self.arrive(k)
                 protocol.begin(k)
                 protocol.vote(k)
-                with lock:
-                    latencies.append((r // RANKS_PER_NODE, k, time.time() - at))
+                with self.lock:
+                    self.latencies.append((r // RANKS_PER_NODE, k, time.time() - at))
         except Exception as exc:  # noqa: BLE001 - a store that gives up (one store at 10K ranks): counted, not hung
-            with lock:
-                failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+            self._gave_up(exc)
             return
         finally:
-            done_voting()
+            self._done_voting()
         try:
             store.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
             size = learn()
@@ -234,149 +263,172 @@ def worker(args: argparse.Namespace) -> dict:
             size += len(store.get(keys.abort(0)))
             note_aware(protocol.root, 0, r, at)
         except Exception as exc:  # noqa: BLE001 - it never learned the failure's generation within the budget
-            with lock:
-                failed.append(f"{type(exc).__name__}: {str(exc)[:120]}")
+            self._gave_up(exc)
             return
-        with lock:
-            learned.append(at)
-            read_bytes.append(size)
+        with self.lock:
+            self.learned.append(at)
+            self.read_bytes.append(size)
 
-    if args.design == "current":
-        def root():
-            return Counting(_client(args.port), root_requests)
 
-        def rank(r: int) -> None:
-            ctl = root()
+def _current_rank(w: _Worker, r: int) -> None:
+    """A rank of the one-store design: it votes, waits and reads the new generation in the root."""
+    ctl = w.root()
 
-            def learn() -> int:  # the new generation's whole topology, read from the root
-                text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
-                if r % RANKS_PER_NODE == 0:  # parsing costs every rank its own CPU: one per node is parsed here
-                    load_topology(json.loads(text))
-                return len(text)
+    def learn() -> int:  # the new generation's whole topology, read from the root
+        text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
+        if r % RANKS_PER_NODE == 0:  # parsing costs every rank its own CPU: one per node is parsed here
+            load_topology(json.loads(text))
+        return len(text)
 
-            simulate(r, ctl, CommitProtocol(ctl, 0, args.ranks), learn)  # the watchdog's wait too, on the root
+    w.simulate(r, ctl, CommitProtocol(ctl, 0, w.args.ranks), learn)  # the watchdog's wait too, on the root
 
-        def beats(node: int, store) -> None:
-            while halt.pace(HEARTBEAT_S):
-                for r in _node_ranks(node):
-                    store.set(keys.heartbeat(r), json.dumps(watchdog.beat()))
 
-        agents = [_agent(root(), _node_ranks(n), fenced) for n in mine]
-        ranks = [r for n in mine for r in _node_ranks(n)]
-        connected = threading.Barrier(len(ranks) + 1)
-        beat_threads = [threading.Thread(target=beats, args=(n, root()), daemon=True) for n in mine]
-        for t in beat_threads:
-            t.start()
-        _run_agents(agents, halt)
-        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
-        for t in threads:
-            t.start()
-        relays = []
-    else:
+def _node_beats(w: _Worker, node: int, store) -> None:
+    """One store: a node's ranks' heartbeats in the root, every ``HEARTBEAT_S``, through one connection."""
+    while w.halt.pace(HEARTBEAT_S):
+        for r in _node_ranks(node):
+            store.set(keys.heartbeat(r), json.dumps(watchdog.beat()))
 
-        # The worker's nodes keep their stores in one server, each under its own prefix: one event loop thread
-        # answers them all, as a node's own store would on the node's own CPUs.
-        nodes_server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=CLIENT_TIMEOUT_S),
-                                     wait_for_workers=False)
 
-        def node_store(n: int):
-            return lambda t=CLIENT_TIMEOUT_S: dist.PrefixStore(f"node{n}/", _client(nodes_server.port, t))
+def _start_current(w: _Worker) -> None:
+    """One store: every rank of the worker's nodes is a thread; per node a heartbeat thread and an Agent."""
+    w.agents = [_agent(w.root(), _node_ranks(n), w.fenced) for n in w.mine]
+    w.expect([r for n in w.mine for r in _node_ranks(n)])
+    beats = [threading.Thread(target=_node_beats, args=(w, n, w.root()), daemon=True) for n in w.mine]
+    for t in beats:
+        t.start()
+    _run_agents(w.agents, w.halt)
+    w.start([threading.Thread(target=_current_rank, args=(w, r), daemon=True) for r in w.ranks])
 
-        relays = {n: NodeRelay(lambda t: _client(args.port, t), n, node_store(n), beat_s=NODE_BEAT_S,
-                               ranks=lambda: RANKS_PER_NODE,
-                               wrap_root=lambda s: Counting(s, root_requests))
-                  for n in mine}
-        for relay in relays.values():
-            if not relay.wait_ready(CLIENT_TIMEOUT_S):
-                raise RuntimeError(f"node {relay.node_rank}'s relay did not connect")
-        real = mine[0]
-        start = make_topology(TP, args.ranks // TP, {"layer": 80})
 
-        def rank(r: int) -> None:
-            local = relays[real].open_local(CLIENT_TIMEOUT_S)
-            protocol = CommitProtocol(local, 0, args.ranks, node=NodeShare(members=RANKS_PER_NODE, nodes=nodes),
-                                      root=Counting(_client(args.port), root_requests))
+def _start_relays(w: _Worker) -> None:
+    """Two levels: a relay and a node store per node, connected. The worker's nodes keep their stores in one
+    server, each under its own prefix: one event loop thread answers them all, as a node's own store would on the
+    node's own CPUs."""
+    w.nodes_server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=CLIENT_TIMEOUT_S),
+                                   wait_for_workers=False)
 
-            def learn() -> int:  # what changed, from the node store: the topology is computed from it
-                latest = int(local.get(keys.LATEST))
-                info = local.get(keys.info(latest))
-                if r % RANKS_PER_NODE == 0:  # computing costs every rank its own CPU: one per node computes here
-                    published_topology(start, json.loads(info), latest)
-                return len(info)
+    def node_store(n: int):
+        return lambda t=CLIENT_TIMEOUT_S: dist.PrefixStore(f"node{n}/", _client(w.nodes_server.port, t))
 
-            protocol.form()  # every generation begins with its formation; not timed
-            simulate(r, local, protocol, learn)
+    w.relays = {n: NodeRelay(lambda t: _client(w.args.port, t), n, node_store(n), beat_s=NODE_BEAT_S,
+                             ranks=lambda: RANKS_PER_NODE, wrap_root=lambda s: Counting(s, w.root_requests))
+                for n in w.mine}
+    for relay in w.relays.values():
+        if not relay.wait_ready(CLIENT_TIMEOUT_S):
+            raise RuntimeError(f"node {relay.node_rank}'s relay did not connect")
 
-        def others(part: list[int]) -> None:
-            """Other nodes: at the arrival time, each node's last voter carries the node's vote to the root and
-            fetches the decision there (in parallel threads, as nodes do; the last, which only the harness can know).
-            What a node's ranks do in its own store (their counts, the decision brought in, their waits for it)
-            runs on that node's own CPUs on a cluster: not here, where 1,250 nodes share 2 cores."""
-            share = NodeShare(members=RANKS_PER_NODE, nodes=nodes)
-            protocols = [CommitProtocol(relays[n].open_local(CLIENT_TIMEOUT_S), 0, args.ranks, node=share,
-                                        root=Counting(_client(args.port), root_requests)) for n in part]
-            for protocol in protocols:  # the formation, not timed
-                protocol.carry_ready()
-            for protocol in protocols:
-                protocol.bring(keys.formed(0))  # into the node store, where the relay and its end look
-            ready()
-            for k in range(1, args.iters + 1):
-                at = arrive(k)
-                for protocol in protocols:
-                    protocol.carry_vote(k)
-                for protocol in protocols:
-                    protocol.fetch(keys.decision(0, k))
-                    with lock:
-                        node_latencies.append(time.time() - at)
-            for n, protocol in zip(part, protocols):  # the failure: each of the node's ranks notes it in the root
-                if relays[n].wait_ended(0, FAILURE_BUDGET_S):
-                    for r in _node_ranks(n):
-                        note_aware(protocol.root, 0, r, time.time())
 
-        ranks = _node_ranks(real)
-        simulated = [n for n in mine if n != real]
-        parts = [simulated[i::DRIVERS] for i in range(DRIVERS) if simulated[i::DRIVERS]]
-        connected = threading.Barrier(len(ranks) + len(parts) + 1)
-        heartbeats = [watchdog.Heartbeat(relays[real].open_local, r, HEARTBEAT_S) for r in ranks]
-        agents = [_agent(relays[real].open_local(CLIENT_TIMEOUT_S), ranks, fenced)]
-        _run_agents(agents, halt)
-        threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in ranks]
-        threads += [threading.Thread(target=others, args=(part,), daemon=True) for part in parts]
-        for t in threads:
-            t.start()
-    still_voting.append(len(ranks))
-    connected.wait()
+def _two_level_rank(w: _Worker, r: int, relay: NodeRelay, start) -> None:
+    """A real rank of two levels: it votes through its node store and computes the new topology from it."""
+    local = relay.open_local(CLIENT_TIMEOUT_S)
+    protocol = CommitProtocol(local, 0, w.args.ranks, node=NodeShare(members=RANKS_PER_NODE, nodes=w.nodes),
+                              root=w.root())
+
+    def learn() -> int:  # what changed, from the node store: the topology is computed from it
+        latest = int(local.get(keys.LATEST))
+        info = local.get(keys.info(latest))
+        if r % RANKS_PER_NODE == 0:  # computing costs every rank its own CPU: one per node computes here
+            published_topology(start, json.loads(info), latest)
+        return len(info)
+
+    protocol.form()  # every generation begins with its formation; not timed
+    w.simulate(r, local, protocol, learn)
+
+
+def _other_nodes(w: _Worker, part: list[int]) -> None:
+    """Other nodes: at the arrival time, each node's last voter carries the node's vote to the root and fetches the
+    decision there (in parallel threads, as nodes do; the last, which only the harness can know). What a node's
+    ranks do in its own store (their counts, the decision brought in, their waits for it) runs on that node's own
+    CPUs on a cluster: not here, where 1,250 nodes share 2 cores."""
+    share = NodeShare(members=RANKS_PER_NODE, nodes=w.nodes)
+    protocols = [CommitProtocol(w.relays[n].open_local(CLIENT_TIMEOUT_S), 0, w.args.ranks, node=share,
+                                root=w.root()) for n in part]
+    for protocol in protocols:  # the formation, not timed
+        protocol.carry_ready()
+    for protocol in protocols:
+        protocol.bring(keys.formed(0))  # into the node store, where the relay and its end look
+    w.ready()
+    for k in range(1, w.args.iters + 1):
+        at = w.arrive(k)
+        for protocol in protocols:
+            protocol.carry_vote(k)
+        for protocol in protocols:
+            protocol.fetch(keys.decision(0, k))
+            with w.lock:
+                w.node_latencies.append(time.time() - at)
+    for n, protocol in zip(part, protocols):  # the failure: each of the node's ranks notes it in the root
+        if w.relays[n].wait_ended(0, FAILURE_BUDGET_S):
+            for r in _node_ranks(n):
+                note_aware(protocol.root, 0, r, time.time())
+
+
+def _start_two_level(w: _Worker) -> None:
+    """Two levels: the first node's ranks are real (threads, heartbeats, an Agent on its node store); the other
+    nodes are carried by ``DRIVERS`` threads."""
+    _start_relays(w)
+    real = w.mine[0]
+    start = make_topology(TP, w.args.ranks // TP, {"layer": 80})
+    simulated = [n for n in w.mine if n != real]
+    parts = [simulated[i::DRIVERS] for i in range(DRIVERS) if simulated[i::DRIVERS]]
+    w.expect(_node_ranks(real), drivers=len(parts))
+    w.heartbeats = [watchdog.Heartbeat(w.relays[real].open_local, r, HEARTBEAT_S) for r in w.ranks]
+    w.agents = [_agent(w.relays[real].open_local(CLIENT_TIMEOUT_S), w.ranks, w.fenced)]
+    _run_agents(w.agents, w.halt)
+    w.start([threading.Thread(target=_two_level_rank, args=(w, r, w.relays[real], start), daemon=True)
+             for r in w.ranks]
+            + [threading.Thread(target=_other_nodes, args=(w, part), daemon=True) for part in parts])
+
+
+def _run(w: _Worker) -> tuple[tuple[float, int], int]:
+    """Tell the coordinator this worker is connected, take its start time, let the threads go; wait for the votes,
+    then for the failure to reach every rank and node store (or the budget to run out). Returns the CPU time and
+    root requests at the start, and the root requests of the votes."""
+    w.connected.wait()
     gc.freeze()  # what setup made lives to the end: the collector skips it (a thousand relays' objects made a pass of
     # it take a second, on whichever thread triggered it)
     print(json.dumps({"ready": True}), flush=True)
-    t0.append(float(sys.stdin.readline()))
-    counted_from = (_cpu_s(os.getpid()), root_requests[0])
-    go.set()
-    voted.wait(CLIENT_TIMEOUT_S)
-    vote_requests = root_requests[0] - counted_from[1]  # what follows is the failure's
+    w.t0 = float(sys.stdin.readline())
+    counted_from = (_cpu_s(os.getpid()), w.root_requests[0])
+    w.go.set()
+    w.voted.wait(CLIENT_TIMEOUT_S)
+    vote_requests = w.root_requests[0] - counted_from[1]  # what follows is the failure's
     deadline = time.monotonic() + FAILURE_BUDGET_S  # then the failure: ranks not done by then never learned it
-    for t in threads:
+    for t in w.threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    for relay in relays.values() if args.design == "two_level" else ():  # every node store, not only the real node's
+    for relay in w.relays.values():  # every node store, not only the real node's (one store: none)
         relay.wait_ended(0, max(0.0, deadline - time.monotonic()))
-    stop.set()
-    halt.halted = True
+    w.stop.set()
+    w.halt.halted = True
+    return counted_from, vote_requests
+
+
+def _record(w: _Worker, counted_from: tuple[float, int], vote_requests: int) -> dict:
+    """What the worker's ranks saw, for the coordinator's row."""
     slowest: dict[tuple[int, int], float] = {}  # (node, iteration) -> its slowest rank's vote, for the real ranks
-    for node, k, latency in latencies:
+    for node, k, latency in w.latencies:
         slowest[node, k] = max(slowest.get((node, k), 0.0), latency)
-    record = {"failed": failed, "latencies": [latency for _, _, latency in latencies],
-              "node_latencies": node_latencies + list(slowest.values()), "late": late, "fenced": len(fenced),
-              "fence_causes": [c for _, c in fenced][:3],
-              "oldest_beat_s": max((a.oldest_beat_s for a in agents), default=0.0), "learned": learned,
-              "read_bytes": read_bytes, "simulated": len(ranks), "requests": vote_requests,
-              "failure_requests": root_requests[0] - counted_from[1] - vote_requests,
+    record = {"failed": w.failed, "latencies": [latency for _, _, latency in w.latencies],
+              "node_latencies": w.node_latencies + list(slowest.values()), "late": w.late, "fenced": len(w.fenced),
+              "fence_causes": [c for _, c in w.fenced][:3],
+              "oldest_beat_s": max((a.oldest_beat_s for a in w.agents), default=0.0), "learned": w.learned,
+              "read_bytes": w.read_bytes, "simulated": len(w.ranks), "requests": vote_requests,
+              "failure_requests": w.root_requests[0] - counted_from[1] - vote_requests,
               "cpu_s": _cpu_s(os.getpid()) - counted_from[0]}
-    if args.design == "two_level":
-        record["ended_at"] = [r.ended_at.get(0) for r in relays.values()]
-        record["relay_errors"] = [e for r in relays.values() for e in r.errors]
-        for heartbeat in heartbeats:
+    if w.args.design == "two_level":
+        record["ended_at"] = [r.ended_at.get(0) for r in w.relays.values()]
+        record["relay_errors"] = [e for r in w.relays.values() for e in r.errors]
+        for heartbeat in w.heartbeats:
             heartbeat.stop()
-    return record  # the relays' threads are left to os._exit
+    return record
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Simulate the nodes ``n`` with ``n % workers == index``; the record of what they saw."""
+    w = _Worker(args)
+    (_start_current if args.design == "current" else _start_two_level)(w)
+    counted_from, vote_requests = _run(w)
+    return _record(w, counted_from, vote_requests)  # the relays' threads are left to os._exit
 
 
 # -- the coordinator ---------------------------------------------------------------------------------------------------
@@ -394,90 +446,131 @@ def serve() -> None:
     sys.stdin.read()
 
 
+@dataclass
+class _Clock:
+    """When a row's phases happened, and what the coordinator itself saw of them."""
+
+    setup_s: float
+    t0: float
+    """The first iteration's start, the same in every worker."""
+    votes_done: float = 0.0
+    died: float = 0.0
+    noted: list[float] = field(default_factory=list)
+    """When the controller's failure report had every survivor's note (it waits 10 s)."""
+    monitor_requests: int = 0
+    oldest_node_beat: float = 0.0
+    store_cpu_s: float = 0.0
+
+
+def _controller(root, ranks: int, noted: list[float]) -> Controller:
+    """The real controller on the root; its failure report's time lands in ``noted``."""
+    start = make_topology(TP, ranks // TP, {"layer": 80})
+
+    def emit(event: dict) -> None:
+        if event.get("event") == "rank_failed" and event["detect_s"] is not None:
+            noted.append(time.time())
+    return Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=emit)
+
+
+def _spawn_workers(design: str, ranks: int, iters: int, period: float, port: int) -> list[subprocess.Popen]:
+    count = min(WORKERS, ranks // RANKS_PER_NODE)
+    return [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers", str(count),
+                    "--port", str(port), "--iters", str(iters), "--period", str(period)]) for i in range(count)]
+
+
+def _start_clock(workers: list[subprocess.Popen]) -> _Clock:
+    """Wait for every worker's connections, then give them all the same start, a second from now."""
+    setup = time.time()
+    for w in workers:
+        if json.loads(w.stdout.readline()).get("ready") is not True:
+            raise RuntimeError("a worker failed to start")
+    clock = _Clock(setup_s=time.time() - setup, t0=time.time() + 1.0)
+    for w in workers:
+        w.stdin.write(f"{clock.t0}\n")
+        w.stdin.flush()
+    return clock
+
+
+def _watch_votes(design: str, ranks: int, iters: int, period: float, port: int, root, clock: _Clock) -> None:
+    """Until the last iteration's decision (or the ranks' give-up): two levels, the controller's look at every node's
+    heartbeat, one request each time."""
+    monitor_requests = [0]
+    monitor = Counting(_client(port), monitor_requests)
+    node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
+    end_votes = clock.t0 + iters * period
+    give_up = end_votes + CLIENT_TIMEOUT_S  # a rank whose store call timed out votes no more: no decision comes
+    while (time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)])) and time.time() < give_up:
+        if design == "two_level":
+            now = time.time()
+            beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
+            clock.oldest_node_beat = max(clock.oldest_node_beat, now - min(beats))
+        time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
+    clock.votes_done = time.time()
+    clock.monitor_requests = monitor_requests[0]
+
+
+def _row(design: str, ranks: int, iters: int, records: list[dict], clock: _Clock) -> dict:
+    """The row of the table and the JSON, from the workers' records and the coordinator's clock."""
+    died = clock.died
+    latencies = [x for r in records for x in r["latencies"]]
+    node_latencies = [x for r in records for x in r["node_latencies"]]
+    learned = [x for r in records for x in r["learned"]]
+    everyone = sum(r["simulated"] for r in records) == len(learned)
+    spread = {"ranks_learned_p50_s": _pct([x - died for x in learned], 0.5)}
+    if design == "two_level":
+        ended = [x for r in records for x in r["ended_at"]]
+        everyone = everyone and None not in ended
+        spread["node_stores_p50_s"] = _pct([x - died for x in ended if x is not None], 0.5)
+        spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
+        learned += [x for x in ended if x is not None]
+    window = clock.votes_done - clock.t0
+    requests = sum(r["requests"] for r in records) + clock.monitor_requests  # while the ranks voted
+    return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
+            "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
+            "votes_timed": len(latencies),
+            "node_vote_p99_ms": 1e3 * _pct(node_latencies, 0.99), "node_votes_timed": len(node_latencies),
+            "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [clock.oldest_node_beat]),
+            "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
+            "failure_requests": sum(r["failure_requests"] for r in records),
+            "false_fences": sum(r["fenced"] for r in records),
+            "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
+            "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
+            "survivors_noted_s": clock.noted[0] - died if clock.noted else None,
+            "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
+                                                                  f"{FAILURE_BUDGET_S:.0f} s)",
+            "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),
+            "arrival_late_p99_ms": 1e3 * _pct([x for r in records for x in r["late"]], 0.99),
+            "harness_cpu_s": sum(r["cpu_s"] for r in records), "store_cpu_s": clock.store_cpu_s, "wall_s": window,
+            "setup_s": clock.setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])],
+            "ranks_failed": sum(len(r["failed"]) for r in records),
+            "failures_seen": sorted({f for r in records for f in r["failed"]})[:3]}
+
+
 def run(design: str, ranks: int, iters: int, period: float) -> dict:
     """One row: ``design`` at ``ranks`` simulated ranks, ``iters`` iterations, then one death."""
-
     server = _spawn(["serve"])
     workers: list[subprocess.Popen] = []
     try:
         port = int(server.stdout.readline())
         root = _client(port)
-        start = make_topology(TP, ranks // TP, {"layer": 80})
-        noted: list[float] = []  # when the controller's failure report had every survivor's note (it waits 10 s)
-
-        def emit(event: dict) -> None:
-            if event.get("event") == "rank_failed" and event["detect_s"] is not None:
-                noted.append(time.time())
-        controller = Controller(root, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=emit)
-        count = min(WORKERS, ranks // RANKS_PER_NODE)
-        workers += [_spawn(["worker", "--design", design, "--ranks", str(ranks), "--index", str(i), "--workers",
-                            str(count), "--port", str(port), "--iters", str(iters), "--period", str(period)])
-                    for i in range(count)]
-        setup = time.time()
-        for w in workers:
-            if json.loads(w.stdout.readline()).get("ready") is not True:
-                raise RuntimeError("a worker failed to start")
-        setup_s = time.time() - setup
-        t0 = time.time() + 1.0
-        for w in workers:
-            w.stdin.write(f"{t0}\n")
-            w.stdin.flush()
+        noted: list[float] = []
+        controller = _controller(root, ranks, noted)
+        workers += _spawn_workers(design, ranks, iters, period, port)
+        clock = _start_clock(workers)
+        clock.noted = noted
         cpu_store = _cpu_s(server.pid)
-        monitor_requests = [0]
-        monitor = Counting(_client(port), monitor_requests)
-        oldest_node_beat = 0.0
-        node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
-        end_votes = t0 + iters * period
-        give_up = end_votes + CLIENT_TIMEOUT_S  # a rank whose store call timed out votes no more: no decision comes
-        while (time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)])) and time.time() < give_up:
-            if design == "two_level":  # the controller's look at every node's heartbeat: one request
-                now = time.time()
-                beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
-                oldest_node_beat = max(oldest_node_beat, now - min(beats))
-            time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
-        votes_done = time.time()
-        print(f"control plane {design} {ranks} ranks: {iters} iterations voted in {votes_done - t0:.1f} s",
+        _watch_votes(design, ranks, iters, period, port, root, clock)
+        print(f"control plane {design} {ranks} ranks: {iters} iterations voted in {clock.votes_done - clock.t0:.1f} s",
               file=sys.stderr)
-        died = time.time()
-        assert controller.handle([Death(ranks - 1, died, "killed (simulated)")]) is None
+        clock.died = time.time()
+        assert controller.handle([Death(ranks - 1, clock.died, "killed (simulated)")]) is None
         budget = CLIENT_TIMEOUT_S + 2 * FAILURE_BUDGET_S
         records = [json.loads(w.communicate(timeout=budget)[0].strip().splitlines()[-1]) for w in workers]
         controller.close()  # its failure report, which waited for every survivor's note
-        cpu_store = _cpu_s(server.pid) - cpu_store
+        clock.store_cpu_s = _cpu_s(server.pid) - cpu_store
         server.stdin.close()
         server.wait(30)
-        latencies = [x for r in records for x in r["latencies"]]
-        node_latencies = [x for r in records for x in r["node_latencies"]]
-        learned = [x for r in records for x in r["learned"]]
-        everyone = sum(r["simulated"] for r in records) == len(learned)
-        spread = {"ranks_learned_p50_s": _pct([x - died for x in learned], 0.5)}
-        if design == "two_level":
-            ended = [x for r in records for x in r["ended_at"]]
-            everyone = everyone and None not in ended
-            spread["node_stores_p50_s"] = _pct([x - died for x in ended if x is not None], 0.5)
-            spread["node_stores_max_s"] = max((x - died for x in ended if x is not None), default=None)
-            learned += [x for x in ended if x is not None]
-        window = votes_done - t0
-        requests = sum(r["requests"] for r in records) + monitor_requests[0]  # while the ranks voted
-        return {"design": design, "ranks": ranks, "nodes": ranks // RANKS_PER_NODE, "iterations": iters,
-                "vote_p50_ms": 1e3 * _pct(latencies, 0.5), "vote_p99_ms": 1e3 * _pct(latencies, 0.99),
-                "votes_timed": len(latencies),
-                "node_vote_p99_ms": 1e3 * _pct(node_latencies, 0.99), "node_votes_timed": len(node_latencies),
-                "heartbeat_staleness_max_s": max([r["oldest_beat_s"] for r in records] + [oldest_node_beat]),
-                "requests_per_s": requests / window, "requests_per_iteration": requests / iters,
-                "failure_requests": sum(r["failure_requests"] for r in records),
-                "false_fences": sum(r["fenced"] for r in records),
-                "fence_causes": [c for r in records for c in r["fence_causes"]][:3],
-                "failure_to_generation_s": max(learned) - died if learned and everyone else None, **spread,
-                "survivors_noted_s": noted[0] - died if noted else None,
-                "learned_generation": len(learned) if everyone else f"{len(learned)} (not every rank within "
-                                                                      f"{FAILURE_BUDGET_S:.0f} s)",
-                "generation_bytes_per_rank": max((b for r in records for b in r["read_bytes"]), default=None),
-                "arrival_late_p99_ms": 1e3 * _pct([x for r in records for x in r["late"]], 0.99),
-                "harness_cpu_s": sum(r["cpu_s"] for r in records), "store_cpu_s": cpu_store, "wall_s": window,
-                "setup_s": setup_s, "relay_errors": [e for r in records for e in r.get("relay_errors", [])],
-                "ranks_failed": sum(len(r["failed"]) for r in records),
-                "failures_seen": sorted({f for r in records for f in r["failed"]})[:3]}
+        return _row(design, ranks, iters, records, clock)
     finally:  # a row that failed leaves no process behind to load the next ones
         for process in [*workers, server]:
             if process.poll() is None:

@@ -13,40 +13,24 @@ Power boost, on the same job and device: launch rank ``2 * tp - 1`` killed in it
 on at TP ``tp - 1``), without boost and with ``ntp.boost`` at a cap the curve needs (``boost_max_power``); the
 boost is a dry run here (no GPU), and the emulated device runs ``perf(power)`` times faster. Step times after the
 re-formation against the healthy run's.
+
+The schedule: :class:`~ntp_megatron.bench.sizes.SlowSizes` (``SLOW_FULL`` under ``--full``, a shorter
+``SLOW_DEFAULT`` by default).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ntp_megatron.bench.common import MODEL, layout_args, run_job_records
+from ntp_megatron.bench.common import MODEL, RunModule, layout_args, run_job_records
+from ntp_megatron.bench.sizes import SlowSizes
 from ntp_megatron.config.files import load_config
 from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
 from ntp_megatron.plan.memory_plan import ModelDims
 from ntp_megatron.plan.power_curve import boost_model
 from ntp_megatron.sim.straggler import degraded_step, group_step
-
-
-@dataclass(frozen=True)
-class SlowSizes:
-    tp: int = 4
-    iters: int = 40
-    slow_at: int = 10
-    slow_end: int = 28
-    """``factor=1`` from this iteration on: the slowdown ends."""
-    factor: float = 2.0
-    window: int = 4
-    device_ms: float = 6000.0
-    """The emulated device's time for a whole replica's micro-batch (each rank sleeps its share)."""
-    boost_max_power: float = 1.8
-    """Enough on the default curve (performance = power ** 0.58) for a TP4 -> TP3 survivor's load (about 1.39)."""
-
-
-SLOW_FULL = SlowSizes()
-SLOW_SMOKE = SlowSizes(tp=2, iters=7, slow_at=2, slow_end=6, factor=3.0, window=2, device_ms=100.0)
 
 
 def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
@@ -155,7 +139,7 @@ def figures(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
     }
 
 
-def measure(sizes: SlowSizes, run, workdir: Path) -> dict:
+def measure(sizes: SlowSizes, run: RunModule, workdir: Path) -> dict:
     runs = {name: run_job_records(args, sizes.iters, workdir, run, f"slow-{name}")
             for name, args in jobs(sizes).items()}
     return figures(runs, sizes)
