@@ -47,13 +47,12 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys, watchdog
+from ntp_megatron.elastic import keys, publication, watchdog
 from ntp_megatron.elastic.agent import Agent
 from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.plan.layout import make_topology
-from ntp_megatron.plan.stages import load_topology, published_topology
 
 RANKS_PER_NODE = 8
 TP = 8
@@ -275,9 +274,9 @@ def _current_rank(w: _Worker, r: int) -> None:
     ctl = w.root()
 
     def learn() -> int:  # the new generation's whole topology, read from the root
-        text = ctl.get(keys.topology(int(ctl.get(keys.LATEST))))
+        text = publication.topology_bytes(ctl, publication.latest(ctl))
         if r % RANKS_PER_NODE == 0:  # parsing costs every rank its own CPU: one per node is parsed here
-            load_topology(json.loads(text))
+            publication.parsed(text)
         return len(text)
 
     w.simulate(r, ctl, CommitProtocol(ctl, 0, w.args.ranks), learn)  # the watchdog's wait too, on the root
@@ -326,10 +325,10 @@ def _two_level_rank(w: _Worker, r: int, relay: NodeRelay, start) -> None:
                               root=w.root())
 
     def learn() -> int:  # what changed, from the node store: the topology is computed from it
-        latest = int(local.get(keys.LATEST))
-        info = local.get(keys.info(latest))
+        latest = publication.latest(local)
+        info = publication.info_bytes(local, latest)
         if r % RANKS_PER_NODE == 0:  # computing costs every rank its own CPU: one per node computes here
-            published_topology(start, json.loads(info), latest)
+            publication.computed(start, json.loads(info), latest)
         return len(info)
 
     protocol.form()  # every generation begins with its formation; not timed

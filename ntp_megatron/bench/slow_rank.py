@@ -30,7 +30,7 @@ from ntp_megatron.config.files import load_config
 from ntp_megatron.config.schema import DEFAULT_CONFIG, JobConfig
 from ntp_megatron.plan.memory_plan import ModelDims
 from ntp_megatron.plan.power_curve import boost_model
-from ntp_megatron.sim.straggler import degraded_step, group_step
+from ntp_megatron.sim.rebalance import degraded_step, group_step
 
 
 def jobs(sizes: SlowSizes) -> dict[str, list[str]]:
@@ -73,7 +73,7 @@ def _model_dims():
 
 
 def predicted(runs: dict[str, list[dict]], sizes: SlowSizes) -> dict:
-    """The simulator's straggler model (:mod:`ntp_megatron.sim.straggler`) on the same case: the healthy run's
+    """The simulator's rebalance model (:mod:`ntp_megatron.sim.rebalance`) on the same case: the healthy run's
     compute fraction (the passes' compute time over the step time, medians) and the same model and factor."""
     healthy = [r for r in runs["healthy"] if r.get("kind") == "iteration" and r["iteration"] > 1]
     fraction = min(1.0, statistics.median(r["compute_ms"] for r in healthy)
@@ -150,7 +150,7 @@ def table_lines(result: dict) -> list[str]:
         return "—" if value is None else format(value, spec)
 
     model = result["simulator"]["ratios_to_healthy"]
-    lines = ["", f"A slow rank ({result['job']}); the simulator's straggler model on the same case (compute "
+    lines = ["", f"A slow rank ({result['job']}); the simulator's rebalance model on the same case (compute "
              f"{result['simulator']['compute_fraction']:.0%} of a healthy step):", "",
              "| stretch | median step (ms) | / healthy | simulator |", "|---|---|---|---|"]
     for name, ms in result["medians_ms"].items():

@@ -54,13 +54,28 @@ def newest(store: Store, key: str = keys.LATEST) -> int:
 
 def info(store: Store, generation: int) -> dict:
     """Why ``generation`` exists (see :func:`publish`)."""
-    return json.loads(store.get(keys.info(generation)))
+    return json.loads(info_bytes(store, generation))
+
+
+def info_bytes(store: Store, generation: int) -> bytes:
+    """:func:`info` as stored (what a reader pays to read it)."""
+    return store.get(keys.info(generation))
 
 
 def topology(store: Store, generation: int) -> JobTopology:
     """``generation``'s whole topology, as published (one read of its size: a rank that holds the generation it
     builds on computes it instead, :func:`computed`)."""
-    return load_topology(json.loads(store.get(keys.topology(generation))))
+    return parsed(topology_bytes(store, generation))
+
+
+def topology_bytes(store: Store, generation: int) -> bytes:
+    """:func:`topology` as stored (what a reader pays to read it)."""
+    return store.get(keys.topology(generation))
+
+
+def parsed(raw: bytes) -> JobTopology:
+    """A topology from its published bytes."""
+    return load_topology(json.loads(raw))
 
 
 def computed(base: JobTopology, published: dict, generation: int, min_tp: int = 1,

@@ -12,7 +12,7 @@ under power boost. Healthy, every rank holds the canonical blocks: one ``tp``-th
   and deals every family by weight (:func:`ntp_megatron.plan.layout.rebalanced_topology`): the step is the slowest rank's;
 * boosted: each rank draws the power its load needs on the curve, capped (:func:`ntp_megatron.plan.power_curve.plan`).
 
-``python -m ntp_megatron.sim.straggler --config configs/tiny_cpu.yaml --tp 4 --factor 2`` prints the three.
+``python -m ntp_megatron.sim.rebalance --config configs/tiny_cpu.yaml --tp 4 --factor 2`` prints the three.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from ntp_megatron.plan.power_curve import Boost, plan
 
 
 @dataclass(frozen=True)
-class StragglerCase:
+class RebalanceCase:
     not_rebalanced: float
     rebalanced: float
     rebalanced_boosted: Optional[float]
@@ -40,7 +40,7 @@ class StragglerCase:
 
 
 def group_step(dims: ModelDims, tp: int, factor: float, compute_fraction: float = 1.0, slot: int = 1,
-               boost: Optional[Boost] = None) -> StragglerCase:
+               boost: Optional[Boost] = None) -> RebalanceCase:
     """Step time over a healthy group's of a TP ``tp`` group whose slot ``slot`` is ``factor`` times slower."""
     if not 0 <= compute_fraction <= 1 or factor < 1 or not 0 <= slot < tp:
         raise ValueError(f"need 0 <= compute_fraction <= 1, factor >= 1 and 0 <= slot < tp, got {compute_fraction}, "
@@ -60,7 +60,7 @@ def group_step(dims: ModelDims, tp: int, factor: float, compute_fraction: float 
     boosted = None
     if boost is not None:
         boosted = max(shares[s] * tp / speed[s] / plan(boost, shares[s], tp, weights[s]).perf for s in range(tp))
-    return StragglerCase(step(factor), step(rebalanced), step(boosted) if boosted is not None else None, weight,
+    return RebalanceCase(step(factor), step(rebalanced), step(boosted) if boosted is not None else None, weight,
                          shares)
 
 
@@ -81,7 +81,7 @@ def degraded_step(dims: ModelDims, tp: int, dead_slot: int, compute_fraction: fl
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ntp_megatron.sim.straggler", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ntp_megatron.sim.rebalance", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="a job config: its model section is the model "
                    "(default: configs/tiny_cpu.yaml)")
     p.add_argument("--tp", type=int, default=4)
@@ -96,7 +96,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           boost=cfg.ntp.boost_model().model_copy(update={"max_power": args.boost_max_power})
                           if args.boost_max_power else None)
     except (ConfigError, ValueError) as exc:
-        print(f"straggler: {exc}")
+        print(f"rebalance: {exc}")
         return EXIT_CONFIG_ERROR
     print(f"TP{args.tp}, slot 1 at {args.factor:g}x, compute {args.compute_fraction:.0%} of a step: step time over "
           f"healthy: not rebalanced {case.not_rebalanced:.3f}, rebalanced {case.rebalanced:.3f} (weight "

@@ -1,4 +1,4 @@
-"""The simulator's straggler model: a slowed GPU's TP group, not rebalanced, rebalanced, boosted; a degraded group
+"""The simulator's rebalance model: a slowed GPU's TP group, not rebalanced, rebalanced, boosted; a degraded group
 with and without boost. Checked against the closed forms a fine-grained model approaches."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from ntp_megatron.plan.memory_plan import ModelDims
 from ntp_megatron.plan.power_curve import boost_model
-from ntp_megatron.sim.straggler import degraded_step, group_step, main
+from ntp_megatron.sim.rebalance import degraded_step, group_step, main
 
 pytestmark = pytest.mark.unit
 
