@@ -65,7 +65,9 @@ def test_groups_work_in_gloo_across_generations():
     group besides the default one and its replica, itself and its sync groups."""
     timeout_s = 30.0
     master = store_server(timeout_s)  # on a port the OS picks; the processes connect to master.port
-    ctx = multiprocessing.get_context("fork")
+    # Spawned, not forked: the suite's process has threads by now (store servers, output relays), and a fork copies
+    # whatever lock one of them held; a forked child then hung in the suite once in a while (it passed alone).
+    ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=_slot_process, args=(r, s, master.port, timeout_s)) for r in range(2) for s in range(2)]
     for proc in procs:
         proc.start()
