@@ -11,15 +11,13 @@ requests, the control plane's load test.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from ntp_megatron.elastic import keys
-from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import PipelineTopology, load_topology, published_topology
+from ntp_megatron.plan.stages import JobTopology, load_topology, published_topology
 
 Store = Any
 """A ``torch.distributed.Store`` (root or node store): duck-typed, so this module loads without torch."""
-JobTopology = Union[Topology, PipelineTopology]
 
 
 def publish(store: Store, topology: JobTopology, info: dict,

@@ -155,8 +155,8 @@ class Launcher:
         self.processes.record_pids()
 
     def relaunch(self, cfg: JobConfig, start) -> None:
-        """The job starts again as ``cfg`` (one node), from ``start``, on a fresh store (its processes are
-        :meth:`respawn`\ ed next)."""
+        """The job starts again as ``cfg`` (one node), from ``start``, on a fresh store (its processes:
+        :meth:`respawn` starts them next)."""
         self.cfg, self.start, self.world_size = cfg, start, cfg.world_size
         self._place(cfg)  # one node: every surviving slot keeps its device
         self.config_path = self.run_dir / f"config.node0.restart{self.restarts}.json"

@@ -38,7 +38,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Union
 
 from ntp_megatron.plan import layout
 from ntp_megatron.plan.layout import Move, Replica, Topology, TopologyError, make_topology
@@ -177,6 +177,10 @@ class PipelineTopology:
         if not isinstance(d, dict) or set(d) != {"stages"} or not isinstance(d["stages"], list):
             raise ValueError("pipeline topology JSON must be an object with exactly the key 'stages' (a list)")
         return cls(tuple(Topology.from_json(stage) for stage in d["stages"]))
+
+
+JobTopology = Union[Topology, PipelineTopology]
+"""A job's topology: one layout, or one per pipeline stage."""
 
 
 def tp_per_replica(topology: "Topology | PipelineTopology", num_replicas: int) -> list:

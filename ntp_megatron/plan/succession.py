@@ -8,14 +8,12 @@ decides; the controller then publishes the decision or stops the job with its re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 from ntp_megatron.plan import memory_plan
-from ntp_megatron.plan.layout import Topology, TopologyError
+from ntp_megatron.plan.layout import TopologyError
 from ntp_megatron.plan.optimizer_shards import buffer_layout, lost_shards, shard_numel
-from ntp_megatron.plan.stages import PipelineTopology, next_topology, transition_plan
-
-JobTopology = Union[Topology, PipelineTopology]
+from ntp_megatron.plan.stages import JobTopology, next_topology, transition_plan
 
 
 @dataclass(frozen=True)
