@@ -40,7 +40,7 @@ _manager: Optional[SyncManager] = None
 
 def die_with_parent() -> None:
     """This process gets SIGKILL when the thread that forked it ends (Linux; elsewhere nothing). If that
-    already happened, exit now. Also used for the async save's writer (``ntp_megatron.training.checkpoint``)."""
+    already happened, exit now. Also used for the async save's writer (``ntp_megatron.training.checkpoint.save``)."""
     parent = os.getppid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -152,7 +152,7 @@ def _rank_killed_during_an_async_save(path: str) -> None:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from ntp_megatron.training.checkpoint import _WriterDiesWithRank
+    from ntp_megatron.training.checkpoint.save import _WriterDiesWithRank
 
     state = {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.randn(25_000_000), replica_id=0)
              for i in range(4)}

@@ -334,20 +334,21 @@ def test_latest_file_moves_only_after_a_complete_save(tmp_path, monkeypatch):
     """A save that dies midway leaves ``latest`` on the last good checkpoint; re-saving the iteration
     ``latest`` names first points ``latest`` at the newest other complete checkpoint."""
     from ntp_megatron.training import checkpoint as ck
+    from ntp_megatron.training.checkpoint import files
 
     root = tmp_path / "ckpt"
     for iteration in (3, 6):
-        ck._prepare_dir(root, iteration)
+        files._prepare_dir(root, iteration)
         (ck.iteration_dir(root, iteration) / "metadata.json").write_text("{}")
-        ck._write_latest(root, iteration)
+        files._write_latest(root, iteration)
     assert ck.resolve_load_dir(root) == ck.iteration_dir(root, 6)
     # Writing iteration 9 dies after some files: latest is untouched.
-    ck._prepare_dir(root, 9)
+    files._prepare_dir(root, 9)
     (ck.iteration_dir(root, 9) / "__0_0.distcp").write_bytes(b"partial")
-    assert ck._latest_iteration(root) == 6
+    assert files._latest_iteration(root) == 6
     # Re-saving 6 (a resumed run going over the same iteration): latest falls back to 3 while 6 is rewritten.
-    ck._prepare_dir(root, 6)
-    assert ck._latest_iteration(root) == 3 and not any(ck.iteration_dir(root, 6).iterdir())
+    files._prepare_dir(root, 6)
+    assert files._latest_iteration(root) == 3 and not any(ck.iteration_dir(root, 6).iterdir())
     assert not list(root.glob(".*.tmp"))
     # A partial directory is not loadable, with a clear message.
     with pytest.raises(SystemExit, match="not a complete checkpoint"):
