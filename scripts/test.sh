@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # The test suite: pure unit tests plus multi-process gloo runs of the real training stack.
-#   scripts/test.sh [pytest args]
+#   scripts/test.sh                the whole suite: the unit tier on one worker process per core, then the job tier
+#                                  in one process (its jobs use every core, and some of them time what they watch)
+#   scripts/test.sh [pytest args]  one pytest run with these arguments, e.g. -m unit -n auto, or a test's path
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 cd "$ROOT"
-exec "$PY" -m pytest "$@"
+if [ "$#" -gt 0 ]; then
+  exec "$PY" -m pytest "$@"
+fi
+unit=0
+"$PY" -m pytest -m unit -n auto || unit=$?
+job=0
+"$PY" -m pytest -m job || job=$?
+echo "scripts/test.sh: unit tier exit $unit, job tier exit $job"
+[ "$unit" -eq 0 ] && [ "$job" -eq 0 ]
