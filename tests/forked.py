@@ -7,6 +7,7 @@ A request is one JSON line with at least ``stdout`` and ``stderr`` (files for th
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ def serve(child: Callable[[dict], NoReturn], while_running: Callable[[dict], Non
     reply = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
+        gc.freeze()  # the imports: a collection in the child skips them (as ntp_megatron.launch.forkserver does)
         pid = os.fork()
         if pid == 0:
             child(request)
