@@ -148,6 +148,13 @@ def copy_to_node(root: Store, local: Store, since: int = -1) -> int:
     return max(newest_g, since)
 
 
+def split_latest(pairs: list[tuple[str, Any]]) -> tuple[int, list[tuple[str, Any]]]:
+    """Of keys and values to copy into a node's store: the generation they name ``latest`` (-1 if none does; it is
+    raised with :func:`raise_latest`, never set), and the other pairs, in order."""
+    latest = max([int(value) for key, value in pairs if key == LATEST], default=-1)
+    return latest, [(key, value) for key, value in pairs if key != LATEST]
+
+
 def raise_latest(local: Store, generation: int) -> int:
     """Set a node store's ``latest`` to ``generation`` unless it holds a newer one; returns what it holds. Two
     writers copy it from the root (the relay, a node's last voter that brings ``commit+reform``), each from a read

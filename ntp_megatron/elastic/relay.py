@@ -205,8 +205,7 @@ class NodeRelay:
             copy = keys.to_copy(ended)
             if copy is None:  # a move, a stop: read what changed from the root
                 copy = self._changed(root, g)
-            latest = max([int(value) for key, value in copy if key == publication.LATEST], default=-1)
-            written = [(key, value) for key, value in copy if key != publication.LATEST]
+            latest, written = publication.split_latest(copy)
             if written:  # one request: the store applies it whole, so nothing of it is seen before the rest
                 keys.copy(local, written)
             if latest > self.published:  # generations only grow: an older end's copy says less than a read since
