@@ -8,5 +8,6 @@ object the training loop calls), :mod:`.generation` (this process's membership i
 generation, through the small interfaces of :mod:`.interfaces` that the training code implements) and :mod:`.errors`
 (a rank's own error told apart from a peer's failure). :mod:`.keys` lists the owner of every key they share in
 the launcher's store (:mod:`.commit`, :mod:`.publication`, itself; :mod:`ntp_megatron.launch.nodes` for the
-launchers'): only an owner names its keys and calls the store on them. Nothing here imports :mod:`ntp_megatron.training`.
+launchers'): only an owner names its keys and calls the store on them. Nothing here imports
+:mod:`ntp_megatron.training`.
 """

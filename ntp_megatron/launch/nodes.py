@@ -18,7 +18,8 @@ writers and their readers:
   every node without (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
 - ``elastic/rebalance_requests`` and ``elastic/rebalance/<n>``: how many rebalance requests nodes other than 0 have
   made, and the n-th (JSON: the node, the generation its measurements ran in, the decisions). Written by that node's
-  launcher (:func:`request_rebalance`); read, then deleted, by node 0's launcher (:func:`rebalance_requests`).
+  launcher (:func:`request_rebalance`); read, then deleted, by node 0's launcher (:func:`new_rebalance_requests`,
+  :func:`rebalance_requests`, :func:`delete_rebalance_requests`).
 """
 
 from __future__ import annotations
@@ -238,17 +239,22 @@ def request_rebalance(store: dist.Store, node_rank: int, generation: int, decisi
                                                     "decisions": decisions}))
 
 
-def rebalance_requests(store: dist.Store, seen: int) -> tuple[int, list[dict]]:
-    """Node 0: the rebalance requests made after the ``seen`` first ones (one request when there are none), deleted
-    once read; returns how many are now seen, and them. A request counted whose value is not written yet: none now,
-    all of them at the next call."""
+def new_rebalance_requests(store: dist.Store, seen: int) -> list[int]:
+    """Node 0: the numbers of the rebalance requests made after the ``seen`` first ones, once all are written (one
+    request when there are none; a request counted whose value is not written yet: none now, all at a later call)."""
     made = int(store.add(REBALANCE_REQUESTS, 0))
     if made <= seen:
-        return seen, []
-    names = [rebalance_request_key(n) for n in range(seen + 1, made + 1)]
-    if not store.check(names):
-        return seen, []
-    requests = [json.loads(raw.decode()) for raw in store.multi_get(names)]
-    for name in names:
-        try_delete(store, name)
-    return made, requests
+        return []
+    numbers = list(range(seen + 1, made + 1))
+    return numbers if store.check([rebalance_request_key(n) for n in numbers]) else []
+
+
+def rebalance_requests(store: dist.Store, numbers: list[int]) -> list[dict]:
+    """Node 0: the requests :func:`new_rebalance_requests` numbered, in one request."""
+    return [json.loads(raw.decode()) for raw in store.multi_get([rebalance_request_key(n) for n in numbers])]
+
+
+def delete_rebalance_requests(store: dist.Store, numbers: list[int]) -> None:
+    """Node 0: the requests are dealt with."""
+    for n in numbers:
+        try_delete(store, rebalance_request_key(n))

@@ -12,7 +12,8 @@ from ntp_megatron.config.files import ConfigError
 from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.succession import ShardedOptimizer
-from ntp_megatron.launch.nodes import publish_death, rebalance_requests, request_rebalance
+from ntp_megatron.launch.nodes import delete_rebalance_requests, new_rebalance_requests, publish_death, \
+    rebalance_requests, request_rebalance
 from ntp_megatron.launch.policy import DeathPolicy, LauncherView, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.launch.preflight import pin_checkpoint_load
@@ -149,7 +150,8 @@ class ControllerPolicy(NTPPolicy):
             return
         # Any node's replacements: each announces itself in the store.
         store, c = self.launcher.store, self.controller
-        ready = [lr for lr in c.identity if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
+        ready = [lr for lr in c.identity
+                 if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
         if ready and c.admit(ready):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
@@ -172,12 +174,16 @@ class ControllerPolicy(NTPPolicy):
         if not self.launcher.nodes.multi:
             return []
         store, c = self.launcher.store, self.controller
-        self._requests_seen, requests = rebalance_requests(store, self._requests_seen)
+        numbers = new_rebalance_requests(store, self._requests_seen)
+        if not numbers:
+            return []  # none, or a request counted, its value not written yet: next pass
+        self._requests_seen = numbers[-1]
         out = []
-        for request in requests:
+        for request in rebalance_requests(store, numbers):
             if request["generation"] == c.completed.generation:
                 out += [d for d in map(Decision.from_json, request["decisions"])
                         if max(d.iterations) + 2 < self.launcher.cfg.training.train_iters]
+        delete_rebalance_requests(store, numbers)
         return out
 
     def close(self) -> None:
@@ -230,7 +236,8 @@ class RestartSurvivorsPolicy(ControllerPolicy):
                          f"{cfg.checkpoint.max_restarts})")
         launcher.processes.stop_all()
         c.close()
-        fired = [spec for spec in launcher.failures if keys.quietly(keys.has_fired, launcher.store, spec, default=False)]
+        fired = [spec for spec in launcher.failures
+                 if keys.quietly(keys.has_fired, launcher.store, spec, default=False)]
         launcher.relaunch(cfg, start)  # a fresh store; every surviving slot keeps its device (one node)
         for spec in fired:
             keys.mark_fired(launcher.store, spec)

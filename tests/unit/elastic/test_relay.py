@@ -126,7 +126,8 @@ def test_every_rank_reads_the_one_decision_and_finished_keys_are_deleted(nodes):
         assert int(n.root.add(commit.node_votes_key(0, iteration), 0)) == 3  # one count per node, not per rank
     node1 = n.store_of(1)
     for iteration in (1, 2):  # deleted by the decider of iteration + 2 in the root, by the last voter in a node
-        assert not n.root.check([commit.decision_key(0, iteration)]) and not n.root.check([commit.node_votes_key(0, iteration)])
+        assert not n.root.check([commit.decision_key(0, iteration)])
+        assert not n.root.check([commit.node_votes_key(0, iteration)])
         assert not node1.check([commit.decision_key(0, iteration)])
     assert n.root.check([commit.decision_key(0, 3)]) and node1.check([commit.decision_key(0, 3)])
     assert int(node1.add(commit.node_tally_key(0), 0)) == 4 * 3  # a node counts every iteration in one key
@@ -194,7 +195,8 @@ def test_commit_reform_comes_with_the_next_generation_and_a_failure_in_the_move_
 
     def vote_and_read(p: CommitProtocol):
         decision = p.vote(1)
-        seen.append((p.store.get(publication.LATEST).decode(), json.loads(p.store.get(publication.info_key(1)))["joined"]))
+        seen.append((p.store.get(publication.LATEST).decode(),
+                     json.loads(p.store.get(publication.info_key(1)))["joined"]))
         return decision
 
     assert _in_threads([lambda p=p: vote_and_read(p) for p in protocols]) == [COMMIT_REFORM] * 3
@@ -340,9 +342,11 @@ def test_a_survivor_that_sees_the_new_generation_finds_its_decision_first(by):
             root.set(keys.abort(0), keys.abort_value([(0, 0)]))
         assert relay.wait_ended(0, TIMEOUT_S)
         node = _client(server.port)
-        assert node.get(commit.decision_key(0, 2)).decode() == ABORT and node.get(commit.decision_key(0, 1)).decode() == COMMIT
+        assert node.get(commit.decision_key(0, 2)).decode() == ABORT
+        assert node.get(commit.decision_key(0, 1)).decode() == COMMIT
         order = [key for entry in written for key in (entry if isinstance(entry, tuple) else (entry,))]
-        assert order.index(publication.LATEST) > max(order.index(commit.decision_key(0, 1)), order.index(commit.decision_key(0, 2))), order
+        assert order.index(publication.LATEST) > max(order.index(commit.decision_key(0, 1)),
+                                                     order.index(commit.decision_key(0, 2))), order
         assert written[-1] == keys.abort(0)
     finally:
         assert relay.stop()
@@ -459,7 +463,8 @@ def test_a_last_voter_that_dies_between_counting_its_node_and_bringing_the_decis
         t.start()
     last = protocols[3]
     deadline = time.monotonic() + TIMEOUT_S
-    while int(last.store.add(commit.node_tally_key(0), 0)) < 1:  # node 1's other rank counted: it waits for the decision
+    # node 1's other rank counted: it waits for the decision
+    while int(last.store.add(commit.node_tally_key(0), 0)) < 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert last.store.add(commit.node_tally_key(0), 1) % last.node.members == 0  # its vote completes node 1's count
