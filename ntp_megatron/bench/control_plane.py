@@ -47,7 +47,7 @@ from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys, publication, watchdog
+from ntp_megatron.elastic import commit, keys, publication, watchdog
 from ntp_megatron.elastic.agent import Agent
 from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
@@ -256,10 +256,10 @@ class _Worker:
         finally:
             self._done_voting()
         try:
-            store.wait([keys.abort(0)], timedelta(seconds=FAILURE_BUDGET_S))
+            keys.wait_end(store, 0, timedelta(seconds=FAILURE_BUDGET_S))
             size = learn()
             at = time.time()
-            size += len(store.get(keys.abort(0)))
+            size += len(keys.end_value(store, 0))
             note_aware(protocol.root, 0, r, at)
         except Exception as exc:  # noqa: BLE001 - it never learned the failure's generation within the budget
             self._gave_up(exc)
@@ -286,7 +286,7 @@ def _node_beats(w: _Worker, node: int, store) -> None:
     """One store: a node's ranks' heartbeats in the root, every ``HEARTBEAT_S``, through one connection."""
     while w.halt.pace(HEARTBEAT_S):
         for r in _node_ranks(node):
-            store.set(keys.heartbeat(r), json.dumps(watchdog.beat()))
+            keys.beat(store, r, watchdog.beat())
 
 
 def _start_current(w: _Worker) -> None:
@@ -346,14 +346,14 @@ def _other_nodes(w: _Worker, part: list[int]) -> None:
     for protocol in protocols:  # the formation, not timed
         protocol.carry_ready()
     for protocol in protocols:
-        protocol.bring(keys.formed(0))  # into the node store, where the relay and its end look
+        protocol.bring(commit.formed_key(0))  # into the node store, where the relay and its end look
     w.ready()
     for k in range(1, w.args.iters + 1):
         at = w.arrive(k)
         for protocol in protocols:
             protocol.carry_vote(k)
         for protocol in protocols:
-            protocol.fetch(keys.decision(0, k))
+            protocol.fetch(commit.decision_key(0, k))
             with w.lock:
                 w.node_latencies.append(time.time() - at)
     for n, protocol in zip(part, protocols):  # the failure: each of the node's ranks notes it in the root
@@ -495,13 +495,13 @@ def _watch_votes(design: str, ranks: int, iters: int, period: float, port: int, 
     heartbeat, one request each time."""
     monitor_requests = [0]
     monitor = Counting(_client(port), monitor_requests)
-    node_keys = [keys.node_beat(n) for n in range(ranks // RANKS_PER_NODE)]
+    nodes = range(ranks // RANKS_PER_NODE)
     end_votes = clock.t0 + iters * period
     give_up = end_votes + CLIENT_TIMEOUT_S  # a rank whose store call timed out votes no more: no decision comes
-    while (time.time() < end_votes + 0.5 or not root.check([keys.decision(0, iters)])) and time.time() < give_up:
+    while (time.time() < end_votes + 0.5 or not commit.is_decided(root, 0, iters)) and time.time() < give_up:
         if design == "two_level":
             now = time.time()
-            beats = [json.loads(v)["t"] for v in monitor.multi_get(node_keys)]
+            beats = [json.loads(v)["t"] for v in keys.node_beats(monitor, nodes)]
             clock.oldest_node_beat = max(clock.oldest_node_beat, now - min(beats))
         time.sleep(NODE_POLL_S if design == "two_level" else AGENT_POLL_S)
     clock.votes_done = time.time()

@@ -6,6 +6,8 @@ object the training loop calls), :mod:`.generation` (this process's membership i
 :mod:`.watchdog` (heartbeat; gets the rank out of a collective the moment its generation is over), :mod:`.commit`
 (one store decision per iteration), :mod:`.reform` (rebuilds groups, layers and optimizer state for the next
 generation, through the small interfaces of :mod:`.interfaces` that the training code implements) and :mod:`.errors`
-(a rank's own error told apart from a peer's failure). :mod:`.keys` names what they share in the launcher's
-store. Nothing here imports :mod:`ntp_megatron.training`.
+(a rank's own error told apart from a peer's failure). :mod:`.keys` lists the owner of every key they share in
+the launcher's store (:mod:`.commit`, :mod:`.publication`, itself; :mod:`ntp_megatron.launch.nodes` for the
+launchers'): only an owner names its keys and calls the store on them. Nothing here imports
+:mod:`ntp_megatron.training`.
 """

@@ -41,7 +41,7 @@ class _Process(Protocol):
     def poll(self) -> Optional[int]: ...
 
 
-NO_BEAT = json.dumps({"t": 0.0})
+NO_BEAT = keys.NO_BEAT
 """A rank's heartbeat key before its first beat (:meth:`Agent._read_beats`)."""
 
 
@@ -130,7 +130,7 @@ class Agent:
         self.hung.discard(rank)
         self.born[rank] = time.time()
         try:
-            self.store.set(keys.heartbeat(rank), NO_BEAT)
+            keys.reset_beat(self.store, rank)
         except Exception:  # noqa: BLE001
             pass
 
@@ -180,11 +180,11 @@ class Agent:
         waits on a missing one (a check and a get per rank were three requests each, every 20 ms)."""
         for rank in ranks:
             if rank not in self._placed:
-                self.store.compare_set(keys.heartbeat(rank), "", NO_BEAT)  # set unless the rank beat already
+                keys.place_beat(self.store, rank)  # set unless the rank beat already
                 self._placed.add(rank)
         if not ranks:
             return []
-        beats = [json.loads(raw.decode()) for raw in self.store.multi_get([keys.heartbeat(r) for r in ranks])]
+        beats = keys.beats(self.store, ranks)
         return [beat if beat["t"] > 0 else None for beat in beats]
 
     def _progress(self, rank: int, beat: dict, now: float) -> Optional[float]:
@@ -197,7 +197,7 @@ class Agent:
             if now - self._stall_published >= timing.current().stall_refresh_s:
                 self._stall_published = now
                 try:
-                    self.shared.set(keys.STALLED, json.dumps({"launch_rank": rank, "since": waiting_since, "t": now}))
+                    keys.mark_stalled(self.shared, rank, waiting_since, now)
                 except Exception:  # noqa: BLE001 - the store is going away with the job
                     pass
         count = beat.get("progress")
@@ -213,7 +213,7 @@ class Agent:
         """Fence the ranks that make no progress while another rank has been waiting on its peers (the stall in
         the store is current)."""
         try:
-            raw = self.shared.get(keys.STALLED).decode() if self.shared.check([keys.STALLED]) else None
+            raw = keys.stalled(self.shared)
         except Exception:  # noqa: BLE001 - the store is going away with the job
             return
         stall = json.loads(raw) if raw else None

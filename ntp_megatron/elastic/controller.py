@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys, publication
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.boundary import Boundary
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
@@ -89,11 +89,7 @@ class Controller:
         # Generation 0 is formed by its ranks like any other (COMPLETED once it is).
         self._publish(topology, {"base": 0, "dead": [], "settled": None, "failure_time": time.time(), "deaths": []},
                       base=None, dead_ranks=[])
-        if not store.check([keys.COMMITTED]):
-            store.set(keys.START, str(start_iteration))
-            store.set(keys.COMMITTED, str(start_iteration))
-            store.set(keys.CONSUMED, str(start_consumed))
-        self.start_iteration = int(store.get(keys.START).decode())
+        self.start_iteration = commit.init_progress(store, start_iteration, start_consumed)
 
     def live_launch_ranks(self) -> list[int]:
         """Launch ranks with a slot in the newest generation."""
@@ -163,9 +159,9 @@ class Controller:
 
     def _stop(self, reason: str, generations: set[int]) -> None:
         """End the job: the stop, then the end of every generation a rank may be in."""
-        self.store.set(keys.STOP, reason)
+        keys.stop(self.store, reason)
         for g in generations:
-            self.store.set(keys.abort(g), "stop")
+            keys.end(self.store, g, "stop")
 
     def _absorb(self, deaths: list[Death], retired: list[int]):
         """Book the deaths and settle the iteration in flight. Returns (the newest published generation, the one
@@ -176,7 +172,7 @@ class Controller:
         old = self.latest
         if self._completed_generation() != old.generation and not abandon_formation(self.store, old.generation):
             # It completed just now: its last rank wrote the verdict and had not yet recorded the generation.
-            self.store.set(keys.COMPLETED, str(old.generation))
+            commit.record_completed(self.store, old.generation)
         self._refresh_completed()
         # Where ranks train: ``old`` itself, or the newest completed generation before it when a re-formation or an
         # admission was pending (with an admission pending, ranks train there until the boundary). Both end now.
@@ -262,7 +258,7 @@ class Controller:
 
     def _completed_generation(self) -> int:
         """The newest generation whose formation completed; -1 while generation 0 is still forming."""
-        return int(self.store.get(keys.COMPLETED).decode()) if self.store.check([keys.COMPLETED]) else -1
+        return commit.completed(self.store)
 
     def admit(self, launch_ranks: list[int]) -> bool:
         """Admit replacement processes at the next iteration boundary (:meth:`Boundary.admit`)."""
@@ -275,13 +271,7 @@ class Controller:
     def _decided(self, generation: int) -> list[tuple[str, str]]:
         """What ``generation`` decided that a rank may still wait for as it ends (its formation's verdict, the last
         committed iteration's decision, the next one's), for the nodes' relays to copy with its end."""
-        committed = int(self.store.get(keys.COMMITTED).decode())
-        out = []
-        for key in (keys.formed(generation), keys.decision(generation, committed),
-                    keys.decision(generation, committed + 1)):
-            if self.store.check([key]):
-                out.append((key, self.store.get(key).decode()))
-        return out
+        return commit.decided(self.store, generation)
 
     # -- publication ----------------------------------------------------------------------------------------------
 
@@ -296,7 +286,7 @@ class Controller:
         for ended in ends:
             # In a node's store as here: the decisions before the new generation (a survivor reads the decision
             # on the iteration it voted once it sees the new generation).
-            self.store.set(keys.abort(ended), keys.abort_value(dead, self._decided(ended) + published))
+            keys.end(self.store, ended, keys.abort_value(dead, self._decided(ended) + published))
         self.latest = self.published[new.generation] = new
         self.emit({"kind": "event", "event": "generation_published", "generation": new.generation,
                    "base": base, "dead_ranks": sorted(dead_ranks), "joined": [list(s) for s in info.get("joined", [])],

@@ -27,7 +27,6 @@ it for a layout that does not fit (a degraded replica) rather than for a bug.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import traceback
@@ -123,9 +122,9 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
     error = describe(exc)
     if store is not None:
         try:
-            store.set(keys.rank_error(launch_rank), json.dumps(
-                {"error": error, "iteration": iteration, "phase": phase, "time": time.time(),
-                 "echo": isinstance(exc, OwnError) and exc.echo, "out_of_memory": is_out_of_memory(exc)}))
+            keys.record_error(store, launch_rank, {
+                "error": error, "iteration": iteration, "phase": phase, "time": time.time(),
+                "echo": isinstance(exc, OwnError) and exc.echo, "out_of_memory": is_out_of_memory(exc)})
         except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
             pass
     if not isinstance(exc, (SystemExit, OwnError, *_CONDITIONS)):
@@ -139,8 +138,7 @@ def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
     """Controller side: what a dead rank reported of its own error (:func:`report`), if it did. ``echo``: the
     error only echoes another rank's (e.g. a checkpoint write that failed there), whose report names the cause."""
     try:
-        if store.check([keys.rank_error(launch_rank)]):
-            return json.loads(store.get(keys.rank_error(launch_rank)).decode())
+        return keys.error_record(store, launch_rank)
     except Exception:  # noqa: BLE001 - unreadable: treat as not reported
         pass
     return None

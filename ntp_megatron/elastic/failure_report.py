@@ -9,7 +9,6 @@ are all in), never one request per survivor per pass.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from datetime import datetime
@@ -18,7 +17,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys
 from ntp_megatron.plan.layout import Topology
 
 
@@ -26,8 +25,7 @@ from ntp_megatron.plan.layout import Topology
 def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:
     """What an injected failure recorded just before it happened (spec, phase, iteration, time), if any."""
     try:
-        if store.check([keys.failure(launch_rank)]):
-            return json.loads(store.get(keys.failure(launch_rank)).decode())
+        return keys.injected_failure(store, launch_rank)
     except Exception:  # noqa: BLE001
         pass
     return None
@@ -98,13 +96,13 @@ class FailureReports:
         while time.monotonic() < deadline and survivors:
             survivors = [lr for lr in survivors if lr not in self.dead]  # one that died meanwhile cannot notice
             try:
-                if self.store.check([keys.STOP]):  # the job stops: the survivors are being ended, not noticing
+                if keys.is_stopped(self.store):  # the job stops: the survivors are being ended, not noticing
                     stopped = True
                     break
                 # Two small requests per pass (one per survivor would load the root with the job's size every
                 # 10 ms just after a failure); the count may include ranks that noted and died since, so every
                 # survivor's note is checked (one request) once it says all are in.
-                if (int(self.store.add(keys.aware_count(generation), 0)) >= len(survivors)
+                if (commit.aware_count(self.store, generation) >= len(survivors)
                         and time.monotonic() >= full_check_at):
                     got = self._aware(generation, survivors)
                     if got is not None:
@@ -117,7 +115,7 @@ class FailureReports:
         missing: list[int] = []
         if survivors and not aware and not stopped and wait_s > 0:  # out of time: name the ranks that did not notice
             try:
-                missing = [lr for lr in survivors if not self.store.check([keys.aware(generation, lr)])]
+                missing = [lr for lr in survivors if not commit.noted_aware(self.store, generation, lr)]
                 if not missing:  # all noted, the count short of them (a note's count lost with its rank's request)
                     aware = self._aware(generation, survivors) or []
             except Exception:  # noqa: BLE001 - as above
@@ -126,10 +124,7 @@ class FailureReports:
 
     def _aware(self, generation: int, survivors: list[int]) -> Optional[list[float]]:
         """When each survivor noted that ``generation`` is over, if every one did (one request each way)."""
-        names = [keys.aware(generation, lr) for lr in survivors]
-        if not self.store.check(names):
-            return None
-        return [float(raw.decode()) for raw in self.store.multi_get(names)] if names else []
+        return commit.aware_times(self.store, generation, survivors)
 
     def _report_one(self, d, old: Topology, settled: Optional[dict], aware: list[float], survivors: bool) -> None:
         replica, slot = self.identity[d.launch_rank][:2]

@@ -17,7 +17,6 @@ step's gather left them partial; nothing to do without the distributed optimizer
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -225,15 +224,15 @@ class Formation:
     def _account(self) -> None:
         """What moved, against the bound, in the store for generation rank 0's report."""
         ctl, g, rank = self.elastic.ctl, self.topology.generation, self.generation.rank
-        ctl.add(keys.moved(g), self.received)
+        keys.add_moved(ctl, g, self.received)
         if self.source == UNITS:  # what this rank lacks, with its own stage's sizes: summed over the ranks
             tensors = self.old_tensors or self.new_tensors
             kept = self.old_rank if self.old_rank is not None and self.old_rank not in self.dead else None
-            ctl.add(keys.lower_bound(g), own_lower_bound_bytes(
+            keys.add_lower_bound(ctl, g, own_lower_bound_bytes(
                 self.base, self.topology, kept, rank, {f: tensors.unit_numel(f) for f in self.topology.units},
                 tensors.replicated_numel()))
         if self.moves:
-            ctl.set(keys.shards_received(g, rank), json.dumps(self.moves))
+            keys.record_shards(ctl, g, rank, self.moves)
 
 
 def peers_progress(old: Optional[RankObjects]) -> Progress:

@@ -13,7 +13,6 @@ asks their members whether they go on; those that do are drained (:meth:`Elastic
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -266,8 +265,8 @@ class ElasticRank:
         carried = self.carried  # cleared only once resolved: a failure in here leaves them to leave()
         mine = {k: Offer(carried[k].made_in, carried[k].issued()) if k in carried else Offer(None, 0) for k in wanted}
         identity = self.identity
-        generation.store.set(keys.group_offers(generation.number, identity),
-                             json.dumps({k.label(): o.to_json() for k, o in mine.items()}))
+        keys.offer_groups(generation.store, generation.number, identity,
+                          {k.label(): o.to_json() for k, o in mine.items()})
         said: dict[tuple[int, ...], dict[str, list]] = {identity: {k.label(): o.to_json() for k, o in mine.items()}}
         offered: dict[GroupKey, PooledGroup] = {}
         for k in wanted:
@@ -275,7 +274,7 @@ class ElasticRank:
                 continue
             for member in k.members:
                 if member not in said:
-                    said[member] = json.loads(generation.store.get(keys.group_offers(generation.number, member)))
+                    said[member] = keys.offered_groups(generation.store, generation.number, member)
             offers = {m: Offer.from_json(said[m][k.label()]) if k.label() in said[m] else Offer(None, 0)
                       for m in k.members}
             if keep_verdict(offers):
@@ -333,14 +332,14 @@ class ElasticRank:
         """Mark ``generation`` over ourselves (a planned move: everyone is done with it), so its watchdogs end; on
         another node than node 0, one rank of the node also marks it in the root, where the node relays follow the
         generations."""
-        self.local.set(keys.abort(generation.number), keys.MOVED)
+        keys.end(self.local, generation.number, keys.MOVED)
         if self.local is not self.ctl and self.nodes.first_on_node(generation.topology, self.identities,
                                                                    self.launch_rank):
-            self.ctl.set(keys.abort(generation.number), keys.MOVED)
+            keys.end(self.ctl, generation.number, keys.MOVED)
 
     def announce(self) -> None:
         """A replacement process is up and ready to be admitted."""
-        self.ctl.set(keys.joining(self.launch_rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
+        keys.announce_joining(self.ctl, self.launch_rank)
 
     def note_aware(self, generation: int) -> None:
         """Record when this rank learnt that ``generation`` is over (for the controller's detection latency),
@@ -356,8 +355,8 @@ class ElasticRank:
         returns the newest topology and why it exists."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.local.check([keys.STOP]):
-                raise JobStopped(f"job stopped by the launcher: {self.local.get(keys.STOP).decode()}")
+            if keys.is_stopped(self.local):
+                raise JobStopped(f"job stopped by the launcher: {keys.stop_reason(self.local)}")
             latest = max(publication.newest(self.local), 0)
             if latest > generation:
                 return self.topology(latest), self.info(latest)
@@ -369,7 +368,7 @@ class ElasticRank:
         """Whether ``generation`` is marked over or the job stopped, now or within ``within_s`` seconds (a
         bounded poll of the store; see :mod:`ntp_megatron.elastic.errors`)."""
         deadline = time.monotonic() + within_s
-        while not self.local.check([keys.abort(generation)]) and not self.local.check([keys.STOP]):
+        while not keys.is_ended(self.local, generation) and not keys.is_stopped(self.local):
             if time.monotonic() > deadline:
                 return False
             time.sleep(timing.current().generation_poll_s)

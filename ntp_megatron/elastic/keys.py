@@ -1,29 +1,74 @@
-"""Names of the store keys the controller, the ranks and the launchers share: in node 0's TCPStore (the root), and
-on a job of several nodes under NTP those a node's ranks vote, beat and wait on in their node's store too, where they
-are copies of the root's (:mod:`ntp_megatron.elastic.relay`).
+"""The control-plane store's keys: their names, their writers and their readers, one owner per protocol.
 
-A *generation* is one process-group epoch: its topology, its own store prefix for torch.distributed
-(``gen<g>/``), and its own keys below. Generations only grow; the job starts at generation 0.
+The store is node 0's TCPStore (the root), hosted by its launcher; on a job of several nodes under NTP a node's ranks
+vote, beat and wait on keys in their node's store too, where they are copies of the root's
+(:mod:`ntp_megatron.elastic.relay`). A *generation* is one process-group epoch: its topology, its own store prefix
+for torch.distributed (``gen<g>/``, :func:`process_group_prefix`), and its own keys. Generations only grow; the job
+starts at generation 0.
+
+Every key has one owner module, which holds its name, its writers and its readers; every other module calls the
+owner's functions and never builds a key or calls the store itself (``tests/unit/elastic/test_store_keys.py`` checks
+it). The owners, one per protocol:
+
+- :mod:`ntp_megatron.elastic.commit`, the commit protocol and the run's progress: ``elastic/start``,
+  ``elastic/committed``, ``elastic/consumed``, ``elastic/completed``, and per generation ``iter<k>/votes``,
+  ``node_tally``, ``iter<k>/node_votes``, ``iter<k>/decision``, ``iter<k>/started``, ``ready``, ``node_ready``,
+  ``formed``, ``aware/<r>``, ``aware_count``: two first-writer-wins races and the counters that lead to them, whose
+  order of effects is the protocol.
+- :mod:`ntp_megatron.elastic.publication`, what a generation is: ``topology/gen<g>``, ``elastic/gen<g>/info``,
+  ``elastic/latest``, ``elastic/gen<g>/reform_requested``: written together by the controller, read by everyone.
+- :mod:`ntp_megatron.launch.nodes`, between the launchers of a job's nodes: ``launcher/node<n>``,
+  ``launcher/abort``, ``elastic/deaths``, ``elastic/death/<n>``, ``elastic/rebalance_requests``,
+  ``elastic/rebalance/<n>``: only launchers write and read them.
+- this module, every other key: one writer and one reader each, no race between writers (below).
+
+This module's keys (``elastic/`` unless it says otherwise):
+
+- ``stop``: why the job ends. Written by the controller (:func:`stop`); read by the ranks, the failure report, the
+  worker nodes' launchers, a node's relay (:func:`is_stopped`, :func:`stop_reason`, :func:`stop_in_root`).
+- ``gen<g>/abort``, *the end of g*: the dead's identities and what a node's relay copies first
+  (:func:`abort_value`), or ``moved`` (:data:`MOVED`), or ``stop``. Written by the controller, by the ranks that
+  leave g together at an admission boundary, by a node's relay into its node's store (:func:`end`); read by every
+  rank's watchdog, the ranks, the relays, the control-plane load test (:func:`wait_end`, :func:`is_ended`,
+  :func:`end_value`).
+- ``hb/<launch rank>``: a rank's heartbeat (JSON: ``t``, iteration, phase, progress, since when it waits). Written
+  by the rank's heartbeat thread and the load test (:func:`beat`), placed by its launcher (:func:`place_beat`,
+  :func:`reset_beat`); read by the launcher's agent (:func:`beats`).
+- ``node_hb/<node rank>``: a node relay's heartbeat in the root (JSON ``{"t", "ranks"}``), one per node. Written by
+  the relay (:func:`beat_node`); read by the load test (:func:`node_beats`).
+- ``stalled``: a rank that waits on a collective too long (JSON). Written and read by the launchers' agents
+  (:func:`mark_stalled`, :func:`stalled`).
+- ``failure/<launch rank>`` and ``fired/<spec>``: an injected failure's record and that it fired. Written by the
+  rank (:func:`record_failure`) and, across a restart, the launcher (:func:`mark_fired`); read by the failure
+  report (:func:`injected_failure`), the rank and the launchers (:func:`has_fired`).
+- ``error/<launch rank>``: a rank's own error (JSON). Written by the rank (:func:`record_error`); read by the
+  controller (:func:`error_record`).
+- ``joining/<launch rank>``: a replacement is up (JSON: time, pid). Written by it (:func:`announce_joining`); read
+  and deleted by node 0's launcher (:func:`is_joining`, :func:`withdraw_joining`).
+- ``stopped_at_end/<launch rank>``: a launcher stopped that replacement at the end of the run. Written and read by
+  the launchers (:func:`mark_stopped_at_end`, :func:`was_stopped_at_end`).
+- ``gen<g>/group_offers/<identity>``: what a process offers of its groups as g forms (JSON). Written and read by
+  the ranks (:func:`offer_groups`, :func:`offered_groups`).
+- ``gen<g>/moved``, ``gen<g>/lower_bound`` (counters of bytes) and ``gen<g>/shards_received/<rank>`` (JSON): what
+  forming g moved. Written by the ranks (:func:`add_moved`, :func:`add_lower_bound`, :func:`record_shards`); read by
+  generation rank 0 (:func:`moved_bytes`, :func:`lower_bound_bytes`, :func:`received_shards`).
+- ``saved/<k>`` and ``gen<g>/evaluated/<split>/<k>[/final]``: iteration k's checkpoint was saved, an evaluation
+  completed (JSON). Written and read by the ranks (:func:`mark_saved`, :func:`is_saved`, :func:`mark_evaluated`,
+  :func:`evaluation_record`).
+
+Node stores also hold copies of other owners' keys: a node's relay writes the pairs a generation's end or the root
+names (:func:`copy`), unread in between.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Optional, Sequence
+import os
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 PREFIX = "elastic/"
-LATEST = PREFIX + "latest"
-"""The newest published generation (an integer)."""
-COMPLETED = PREFIX + "completed"
-"""The newest generation whose re-formation completed (every rank holds its layout)."""
-COMMITTED = PREFIX + "committed"
-"""The newest committed iteration (1-based), written by the rank whose vote completed it."""
-CONSUMED = PREFIX + "consumed"
-"""Samples consumed by the newest committed iteration (written by generation rank 0 after each step)."""
-START = PREFIX + "start"
-"""The iteration the run starts from: 0, or the iteration of the checkpoint it loads (``checkpoint.load``).
-Until an iteration after it commits, no process holds anything it could not rebuild itself: every rank of a
-forming generation builds its state from the seed or from that checkpoint, and nothing moves between ranks."""
 STOP = PREFIX + "stop"
 """Set by the controller when the job must end (a failure NTP cannot absorb); the value says why."""
 
@@ -31,16 +76,6 @@ STOP = PREFIX + "stop"
 def process_group_prefix(generation: int) -> str:
     """The store prefix under which generation ``generation``'s process groups rendezvous."""
     return f"gen{generation}/"
-
-
-def topology(generation: int) -> str:
-    """JSON: generation ``generation``'s topology, published by the controller."""
-    return f"topology/gen{generation}"
-
-
-def info(generation: int) -> str:
-    """JSON: why generation ``g`` exists (the dead launch ranks since the last completed generation, ...)."""
-    return f"{PREFIX}gen{generation}/info"
 
 
 def abort(generation: int) -> str:
@@ -84,68 +119,20 @@ def to_copy(value: bytes) -> Optional[list[tuple[str, str]]]:
         return None
 
 
+NO_BEAT = json.dumps({"t": 0.0})
+"""A heartbeat key's value before the rank's first beat (time 0: no beat yet)."""
+
+
 def group_offers(generation: int, identity: tuple[int, ...]) -> str:
     """What the process with ``identity`` offers of its groups as generation ``g`` forms
     (:func:`ntp_megatron.plan.group_plan.keep_verdict`)."""
     return f"{PREFIX}gen{generation}/group_offers/{'-'.join(map(str, identity))}"
 
 
-def votes(generation: int, iteration: int) -> str:
-    return f"{PREFIX}gen{generation}/iter{iteration}/votes"
-
-
-def decision(generation: int, iteration: int) -> str:
-    """``commit`` (written by the last voter) or ``abort`` (by the controller): the first writer wins."""
-    return f"{PREFIX}gen{generation}/iter{iteration}/decision"
-
-
-def node_votes(generation: int, iteration: int) -> str:
-    """Two-level control plane: counter in the root of nodes whose every rank voted on iteration ``k`` of generation
-    ``g`` (:mod:`ntp_megatron.elastic.relay`; its ranks count in the node's store in :func:`node_tally`)."""
-    return f"{PREFIX}gen{generation}/iter{iteration}/node_votes"
-
-
-def node_tally(generation: int) -> str:
-    """Two-level control plane: the votes of a node's ranks in generation ``g``, all its iterations together, in the
-    node's store (so no key per iteration is left to delete there)."""
-    return f"{PREFIX}gen{generation}/node_tally"
-
-
-def node_ready(generation: int) -> str:
-    """Two-level control plane: counter of nodes whose every rank finished re-forming into generation ``g``."""
-    return f"{PREFIX}gen{generation}/node_ready"
-
-
 def node_beat(node_rank: int) -> str:
     """Two-level control plane: a node relay's heartbeat in the root store (JSON ``{"t", "ranks"}``), one per node
     instead of one per rank."""
     return f"{PREFIX}node_hb/{node_rank}"
-
-
-def iteration_keys(generation: int, iteration: int) -> list[str]:
-    """The per-iteration keys of the commit protocol (deleted once nobody can read them again)."""
-    return [votes(generation, iteration), node_votes(generation, iteration), decision(generation, iteration),
-            started(generation, iteration)]
-
-
-def ready(generation: int) -> str:
-    """Counter of ranks that finished re-forming into generation ``g``."""
-    return f"{PREFIX}gen{generation}/ready"
-
-
-def formed(generation: int) -> str:
-    """``complete`` (written by the last ready rank) or ``incomplete`` (by the controller): first writer wins."""
-    return f"{PREFIX}gen{generation}/formed"
-
-
-def aware(generation: int, launch_rank: int) -> str:
-    """When a survivor noticed that generation ``g`` was over (wall-clock seconds)."""
-    return f"{PREFIX}gen{generation}/aware/{launch_rank}"
-
-
-def aware_count(generation: int) -> str:
-    """How many ranks noted ``aware`` for generation ``g``: the controller polls this one key, not one per rank."""
-    return f"{PREFIX}gen{generation}/aware_count"
 
 
 def heartbeat(launch_rank: int) -> str:
@@ -176,44 +163,6 @@ def rank_error(launch_rank: int) -> str:
     return f"{PREFIX}error/{launch_rank}"
 
 
-# -- between the launchers of a job's nodes (ntp_megatron.launch.nodes) ---------------------------------------------
-LAUNCHER_PREFIX = "launcher/"
-ABORT = LAUNCHER_PREFIX + "abort"
-"""JSON ``{"reason", "death"}``: a node's launcher ended the job; every other node stops its ranks and names the
-same failure."""
-
-
-def node(node_rank: int) -> str:
-    """Set (to its pid) by node ``node_rank``'s launcher once it has connected to node 0's store."""
-    return f"{LAUNCHER_PREFIX}node{node_rank}"
-
-
-DEATHS = PREFIX + "deaths"
-"""How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
-every node reads them to name the same failure)."""
-
-
-def death(n: int) -> str:
-    """JSON of the ``n``-th death a launcher published (1-based)."""
-    return f"{PREFIX}death/{n}"
-
-
-def reform_requested(generation: int) -> str:
-    """Set by the controller to admit repaired ranks: the rank whose vote completes the next iteration of
-    generation ``g`` decides ``commit+reform``, and everyone moves to the published next generation after it."""
-    return f"{PREFIX}gen{generation}/reform_requested"
-
-
-REBALANCE_REQUESTS = PREFIX + "rebalance_requests"
-"""How many rebalance requests nodes other than 0 have made (``add``): node 0's controller polls this one key."""
-
-
-def rebalance_request(n: int) -> str:
-    """JSON of the ``n``-th rebalance request (1-based): a node other than 0 found slow ranks among its own
-    (:mod:`ntp_megatron.plan.rebalance`): the node, the generation its measurements ran in, the decisions."""
-    return f"{PREFIX}rebalance/{n}"
-
-
 def joining(launch_rank: int) -> str:
     """Set by a replacement process once it has started and is ready to be admitted (JSON: time, pid)."""
     return f"{PREFIX}joining/{launch_rank}"
@@ -241,11 +190,6 @@ def shards_received(generation: int, rank: int) -> str:
     return f"{PREFIX}gen{generation}/shards_received/{rank}"
 
 
-def started(generation: int, iteration: int) -> str:
-    """Ranks that began iteration ``k`` in generation ``g`` (whether an aborted iteration cost any work)."""
-    return f"{PREFIX}gen{generation}/iter{iteration}/started"
-
-
 def saved(iteration: int) -> str:
     """Set by every rank that returned from saving iteration ``k``'s checkpoint (so it is complete)."""
     return f"{PREFIX}saved/{iteration}"
@@ -266,3 +210,214 @@ def read_if_set(store: Any, key: str) -> Optional[bytes]:
     (``check`` then ``get`` are three)."""
     value = store.compare_set(key, _ABSENT, _ABSENT)
     return None if value == _ABSENT.encode() else value
+
+
+def copy(store: Any, pairs: Sequence[tuple[str, Any]]) -> None:
+    """Write other owners' keys and values into a node's store in one request (the store applies it whole, so
+    nothing of it is seen before the rest): what a generation's end or the root names, copied by the node's relay."""
+    store.multi_set([key for key, _ in pairs], [value for _, value in pairs])
+
+
+# -- the end of a generation, the end of the job ----------------------------------------------------------------------
+
+def stop(store: Any, reason: str) -> None:
+    """Controller side: the job ends, for ``reason``."""
+    store.set(STOP, reason)
+
+
+def is_stopped(store: Any) -> bool:
+    return store.check([STOP])
+
+
+def stop_reason(store: Any) -> str:
+    """Why the job stopped (waits, within the store's timeout, until it has)."""
+    return store.get(STOP).decode()
+
+
+def stop_in_root(root: Any) -> list[tuple[str, bytes]]:
+    """A node's relay: the stop as a key and value to copy, in one request; empty if the job goes on."""
+    value = read_if_set(root, STOP)
+    return [(STOP, value)] if value is not None else []
+
+
+def end(store: Any, generation: int, value: str | bytes) -> None:
+    """Mark ``generation`` over: ``value`` names the dead (:func:`abort_value`), or is :data:`MOVED` or ``stop``."""
+    store.set(abort(generation), value)
+
+
+def is_ended(store: Any, generation: int) -> bool:
+    return store.check([abort(generation)])
+
+
+def wait_end(store: Any, generation: int, timeout: Optional[timedelta] = None) -> None:
+    """Wait until ``generation`` is over (raises the store's error at ``timeout``, or the store's own timeout)."""
+    if timeout is None:
+        store.wait([abort(generation)])
+    else:
+        store.wait([abort(generation)], timeout)
+
+
+def end_value(store: Any, generation: int) -> bytes:
+    """What ``generation``'s end says (waits, within the store's timeout, until it is over)."""
+    return store.get(abort(generation))
+
+
+# -- liveness ---------------------------------------------------------------------------------------------------------
+
+def beat(store: Any, launch_rank: int, record: dict) -> None:
+    """A rank's heartbeat (:func:`ntp_megatron.elastic.watchdog.beat`)."""
+    store.set(heartbeat(launch_rank), json.dumps(record))
+
+
+def reset_beat(store: Any, launch_rank: int) -> None:
+    """The launcher, as a new process takes over ``launch_rank``: no beat yet."""
+    store.set(heartbeat(launch_rank), NO_BEAT)
+
+
+def place_beat(store: Any, launch_rank: int) -> None:
+    """The launcher, the first time it polls ``launch_rank``: no beat yet, unless the rank beat already."""
+    store.compare_set(heartbeat(launch_rank), "", NO_BEAT)
+
+
+def beats(store: Any, launch_ranks: Sequence[int]) -> list[dict]:
+    """The last heartbeat of each of ``launch_ranks``, in one request (each must be placed)."""
+    return [json.loads(raw.decode()) for raw in store.multi_get([heartbeat(r) for r in launch_ranks])]
+
+
+def beat_node(root: Any, node_rank: int, ranks: Any) -> None:
+    """A node relay's heartbeat in the root: when, and its ranks' state."""
+    root.set(node_beat(node_rank), json.dumps({"t": time.time(), "ranks": ranks}))
+
+
+def node_beats(root: Any, node_ranks: Sequence[int]) -> list[bytes]:
+    """The node relays' heartbeats as stored, in one request."""
+    return root.multi_get([node_beat(n) for n in node_ranks])
+
+
+def mark_stalled(store: Any, launch_rank: int, since: float, now: float) -> None:
+    """A launcher: ``launch_rank`` has waited on a collective since ``since``, confirmed at ``now``."""
+    store.set(STALLED, json.dumps({"launch_rank": launch_rank, "since": since, "t": now}))
+
+
+def stalled(store: Any) -> Optional[str]:
+    """The last stall a launcher published (JSON), if any."""
+    return store.get(STALLED).decode() if store.check([STALLED]) else None
+
+
+# -- what the ranks report --------------------------------------------------------------------------------------------
+
+def record_failure(store: Any, launch_rank: int, spec: Any) -> None:
+    """A rank, just before an injected failure: which spec, where, when; then that it fired."""
+    store.set(failure(launch_rank), json.dumps({"spec": str(spec), "phase": spec.phase,
+                                                "iteration": spec.iteration, "time": time.time()}))
+    store.set(fired(str(spec)), "1")
+
+
+def injected_failure(store: Any, launch_rank: int) -> Optional[dict]:
+    """What an injected failure recorded just before it happened, if any."""
+    if store.check([failure(launch_rank)]):
+        return json.loads(store.get(failure(launch_rank)).decode())
+    return None
+
+
+def has_fired(store: Any, spec: Any) -> bool:
+    return store.check([fired(str(spec))])
+
+
+def mark_fired(store: Any, spec: Any) -> None:
+    """The launcher, into a fresh store after a restart: ``spec`` fired before it."""
+    store.set(fired(str(spec)), "1")
+
+
+def record_error(store: Any, launch_rank: int, record: dict) -> None:
+    """A rank whose own code failed, just before it exits (:func:`ntp_megatron.elastic.errors.report`)."""
+    store.set(rank_error(launch_rank), json.dumps(record))
+
+
+def error_record(store: Any, launch_rank: int) -> Optional[dict]:
+    """What ``launch_rank`` reported of its own error, if it did."""
+    if store.check([rank_error(launch_rank)]):
+        return json.loads(store.get(rank_error(launch_rank)).decode())
+    return None
+
+
+def announce_joining(store: Any, launch_rank: int) -> None:
+    """A replacement process is up and ready to be admitted."""
+    store.set(joining(launch_rank), json.dumps({"time": time.time(), "pid": os.getpid()}))
+
+
+def is_joining(store: Any, launch_rank: int) -> bool:
+    return store.check([joining(launch_rank)])
+
+
+def withdraw_joining(store: Any, launch_rank: int) -> None:
+    """Node 0's launcher: ``launch_rank``'s announcement is dealt with (admitted, or it died)."""
+    store.delete_key(joining(launch_rank))
+
+
+def mark_stopped_at_end(store: Any, launch_rank: int, pid: int) -> None:
+    store.set(stopped_at_end(launch_rank), str(pid))
+
+
+def was_stopped_at_end(store: Any, launch_rank: int) -> bool:
+    return store.check([stopped_at_end(launch_rank)])
+
+
+def offer_groups(store: Any, generation: int, identity: tuple[int, ...], offers: dict) -> None:
+    store.set(group_offers(generation, identity), json.dumps(offers))
+
+
+def offered_groups(store: Any, generation: int, identity: tuple[int, ...]) -> dict:
+    """What ``identity`` offers of its groups as ``generation`` forms (waits within the store's timeout)."""
+    return json.loads(store.get(group_offers(generation, identity)))
+
+
+def add_moved(store: Any, generation: int, received: int) -> None:
+    store.add(moved(generation), received)
+
+
+def moved_bytes(store: Any, generation: int) -> int:
+    return int(store.add(moved(generation), 0))
+
+
+def add_lower_bound(store: Any, generation: int, lacking: int) -> None:
+    store.add(lower_bound(generation), lacking)
+
+
+def lower_bound_bytes(store: Any, generation: int) -> int:
+    return int(store.add(lower_bound(generation), 0))
+
+
+def record_shards(store: Any, generation: int, rank: int, moves: list) -> None:
+    store.set(shards_received(generation, rank), json.dumps(moves))
+
+
+def received_shards(store: Any, generation: int, rank: int) -> list:
+    """What ``rank`` of ``generation`` recorded it received (:func:`record_shards`; waits within the timeout)."""
+    return json.loads(store.get(shards_received(generation, rank)).decode())
+
+
+def mark_saved(store: Any, iteration: int) -> None:
+    store.set(saved(iteration), "1")
+
+
+def is_saved(store: Any, iteration: int) -> bool:
+    return store.check([saved(iteration)])
+
+
+def mark_evaluated(store: Any, generation: int, iteration: int, split: str, final: bool, record: dict) -> None:
+    store.set(evaluated(generation, iteration, split, final), json.dumps(record))
+
+
+def evaluation_record(store: Any, generation: int, iteration: int, split: str, final: bool) -> Optional[dict]:
+    key = evaluated(generation, iteration, split, final)
+    return json.loads(store.get(key)) if store.check([key]) else None
+
+
+def quietly(read: Callable[..., Any], *args: Any, default: Any = None) -> Any:
+    """``read(*args)``, or ``default`` if the store fails (unreachable on a failing node, gone at the end of the
+    run): for launchers, whose reporting must not crash."""
+    try:
+        return read(*args)
+    except Exception:  # noqa: BLE001 - the store may be unreachable; reporting must not crash
+        return default

@@ -36,7 +36,7 @@ import torch
 
 from ntp_megatron import phases
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, CommitProtocol
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.formation import Formation, Staged
@@ -185,8 +185,8 @@ class Reformer:
             setup = self.builder.setup(topology, generation.rank, generation.pool)
         elastic.drain_kept(generation)
         if training.parts is None:  # a fresh process resumes after the newest committed iteration
-            training.iteration = int(elastic.ctl.get(keys.COMMITTED).decode())
-            training.consumed_samples = int(elastic.ctl.get(keys.CONSUMED).decode())
+            training.iteration = commit.committed(elastic.ctl)
+            training.consumed_samples = commit.consumed(elastic.ctl)
         # The re-formation counts as the iteration it resumes at, in every rank alike: a rank that had not begun
         # the failed iteration yet (still stepping the one before when the failure came) counts it too.
         phases.at_iteration(training.iteration + 1)
@@ -197,7 +197,7 @@ class Reformer:
     def start_iteration(self) -> int:
         """The iteration this run started from (0, or the loaded checkpoint's), as the controller published it."""
         if self._start_iteration is None:
-            self._start_iteration = int(self.elastic.ctl.get(keys.START).decode())
+            self._start_iteration = commit.start_iteration(self.elastic.ctl)
         return self._start_iteration
 
     def _adopt(self, training: Training, staged: Staged) -> None:

@@ -4,7 +4,6 @@ bytes moved against the lower bound, shard moves under the distributed optimizer
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from datetime import datetime
@@ -44,7 +43,7 @@ def report_reformed(cfg: JobConfig, elastic: ElasticRank, training: Training, st
     """Generation rank 0, after a re-formation that a death, a join or a rebalance caused: the ``reformed`` event and
     line (recovery time, bytes moved against the bound, the iteration redone or resumed)."""
     topology, info = staged.topology, staged.info
-    moved = int(elastic.ctl.add(keys.moved(topology.generation), 0))
+    moved = keys.moved_bytes(elastic.ctl, topology.generation)
     joined = [tuple(slot) for slot in info.get("joined", [])]
     shard_moves = moved_shards(cfg, elastic, staged) if cfg.parallel.use_distributed_optimizer else None
     if staged.fresh:
@@ -54,7 +53,7 @@ def report_reformed(cfg: JobConfig, elastic: ElasticRank, training: Training, st
         per_element = 4 * (1 + len(state_keys(cfg.training.optimizer)))
         bound = sum(per_element * sharded.shard_numel(m["block"], m["position"]) for m in shard_moves)
     else:  # every rank's own lack, from the layouts alone (own_lower_bound_bytes)
-        bound = int(elastic.ctl.add(keys.lower_bound(topology.generation), 0))
+        bound = keys.lower_bound_bytes(elastic.ctl, topology.generation)
     settled = info.get("settled") or {}
     redone = 1 if settled.get("decision") == "abort" and settled.get("started") else 0
     recovery_s = time.time() - info["failure_time"]
@@ -98,8 +97,7 @@ def moved_shards(cfg: JobConfig, elastic: ElasticRank, staged: Staged) -> list[d
     transfers = plan_shard_transfers(staged.base, topology, staged.dead, p.data_parallel_size,
                                      p.num_distributed_optimizer_instances)
     for dst in sorted({t.dst for t in transfers}):
-        received = {(b, j): n for b, j, n in json.loads(elastic.ctl.get(
-            keys.shards_received(topology.generation, dst)).decode())}
+        received = {(b, j): n for b, j, n in keys.received_shards(elastic.ctl, topology.generation, dst)}
         for t in transfers:
             if t.dst == dst:
                 out += [{"block": b, "position": j, "src": launch_rank(t.src), "dst": launch_rank(dst),

@@ -34,17 +34,16 @@ aborts the process (``terminate called without an active exception``).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.publication import copy_to_node, published_since, raise_latest
 from ntp_megatron.sockets import SocketScope, connected_to, shutdown_sockets
 
@@ -188,32 +187,31 @@ class NodeRelay:
     def _beat(self, again: bool) -> None:
         _, root = self._connect(local=False, again=again)
         while not self._stop.wait(self.beat_s):
-            root.set(keys.node_beat(self.node_rank), json.dumps({"t": time.time(), "ranks": self.ranks()}))
+            keys.beat_node(root, self.node_rank, self.ranks())
 
     # -- mirror: the end of each generation -------------------------------------------------------------------------
     def _mirror(self, again: bool) -> None:
         local, root = self._connect(local=True, again=again)
         while self.published < 0:  # node 0's controller may not have published generation 0 yet
-            if self._await(root, keys.LATEST) is None:
+            if self._await(lambda: publication.latest(root)) is None:
                 return  # stopped
-            if root.check([keys.LATEST]):  # a wait also ends when a compare_set names the absent key
+            if publication.is_published(root):  # a wait also ends when a compare_set names the absent key
                 self.published = copy_to_node(root, local)
         while not self._stop.is_set():
             g = self.generation
-            ended = self._await(root, keys.abort(g))
+            ended = self._await(lambda: keys.end_value(root, g))
             if ended is None:
                 return  # stopped
             copy = keys.to_copy(ended)
             if copy is None:  # a move, a stop: read what changed from the root
                 copy = self._changed(root, g)
-            latest = max([int(value) for key, value in copy if key == keys.LATEST], default=-1)
-            written = [(key, value) for key, value in copy if key != keys.LATEST]
+            latest, written = publication.split_latest(copy)
             if written:  # one request: the store applies it whole, so nothing of it is seen before the rest
-                local.multi_set([key for key, _ in written], [value for _, value in written])
+                keys.copy(local, written)
             if latest > self.published:  # generations only grow: an older end's copy says less than a read since
                 raise_latest(local, latest)
                 self.published = latest  # once written: a thread that failed before copies it again
-            local.set(keys.abort(g), ended)
+            keys.end(local, g, ended)
             with self._ended:
                 self.ended_at[g] = time.time()
                 self._ended.notify_all()
@@ -225,21 +223,18 @@ class NodeRelay:
         decided that a rank of the node may still wait for (its last voter died, or the node's count never
         completed): its formation's verdict, the last committed iteration's decision (a rank that had not stepped
         it rolls forward) and the next one's."""
-        out = []
-        committed = int(keys.read_if_set(root, keys.COMMITTED).decode())
-        for key in (keys.STOP, keys.formed(g), keys.decision(g, committed), keys.decision(g, committed + 1)):
-            value = keys.read_if_set(root, key)
-            if value is not None:  # the same value where a rank of the node brought it already
-                out.append((key, value))
+        committed = commit.committed_in_root(root)
+        out = keys.stop_in_root(root) + commit.decided_in_root(root, g, committed)
         # Then what was published: a survivor reads the decision on the iteration it voted once it sees the new
         # generation.
         return out + published_since(root, self.published)
 
-    def _await(self, root: dist.Store, key: str) -> Optional[bytes]:
-        """The root's value of ``key`` once it is written; None if the relay stops first."""
+    def _await(self, read: Callable[[], Any]) -> Any:
+        """What ``read`` (a wait on a key of the root) answers once the key is written; None if the relay stops
+        first."""
         while not self._stop.is_set():
             try:
-                return root.get(key)
+                return read()
             except dist.DistStoreError:
                 continue
         return None

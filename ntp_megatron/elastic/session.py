@@ -13,7 +13,6 @@ iteration committed exactly once (:mod:`ntp_megatron.elastic.commit`), a failed 
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, TypeVar
 
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from ntp_megatron import phases
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys
 from ntp_megatron.elastic.commit import COMMIT_REFORM, COMMITTED_DECISIONS, IterationAborted
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.generation import ElasticRank
@@ -219,21 +218,20 @@ class ElasticSession(Session):
         self.elastic.heartbeat.stop()
 
     def mark_evaluated(self, generation: int, iteration: int, split: str, final: bool, record: dict) -> None:
-        self.ctl.set(keys.evaluated(generation, iteration, split, final), json.dumps(record))
+        keys.mark_evaluated(self.ctl, generation, iteration, split, final, record)
 
     def evaluated_elsewhere(self, generation: int, iteration: int, split: str, final: bool) -> Optional[dict]:
-        key = keys.evaluated(generation, iteration, split, final)
-        return json.loads(self.ctl.get(key)) if self.ctl.check([key]) else None
+        return keys.evaluation_record(self.ctl, generation, iteration, split, final)
 
     def mark_saved(self, iteration: int) -> None:
-        self.ctl.set(keys.saved(iteration), "1")
+        keys.mark_saved(self.ctl, iteration)
 
     def saved_elsewhere(self, iteration: int) -> bool:
-        return self.ctl.check([keys.saved(iteration)])
+        return keys.is_saved(self.ctl, iteration)
 
     def record_progress(self, consumed_samples: int) -> None:
         if self.reporting:
-            self.ctl.set(keys.CONSUMED, str(consumed_samples))
+            commit.record_consumed(self.ctl, consumed_samples)
 
     def resources(self) -> dict[str, Any]:
         generation = self.reformer.generation

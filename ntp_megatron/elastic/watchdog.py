@@ -15,7 +15,6 @@ appeared while the generation's store client and process groups were created (:c
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
 import threading
@@ -74,21 +73,20 @@ class GenerationWatchdog:
         self._thread.start()
 
     def _watch(self) -> None:
-        key = keys.abort(self.generation)
         while True:
             try:
-                self._store.wait([key])
+                keys.wait_end(self._store, self.generation)
                 break
             except Exception as exc:  # noqa: BLE001 - a store timeout: keep watching; a dead store: give up
                 try:
-                    if self._store.check([key]):
+                    if keys.is_ended(self._store, self.generation):
                         break
                 except Exception:  # noqa: BLE001
                     logger.warning("watchdog of generation %d lost the store (%s); it stops watching",
                                    self.generation, exc)
                     return
         try:
-            dead = keys.dead_named(self._store.get(key))
+            dead = keys.dead_named(keys.end_value(self._store, self.generation))
         except Exception:  # noqa: BLE001 - the key was seen: a store gone now shuts everything
             dead = None
         with self._lock:
@@ -152,7 +150,7 @@ class Heartbeat:
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:
         self._open_store, self._timeout = open_store, max(30.0, 10 * interval_s)
         self._store = open_store(self._timeout)
-        self._key = keys.heartbeat(launch_rank)
+        self._launch_rank = launch_rank
         self._interval = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="ntp-heartbeat", daemon=True)
@@ -161,7 +159,7 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self._store.set(self._key, json.dumps(beat()))
+                keys.beat(self._store, self._launch_rank, beat())
             except Exception:  # noqa: BLE001 - a broken connection: open a new one (the launcher may be gone)
                 try:
                     self._store = self._open_store(self._timeout)

@@ -2,9 +2,24 @@
 
 Node 0 hosts the ``TCPStore`` (on ``--store-port``, or one the store picks when that is 0: it says which, and
 writes it to ``<run dir>/store.json`` for the other nodes' ``--store-port``); every other node connects to it and
-announces itself (:func:`~ntp_megatron.elastic.keys.node`). What a node's launcher sees of its own ranks it
-publishes there: a death (:func:`publish_death`, read by node 0's controller under NTP, by every node without),
-and when the job must end everywhere, the abort key with the reason and the failure it named.
+announces itself (:func:`node_key`). What a node's launcher sees of its own ranks it publishes there: a death
+(:func:`publish_death`, read by node 0's controller under NTP, by every node without), and when the job must end
+everywhere, the abort key with the reason and the failure it named.
+
+This module owns the keys between the launchers (:mod:`ntp_megatron.elastic.keys` lists the other owners), their
+writers and their readers:
+
+- ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`);
+  read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
+  (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
+- ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
+  1-based). Written by the launcher that saw it (:func:`publish_death`); read by node 0's controller under NTP, by
+  every node without (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
+- ``elastic/rebalance_requests`` and ``elastic/rebalance/<n>``: how many rebalance requests nodes other than 0 have
+  made, and the n-th (JSON: the node, the generation its measurements ran in, the decisions). Written by that node's
+  launcher (:func:`request_rebalance`); read, then deleted, by node 0's launcher (:func:`new_rebalance_requests`,
+  :func:`rebalance_requests`, :func:`delete_rebalance_requests`).
 """
 
 from __future__ import annotations
@@ -27,6 +42,32 @@ from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
 
 ADDRESS_FILE = "store.json"
+
+LAUNCHER_PREFIX = "launcher/"
+ABORT = LAUNCHER_PREFIX + "abort"
+"""JSON ``{"reason", "death"}``: a node's launcher ended the job; every other node stops its ranks and names the
+same failure."""
+DEATHS = keys.PREFIX + "deaths"
+"""How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
+every node reads them to name the same failure)."""
+REBALANCE_REQUESTS = keys.PREFIX + "rebalance_requests"
+"""How many rebalance requests nodes other than 0 have made (``add``): node 0's controller polls this one key."""
+
+
+def node_key(node_rank: int) -> str:
+    """Set (to its pid) by node ``node_rank``'s launcher once it has connected to node 0's store."""
+    return f"{LAUNCHER_PREFIX}node{node_rank}"
+
+
+def death_key(n: int) -> str:
+    """JSON of the ``n``-th death a launcher published (1-based)."""
+    return f"{keys.PREFIX}death/{n}"
+
+
+def rebalance_request_key(n: int) -> str:
+    """JSON of the ``n``-th rebalance request (1-based): a node other than 0 found slow ranks among its own
+    (:mod:`ntp_megatron.plan.rebalance`): the node, the generation its measurements ran in, the decisions."""
+    return f"{keys.PREFIX}rebalance/{n}"
 
 
 def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -68,7 +109,7 @@ class Nodes:
                 wait_for_port(self.host, self.port, self.timeout_s)
             store = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
                                   wait_for_workers=False)
-        store.set(keys.node(self.node_rank), str(os.getpid()))
+        store.set(node_key(self.node_rank), str(os.getpid()))
         return store
 
     def wait_for_nodes(self, store: dist.Store, started: float) -> bool:
@@ -80,7 +121,7 @@ class Nodes:
         limit = timing.current().node_wait_fraction * self.timeout_s
         waiting_for: set[int] = set()
         while True:
-            missing = [i for i in range(1, self.nnodes) if not try_check(store, keys.node(i))]
+            missing = [i for i in range(1, self.nnodes) if not try_check(store, node_key(i))]
             if not missing:
                 return True
             waited = time.time() - started
@@ -99,7 +140,7 @@ class Nodes:
     def remote_deaths(self, store: dist.Store) -> list[Death]:
         """Deaths other nodes' launchers published since the last call (node 0), each said as a node report."""
         out = []
-        reported = int(store.add(keys.DEATHS, 0))
+        reported = int(store.add(DEATHS, 0))
         while self._remote_deaths_seen < reported:
             self._remote_deaths_seen += 1
             death = published_death(store, self._remote_deaths_seen)
@@ -137,34 +178,34 @@ def write_address(run_dir: Path, host: str, port: int) -> None:
 def publish_death(store: dist.Store, death: Death) -> None:
     """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off)."""
     try:
-        n = store.add(keys.DEATHS, 1)
-        store.set(keys.death(n), json.dumps(dataclasses.asdict(death)))
+        n = store.add(DEATHS, 1)
+        store.set(death_key(n), json.dumps(dataclasses.asdict(death)))
     except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
         pass
 
 
 def published_death(store: dist.Store, n: int) -> Death:
     """The ``n``-th death (1-based) any node published (:func:`publish_death`)."""
-    return Death(**json.loads(store.get(keys.death(n))))
+    return Death(**json.loads(store.get(death_key(n))))
 
 
 def published_deaths(store: dist.Store) -> list[Death]:
     """Every death any node has published so far (raises if the store is unreachable)."""
-    return [published_death(store, n) for n in range(1, int(store.add(keys.DEATHS, 0)) + 1)]
+    return [published_death(store, n) for n in range(1, int(store.add(DEATHS, 0)) + 1)]
 
 
 def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:
     """Tell every node to stop: why, and the failure this node named (so they all name the same one)."""
-    try_set(store, keys.ABORT, json.dumps({"reason": reason,
-                                           "death": dataclasses.asdict(death) if death is not None else None}))
+    try_set(store, ABORT, json.dumps({"reason": reason,
+                                      "death": dataclasses.asdict(death) if death is not None else None}))
 
 
 def read_abort(store: dist.Store) -> tuple[Optional[str], Optional[Death]]:
     """(reason, the named failure or None) if a node has aborted the job, else (None, None)."""
-    if not try_check(store, keys.ABORT):
+    if not try_check(store, ABORT):
         return None, None
     try:
-        record = json.loads(store.get(keys.ABORT).decode())
+        record = json.loads(store.get(ABORT).decode())
     except Exception:  # noqa: BLE001
         return "unknown", None
     return record["reason"], Death(**record["death"]) if record.get("death") else None
@@ -189,3 +230,31 @@ def try_check(store: dist.Store, key: str) -> bool:
         return store.check([key])
     except Exception:  # noqa: BLE001
         return False
+
+
+def request_rebalance(store: dist.Store, node_rank: int, generation: int, decisions: list) -> None:
+    """A node other than 0: ask node 0's controller to rebalance this node's TP groups with slow ranks."""
+    n = int(store.add(REBALANCE_REQUESTS, 1))
+    store.set(rebalance_request_key(n), json.dumps({"node": node_rank, "generation": generation,
+                                                    "decisions": decisions}))
+
+
+def new_rebalance_requests(store: dist.Store, seen: int) -> list[int]:
+    """Node 0: the numbers of the rebalance requests made after the ``seen`` first ones, once all are written (one
+    request when there are none; a request counted whose value is not written yet: none now, all at a later call)."""
+    made = int(store.add(REBALANCE_REQUESTS, 0))
+    if made <= seen:
+        return []
+    numbers = list(range(seen + 1, made + 1))
+    return numbers if store.check([rebalance_request_key(n) for n in numbers]) else []
+
+
+def rebalance_requests(store: dist.Store, numbers: list[int]) -> list[dict]:
+    """Node 0: the requests :func:`new_rebalance_requests` numbered, in one request."""
+    return [json.loads(raw.decode()) for raw in store.multi_get([rebalance_request_key(n) for n in numbers])]
+
+
+def delete_rebalance_requests(store: dist.Store, numbers: list[int]) -> None:
+    """Node 0: the requests are dealt with."""
+    for n in numbers:
+        try_delete(store, rebalance_request_key(n))

@@ -3,17 +3,17 @@ process (:mod:`ntp_megatron.launch.rejoin`)."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Optional
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.config.files import ConfigError
-from ntp_megatron.elastic import keys, publication
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.succession import ShardedOptimizer
-from ntp_megatron.launch.nodes import publish_death, try_check, try_delete
+from ntp_megatron.launch.nodes import delete_rebalance_requests, new_rebalance_requests, publish_death, \
+    rebalance_requests, request_rebalance
 from ntp_megatron.launch.policy import DeathPolicy, LauncherView, tp_per_replica
 from ntp_megatron.launch.rejoin import Rejoins, slot_live
 from ntp_megatron.launch.preflight import pin_checkpoint_load
@@ -44,7 +44,7 @@ class NTPPolicy(DeathPolicy):
             return []
         if completed != self._measured_generation:  # a new layout: only its own iterations count
             self._measured_generation = completed
-            self.rebalance_monitor.reset(int(self.launcher.store.get(keys.COMMITTED).decode()))
+            self.rebalance_monitor.reset(commit.committed(self.launcher.store))
         for launch_rank, measured in agent.compute_times.items():
             self.rebalance_monitor.observe(launch_rank, measured)
         last = self.launcher.cfg.training.train_iters
@@ -77,7 +77,7 @@ class NTPPolicy(DeathPolicy):
                        and not self.admitted(d.launch_rank))
                    or d.launch_rank in stopped]  # admitted, never formed, stopped at the end
         for d in booting:
-            try_delete(launcher.store, keys.joining(d.launch_rank))  # so that it is never admitted
+            keys.quietly(keys.withdraw_joining, launcher.store, d.launch_rank)  # so that it is never admitted
             self.replacement_died(d)
             if self.training_done or d.launch_rank in stopped:
                 continue  # stopped by a launcher: the run completed before it was admitted (or formed)
@@ -150,11 +150,12 @@ class ControllerPolicy(NTPPolicy):
             return
         # Any node's replacements: each announces itself in the store.
         store, c = self.launcher.store, self.controller
-        ready = [lr for lr in c.identity if not self.admitted(lr) and try_check(store, keys.joining(lr))]
+        ready = [lr for lr in c.identity
+                 if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
         if ready and c.admit(ready):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
-                    store.delete_key(keys.joining(lr))
+                    keys.withdraw_joining(store, lr)
 
     def _rebalance(self) -> None:
         """Rebalance the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
@@ -164,7 +165,7 @@ class ControllerPolicy(NTPPolicy):
         local = {lr: c.identity[lr] for lr in self.launcher.local_ranks}
         decisions = self.slow_groups(c.latest, local, c.completed.generation) + self._requests()
         # Published now, a decision takes effect after the next committed iteration at the earliest.
-        if decisions and int(self.launcher.store.get(keys.COMMITTED).decode()) + 2 < self.launcher.cfg.training.train_iters:
+        if decisions and commit.committed(self.launcher.store) + 2 < self.launcher.cfg.training.train_iters:
             c.rebalance(decisions)
 
     def _requests(self) -> list[Decision]:
@@ -173,21 +174,16 @@ class ControllerPolicy(NTPPolicy):
         if not self.launcher.nodes.multi:
             return []
         store, c = self.launcher.store, self.controller
-        made = int(store.add(keys.REBALANCE_REQUESTS, 0))
-        if made <= self._requests_seen:
-            return []
-        names = [keys.rebalance_request(n) for n in range(self._requests_seen + 1, made + 1)]
-        if not store.check(names):
-            return []  # a request counted, its value not written yet: next pass
-        self._requests_seen = made
+        numbers = new_rebalance_requests(store, self._requests_seen)
+        if not numbers:
+            return []  # none, or a request counted, its value not written yet: next pass
+        self._requests_seen = numbers[-1]
         out = []
-        for raw in store.multi_get(names):
-            request = json.loads(raw.decode())
+        for request in rebalance_requests(store, numbers):
             if request["generation"] == c.completed.generation:
                 out += [d for d in map(Decision.from_json, request["decisions"])
                         if max(d.iterations) + 2 < self.launcher.cfg.training.train_iters]
-        for name in names:
-            try_delete(store, name)
+        delete_rebalance_requests(store, numbers)
         return out
 
     def close(self) -> None:
@@ -240,10 +236,11 @@ class RestartSurvivorsPolicy(ControllerPolicy):
                          f"{cfg.checkpoint.max_restarts})")
         launcher.processes.stop_all()
         c.close()
-        fired = [spec for spec in launcher.failures if try_check(launcher.store, keys.fired(str(spec)))]
+        fired = [spec for spec in launcher.failures
+                 if keys.quietly(keys.has_fired, launcher.store, spec, default=False)]
         launcher.relaunch(cfg, start)  # a fresh store; every surviving slot keeps its device (one node)
         for spec in fired:
-            launcher.store.set(keys.fired(str(spec)), "1")
+            keys.mark_fired(launcher.store, spec)
         self.controller = self._controller()
         if self.rebalance_monitor is not None:  # the new processes count their iterations from the checkpoint's
             self.rebalance_monitor = RebalanceMonitor(launcher.cfg.ntp.rebalance_threshold, launcher.cfg.ntp.rebalance_window)
@@ -268,12 +265,12 @@ class WorkerNodePolicy(NTPPolicy):
     _topology = None
 
     def admitted(self, launch_rank: int) -> bool:
-        return slot_live(self.launcher.store, keys.LATEST, self.launcher.launch_slots[launch_rank])
+        return slot_live(self.launcher.store, publication.newest, self.launcher.launch_slots[launch_rank])
 
     def news(self, deaths: list[Death]) -> Optional[int]:
         store = self.launcher.store
-        if try_check(store, keys.STOP):
-            self.launcher.console.say(f"the job was stopped: {store.get(keys.STOP).decode()}")
+        if keys.quietly(keys.is_stopped, store, default=False):
+            self.launcher.console.say(f"the job was stopped: {keys.stop_reason(store)}")
             self.launcher.processes.stop_all()
             return 1
         return None
@@ -299,7 +296,7 @@ class WorkerNodePolicy(NTPPolicy):
             return
         store = self.launcher.store
         try:
-            completed = publication.newest(store, keys.COMPLETED)  # -1 while generation 0 forms: never waits
+            completed = commit.newest_completed(store)  # -1 while generation 0 forms: never waits
             if completed < 0 or completed != publication.newest(store):
                 return
             if completed != self._topology_generation:
@@ -308,9 +305,7 @@ class WorkerNodePolicy(NTPPolicy):
             local = {lr: self.launcher.launch_slots[lr] for lr in self.launcher.local_ranks}
             decisions = [d.to_json() for d in self.slow_groups(self._topology, local, completed)]
             if decisions and (completed, decisions) != self._requested:
-                n = int(store.add(keys.REBALANCE_REQUESTS, 1))
-                store.set(keys.rebalance_request(n), json.dumps({
-                    "node": self.launcher.args.node_rank, "generation": completed, "decisions": decisions}))
+                request_rebalance(store, self.launcher.args.node_rank, completed, decisions)
                 self._requested = (completed, decisions)
         except Exception:  # noqa: BLE001 - the root store goes away with the job; node 0's stop ends this node
             return

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys, publication
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.launch.processes import describe_exit, signal_group
 
 
@@ -67,7 +67,7 @@ class Rejoins:
                 proc = processes.ranks.get(rank)
                 if proc is not None and proc.poll() is None and self.stranded(rank):
                     try:
-                        self.launcher.store.set(keys.stopped_at_end(rank), str(proc.pid))
+                        keys.mark_stopped_at_end(self.launcher.store, rank, proc.pid)
                     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
                         pass
                     signal_group(proc.pid, signal.SIGTERM)
@@ -86,7 +86,7 @@ class Rejoins:
     def _start(self, rank: int, now: float) -> None:
         launcher, processes = self.launcher, self.launcher.processes
         self.attempts[rank] = self.attempts.get(rank, 0) + 1
-        self.started_after[rank] = _generation(launcher.store, keys.LATEST)
+        self.started_after[rank] = _generation(launcher.store, publication.newest)
         if launcher.agent is not None:
             launcher.agent.forget(rank)
         spare = processes.idle_spare()
@@ -128,13 +128,13 @@ class Rejoins:
     def stranded(self, launch_rank: int) -> bool:
         """Once the run is complete: this node's replacement for ``launch_rank`` was never part of a completed
         formation, admitted or not, so nothing trained with it (False when the store cannot say)."""
-        return (self.is_replacement(launch_rank) and _generation(self.launcher.store, keys.COMPLETED) >= 0
+        return (self.is_replacement(launch_rank) and _generation(self.launcher.store, commit.newest_completed) >= 0
                 and not self._formed_with(launch_rank))
 
     def stopped_at_end(self, launch_rank: int) -> bool:
         """Some node's launcher stopped ``launch_rank``'s replacement at the end of the run (:meth:`step`)."""
         try:
-            return self.launcher.store.check([keys.stopped_at_end(launch_rank)])
+            return keys.was_stopped_at_end(self.launcher.store, launch_rank)
         except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
             return False
 
@@ -142,23 +142,23 @@ class Rejoins:
         """Whether a generation that admitted ``launch_rank``'s current replacement completed its formation (a
         completed generation from before the replacement started may have the slot too: its dead process's)."""
         store = self.launcher.store
-        return (_generation(store, keys.COMPLETED) > self.started_after.get(launch_rank, -1)
-                and slot_live(store, keys.COMPLETED, self.launcher.launch_slots[launch_rank]))
+        return (_generation(store, commit.newest_completed) > self.started_after.get(launch_rank, -1)
+                and slot_live(store, commit.newest_completed, self.launcher.launch_slots[launch_rank]))
 
 
-def _generation(store: dist.Store, key: str) -> int:
-    """The generation number under ``key`` (:data:`~ntp_megatron.elastic.keys.LATEST` or ``COMPLETED``), -1 if
-    there is none (or the store cannot say)."""
+def _generation(store: dist.Store, newest: Callable[[dist.Store], int]) -> int:
+    """The generation ``newest`` reads (:func:`~ntp_megatron.elastic.publication.newest`, the newest published, or
+    :func:`~ntp_megatron.elastic.commit.newest_completed`), -1 if there is none (or the store cannot say)."""
     try:
-        return publication.newest(store, key)
+        return newest(store)
     except Exception:  # noqa: BLE001 - the store may be gone at the end of the run
         return -1
 
 
-def slot_live(store: dist.Store, generation_key: str, slot: tuple[int, int]) -> bool:
-    """Whether the generation named by ``generation_key`` (:data:`~ntp_megatron.elastic.keys.LATEST`,
-    :data:`~ntp_megatron.elastic.keys.COMPLETED`) has ``slot`` live (False if the store cannot say)."""
-    generation = _generation(store, generation_key)
+def slot_live(store: dist.Store, newest: Callable[[dist.Store], int], slot: tuple[int, int]) -> bool:
+    """Whether the generation ``newest`` reads (:func:`~ntp_megatron.elastic.publication.newest`,
+    :func:`~ntp_megatron.elastic.commit.newest_completed`) has ``slot`` live (False if the store cannot say)."""
+    generation = _generation(store, newest)
     if generation < 0:
         return False
     try:

@@ -11,7 +11,6 @@ from ntp_megatron import faults, metrics
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.elastic import keys
 from ntp_megatron.launch import run_report
-from ntp_megatron.launch.nodes import try_check
 
 
 def summarize(cfg: JobConfig, sink: metrics.MetricsSink, say: Callable[[str], None], started: float, run_dir: Path,
@@ -42,7 +41,7 @@ def report_unfired(store: Any, failures: list, sink: metrics.MetricsSink, say: C
     if store is None:
         return
     for spec in failures:
-        if isinstance(spec, faults.RankFailure) and not try_check(store, keys.fired(str(spec))):
+        if isinstance(spec, faults.RankFailure) and not keys.quietly(keys.has_fired, store, spec, default=False):
             say(f"injected failure {spec} did not fire: the run never reached iteration {spec.iteration} in phase "
                 f"{spec.phase} on launch rank {spec.rank}")
             sink.event("failure_not_fired", spec=str(spec))

@@ -10,12 +10,10 @@ it once and forks every rank from there, so ranks start without paying it again.
 from __future__ import annotations
 
 import faulthandler
-import json
 import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -216,7 +214,7 @@ def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig,
     failures = [s for s in specs if isinstance(s, faults.RankFailure)]
     if failures:
         faults.install(faults.FailureTrigger(env.rank, failures, on_fire=_record_failure(store, env.rank),
-                                             fired=lambda spec: store.check([keys.fired(str(spec))])))
+                                             fired=lambda spec: keys.has_fired(store, spec)))
     paces = []
     device = None
     if cfg.ntp.emulated_device_ms is not None:
@@ -250,9 +248,7 @@ def _booster(cfg: JobConfig, env: runtime.RankEnv, device: torch.device,
 def _record_failure(store, launch_rank: int):
     """What an injected failure leaves behind for the launcher's report: which spec, where, when."""
     def record(spec: faults.RankFailure) -> None:
-        store.set(keys.failure(launch_rank), json.dumps({"spec": str(spec), "phase": spec.phase,
-                                                         "iteration": spec.iteration, "time": time.time()}))
-        store.set(keys.fired(str(spec)), "1")
+        keys.record_failure(store, launch_rank, spec)
 
     return record
 

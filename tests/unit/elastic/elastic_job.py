@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ntp_megatron.elastic import keys, publication
+from ntp_megatron.elastic import commit, publication
 from ntp_megatron.elastic.commit import CommitProtocol, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.layout import Topology, make_topology
@@ -63,10 +63,10 @@ class Job:
         return publication.latest(self.store)
 
     def committed(self) -> int:
-        return int(self.store.get(keys.COMMITTED))
+        return int(self.store.get(commit.COMMITTED))
 
     def completed(self) -> int:
-        return int(self.store.get(keys.COMPLETED)) if self.store.check([keys.COMPLETED]) else -1
+        return int(self.store.get(commit.COMPLETED)) if self.store.check([commit.COMPLETED]) else -1
 
     def protocol(self, generation: int, store=None) -> CommitProtocol:
         return CommitProtocol(store if store is not None else self.store, generation,

@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, CommitProtocol, settle
 from ntp_megatron.elastic.reform import settle_voted
 from tests.unit.elastic.elastic_job import Job, admission_pending, death, voter
@@ -27,7 +27,7 @@ from tests.unit.elastic.interleavings import Interleaving, Killed, every_order, 
 def _shared(generation: int, iteration: int):
     """The keys the last voter of ``iteration`` and the controller both touch: the iteration's decision, the
     committed iteration, the generation's end (what else they touch, only one of them does)."""
-    return {keys.decision(generation, iteration), keys.COMMITTED, keys.abort(generation)}.__contains__
+    return {commit.decision_key(generation, iteration), commit.COMMITTED, keys.abort(generation)}.__contains__
 
 
 def _every_key(key: str) -> bool:
@@ -47,7 +47,7 @@ def _vote_race(tp: int, dp: int, start: int, seen: list):
         job.form(0)
         job.commit(0, k - 1)
         early = [voter(job.protocol(0), k) for _ in range(last)]
-        il.store.add(keys.votes(0, k), 1)  # the rank that dies voted first
+        il.store.add(commit.votes_key(0, k), 1)  # the rank that dies voted first
         job.alive.discard(dead)
         job.notice(0)
         results = il.run({"controller": lambda: job.controller.handle([death(dead)]),
@@ -109,7 +109,7 @@ def test_last_vote_against_the_abort_at_an_admission_boundary(tp, dp):
         members = job.members(1)
         k = 3
         early = [voter(job.protocol(1), k) for _ in members[2:]]
-        il.store.add(keys.votes(1, k), 1)  # launch rank 0 votes, then dies
+        il.store.add(commit.votes_key(1, k), 1)  # launch rank 0 votes, then dies
         job.alive.discard(dead)
         job.notice(1)
         job.notice(2)
@@ -128,7 +128,7 @@ def test_last_vote_against_the_abort_at_an_admission_boundary(tp, dp):
         else:
             assert info["settled"] == {"generation": 1, "iteration": k, "decision": ABORT, "started": 0}, il.trace
             assert job.committed() == k - 1
-        assert il.store.get(keys.formed(2)).decode() == "incomplete"
+        assert il.store.get(commit.formed_key(2)).decode() == "incomplete"
 
     every_order(trial, _shared(1, 3))
     assert outcomes == {COMMIT_REFORM, ABORT}
@@ -257,10 +257,10 @@ def test_settle_skips_every_committed_iteration_and_stops_at_an_admission_bounda
     job = Job(store, 1, 2)
     job.form(0)
     job.commit(0, 1)
-    store.set(keys.reform_requested(0), "1")
+    store.set(publication.reform_requested_key(0), "1")
     assert job.commit(0, 2) == [COMMIT_REFORM] * 2
     assert settle(store, 0) is None
-    assert not store.check([keys.decision(0, 3)])
+    assert not store.check([commit.decision_key(0, 3)])
 
 
 # -- the waits ---------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE
 from ntp_megatron.plan.layout import next_topology
 from tests.unit.elastic.elastic_job import Job, admission_pending, death, former, voter
@@ -68,7 +68,7 @@ def test_a_second_failure_while_forming_builds_on_the_last_completed_generation_
     formed_early = former(job.protocol(1))  # one survivor finished forming generation 1, the others did not
     assert job.die(3) is None
     assert formed_early.outcome() == INCOMPLETE
-    assert job.store.get(keys.formed(1)).decode() == INCOMPLETE and job.store.check([keys.abort(1)])
+    assert job.store.get(commit.formed_key(1)).decode() == INCOMPLETE and job.store.check([keys.abort(1)])
     info = job.info(2)
     assert info["base"] == 0 and sorted(info["dead"]) == _slots(job, 3, 5)
     assert job.topology(2).replicas == next_topology(job.topology(0), [3, 5]).replicas
@@ -101,7 +101,7 @@ def test_a_failure_before_generation_0_formed_builds_on_it():
     assert job.completed() == -1 and job.controller.forming()
     assert job.die(2) is None
     assert formed_early.outcome() == INCOMPLETE
-    assert job.info(1)["base"] == 0 and job.store.get(keys.formed(0)).decode() == INCOMPLETE
+    assert job.info(1)["base"] == 0 and job.store.get(commit.formed_key(0)).decode() == INCOMPLETE
     assert job.info(1)["settled"]["iteration"] == 1
 
 
@@ -146,7 +146,7 @@ def test_last_ready_rank_against_the_controllers_incomplete_in_every_order(tp, d
             assert info["settled"] == {"generation": 0, "iteration": 2, "decision": ABORT, "started": 0}
         assert job.controller.completed.generation == info["base"]
 
-    watched = {keys.formed(1), keys.COMPLETED, keys.abort(1)}.__contains__
+    watched = {commit.formed_key(1), commit.COMPLETED, keys.abort(1)}.__contains__
     orders = every_order(trial, watched)
     assert verdicts == {COMPLETE, INCOMPLETE}
     assert len(orders) >= 5, len(orders)
@@ -163,7 +163,7 @@ def _admitting() -> Job:
 
 def test_an_admission_happens_at_one_iteration_boundary_and_waits_for_no_reformation():
     job = _admitting()
-    assert job.latest() == 2 and job.store.check([keys.reform_requested(1)])
+    assert job.latest() == 2 and job.store.check([publication.reform_requested_key(1)])
     info = job.info(2)
     assert info["base"] == 1 and info["joined"] == _slots(job, 3) and sorted(info["dead"]) == []
     assert _published(job, 2)["joined"] == _slots(job, 3)
@@ -210,7 +210,7 @@ def test_a_failure_while_an_admission_is_pending(when):
     assert job.die(0) is None
     info = job.info(3)
     assert info["base"] == 1 and sorted(info["dead"]) == _slots(job, 0) and "joined" not in info
-    assert job.store.get(keys.formed(2)).decode() == INCOMPLETE
+    assert job.store.get(commit.formed_key(2)).decode() == INCOMPLETE
     assert job.store.check([keys.abort(1)]) and job.store.check([keys.abort(2)])
     assert job.topology(3).rank_of(*job.controller.identity[3]) is None
     if when == "at the boundary":
@@ -265,7 +265,7 @@ def test_a_replica_below_min_tp_stops_the_job_or_is_dropped_by_the_policy():
 
 def test_a_resumed_run_starts_counting_at_its_checkpoint():
     job = _job(1, 2, start=10)
-    assert job.committed() == 10 and job.store.get(keys.START).decode() == "10"
+    assert job.committed() == 10 and job.store.get(commit.START).decode() == "10"
     job.form(0)
     assert job.commit(0, 11) == [COMMIT, COMMIT]
     assert job.die(1) is None
@@ -465,7 +465,7 @@ def test_a_rebalance_is_published_for_the_next_iteration_boundary():
     slow = Decision(0, 0, {0: 100, 1: 40}, {0: 1.0, 1: 2.5}, (1, 2, 3))
     assert Decision.from_json(json.loads(json.dumps(slow.to_json()))) == slow
     assert job.controller.rebalance([slow])
-    assert job.latest() == 1 and job.store.check([keys.reform_requested(0)])
+    assert job.latest() == 1 and job.store.check([publication.reform_requested_key(0)])
     assert job.topology(1) == dataclasses.replace(rebalanced_topology(job.topology(0), {0: {0: 100, 1: 40}}),
                                                   generation=1)
     assert job.info(1)["weights"] == [[0, 0, [[0, 100], [1, 40]]]] and job.info(1)["dead"] == []

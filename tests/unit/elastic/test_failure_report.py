@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, publication
 from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.launch.console import Console
@@ -30,7 +30,7 @@ def _controller(console: Console, records: list[dict]) -> tuple[dist.Store, Cont
     store = dist.HashStore()
     controller = Controller(store, make_topology(2, 2, UNITS), 1, "drop_replica", console.say, records.append,
                             hold=console.hold, release=console.release)
-    store.set(keys.COMPLETED, "0")  # generation 0 formed: its ranks train
+    store.set(commit.COMPLETED, "0")  # generation 0 formed: its ranks train
     return store, controller
 
 
@@ -68,7 +68,7 @@ def test_the_failure_line_comes_before_the_ranks_lines_about_it(monkeypatch):
     failed = next(i for i, l in enumerate(lines) if "rank failed | launch rank 3" in l)
     reformed = next(i for i, l in enumerate(lines) if "re-formed | generation 1" in l)
     assert failed < reformed, lines
-    assert json.loads(store.get(keys.info(1)))["dead"] == [[1, 1]]
+    assert json.loads(store.get(publication.info_key(1)))["dead"] == [[1, 1]]
 
 
 class _Requests:
@@ -93,10 +93,10 @@ def test_the_report_waits_for_the_survivors_on_one_key_not_one_per_survivor():
     store = _Requests(dist.HashStore())
     records: list[dict] = []
     controller = Controller(store, make_topology(2, 32, UNITS), 1, "drop_replica", Console().say, records.append)
-    store.set(keys.COMPLETED, "0")
+    store.set(commit.COMPLETED, "0")
     assert controller.handle([Death(5, time.time(), "was killed by signal SIGKILL", 4242)]) is None
     deadline = time.monotonic() + 10
-    while sum(name == "add" and key == keys.aware_count(0) for name, key in list(store.log)) < 5:
+    while sum(name == "add" and key == commit.aware_count_key(0) for name, key in list(store.log)) < 5:
         assert time.monotonic() < deadline, "the report did not poll the count"
         time.sleep(0.01)
     per_survivor = [(name, key) for name, key in list(store.log) if isinstance(key, (list, str))
@@ -117,7 +117,7 @@ def test_notes_whose_count_was_lost_are_still_reported_once_the_wait_is_over():
     store, controller = _controller(Console(), records)
     old = make_topology(2, 2, UNITS)
     for rank in (0, 1, 2):
-        store.set(keys.aware(0, rank), repr(time.time()))  # no count
+        store.set(commit.aware_key(0, rank), repr(time.time()))  # no count
     controller.reports.report([Death(3, time.time(), "was killed by signal SIGKILL", 4242)], old, None, [0, 1, 2],
                        wait_s=0.2)
     [failed] = [r for r in records if r.get("event") == "rank_failed"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ntp_megatron import faults, phases
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import errors, keys
+from ntp_megatron.elastic import commit, errors, keys, publication
 from ntp_megatron.elastic.commit import IterationAborted, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.layout import make_topology
@@ -166,7 +166,7 @@ def test_a_death_with_a_reported_error_stops_the_job_naming_it():
     store = dist.HashStore()
     records: list[dict] = []
     ctl = controller(store, emit=records.append)
-    store.set(keys.COMPLETED, "0")
+    store.set(commit.COMPLETED, "0")
     phases.at_iteration(30)
     phases.enter("checkpoint")
     errors.report(store, 0, FileExistsError(17, "File exists", "/runs/ckpt"))
@@ -174,7 +174,7 @@ def test_a_death_with_a_reported_error_stops_the_job_naming_it():
     assert reason is not None and "launch rank 0" in reason and "/runs/ckpt" in reason and "checkpoint" in reason
     assert store.get(keys.STOP).decode() == reason
     assert store.check([keys.abort(0)])  # every rank's watchdog gets it out of its collectives now
-    assert store.get(keys.LATEST).decode() == "0"  # no generation re-formed around the error
+    assert store.get(publication.LATEST).decode() == "0"  # no generation re-formed around the error
     # ... and the run's records count it as the failure it was, where it happened
     failed = [r for r in records if r.get("event") == "rank_failed"]
     assert [(r["launch_rank"], r["iteration"], r["phase"]) for r in failed] == [(0, 30, "checkpoint")]
@@ -185,7 +185,7 @@ def test_the_stop_names_the_error_a_rank_only_echoed():
     the cause, the others raise an echo. Whatever the order of the deaths, the reason names the cause."""
     store = dist.HashStore()
     ctl = controller(store)
-    store.set(keys.COMPLETED, "0")
+    store.set(commit.COMPLETED, "0")
     echo = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: a write failed on another rank")
     echo.echo = True
     errors.report(store, 0, echo)
@@ -201,7 +201,7 @@ def test_an_echo_that_dies_first_waits_for_the_report_of_the_cause():
     store = dist.HashStore()
     records: list[dict] = []
     ctl = controller(store, emit=records.append)
-    store.set(keys.COMPLETED, "0")
+    store.set(commit.COMPLETED, "0")
     echo = CheckpointError("saving the checkpoint of iteration 3 to /ckpt: another rank of the saving group failed")
     echo.echo = True
     errors.report(store, 0, echo)
@@ -220,9 +220,9 @@ def test_an_echo_that_dies_first_waits_for_the_report_of_the_cause():
 def test_a_death_without_a_report_is_re_formed_around():
     store = dist.HashStore()
     ctl = controller(store)
-    store.set(keys.COMPLETED, "0")
+    store.set(commit.COMPLETED, "0")
     assert ctl.handle([Death(3, time.time(), "was killed by signal SIGKILL")]) is None
-    assert store.get(keys.LATEST).decode() == "1" and not store.check([keys.STOP])
+    assert store.get(publication.LATEST).decode() == "1" and not store.check([keys.STOP])
     for survivor in (0, 1, 2):  # they noticed, so the failure's report does not wait for them
         note_aware(store, 0, survivor, time.time())
     ctl.close()

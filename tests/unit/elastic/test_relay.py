@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys, publication
 from ntp_megatron.elastic.commit import ABORT, COMMIT, COMMIT_REFORM, COMPLETE, INCOMPLETE, \
     CommitProtocol, NodeShare, abandon_formation, settle
 from ntp_megatron.elastic.controller import Controller, Death
@@ -122,15 +122,16 @@ def test_every_rank_reads_the_one_decision_and_finished_keys_are_deleted(nodes):
     assert _form(protocols) == [COMPLETE] * 6
     for iteration in range(1, 5):
         assert _vote(protocols, iteration) == [COMMIT] * 6
-        assert n.root.get(keys.COMMITTED).decode() == str(iteration)
-        assert int(n.root.add(keys.node_votes(0, iteration), 0)) == 3  # one count per node, not per rank
+        assert n.root.get(commit.COMMITTED).decode() == str(iteration)
+        assert int(n.root.add(commit.node_votes_key(0, iteration), 0)) == 3  # one count per node, not per rank
     node1 = n.store_of(1)
     for iteration in (1, 2):  # deleted by the decider of iteration + 2 in the root, by the last voter in a node
-        assert not n.root.check([keys.decision(0, iteration)]) and not n.root.check([keys.node_votes(0, iteration)])
-        assert not node1.check([keys.decision(0, iteration)])
-    assert n.root.check([keys.decision(0, 3)]) and node1.check([keys.decision(0, 3)])
-    assert int(node1.add(keys.node_tally(0), 0)) == 4 * 3  # a node counts every iteration in one key
-    assert not any(node1.check([keys.votes(0, i)]) for i in range(1, 5))
+        assert not n.root.check([commit.decision_key(0, iteration)])
+        assert not n.root.check([commit.node_votes_key(0, iteration)])
+        assert not node1.check([commit.decision_key(0, iteration)])
+    assert n.root.check([commit.decision_key(0, 3)]) and node1.check([commit.decision_key(0, 3)])
+    assert int(node1.add(commit.node_tally_key(0), 0)) == 4 * 3  # a node counts every iteration in one key
+    assert not any(node1.check([commit.votes_key(0, i)]) for i in range(1, 5))
 
 
 def test_the_controllers_abort_reaches_a_node_whose_ranks_did_not_all_vote(nodes):
@@ -142,7 +143,7 @@ def test_the_controllers_abort_reaches_a_node_whose_ranks_did_not_all_vote(nodes
     threads = [threading.Thread(target=lambda p=p: results.append(p.vote(1))) for p in voters]
     for t in threads:
         t.start()
-    n.root.wait([keys.node_votes(0, 1)])  # node 0 counted; node 1 cannot complete
+    n.root.wait([commit.node_votes_key(0, 1)])  # node 0 counted; node 1 cannot complete
     aborted = time.monotonic()
     assert n.controller.handle([Death(3, time.time(), "killed")]) is None  # settles: abort, then ends generation 0
     for t in threads:
@@ -172,10 +173,10 @@ def test_after_an_abort_the_next_generation_redoes_the_iteration_on_every_node(n
     survivors = n.protocols(live=[0, 1])
     waiting = threading.Thread(target=lambda: survivors[1].vote(2))  # launch rank 2 dies in iteration 2
     waiting.start()
-    n.root.wait([keys.node_votes(0, 2)])
+    n.root.wait([commit.node_votes_key(0, 2)])
     assert n.controller.handle([Death(2, time.time(), "killed")]) is None  # aborts iteration 2, publishes generation 1
     waiting.join(TIMEOUT_S)
-    assert n.store_of(1).get(keys.decision(0, 2)).decode() == ABORT
+    assert n.store_of(1).get(commit.decision_key(0, 2)).decode() == ABORT
     again = n.protocols(generation=1, live=[0, 1])
     assert _form(again) == [COMPLETE] * 2
     assert _vote(again, 2) == [COMMIT] * 2  # the relay of node 1 follows generation 1 from iteration 2
@@ -187,28 +188,29 @@ def test_commit_reform_comes_with_the_next_generation_and_a_failure_in_the_move_
     protocols = n.protocols()
     assert _form(protocols) == [COMPLETE] * 3
     # As the controller admits: the next generation first, then the request for a boundary.
-    n.root.set(keys.info(1), json.dumps({"base": 0, "dead": [], "joined": [[0, 1]]}))
-    n.root.set(keys.LATEST, "1")
-    n.root.set(keys.reform_requested(0), "1")
+    n.root.set(publication.info_key(1), json.dumps({"base": 0, "dead": [], "joined": [[0, 1]]}))
+    n.root.set(publication.LATEST, "1")
+    n.root.set(publication.reform_requested_key(0), "1")
     seen = []
 
     def vote_and_read(p: CommitProtocol):
         decision = p.vote(1)
-        seen.append((p.store.get(keys.LATEST).decode(), json.loads(p.store.get(keys.info(1)))["joined"]))
+        seen.append((p.store.get(publication.LATEST).decode(),
+                     json.loads(p.store.get(publication.info_key(1)))["joined"]))
         return decision
 
     assert _in_threads([lambda p=p: vote_and_read(p) for p in protocols]) == [COMMIT_REFORM] * 3
     assert seen == [("1", [[0, 1]])] * 3
     # A rank dies while generation 1 forms: the controller abandons it and ends both generations.
     assert abandon_formation(n.root, 1)
-    n.root.set(keys.info(2), json.dumps({"base": 0, "dead": [[2, 0]]}))
-    n.root.set(keys.LATEST, "2")
+    n.root.set(publication.info_key(2), json.dumps({"base": 0, "dead": [[2, 0]]}))
+    n.root.set(publication.LATEST, "2")
     for g in (0, 1):
         n.root.set(keys.abort(g), keys.abort_value([(2, 0)]))
     node1 = n.store_of(1)
     node1.wait([keys.abort(0), keys.abort(1)])
-    assert node1.get(keys.formed(1)).decode() == INCOMPLETE
-    assert node1.get(keys.LATEST).decode() == "2"
+    assert node1.get(commit.formed_key(1)).decode() == INCOMPLETE
+    assert node1.get(publication.LATEST).decode() == "2"
 
 
 def test_a_generation_left_at_an_admission_boundary_ends_on_every_node_and_the_next_one_follows(nodes):
@@ -227,14 +229,14 @@ def test_a_generation_left_at_an_admission_boundary_ends_on_every_node_and_the_n
     for node in (1, 2):
         local = n.store_of(node)
         local.wait([keys.abort(1)])
-        assert local.get(keys.abort(1)).decode() == keys.MOVED and local.get(keys.LATEST).decode() == "2"
+        assert local.get(keys.abort(1)).decode() == keys.MOVED and local.get(publication.LATEST).decode() == "2"
     everyone = n.protocols(generation=2)
     assert _form(everyone) == [COMPLETE] * 3
     assert _vote(everyone, 3) == [COMMIT] * 3
     assert n.controller.handle([Death(1, time.time(), "killed")]) is None
     local = n.store_of(2)
     local.wait([keys.abort(2)])
-    assert keys.dead_named(local.get(keys.abort(2))) == {(1, 0)} and local.get(keys.LATEST).decode() == "3"
+    assert keys.dead_named(local.get(keys.abort(2))) == {(1, 0)} and local.get(publication.LATEST).decode() == "3"
 
 
 def test_a_rank_on_another_node_votes_beats_and_follows_generations_in_its_nodes_store(nodes):
@@ -250,8 +252,8 @@ def test_a_rank_on_another_node_votes_beats_and_follows_generations_in_its_nodes
         n.store_of(1).wait([keys.heartbeat(2)])
         assert not n.root.check([keys.heartbeat(2)])
         assert n.controller.handle([Death(0, time.time(), "killed")]) is None
-        published = json.loads(n.root.get(keys.topology(1)))
-        n.root.delete_key(keys.topology(1))
+        published = json.loads(n.root.get(publication.topology_key(1)))
+        n.root.delete_key(publication.topology_key(1))
         topology, info = elastic.await_newer(0)
         assert topology.to_json() == published and info["dead"] == [[0, 0]]
         assert plane.share(topology, elastic.identities) == NodeShare(members=2, nodes=1)
@@ -272,9 +274,9 @@ def test_a_generations_end_reaches_the_node_store_after_what_it_published(nodes)
         local = n.store_of(node)
         local.wait([keys.abort(0)])
         assert keys.dead_named(local.get(keys.abort(0))) == {(2, 0)}
-        assert local.get(keys.LATEST).decode() == "1"
-        assert json.loads(local.get(keys.info(1)))["dead"] == [[2, 0]]
-        assert local.get(keys.formed(0)).decode() == INCOMPLETE
+        assert local.get(publication.LATEST).decode() == "1"
+        assert json.loads(local.get(publication.info_key(1)))["dead"] == [[2, 0]]
+        assert local.get(commit.formed_key(0)).decode() == INCOMPLETE
     n.root.set(keys.STOP, "no replica left")
     n.root.set(keys.abort(1), "stop")
     local = n.store_of(1)
@@ -285,8 +287,8 @@ def test_a_generations_end_reaches_the_node_store_after_what_it_published(nodes)
 def test_a_reformation_completes_across_nodes(nodes):
     n = nodes([2, 1])
     assert _form(n.protocols()) == [COMPLETE] * 3
-    assert n.root.get(keys.COMPLETED).decode() == "0"
-    assert int(n.root.add(keys.node_ready(0), 0)) == 2
+    assert n.root.get(commit.COMPLETED).decode() == "0"
+    assert int(n.root.add(commit.node_ready_key(0), 0)) == 2
 
 
 class Recording:
@@ -328,21 +330,23 @@ def test_a_survivor_that_sees_the_new_generation_finds_its_decision_first(by):
         while relay.published < 0 and time.monotonic() < deadline:  # generation 0's publication copied first
             time.sleep(0.01)
         written.clear()
-        root.set(keys.formed(0), COMPLETE)
-        root.set(keys.decision(0, 1), COMMIT)
-        root.set(keys.COMMITTED, "1")
+        root.set(commit.formed_key(0), COMPLETE)
+        root.set(commit.decision_key(0, 1), COMMIT)
+        root.set(commit.COMMITTED, "1")
         if by == "controller":
             assert controller.handle([Death(0, time.time(), "killed")]) is None  # aborts iteration 2
         else:
             settle(root, 0)
-            root.set(keys.info(1), json.dumps({"base": 0, "dead": [[0, 0]]}))
-            root.set(keys.LATEST, "1")
+            root.set(publication.info_key(1), json.dumps({"base": 0, "dead": [[0, 0]]}))
+            root.set(publication.LATEST, "1")
             root.set(keys.abort(0), keys.abort_value([(0, 0)]))
         assert relay.wait_ended(0, TIMEOUT_S)
         node = _client(server.port)
-        assert node.get(keys.decision(0, 2)).decode() == ABORT and node.get(keys.decision(0, 1)).decode() == COMMIT
+        assert node.get(commit.decision_key(0, 2)).decode() == ABORT
+        assert node.get(commit.decision_key(0, 1)).decode() == COMMIT
         order = [key for entry in written for key in (entry if isinstance(entry, tuple) else (entry,))]
-        assert order.index(keys.LATEST) > max(order.index(keys.decision(0, 1)), order.index(keys.decision(0, 2))), order
+        assert order.index(publication.LATEST) > max(order.index(commit.decision_key(0, 1)),
+                                                     order.index(commit.decision_key(0, 2))), order
         assert written[-1] == keys.abort(0)
     finally:
         assert relay.stop()
@@ -362,16 +366,16 @@ def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(stag
     assert controller.handle([Death(rank, 0.0, "killed") for rank in dead[:1]]) is None
     if len(dead) > 1:  # before generation 1 formed
         assert controller.handle([Death(rank, 0.0, "killed") for rank in dead[1:]]) is None
-    last = int(store.get(keys.LATEST))
-    store.set(keys.formed(last), COMPLETE)
-    store.set(keys.COMPLETED, str(last))
+    last = int(store.get(publication.LATEST))
+    store.set(commit.formed_key(last), COMPLETE)
+    store.set(commit.COMPLETED, str(last))
     assert controller.admit(dead)
     topologies = {0: start}
-    for g in range(1, int(store.get(keys.LATEST)) + 1):
-        info = json.loads(store.get(keys.info(g)))
+    for g in range(1, int(store.get(publication.LATEST)) + 1):
+        info = json.loads(store.get(publication.info_key(g)))
         computed = published_topology(topologies[info["base"]], info, g)
-        assert computed.to_json() == json.loads(store.get(keys.topology(g))), g
-        assert computed == load_topology(json.loads(store.get(keys.topology(g))))
+        assert computed.to_json() == json.loads(store.get(publication.topology_key(g))), g
+        assert computed == load_topology(json.loads(store.get(publication.topology_key(g))))
         topologies[g] = computed
     assert topologies[max(topologies)].world_size == start.world_size  # the dead came back
 
@@ -381,8 +385,8 @@ def test_stop_wakes_a_relay_thread_out_of_its_store_call():
     (``terminate called without an active exception``, exit code 134 after the suite had passed). ``stop()`` shuts
     the relay's connections down: a thread in a 30 s wait on the root ends at once."""
     root = _root()
-    root.set(keys.info(0), "{}")
-    root.set(keys.LATEST, "0")
+    root.set(publication.info_key(0), "{}")
+    root.set(publication.LATEST, "0")
     relay = NodeRelay(lambda t: _client(root.port, t), 1, wait_s=30.0)
     assert relay.wait_ready(TIMEOUT_S)
     deadline = time.monotonic() + TIMEOUT_S
@@ -400,15 +404,15 @@ def test_latest_never_goes_back_in_a_node_store():
     else its ranks would go back to a generation already ended, whose end the relay does not write again."""
     root, node = _root(), _root()
     for g in range(3):
-        root.set(keys.info(g), json.dumps({"g": g}))
-    root.set(keys.LATEST, "1")  # what the slow writer read
-    node.set(keys.LATEST, "2")  # what the other wrote meanwhile
+        root.set(publication.info_key(g), json.dumps({"g": g}))
+    root.set(publication.LATEST, "1")  # what the slow writer read
+    node.set(publication.LATEST, "2")  # what the other wrote meanwhile
     assert copy_to_node(root, node, since=0) == 1
-    assert node.get(keys.LATEST).decode() == "2"
-    assert json.loads(node.get(keys.info(1))) == {"g": 1}
-    assert raise_latest(node, 3) == 3 and node.get(keys.LATEST).decode() == "3"
+    assert node.get(publication.LATEST).decode() == "2"
+    assert json.loads(node.get(publication.info_key(1))) == {"g": 1}
+    assert raise_latest(node, 3) == 3 and node.get(publication.LATEST).decode() == "3"
     fresh = _root()
-    assert raise_latest(fresh, 0) == 0 and fresh.get(keys.LATEST).decode() == "0"
+    assert raise_latest(fresh, 0) == 0 and fresh.get(publication.LATEST).decode() == "0"
 
 
 def test_a_relay_started_before_generation_0_is_published_copies_it_at_once():
@@ -418,13 +422,13 @@ def test_a_relay_started_before_generation_0_is_published_copies_it_at_once():
     relay = NodeRelay(lambda t: _client(root.port, t), 1, wait_s=30.0)
     try:
         assert relay.wait_ready(TIMEOUT_S)
-        root.set(keys.info(0), "{}")
-        root.set(keys.LATEST, "0")
+        root.set(publication.info_key(0), "{}")
+        root.set(publication.LATEST, "0")
         deadline = time.monotonic() + 5.0
         while relay.published < 0:
             assert time.monotonic() < deadline, "generation 0 was not copied into the node store within 5 s"
             time.sleep(0.01)
-        assert relay.open_local(TIMEOUT_S).get(keys.LATEST).decode() == "0"
+        assert relay.open_local(TIMEOUT_S).get(publication.LATEST).decode() == "0"
     finally:
         assert relay.stop(timeout_s=2.0)
 
@@ -459,10 +463,11 @@ def test_a_last_voter_that_dies_between_counting_its_node_and_bringing_the_decis
         t.start()
     last = protocols[3]
     deadline = time.monotonic() + TIMEOUT_S
-    while int(last.store.add(keys.node_tally(0), 0)) < 1:  # node 1's other rank counted: it waits for the decision
+    # node 1's other rank counted: it waits for the decision
+    while int(last.store.add(commit.node_tally_key(0), 0)) < 1:
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    assert last.store.add(keys.node_tally(0), 1) % last.node.members == 0  # its vote completes node 1's count
+    assert last.store.add(commit.node_tally_key(0), 1) % last.node.members == 0  # its vote completes node 1's count
     last.carry_vote(1)  # ... and it dies here, before bring()
     for t in threads[:2]:
         t.join(TIMEOUT_S + 5)

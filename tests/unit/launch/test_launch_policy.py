@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from ntp_megatron.config.schema import load_job_config
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import commit, keys
 from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.launch import modes
@@ -99,7 +99,7 @@ class _Launcher:
 
 def _formed(launcher: _Launcher, generation: int) -> None:
     """The ranks of ``generation`` finished forming it (as the last ready rank records)."""
-    launcher.store.set(keys.COMPLETED, str(generation))
+    launcher.store.set(commit.COMPLETED, str(generation))
 
 
 def _aware(launcher: _Launcher, generation: int) -> None:
