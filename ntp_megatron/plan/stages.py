@@ -117,6 +117,11 @@ class JobTopology:
         return self.stages[0]
 
     @property
+    def ranks(self) -> range:
+        """The generation's process-group ranks, every stage's."""
+        return range(self.world_size)
+
+    @property
     def replica_indices(self) -> list[int]:
         return [rep.index for rep in self.stages[0].replicas]
 
