@@ -294,8 +294,8 @@ class NTPGroups:
 
 def build_groups(topology: JobTopology, rank: int, timeout_s: float, dp: Optional[int] = None,
                  instances: int = 1, pool: Optional[GroupPool] = None) -> NTPGroups:
-    """``rank``'s groups in ``topology`` (the whole generation), installed into Megatron-Core's globals. Called by every rank of the
-    generation right after it joined (see :class:`GroupMaker`).
+    """``rank``'s groups in ``topology`` (the whole generation), installed into Megatron-Core's globals. Called by
+    every rank of the generation right after it joined (see :class:`GroupMaker`).
 
     The groups are :func:`ntp_megatron.plan.group_plan.rank_group_calls`' list, made one by one in its order, each
     with ``timeout_s``: nothing here decides which groups there are. With pipeline stages (two or more) that is the

@@ -201,7 +201,7 @@ class Controller:
         dp, k = self.sharded.data_parallel_size, self.sharded.instances
         launch_of = {base.rank_of(*slot): lr for lr, slot in self.identity.items() if base.rank_of(*slot) is not None}
         for block, position in lost:
-            holders = shard_holders(base, dp, k, (block, position))
+            holders = shard_holders(base.only_stage, dp, k, (block, position))
             self.emit({"kind": "event", "event": "shard_lost", "generation": base.generation, "block": block,
                        "position": position, "holders": sorted(launch_of[r] for r in holders),
                        "numel": self.sharded.shard_numel(block, position), "time": time.time()})

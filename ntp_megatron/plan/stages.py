@@ -374,7 +374,8 @@ def rebalanced_topology(current: JobTopology, weights: Mapping[tuple[int, int], 
         if not 0 <= stage < stages:
             raise ValueError(f"weights for replica {replica}: stage {stage} out of range 0..{stages - 1}")
         per_stage.setdefault(stage, {})[replica] = given
-    return _renumbered(layout.rebalanced_topology(stage, per_stage.get(p, {})) for p, stage in enumerate(current.stages))
+    return _renumbered(layout.rebalanced_topology(stage, per_stage.get(p, {}))
+                       for p, stage in enumerate(current.stages))
 
 
 def weights_to_json(weights: Mapping[tuple[int, int], Mapping[int, int]]) -> list:
