@@ -10,9 +10,9 @@ A replica is a TP × PP grid. Each stage of it has its own live slots, dead bloc
 replicas (a replica dropped is dropped in every stage). A process is identified across generations by
 ``(replica, slot, stage)``; in a job of one stage by ``(replica, slot)`` (the identity rule of
 :meth:`JobTopology.slot_of`: what the store, the published ``dead``/``joined`` lists, the events and the rejoin
-requests have always said there). Ranks are numbered stage by stage, as Megatron numbers its grid (stage slowest): stage
-``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each stage's topology
-holds its own ranks (``rank_base .. rank_base + world_size - 1``) and everything that works inside one stage (TP
+requests have always said there). Ranks are numbered stage by stage, as Megatron numbers its grid (stage
+slowest): stage ``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each
+stage's topology holds its own ranks (``rank_base .. rank_base + world_size - 1``) and everything that works inside one stage (TP
 groups, sync groups per (stage, block), units, transition plans) reads its stage's topology unchanged.
 
 Stage boundaries
@@ -104,7 +104,7 @@ class JobTopology:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return sum(stage.world_size for stage in self.stages)
 
