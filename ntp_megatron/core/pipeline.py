@@ -132,7 +132,9 @@ def tied_embedding_sync(topology: Optional[JobTopology], rank: int, model: torch
                         ) -> Optional[TiedEmbeddingSync]:
     """The exchange for ``rank``'s copy of tied word embeddings (an NTP GPT model, unwrapped) in ``topology`` (the
     whole generation), or None: no stages, untied embeddings, or a middle stage."""
-    if topology is None or topology.num_stages == 1 or not getattr(model, "share_embeddings_and_output_weights", False):
+    if topology is None or topology.num_stages == 1:
+        return None
+    if not getattr(model, "share_embeddings_and_output_weights", False):
         return None
     weight = model.shared_embedding_or_output_weight()
     return TiedEmbeddingSync(topology, rank, weight) if weight is not None else None
