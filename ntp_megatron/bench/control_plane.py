@@ -53,6 +53,7 @@ from ntp_megatron.elastic.commit import CommitProtocol, NodeShare, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology
 
 RANKS_PER_NODE = 8
 TP = 8
@@ -367,7 +368,7 @@ def _start_two_level(w: _Worker) -> None:
     nodes are carried by ``DRIVERS`` threads."""
     _start_relays(w)
     real = w.mine[0]
-    start = make_topology(TP, w.args.ranks // TP, {"layer": 80})
+    start = JobTopology.one_stage(make_topology(TP, w.args.ranks // TP, {"layer": 80}))
     simulated = [n for n in w.mine if n != real]
     parts = [simulated[i::DRIVERS] for i in range(DRIVERS) if simulated[i::DRIVERS]]
     w.expect(_node_ranks(real), drivers=len(parts))
@@ -463,7 +464,7 @@ class _Clock:
 
 def _controller(root, ranks: int, noted: list[float]) -> Controller:
     """The real controller on the root; its failure report's time lands in ``noted``."""
-    start = make_topology(TP, ranks // TP, {"layer": 80})
+    start = JobTopology.one_stage(make_topology(TP, ranks // TP, {"layer": 80}))
 
     def emit(event: dict) -> None:
         if event.get("event") == "rank_failed" and event["detect_s"] is not None:

@@ -19,7 +19,7 @@ from ntp_megatron.config.timing import TimingSection
 from ntp_megatron.plan.layout import make_topology, parse_dead_slots, parse_stage_slots
 from ntp_megatron.plan.memory_plan import check_budget
 from ntp_megatron.plan.power_curve import boost_model, check_curve_points
-from ntp_megatron.plan.stages import make_pipeline_topology
+from ntp_megatron.plan.stages import JobTopology, make_pipeline_topology
 
 logger = logging.getLogger(__name__)
 
@@ -614,19 +614,19 @@ class JobConfig(_Section):
         }
 
     def topology(self):
-        """The starting NTP topology (generation 0): a :class:`ntp_megatron.plan.layout.Topology`, or with pipeline stages
-        a :class:`ntp_megatron.plan.stages.PipelineTopology`; pure, so the launcher and the tests can call it."""
+        """The starting NTP topology (generation 0), a :class:`ntp_megatron.plan.stages.JobTopology` (of one stage
+        without pipeline stages); pure, so the launcher and the tests can call it."""
         p = self.parallel
         if p.pipeline_model_parallel_size > 1:
             return make_pipeline_topology(
                 p.tensor_model_parallel_size, p.data_parallel_size, p.pipeline_model_parallel_size, self.unit_counts(),
                 dead_slots=parse_stage_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
                 dropped=self.ntp.dropped_replicas)
-        return make_topology(
+        return JobTopology.one_stage(make_topology(
             p.tensor_model_parallel_size, p.data_parallel_size, self.unit_counts(),
             dead_slots=parse_dead_slots(self.ntp.dead_slots), min_tp=self.ntp.min_tp,
             dropped=self.ntp.dropped_replicas,
-        )
+        ))
 
     @property
     def initializer(self) -> str:

@@ -64,10 +64,9 @@ def over_stages(stage_sum: float, topology: Topology, rank: int, groups: NTPGrou
     """The sum of squares of the replica from its stage's (``topology``, where ``rank`` is): one cell per stage,
     filled by the stage's TP rank 0, summed over the replica's model-parallel group (each cell has one contributor:
     exact, and the same bits in every replica). Without stages, the stage's own."""
-    pipeline = groups.pipeline
-    if pipeline is None:
+    if not groups.staged:
         return stage_sum
-    cells = torch.zeros(pipeline.num_stages, dtype=torch.float64, device=device)
+    cells = torch.zeros(groups.job.num_stages, dtype=torch.float64, device=device)
     if topology.local_rank(rank) == 0:
         cells[topology.stage] = stage_sum
     dist.all_reduce(cells, group=groups.mp)

@@ -127,7 +127,7 @@ class GradSync:
                 "waits in its backward hooks for the degraded replica's proxy; set "
                 "parallel.overlap_grad_reduce: false")
         self._cached_norm: Optional[float] = None
-        self.tied = tied_embedding_sync(groups.pipeline, rank, model.module)
+        self.tied = tied_embedding_sync(groups.job, rank, model.module)
         """Tied word embeddings across pipeline stages: the two copies' gradients summed before the sync."""
         self.degraded: Optional[DegradedSync] = None
         """A degraded rank's shadows and in-replica transfers (None on a healthy rank)."""
@@ -173,11 +173,11 @@ class GradSync:
         phases.point("grad_sync")
         if self.tied is not None:
             self.tied.exchange()
-        if num_tokens is not None and self.groups.pipeline is not None:
+        if num_tokens is not None and self.groups.staged:
             # Counted by the last stage only; upstream broadcasts it along a pipeline group, which NTP stages of
             # different widths do not have: from the last stage's first rank over the replica instead.
             dist.broadcast(num_tokens, src=self.groups.last_stage_rank, group=self.groups.mp)
-        if self.groups.healthy and self.groups.pipeline is None:
+        if self.groups.healthy and not self.groups.staged:
             finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
         elif self.groups.healthy:
             finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -37,7 +37,7 @@ from ntp_megatron.plan import optimizer_shards
 from ntp_megatron.plan.group_plan import GroupKey, PlannedGroup, rank_group_calls
 from ntp_megatron.plan.grid import Grid
 from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import PipelineTopology, pipeline_of
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.patches import parallel_state as ps_patch
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.sockets import SocketScope
@@ -104,7 +104,7 @@ class GroupMaker:
     group it makes, so the names of the groups made after it still agree between members.
     """
 
-    def __init__(self, rank: int, timeout: timedelta, topology: "Topology | PipelineTopology | None" = None,
+    def __init__(self, rank: int, timeout: timedelta, topology: Optional[JobTopology] = None,
                  pool: Optional[GroupPool] = None) -> None:
         self.rank = rank
         self.timeout = timeout
@@ -255,19 +255,24 @@ class NTPGroups:
     inter: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     """Block -> the holders of this rank's shard of ``block``, one per instance (twins: DDP all-reduces the
     shard across them), for every block in ``sync``; empty with one instance."""
-    pipeline: Optional[PipelineTopology] = None
-    """With pipeline stages: the whole generation (``topology`` is this rank's stage of it)."""
+    job: Optional[JobTopology] = None
+    """The whole generation (``topology`` is this rank's stage of it)."""
     mp: Optional[dist.ProcessGroup] = None
     """With pipeline stages: every rank of this rank's replica, all stages (Megatron's model-parallel group)."""
     pool: Optional[GroupPool] = None
     """With a pool (an elastic job): which groups were made and which kept, by key."""
 
     @property
+    def staged(self) -> bool:
+        """Whether the job runs pipeline stages (two or more)."""
+        return self.job is not None and self.job.num_stages > 1
+
+    @property
     def last_stage_rank(self) -> Optional[int]:
         """With pipeline stages: the rank of this rank's replica that speaks for its last stage (its TP rank 0)."""
-        if self.pipeline is None:
+        if not self.staged:
             return None
-        return self.pipeline.stages[-1].replica(self.topology.replica_of(self.rank).index).ranks[0]
+        return self.job.stages[-1].replica(self.topology.replica_of(self.rank).index).ranks[0]
 
     def with_data_parallel(self, group: dist.ProcessGroup) -> ProcessGroupCollection:
         """This rank's collection with ``group`` as its data-parallel group (for a slot-shaped shadow DDP)."""
@@ -287,14 +292,14 @@ class NTPGroups:
         return pg
 
 
-def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: float, dp: Optional[int] = None,
+def build_groups(topology: JobTopology, rank: int, timeout_s: float, dp: Optional[int] = None,
                  instances: int = 1, pool: Optional[GroupPool] = None) -> NTPGroups:
-    """``rank``'s groups in ``topology``, installed into Megatron-Core's globals. Called by every rank of the
-    generation right after it joined (see :class:`GroupMaker`).
+    """``rank``'s groups in ``topology`` (the whole generation), installed into Megatron-Core's globals. Called by
+    every rank of the generation right after it joined (see :class:`GroupMaker`).
 
     The groups are :func:`ntp_megatron.plan.group_plan.rank_group_calls`' list, made one by one in its order, each
-    with ``timeout_s``: nothing here decides which groups there are. With pipeline stages (a
-    :class:`ntp_megatron.plan.stages.PipelineTopology`) that is the TP group of ``rank``'s stage, the sync groups
+    with ``timeout_s``: nothing here decides which groups there are. With pipeline stages (two or more) that is the
+    TP group of ``rank``'s stage, the sync groups
     per (stage, block) — every rank makes every stage's, ``tp_base`` per stage — and its replica's model-parallel
     group (every stage of it: the grad norm, the token count and the loss cross stages in it).
 
@@ -318,15 +323,14 @@ def build_groups(topology: "Topology | PipelineTopology", rank: int, timeout_s: 
     return _assemble(topology, rank, made, dp, instances, pool)
 
 
-def _assemble(whole: "Topology | PipelineTopology", rank: int,
+def _assemble(whole: JobTopology, rank: int,
               made: dict[GroupKey, tuple[tuple[int, ...], dist.ProcessGroup]], dp: Optional[int], instances: int,
               pool: Optional[GroupPool]) -> NTPGroups:
     """The groups ``rank`` made (key -> its ranks and group), by role, installed into Megatron-Core's globals."""
     def role(name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], dist.ProcessGroup]]:
         return {k.place: value for k, value in made.items() if k.role == name}  # in the plan's order
 
-    pipeline = pipeline_of(whole)
-    topology = pipeline.stage_of(rank) if pipeline is not None else whole
+    topology = whole.stage_of(rank)
     replica = topology.replica_of(rank)
     [(tp_ranks, tp_group)] = role("tp").values()
     [(_, alone)] = role("alone").values()
@@ -344,18 +348,18 @@ def _assemble(whole: "Topology | PipelineTopology", rank: int,
     else:
         dp_group, dp_ranks = alone, (rank,)
     pipe = None
-    if pipeline is not None:
-        mp_ranks = tuple(pipeline.replica_ranks(replica.index))
+    if whole.num_stages > 1:
+        mp_ranks = tuple(whole.replica_ranks(replica.index))
         first = topology.stage == 0
         pipe = ps_patch.PipelineGroups(
-            lane=ps_patch.PipelinePosition(topology.stage, pipeline.num_stages), lane_ranks=(), mp=mp,
+            lane=ps_patch.PipelinePosition(topology.stage, whole.num_stages), lane_ranks=(), mp=mp,
             mp_ranks=mp_ranks, embd=None, embd_ranks=(),  # tied embeddings: ntp_megatron.core.pipeline.TiedEmbeddingSync
             pos_embd=alone if first else None, pos_embd_ranks=(rank,) if first else ())
     pg = ps_patch.install(ps_patch.RankGroups(tp=tp_group, tp_ranks=tp_ranks, dp=dp_group, dp_ranks=dp_ranks,
                                               alone=alone, rank=rank, pipeline=pipe))
     return NTPGroups(topology=topology, rank=rank, tp=tp_group, sync=sync, pg_collection=pg, healthy=healthy,
                      instances=instances, instance=instance, position=position, intra=intra, inter=inter,
-                     pipeline=pipeline, mp=mp, pool=pool)
+                     job=whole, mp=mp, pool=pool)
 
 
 def group_mapping(old: NTPGroups, new: NTPGroups) -> dict[int, dist.ProcessGroup]:

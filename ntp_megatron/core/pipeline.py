@@ -3,7 +3,7 @@
 Megatron's ``P2PCommunicator`` sends to one rank and receives from one rank per direction, the neighbours in the
 rank's pipeline group (TP rank ``i`` of one stage with TP rank ``i`` of the next). Under NTP two neighbouring
 stages of a replica may have different TP degrees, so :class:`NTPP2PCommunicator` keeps upstream's schedule and
-replaces only its transfer step (``_communicate``) by the pairing of :class:`ntp_megatron.plan.stages.PipelineTopology`:
+replaces only its transfer step (``_communicate``) by the pairing of :class:`ntp_megatron.plan.stages.JobTopology`:
 one receive per direction, from a live rank of the same replica, and as many sends as there are ranks of the
 neighbouring stage that take their tensor from this rank (none, one, or more). All transfers of one step are posted
 together (``batch_isend_irecv``) on the generation's default group, then waited for.
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from ntp_megatron.patches.parallel_state import PipelinePosition
-from ntp_megatron.plan.stages import PipelineTopology
+from ntp_megatron.plan.stages import JobTopology
 
 
 def _check_upstream() -> None:
@@ -36,7 +36,7 @@ class NTPP2PCommunicator(P2PCommunicator):
     """Upstream's communicator for ``rank`` of ``topology``: its position for the schedule, explicit peers for the
     transfers."""
 
-    def __init__(self, topology: PipelineTopology, rank: int, config, device: torch.device) -> None:
+    def __init__(self, topology: JobTopology, rank: int, config, device: torch.device) -> None:
         _check_upstream()
         # Not upstream's __init__: it looks for one next and one previous rank in a pipeline group.
         stage = topology.stage_of(rank).stage
@@ -100,7 +100,7 @@ class TiedEmbeddingSync:
     commutes), before the cross-replica sync, which then runs on equal copies. Messages go between the ranks that share units, one per
     pair and direction, on the generation's default group."""
 
-    def __init__(self, topology: PipelineTopology, rank: int, weight: torch.nn.Parameter) -> None:
+    def __init__(self, topology: JobTopology, rank: int, weight: torch.nn.Parameter) -> None:
         stage = topology.stage_of(rank)
         other = topology.stages[-1] if stage.stage == 0 else topology.stages[0]
         replica = stage.replica_of(rank).index
@@ -128,11 +128,13 @@ class TiedEmbeddingSync:
             grad.index_copy_(0, rows.to(grad.device), mine + theirs)
 
 
-def tied_embedding_sync(topology: Optional[PipelineTopology], rank: int, model: torch.nn.Module
+def tied_embedding_sync(topology: Optional[JobTopology], rank: int, model: torch.nn.Module
                         ) -> Optional[TiedEmbeddingSync]:
-    """The exchange for ``rank``'s copy of tied word embeddings (an NTP GPT model, unwrapped), or None: no stages,
-    untied embeddings, or a middle stage."""
-    if topology is None or not getattr(model, "share_embeddings_and_output_weights", False):
+    """The exchange for ``rank``'s copy of tied word embeddings (an NTP GPT model, unwrapped) in ``topology`` (the
+    whole generation), or None: no stages, untied embeddings, or a middle stage."""
+    if topology is None or topology.num_stages == 1:
+        return None
+    if not getattr(model, "share_embeddings_and_output_weights", False):
         return None
     weight = model.shared_embedding_or_output_weight()
     return TiedEmbeddingSync(topology, rank, weight) if weight is not None else None

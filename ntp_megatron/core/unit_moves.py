@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ntp_megatron.core.adam_step import read_step, write_step
 from ntp_megatron.core.layers import UnitShard
 from ntp_megatron.plan.layout import Topology, survivor_ranks, transition_plan
-from ntp_megatron.plan.stages import has_stages, stages_of
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.plan.optimizer_shards import ShardId, shard_plan
 
 Unit = tuple[str, int]  # (family, unit id)
@@ -59,14 +59,18 @@ class Transfer:
     replicated: bool = False
 
 
-def plan_transfers(old: Topology, new: Topology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
+def plan_transfers(old: JobTopology, new: JobTopology, dead_old_ranks: Iterable[int]) -> list[Transfer]:
     """The moves of :func:`transition_plan`, grouped into one message per (source, destination) pair, with
-    both ends numbered in the new generation. With pipeline stages (:class:`ntp_megatron.plan.stages.PipelineTopology`)
-    each stage's own: nothing crosses stages."""
+    both ends numbered in the new generation: each stage's own, in stage order (nothing crosses stages)."""
     dead = list(dead_old_ranks)
-    if has_stages(old):
-        return [transfer for before, after in zip(stages_of(old), stages_of(new))
-                for transfer in plan_transfers(before, after, [r for r in dead if r in before.ranks])]
+    for rank in dead:
+        old.stage_of(rank)  # a ValueError for a rank that is not live
+    return [transfer for before, after in zip(old.stages, new.stages)
+            for transfer in _stage_transfers(before, after, [r for r in dead if r in before.ranks])]
+
+
+def _stage_transfers(old: Topology, new: Topology, dead: list[int]) -> list[Transfer]:
+    """:func:`plan_transfers` of one stage."""
     survivors = survivor_ranks(old, new, dead)
     grouped: dict[tuple[int, int], list[Unit]] = defaultdict(list)
     for move in transition_plan(old, new, dead):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from ntp_megatron.plan.layout import Topology, TopologyError
+from ntp_megatron.plan.layout import TopologyError
 from ntp_megatron.plan.rebalance import Decision, refusal
-from ntp_megatron.plan.stages import has_stages, join_topology, live_widths, rebalanced_topology, stages_of, \
+from ntp_megatron.plan.stages import JobTopology, identity_stage, join_topology, live_widths, rebalanced_topology, \
     weights_to_json, with_generation
 
 
@@ -40,7 +40,7 @@ class Boundary:
             return False
         old = c.latest
         launch_ranks = [lr for lr in launch_ranks if old.rank_of(*c.identity[lr]) is None]
-        slots_per_replica = old.tp_base * len(stages_of(old))
+        slots_per_replica = old.tp_base * old.num_stages
         partial = {r for r in c.unfit if sum(c.identity[lr][0] == r for lr in launch_ranks) < slots_per_replica}
         launch_ranks = [lr for lr in launch_ranks if c.identity[lr][0] not in partial]  # they wait
         slots = [c.identity[lr] for lr in launch_ranks]
@@ -77,11 +77,11 @@ class Boundary:
             return False
         weights = {(d.replica, d.stage): dict(d.weights) for d in decisions}
         new = self._at_boundary(rebalanced_topology(old, weights), {"weights": weights_to_json(weights)})
-        stages = has_stages(old)
+        stages = old.num_stages > 1  # lines name the stage only in a job with stages
         for d in decisions:
             where = f"replica {d.replica}" + (f" stage {d.stage}" if stages else "")
             launch = {ident[1]: lr for lr, ident in c.identity.items()
-                      if ident[0] == d.replica and (ident[2] if len(ident) > 2 else 0) == d.stage}
+                      if ident[0] == d.replica and identity_stage(ident) == d.stage}
             c.emit({"kind": "event", "event": "rebalanced", "generation": new.generation, "replica": d.replica,
                     "stage": d.stage, "weights": {str(s): w for s, w in d.weights.items()},
                     "slowness": {str(s): v for s, v in d.slowness.items()},
@@ -95,7 +95,7 @@ class Boundary:
                   f"{d.iterations[0]}..{d.iterations[-1]}); generation {new.generation}")
         return True
 
-    def _worth_it(self, old: Topology, decision: Decision) -> bool:
+    def _worth_it(self, old: JobTopology, decision: Decision) -> bool:
         """Whether ``decision`` is worth a re-formation (:func:`ntp_megatron.plan.rebalance.refusal`); a refusal is
         said once, and a refused decision the monitor makes again is not worked out again."""
         c = self.controller
@@ -110,7 +110,7 @@ class Boundary:
             c.say(why)
         return False
 
-    def _at_boundary(self, new: Topology, change: dict) -> Topology:
+    def _at_boundary(self, new: JobTopology, change: dict) -> JobTopology:
         """Publish ``new`` (what ``change`` says changed: slots joined, or weights) as the next generation, which the
         running one moves to after its next committed iteration."""
         c = self.controller

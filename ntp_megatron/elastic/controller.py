@@ -33,10 +33,9 @@ from ntp_megatron.elastic.boundary import Boundary
 from ntp_megatron.elastic.commit import abandon_formation, settle
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.elastic.failure_report import FailureReports, injected_failure
-from ntp_megatron.plan.layout import Topology
 from ntp_megatron.plan.optimizer_shards import shard_holders
 from ntp_megatron.plan.rebalance import Decision
-from ntp_megatron.plan.stages import replica_widths, stages_of, with_generation
+from ntp_megatron.plan.stages import JobTopology, replica_widths, with_generation
 from ntp_megatron.plan.succession import ShardedOptimizer, succession
 
 
@@ -57,7 +56,7 @@ class Death:
 
 
 class Controller:
-    def __init__(self, store: dist.Store, topology: Topology, min_tp: int, policy: str,
+    def __init__(self, store: dist.Store, topology: JobTopology, min_tp: int, policy: str,
                  say: Callable[[str], None], emit: Callable[[dict], None],
                  dump_stacks: Callable[[list[int]], None] = lambda ranks: None,
                  hold: Callable[[], None] = lambda: None, release: Callable[[], None] = lambda: None,
@@ -71,7 +70,7 @@ class Controller:
         self.store = store
         self.latest = topology
         self.completed = topology
-        self.published: dict[int, Topology] = {0: topology}
+        self.published: dict[int, JobTopology] = {0: topology}
         self.min_tp, self.policy = min_tp, policy
         self.sharded = sharded
         self.say, self.emit = say, emit
@@ -190,7 +189,7 @@ class Controller:
                       if base.rank_of(*slot) is not None]
         return old, running, base, dead_ranks, in_flight
 
-    def _shards_lost(self, base: Topology, lost: tuple[tuple[int, int], ...]) -> None:
+    def _shards_lost(self, base: JobTopology, lost: tuple[tuple[int, int], ...]) -> None:
         """A ``shard_lost`` event per distributed-optimizer shard every holder of which died
         (``ntp.on_unrecoverable`` decides what follows: a restart from the newest checkpoint, or a stop)."""
         if not lost:
@@ -198,7 +197,7 @@ class Controller:
         dp, k = self.sharded.data_parallel_size, self.sharded.instances
         launch_of = {base.rank_of(*slot): lr for lr, slot in self.identity.items() if base.rank_of(*slot) is not None}
         for block, position in lost:
-            holders = shard_holders(base, dp, k, (block, position))
+            holders = shard_holders(base.only_stage, dp, k, (block, position))
             self.emit({"kind": "event", "event": "shard_lost", "generation": base.generation, "block": block,
                        "position": position, "holders": sorted(launch_of[r] for r in holders),
                        "numel": self.sharded.shard_numel(block, position), "time": time.time()})
@@ -220,7 +219,7 @@ class Controller:
             layout = self.latest if report.get("phase") == "reform" else self.completed
             widths = replica_widths(layout, replica) or []  # one per stage
             stage = self.reports.stage(death.launch_rank).get("stage", 0)
-            stage_topology = stages_of(layout)[stage]
+            stage_topology = layout.stages[stage]
             # A canonical stage has the launch layout, which fitted; a degraded or rebalanced one has not.
             degraded = bool(widths) and not stage_topology.is_healthy(replica)
             decided.append((death, report, replica, slot, widths, degraded))
@@ -275,7 +274,7 @@ class Controller:
 
     # -- publication ----------------------------------------------------------------------------------------------
 
-    def _publish(self, new: Topology, info: dict, base: Optional[int], dead_ranks: list[int],
+    def _publish(self, new: JobTopology, info: dict, base: Optional[int], dead_ranks: list[int],
                  boundary_of: Optional[int] = None, ends: list[int] = ()) -> None:
         """Publish ``new`` (:func:`ntp_megatron.elastic.publication.publish`), end the generations ``ends`` naming the
         dead (groups without one may go on), and record a ``generation_published`` event: the new topology, the

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ntp_megatron.config import timing
 from ntp_megatron.elastic import commit, keys
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology, named_stage
 
 
 
@@ -47,7 +47,7 @@ class FailureReports:
         self.hold, self.release = hold, release
         self._threads: list[threading.Thread] = []
 
-    def start(self, deaths: list, old: Topology, settled: Optional[dict]) -> None:
+    def start(self, deaths: list, old: JobTopology, settled: Optional[dict]) -> None:
         """Report ``deaths`` once the survivors of ``old`` noticed them, from a thread (the controller moves on)."""
         survivors = [lr for lr, slot in self.identity.items()
                      if old.rank_of(*slot) is not None and lr not in self.dead]
@@ -69,7 +69,7 @@ class FailureReports:
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def report(self, deaths: list, old: Topology, settled: Optional[dict], survivors: list[int],
+    def report(self, deaths: list, old: JobTopology, settled: Optional[dict], survivors: list[int],
                wait_s: Optional[float] = None) -> None:
         """Wait up to ``wait_s`` for ``survivors`` to note the end of ``old``'s generation, then write the report
         (``wait_s`` 0: nobody re-forms, report now; None: ``timing.report_wait_s``)."""
@@ -126,7 +126,7 @@ class FailureReports:
         """When each survivor noted that ``generation`` is over, if every one did (one request each way)."""
         return commit.aware_times(self.store, generation, survivors)
 
-    def _report_one(self, d, old: Topology, settled: Optional[dict], aware: list[float], survivors: bool) -> None:
+    def _report_one(self, d, old: JobTopology, settled: Optional[dict], aware: list[float], survivors: bool) -> None:
         replica, slot = self.identity[d.launch_rank][:2]
         stage = self.stage(d.launch_rank)
         record = injected_failure(self.store, d.launch_rank)
@@ -151,5 +151,5 @@ class FailureReports:
 
     def stage(self, launch_rank: int) -> dict:
         """``{"stage": p}`` for a launch rank of a job with pipeline stages (its identity names it), else empty."""
-        identity = self.identity[launch_rank]
-        return {"stage": identity[2]} if len(identity) > 2 else {}
+        stage = named_stage(self.identity[launch_rank])
+        return {} if stage is None else {"stage": stage}

@@ -34,7 +34,7 @@ from ntp_megatron.elastic.commit import COMPLETE
 from ntp_megatron.elastic.errors import GenerationEnded
 from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.interfaces import Builder, RankObjects, Training
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology
 
 OWN, UNITS, SHARDS = "own", "units", "shards"
 """Where a formation's missing state comes from."""
@@ -52,13 +52,13 @@ class Progress:
 class Staged:
     """A completed formation, not yet adopted."""
 
-    topology: Topology
+    topology: JobTopology
     info: dict
     setup: Any
     """The parallel setup the builder made for the new generation (opaque here)."""
     new_parts: Optional[RankObjects]
     """Rebuilt objects for a rank whose units changed; None for a rank that keeps its own."""
-    base: Topology
+    base: JobTopology
     dead: list[int]
     started: float
     fresh: bool
@@ -76,7 +76,7 @@ class Formation:
     """This rank's part in forming ``generation`` (joined, its setup made) from ``base``, the layout it holds."""
 
     def __init__(self, cfg: JobConfig, elastic: ElasticRank, builder: Builder, training: Training,
-                 generation: Generation, info: dict, base: Topology, dead: list[int], setup: Any,
+                 generation: Generation, info: dict, base: JobTopology, dead: list[int], setup: Any,
                  start_iteration: int) -> None:
         self.cfg, self.elastic, self.builder, self.training = cfg, elastic, builder, training
         self.generation, self.topology, self.info, self.setup = generation, generation.topology, info, setup
@@ -105,7 +105,8 @@ class Formation:
             return True
         if any(self.base.units_of(self.old_rank, f) != topology.units_of(rank, f) for f in topology.units):
             return True
-        return self.sharded and not topology.is_healthy(topology.replica_of(rank).index)
+        stage = topology.stage_of(rank)
+        return self.sharded and not stage.is_healthy(stage.replica_of(rank).index)
 
     def run(self, started: float) -> Staged:
         """Build or keep, move what is missing, gather, vote; the staged result once every rank completed."""
@@ -148,7 +149,8 @@ class Formation:
             # The iteration that filled the old gradients was settled: they are dead. Freed before the new objects
             # exist, so the two never hold gradients at once (restored if old is kept).
             self.held["freed_gradient_bytes"] = memory.free_gradients(old)
-            if self.sharded and not self.base.is_healthy(self.base.replica_of(self.old_rank).index):
+            base = self.base.stage_of(self.old_rank)
+            if self.sharded and not base.is_healthy(base.replica_of(self.old_rank).index):
                 # Under the distributed optimizer a degraded rank's model parameters are dead too: the new objects
                 # gather theirs from the shards, and these objects are rebuilt by every later formation (a degraded
                 # replica's always are), never trained with again.
@@ -189,8 +191,8 @@ class Formation:
         and receives the others (each from a surviving holder, :func:`plan_shard_transfers`), while every rank sends
         what others need; under bf16 the received main params are then rounded into the model's shard."""
         p, rank, old, new = self.cfg.parallel, self.generation.rank, self.old, self.new_parts
-        transfers = plan_shard_transfers(self.base, self.topology, self.dead, p.data_parallel_size,
-                                         p.num_distributed_optimizer_instances)
+        transfers = plan_shard_transfers(self.base.only_stage, self.topology.only_stage, self.dead,
+                                         p.data_parallel_size, p.num_distributed_optimizer_instances)
         old_shards = ShardTensors(old.optimizer, old.shard_sources(), self.state) if old is not None else None
         new_shards = ShardTensors(new.optimizer, new.shard_sources(), self.state) if new is not None else None
         incoming = {block for t in transfers if t.dst == rank for block, _ in t.shards}

@@ -33,7 +33,7 @@ from ntp_megatron.core.groups import GroupPool, PooledGroup
 from ntp_megatron.sockets import SocketScope, connections_to, socket_fds
 from ntp_megatron.patches import torch_distributed_work
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class JobStopped(SystemExit):
 
 @dataclass
 class Generation:
-    topology: Topology
+    topology: JobTopology
     rank: int
     """This process's rank in the generation (its default group)."""
     commit: CommitProtocol
@@ -80,12 +80,12 @@ class NodePlane:
     """``ntp.min_tp`` and ``ntp.on_unrecoverable``: with them a rank computes a new generation's topology from what
     its publication says changed, as the controller did (:func:`ntp_megatron.elastic.publication.computed`)."""
 
-    def first_on_node(self, topology: Topology, identities: dict[int, tuple[int, ...]], launch_rank: int) -> bool:
+    def first_on_node(self, topology: JobTopology, identities: dict[int, tuple[int, ...]], launch_rank: int) -> bool:
         """Whether ``launch_rank`` is the first live launch rank of this node in ``topology``."""
         return launch_rank == min(lr for lr, identity in identities.items()
                                   if self.node_of[lr] == self.node and topology.rank_of(*identity) is not None)
 
-    def share(self, topology: Topology, identities: dict[int, tuple[int, ...]]) -> NodeShare:
+    def share(self, topology: JobTopology, identities: dict[int, tuple[int, ...]]) -> NodeShare:
         """Where this process counts in ``topology``'s generation (``identities``: launch rank -> identity)."""
         live = [self.node_of[lr] for lr, identity in identities.items() if topology.rank_of(*identity) is not None]
         return NodeShare(members=live.count(self.node), nodes=len(set(live)))
@@ -121,7 +121,7 @@ class ElasticRank:
         self.local = self.open_local(timeout_s) if apart else self.ctl
         """Client of that store: votes, decisions, generations (the same object as ``ctl`` where it is the root)."""
         self.heartbeat = Heartbeat(self.open_local, launch_rank, heartbeat_s)
-        self._topologies: dict[int, Topology] = {}
+        self._topologies: dict[int, JobTopology] = {}
         start = self.topology(0)
         self.identity = start.slot_of(launch_rank)
         """(replica index, slot): what this process is, in every generation."""
@@ -138,7 +138,7 @@ class ElasticRank:
         self.carried: dict[GroupKey, PooledGroup] = {}
         """Groups of the generation left that the next one shares (detached from torch, offered when it forms)."""
 
-    def topology(self, generation: int) -> Topology:
+    def topology(self, generation: int) -> JobTopology:
         """Generation ``generation``'s topology. On several nodes computed from what its publication says changed,
         from the topology it builds on when this process has that one (as the controller computed it: reading the
         whole topology costs the root its size for every rank); read from the root otherwise."""
@@ -173,10 +173,10 @@ class ElasticRank:
     def info(self, generation: int) -> dict:
         return publication.info(self.local, generation)
 
-    def rank_in(self, topology: Topology) -> Optional[int]:
+    def rank_in(self, topology: JobTopology) -> Optional[int]:
         return topology.rank_of(*self.identity)
 
-    def join(self, topology: Topology) -> Generation:
+    def join(self, topology: JobTopology) -> Generation:
         """Join ``topology``'s generation: default process group, then (by the caller) the NTP groups, which
         must be built inside :meth:`scope` so the watchdog knows their sockets."""
         rank = self.rank_in(topology)
@@ -350,7 +350,7 @@ class ElasticRank:
             note_aware(self.ctl, g, self.launch_rank, now)
         self.aware_upto = max(self.aware_upto, generation)
 
-    def await_newer(self, generation: int) -> tuple[Topology, dict]:
+    def await_newer(self, generation: int) -> tuple[JobTopology, dict]:
         """Wait (bounded) until a generation newer than ``generation`` is published or the job is stopped;
         returns the newest topology and why it exists."""
         deadline = time.monotonic() + self.timeout_s

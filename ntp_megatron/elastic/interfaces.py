@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -54,7 +54,7 @@ class RankObjects(Protocol):
 
 
 class Builder(Protocol):
-    def setup(self, topology: Topology, rank: int, pool: Any) -> Any:
+    def setup(self, topology: JobTopology, rank: int, pool: Any) -> Any:
         """The parallel setup of ``rank`` in ``topology``: its groups (collective over each group's members;
         ``pool``, a :class:`ntp_megatron.core.groups.GroupPool`, offers those kept from the generation before and
         records what was made), the samples it reads. Opaque here: handed back to :meth:`build` and

@@ -45,7 +45,7 @@ from ntp_megatron.elastic.interfaces import Builder, RankObjects, Training
 from ntp_megatron.elastic.reform_report import report_rank, report_reformed
 from ntp_megatron.patches import torch_distributed_c10d as c10d_patch
 from ntp_megatron.plan.group_plan import GroupKey, rank_group_keys
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Reformer:
         self.cfg = cfg
         self.elastic = elastic
         self.builder = builder
-        self.completed: Topology = elastic.topology(0)
+        self.completed: JobTopology = elastic.topology(0)
         """The layout this process holds: the newest generation whose re-formation completed."""
         self.generation: Optional[Generation] = None
         """The generation this process is in (None between two)."""
@@ -119,7 +119,7 @@ class Reformer:
             self.elastic.leave(self.generation, ended=False)
             self.generation = None
 
-    def _advance(self, training: Training, first: Optional[tuple[Topology, dict]] = None) -> None:
+    def _advance(self, training: Training, first: Optional[tuple[JobTopology, dict]] = None) -> None:
         seen = self.generation.number if self.generation is not None else -1
         offered = False
         while True:
@@ -158,7 +158,7 @@ class Reformer:
             gc.collect()
         self._adopt(training, staged)
 
-    def _wanted(self, topology: Topology) -> list[GroupKey]:
+    def _wanted(self, topology: JobTopology) -> list[GroupKey]:
         """The groups this process is a member of in ``topology`` (none if it has no slot there)."""
         rank = self.elastic.rank_in(topology)
         if rank is None:
@@ -167,7 +167,7 @@ class Reformer:
         return rank_group_keys(topology, rank, p.data_parallel_size, p.num_distributed_optimizer_instances)
 
     # -- forming one generation ------------------------------------------------------------------------------
-    def _reform(self, training: Training, topology: Topology, info: dict) -> Staged:
+    def _reform(self, training: Training, topology: JobTopology, info: dict) -> Staged:
         """Join ``topology``'s generation and build (or keep) this rank's objects for it
         (:class:`ntp_megatron.elastic.formation.Formation`); returns them once every rank finished, without adopting
         them yet. Raises if the formation did not complete."""

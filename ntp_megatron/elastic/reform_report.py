@@ -73,7 +73,7 @@ def report_reformed(cfg: JobConfig, elastic: ElasticRank, training: Training, st
                                         for j in joined)
     elif info.get("weights"):
         what = "rebalanced: " + "; ".join(
-            f"replica {r}" + (f" stage {p}" if stages.has_stages(topology) else "") + " "
+            f"replica {r}" + (f" stage {p}" if topology.num_stages > 1 else "") + " "
             + (", ".join(f"slot {slot} weight {w}" for slot, w in pairs) or "even") for r, p, pairs in info["weights"])
     else:
         what = f"recovered in {recovery_s:.2f} s"
@@ -94,7 +94,7 @@ def moved_shards(cfg: JobConfig, elastic: ElasticRank, staged: Staged) -> list[d
         return launch.rank_of(*topology.slot_of(rank))
 
     out = []
-    transfers = plan_shard_transfers(staged.base, topology, staged.dead, p.data_parallel_size,
+    transfers = plan_shard_transfers(staged.base.only_stage, topology.only_stage, staged.dead, p.data_parallel_size,
                                      p.num_distributed_optimizer_instances)
     for dst in sorted({t.dst for t in transfers}):
         received = {(b, j): n for b, j, n in keys.received_shards(elastic.ctl, topology.generation, dst)}

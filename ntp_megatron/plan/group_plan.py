@@ -49,7 +49,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 from ntp_megatron.plan import optimizer_shards
 from ntp_megatron.plan.layout import Topology
-from ntp_megatron.plan.stages import PipelineTopology, pipeline_of, stages_of
+from ntp_megatron.plan.stages import JobTopology
 
 Identity = tuple[int, ...]
 
@@ -79,7 +79,7 @@ class GroupKey:
         return not set(self.members).isdisjoint(identities)
 
 
-def identities(topology: "Topology | PipelineTopology", ranks: Sequence[int]) -> tuple[Identity, ...]:
+def identities(topology: JobTopology, ranks: Sequence[int]) -> tuple[Identity, ...]:
     return tuple(topology.slot_of(r) for r in ranks)
 
 
@@ -97,7 +97,7 @@ def intra_group_ranks(topology: Topology, block: int, dp: int, k: int, instance:
                         if r in present))
 
 
-def key(topology: "Topology | PipelineTopology", role: str, place: tuple[int, ...], ranks: Iterable[int]) -> GroupKey:
+def key(topology: JobTopology, role: str, place: tuple[int, ...], ranks: Iterable[int]) -> GroupKey:
     """The key of the group of ``ranks`` in ``topology`` (the whole generation). Members in group-rank order:
     torch orders a group's ranks ascending, and a change of generation keeps the order of the ranks that stay."""
     return GroupKey(role, tuple(place), identities(topology, sorted(ranks)))
@@ -119,7 +119,7 @@ class PlannedGroup:
     """``part`` only: every part of the partition (the maker checks that they cover the world)."""
 
 
-def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
+def rank_group_calls(topology: JobTopology, rank: int, dp: Optional[int] = None,
                      instances: int = 1) -> list[PlannedGroup]:
     """Every ``new_group`` call ``rank`` makes in ``topology``, in order: the one enumeration of a generation's
     groups. :func:`ntp_megatron.core.groups.build_groups` makes exactly these, one by one, and
@@ -131,21 +131,21 @@ def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Opt
     and with ``instances`` k > 1 (over the ``dp`` launch replicas) per block the k intra-instance parts of its sync
     group and then its dp/k twins' groups. Those are a function of the topology alone, the same list on every rank;
     every rank has made the same number of groups before each (one first group, one alone, one part)."""
-    pipeline = pipeline_of(topology)
-    if pipeline is not None and instances > 1:
+    staged = topology.num_stages > 1
+    if staged and instances > 1:
         raise ValueError("distributed-optimizer instances with pipeline stages are not supported under NTP yet")
     if instances > 1 and dp is None:
         raise ValueError("distributed-optimizer instances need the launch data-parallel size (dp)")
-    stage = pipeline.stage_of(rank) if pipeline is not None else topology
+    stage = topology.stage_of(rank)
     replica = stage.replica_of(rank)
     tp_ranks = tuple(sorted(replica.ranks))
     calls = [PlannedGroup("first", tp_ranks, key(topology, "tp", (stage.stage,), tp_ranks)),
              PlannedGroup("alone", (rank,), key(topology, "alone", (), [rank]))]
-    if pipeline is not None:  # before the sync groups, which leave ranks members of different numbers of groups
-        parts = tuple(tuple(sorted(pipeline.replica_ranks(r))) for r in pipeline.replica_indices)
-        mine = tuple(sorted(pipeline.replica_ranks(replica.index)))
+    if staged:  # before the sync groups, which leave ranks members of different numbers of groups
+        parts = tuple(tuple(sorted(topology.replica_ranks(r))) for r in topology.replica_indices)
+        mine = tuple(sorted(topology.replica_ranks(replica.index)))
         calls.append(PlannedGroup("part", mine, key(topology, "mp", (replica.index,), mine), parts))
-    for s in stages_of(topology):  # in stage order
+    for s in topology.stages:  # in stage order
         calls += [_every_rank(topology, rank, "sync", (s.stage, b), sync_group_ranks(s, b)) for b in range(s.tp_base)]
     if instances > 1:
         assert dp is not None
@@ -158,13 +158,13 @@ def rank_group_calls(topology: "Topology | PipelineTopology", rank: int, dp: Opt
     return calls
 
 
-def _every_rank(topology: "Topology | PipelineTopology", rank: int, role: str, place: tuple[int, ...],
+def _every_rank(topology: JobTopology, rank: int, role: str, place: tuple[int, ...],
                 ranks: Iterable[int]) -> PlannedGroup:
     ranks = tuple(sorted(ranks))
     return PlannedGroup("every_rank", ranks, key(topology, role, place, ranks) if rank in ranks else None)
 
 
-def rank_group_keys(topology: "Topology | PipelineTopology", rank: int, dp: Optional[int] = None,
+def rank_group_keys(topology: JobTopology, rank: int, dp: Optional[int] = None,
                     instances: int = 1) -> list[GroupKey]:
     """Every group ``rank`` is a member of in ``topology``, in the order it makes them: the member calls of
     :func:`rank_group_calls`."""
@@ -190,7 +190,7 @@ def plan(held: Iterable[GroupKey], wanted: Iterable[GroupKey]) -> GroupPlan:
                      release=tuple(k for k in held if k not in wanted_set))
 
 
-def event_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology", identity: Identity,
+def event_plan(old: JobTopology, new: JobTopology, identity: Identity,
                dp: Optional[int] = None, instances: int = 1) -> GroupPlan:
     """The plan of the process with ``identity`` from ``old`` to ``new`` (before the members' verdict)."""
     old_rank, new_rank = old.rank_of(*identity), new.rank_of(*identity)

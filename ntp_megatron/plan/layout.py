@@ -362,7 +362,7 @@ class Topology:
     """Family -> number of units, e.g. ``{"heads": 8, "ffn": 256, "vocab": 256}``; each at least ``tp_base``."""
     replicas: tuple[Replica, ...]
     stage: int = 0
-    """The pipeline stage this is the layout of (:class:`ntp_megatron.plan.stages.PipelineTopology`); 0 without stages."""
+    """The pipeline stage this is the layout of (:class:`ntp_megatron.plan.stages.JobTopology`); 0 without stages."""
     rank_base: int = 0
     """The first process-group rank of this stage: its ranks are ``rank_base .. rank_base + world_size - 1`` (the
     stages before it hold the lower ones); 0 without stages."""

@@ -31,6 +31,7 @@ from typing import Optional
 
 from ntp_megatron.plan.layout import Topology, balanced_counts
 from ntp_megatron.plan.optimizer_shards import ParamSpec, buffer_layout, ddp_bucket_size, shard_numel
+from ntp_megatron.plan.stages import JobTopology
 
 GIB = 2**30
 
@@ -192,11 +193,15 @@ def _sharded(params: Sequence[ParamShape], units: Mapping[str, int], training: T
     return layout.numel, max(shard_numel(layout, training.shard_over, j) for j in range(training.shard_over))
 
 
-def rank_state(dims: ModelDims, topology, rank: int, training: Training) -> StateBytes:
-    """The state ``rank`` of ``topology`` holds (:func:`state`): a :class:`~ntp_megatron.plan.layout.Topology`, one
-    stage's with pipeline stages (its ``stage``), or a whole :class:`~ntp_megatron.plan.stages.PipelineTopology`."""
-    if hasattr(topology, "stage_of"):
-        topology = topology.stage_of(rank)
+def rank_state(dims: ModelDims, topology: JobTopology, rank: int, training: Training) -> StateBytes:
+    """The state ``rank`` of ``topology`` (a whole :class:`~ntp_megatron.plan.stages.JobTopology`) holds: its stage's
+    :func:`stage_rank_state`."""
+    return stage_rank_state(dims, topology.stage_of(rank), rank, training)
+
+
+def stage_rank_state(dims: ModelDims, topology: Topology, rank: int, training: Training) -> StateBytes:
+    """The state ``rank`` of ``topology`` holds (:func:`state`): ``topology`` is the layout of ``rank``'s stage (a
+    :class:`~ntp_megatron.plan.layout.Topology`, its ``stage``)."""
     stage = topology.stage
     held = {family: len(topology.units_of(rank, family)) for family in dims.units}
     if topology.is_healthy(topology.replica_of(rank).index):  # canonical: no shadow (a weighted replica has them)

@@ -28,7 +28,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional
 
-from ntp_megatron.plan.stages import rebalanced_topology, stages_of
+from ntp_megatron.plan.stages import JobTopology, identity_stage, rebalanced_topology
 
 NORMAL = 100
 """The weight of a rank at normal speed."""
@@ -144,14 +144,14 @@ def _weight(relative_speed: float, threshold: float) -> int:
     return max(1, min(NORMAL, round(NORMAL * relative_speed)))
 
 
-def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
+def groups_of(topology: JobTopology, identity: Mapping[int, tuple[int, ...]],
               unit_costs: Optional[Mapping[int, Mapping[str, int]]] = None) -> list[Group]:
     """Every TP group of ``topology`` (with or without pipeline stages) whose members are all in ``identity``
     (launch rank -> (replica, slot[, stage]): the controller's, or a node's own ranks), with their launch ranks and,
     given each stage's parameter elements per unit of each family (``unit_costs[stage]``,
     :func:`ntp_megatron.plan.memory_plan.unit_cost`), the work each member holds."""
-    stages = stages_of(topology)
-    by_place = {(ident[0], ident[1], ident[2] if len(ident) > 2 else 0): lr for lr, ident in identity.items()}
+    stages = topology.stages
+    by_place = {(ident[0], ident[1], identity_stage(ident)): lr for lr, ident in identity.items()}
     out = []
     for p, stage in enumerate(stages):
         for rep in stage.replicas:
@@ -167,13 +167,13 @@ def groups_of(topology, identity: Mapping[int, tuple[int, ...]],
     return out
 
 
-def refusal(old, decision: Decision, min_tp: int) -> Optional[str]:
+def refusal(old: JobTopology, decision: Decision, min_tp: int) -> Optional[str]:
     """Why ``decision`` is not worth a re-formation of ``old`` (a job's topology), None if it is: "" when its weights
     give the layout ``old`` already has; a sentence when a rank would hold more of a family than at ``min_tp`` (what
     the memory plan and ``ntp.memory_budget_gib`` vouch for)."""
     where = (decision.replica, decision.stage)
-    new = stages_of(rebalanced_topology(old, {where: dict(decision.weights)}))[decision.stage]
-    before, after = stages_of(old)[decision.stage].replica(decision.replica), new.replica(decision.replica)
+    new = rebalanced_topology(old, {where: dict(decision.weights)}).stages[decision.stage]
+    before, after = old.stages[decision.stage].replica(decision.replica), new.replica(decision.replica)
     most = {f: max(len(units) for units in new.layout(f, decision.replica)) for f in new.units}
     over = {f: n for f, n in most.items() if n > -(-new.units[f] // min_tp)}
     if over:

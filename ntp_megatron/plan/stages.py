@@ -1,11 +1,18 @@
-"""NTP with pipeline stages: a generation is one NTP layout per stage. Pure Python, no torch.
+"""The topology of a job: one NTP layout per pipeline stage (:class:`JobTopology`). Pure Python, no torch.
+
+A job's topology is always a :class:`JobTopology`; a job without pipeline stages is a job of one stage. This
+module is the only place that knows how the stages are represented: everything else asks a :class:`JobTopology`
+(``stages``, ``num_stages``, ``stage_of(rank)``, ``slot_of``/``rank_of``) or calls this module's job-level
+functions, which have one code path for any number of stages.
 
 A replica is a TP × PP grid. Each stage of it has its own live slots, dead blocks, proxies and dealt units: one
 :class:`ntp_megatron.plan.layout.Topology` per stage, all of one generation, ``tp_base``, unit counts and set of
 replicas (a replica dropped is dropped in every stage). A process is identified across generations by
-``(replica, slot, stage)``. Ranks are numbered stage by stage, as Megatron numbers its grid (stage slowest): stage
-``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each stage's topology
-holds its own ranks (``rank_base .. rank_base + world_size - 1``) and everything that works inside one stage (TP
+``(replica, slot, stage)``; in a job of one stage by ``(replica, slot)`` (the identity rule of
+:meth:`JobTopology.slot_of`: what the store, the published ``dead``/``joined`` lists, the events and the rejoin
+requests have always said there). Ranks are numbered stage by stage, as Megatron numbers its grid (stage
+slowest): stage ``p``'s live slots get the ranks after every earlier stage's, in (replica, slot) order, so each
+stage's topology holds its own ranks (``rank_base .. rank_base + world_size - 1``) and everything that works inside one stage (TP
 groups, sync groups per (stage, block), units, transition plans) reads its stage's topology unchanged.
 
 Stage boundaries
@@ -28,8 +35,11 @@ A failure re-forms the stages that lost ranks, each by :func:`ntp_megatron.plan.
 other stage keeps its layout (its ranks are renumbered only when an earlier stage lost some). A replica that falls
 below ``min_tp`` in one stage is dropped from every stage (``drop_replica``), or the failure is unrecoverable.
 A rejoin widens the stages its slots belong to; a dropped replica comes back only with slots in every stage. Units
-move only inside a stage (:func:`transition_plan`). :func:`next_topology`, :func:`join_topology` and
-:func:`transition_plan` take a topology with or without stages.
+move only inside a stage (:func:`transition_plan`). :func:`next_topology`, :func:`join_topology`,
+:func:`rebalanced_topology` and :func:`transition_plan` are those of one stage's layout for a job of one stage.
+
+Serialised, a job of one stage is its stage's plain :class:`Topology` JSON (what every published generation of such
+a job has always been); a job of several is ``{"stages": [...]}``. :func:`load_topology` reads both.
 """
 
 from __future__ import annotations
@@ -38,23 +48,23 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Mapping, Optional, Union
+from typing import Iterable, Mapping, Optional
 
 from ntp_megatron.plan import layout
 from ntp_megatron.plan.layout import Move, Replica, Topology, TopologyError, make_topology
 
 
 @dataclass(frozen=True)
-class PipelineTopology:
-    """Generation ``generation`` of a job with pipeline stages: the layout of each stage (``stages[p]`` is a
-    :class:`Topology` with ``stage == p``, its ranks following stage ``p - 1``'s)."""
+class JobTopology:
+    """Generation ``generation`` of a job: the layout of each pipeline stage (``stages[p]`` is a :class:`Topology`
+    with ``stage == p``, its ranks following stage ``p - 1``'s); one stage for a job without pipeline stages."""
 
     stages: tuple[Topology, ...]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
-        if len(self.stages) < 2:
-            raise ValueError(f"a pipeline topology has at least two stages, got {len(self.stages)}")
+        if not self.stages:
+            raise ValueError("a job topology has at least one stage, got none")
         first = self.stages[0]
         base = 0
         for p, stage in enumerate(self.stages):
@@ -70,6 +80,11 @@ class PipelineTopology:
                 raise ValueError(f"stage {p} has replicas {[rep.index for rep in stage.replicas]}, stage 0 "
                                  f"{[rep.index for rep in first.replicas]}: a replica is dropped in every stage")
             base += stage.world_size
+
+    @classmethod
+    def one_stage(cls, topology: Topology) -> "JobTopology":
+        """The topology of a job without pipeline stages whose layout is ``topology``."""
+        return cls((topology,))
 
     # -- the job as a whole -----------------------------------------------------------------------------------
 
@@ -89,9 +104,22 @@ class PipelineTopology:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return sum(stage.world_size for stage in self.stages)
+
+    @property
+    def only_stage(self) -> Topology:
+        """The layout of a job without pipeline stages (what works for one stage only, such as the distributed
+        optimizer's shards, which the config refuses with stages); ValueError for a job with stages."""
+        if self.num_stages != 1:
+            raise ValueError(f"this needs a job without pipeline stages; the job has {self.num_stages}")
+        return self.stages[0]
+
+    @property
+    def ranks(self) -> range:
+        """The generation's process-group ranks, every stage's."""
+        return range(self.world_size)
 
     @property
     def replica_indices(self) -> list[int]:
@@ -108,13 +136,15 @@ class PipelineTopology:
                              f"(ranks 0..{self.world_size - 1})")
         return self.stages[bisect.bisect_right(self._bases, rank) - 1]
 
-    def slot_of(self, rank: int) -> tuple[int, int, int]:
-        """``(replica, slot, stage)`` of a rank: the identity of a process across generations."""
+    def slot_of(self, rank: int) -> tuple[int, ...]:
+        """The identity of a process across generations: ``(replica, slot, stage)`` of a rank, ``(replica, slot)`` in
+        a job of one stage (the identity rule, module docstring)."""
         stage = self.stage_of(rank)
-        return (*stage.slot_of(rank), stage.stage)
+        return stage.slot_of(rank) if self.num_stages == 1 else (*stage.slot_of(rank), stage.stage)
 
     def rank_of(self, replica: int, slot: int, stage: int = 0) -> Optional[int]:
-        """Process-group rank of ``(replica, slot, stage)`` in this generation, None if that slot is not live."""
+        """Process-group rank of ``(replica, slot, stage)`` (``(replica, slot)`` in a job of one stage) in this
+        generation, None if that slot is not live."""
         if not isinstance(stage, int) or not 0 <= stage < self.num_stages:
             return None
         return self.stages[stage].rank_of(replica, slot)
@@ -170,57 +200,50 @@ class PipelineTopology:
     # -- serialisation ------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict:
+        """``{"stages": [...]}``; a job of one stage is its stage's plain :class:`Topology` JSON."""
+        if self.num_stages == 1:
+            return self.stages[0].to_json()
         return {"stages": [stage.to_json() for stage in self.stages]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "PipelineTopology":
-        if not isinstance(d, dict) or set(d) != {"stages"} or not isinstance(d["stages"], list):
+    def from_json(cls, d: dict) -> "JobTopology":
+        """Either form of :meth:`to_json`."""
+        if not (isinstance(d, dict) and "stages" in d):
+            return cls.one_stage(Topology.from_json(d))
+        if set(d) != {"stages"} or not isinstance(d["stages"], list):
             raise ValueError("pipeline topology JSON must be an object with exactly the key 'stages' (a list)")
         return cls(tuple(Topology.from_json(stage) for stage in d["stages"]))
 
 
-JobTopology = Union[Topology, PipelineTopology]
-"""A job's topology: one layout, or one per pipeline stage."""
+def named_stage(identity: tuple[int, ...]) -> Optional[int]:
+    """The stage a process identity (:meth:`JobTopology.slot_of`) names: None in a job of one stage, whose
+    identities are ``(replica, slot)``."""
+    return identity[2] if len(identity) > 2 else None
 
 
-def tp_per_replica(topology: "Topology | PipelineTopology", num_replicas: int) -> list:
+def identity_stage(identity: tuple[int, ...]) -> int:
+    """The stage of a process identity: 0 in a job of one stage."""
+    stage = named_stage(identity)
+    return 0 if stage is None else stage
+
+
+def tp_per_replica(topology: JobTopology, num_replicas: int) -> list:
     """The TP width of every replica index of the launch (0 for a dropped replica), as the records give it; with
     pipeline stages a list per replica, one width per stage."""
-    if isinstance(topology, PipelineTopology):
-        present = set(topology.replica_indices)
-        return [topology.widths(r) if r in present else [0] * topology.num_stages for r in range(num_replicas)]
-    widths = {rep.index: rep.width for rep in topology.replicas}
-    return [widths.get(r, 0) for r in range(num_replicas)]
+    present = set(topology.replica_indices)
+    widths = [topology.widths(r) if r in present else [0] * topology.num_stages for r in range(num_replicas)]
+    return widths if topology.num_stages > 1 else [w[0] for w in widths]
 
 
-def replica_widths(topology: "Topology | PipelineTopology", replica: int) -> Optional[list[int]]:
+def replica_widths(topology: JobTopology, replica: int) -> Optional[list[int]]:
     """The TP width of each stage of replica ``replica`` (one entry without stages), None if it was dropped."""
-    if isinstance(topology, PipelineTopology):
-        return topology.widths(replica) if replica in topology.replica_indices else None
-    rep = next((r for r in topology.replicas if r.index == replica), None)
-    return None if rep is None else [rep.width]
+    return topology.widths(replica) if replica in topology.replica_indices else None
 
 
-def live_widths(topology: "Topology | PipelineTopology") -> list:
+def live_widths(topology: JobTopology) -> list:
     """The TP width of every live replica, in replica order (with stages, a list of widths per replica)."""
-    if isinstance(topology, PipelineTopology):
-        return [topology.widths(r) for r in topology.replica_indices]
-    return [rep.width for rep in topology.replicas]
-
-
-def stages_of(topology: "Topology | PipelineTopology") -> tuple[Topology, ...]:
-    """The layout of every stage of a job's topology: the topology itself where the job has no pipeline stages."""
-    return topology.stages if isinstance(topology, PipelineTopology) else (topology,)
-
-
-def pipeline_of(topology: "Topology | PipelineTopology") -> Optional[PipelineTopology]:
-    """The job's topology as a pipeline, None where it has no pipeline stages."""
-    return topology if isinstance(topology, PipelineTopology) else None
-
-
-def has_stages(topology: "Topology | PipelineTopology") -> bool:
-    """Whether the job runs pipeline stages (its events and lines then name the stage)."""
-    return isinstance(topology, PipelineTopology)
+    widths = [topology.widths(r) for r in topology.replica_indices]
+    return widths if topology.num_stages > 1 else [w[0] for w in widths]
 
 
 def _step(direction: str) -> int:
@@ -229,14 +252,14 @@ def _step(direction: str) -> int:
     return 1 if direction == "forward" else -1
 
 
-def load_topology(d: dict) -> "Topology | PipelineTopology":
-    """A published topology from its JSON, with or without pipeline stages."""
-    return PipelineTopology.from_json(d) if isinstance(d, dict) and "stages" in d else Topology.from_json(d)
+def load_topology(d: dict) -> JobTopology:
+    """A published topology from its JSON, with or without pipeline stages (:meth:`JobTopology.to_json`)."""
+    return JobTopology.from_json(d)
 
 
 def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, int],
                            dead_slots: Iterable[tuple[int, int, int]] = (), generation: int = 0, min_tp: int = 1,
-                           dropped: Iterable[int] = ()) -> PipelineTopology:
+                           dropped: Iterable[int] = ()) -> JobTopology:
     """The starting topology of ``pp`` stages: each stage's :func:`make_topology` with its own dead slots
     (``(replica, slot, stage)`` triples), the same ``dropped`` replicas, ranks numbered stage by stage."""
     if not isinstance(pp, int) or pp < 2:
@@ -258,31 +281,25 @@ def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, i
             raise type(exc)(f"stage {p}: {exc}") from None
         stages.append(stage.placed(p, base))
         base += stage.world_size
-    return PipelineTopology(tuple(stages))
+    return JobTopology(tuple(stages))
 
 
-def _renumbered(stages: Iterable[Topology]) -> PipelineTopology:
+def _renumbered(stages: Iterable[Topology]) -> JobTopology:
     """Stages of one generation with their ranks numbered stage after stage."""
     placed, base = [], 0
     for p, stage in enumerate(stages):
         placed.append(stage.placed(p, base))
         base += stage.world_size
-    return PipelineTopology(tuple(placed))
+    return JobTopology(tuple(placed))
 
 
-def _next_generation(stage: Topology) -> Topology:
-    return dataclasses.replace(stage, generation=stage.generation + 1)
-
-
-def with_generation(topology: "Topology | PipelineTopology", generation: int) -> "Topology | PipelineTopology":
+def with_generation(topology: JobTopology, generation: int) -> JobTopology:
     """The same layout as generation ``generation``."""
-    if isinstance(topology, PipelineTopology):
-        return PipelineTopology(tuple(dataclasses.replace(stage, generation=generation) for stage in topology.stages))
-    return dataclasses.replace(topology, generation=generation)
+    return JobTopology(tuple(dataclasses.replace(stage, generation=generation) for stage in topology.stages))
 
 
-def published_topology(base: "Topology | PipelineTopology", info: dict, generation: int, min_tp: int = 1,
-                       policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
+def published_topology(base: JobTopology, info: dict, generation: int, min_tp: int = 1,
+                       policy: layout.Policy = "drop_replica") -> JobTopology:
     """The topology of ``generation`` from what its publication says changed (the controller's ``info``): the
     generation it builds on is ``base``; ``info["joined"]`` slots are admitted, or the ``info["dead"]`` identities
     (slots of ``base``) died. What every rank computes instead of reading the whole topology from the root store
@@ -297,16 +314,15 @@ def published_topology(base: "Topology | PipelineTopology", info: dict, generati
     return with_generation(new, generation)
 
 
-def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[int], min_tp: int = 1,
-                  policy: layout.Policy = "drop_replica") -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.plan.layout.next_topology`, for a topology with or without stages (module docstring)."""
-    if not isinstance(current, PipelineTopology):
-        return layout.next_topology(current, dead_ranks, min_tp=min_tp, policy=policy)
+def next_topology(current: JobTopology, dead_ranks: Iterable[int], min_tp: int = 1,
+                  policy: layout.Policy = "drop_replica") -> JobTopology:
+    """:func:`ntp_megatron.plan.layout.next_topology`, stage by stage (module docstring); a job of one stage's is its
+    stage's."""
     dead = set(dead_ranks)
     for rank in dead:
         current.stage_of(rank)  # a ValueError for a rank that is not live
     dropped = set()
-    for stage in current.stages:
+    for stage in current.stages if current.num_stages > 1 else ():  # one stage drops (or refuses) on its own
         for rep in stage.replicas:
             left = sum(r not in dead for r in rep.ranks)
             if left < min_tp:
@@ -318,45 +334,47 @@ def next_topology(current: "Topology | PipelineTopology", dead_ranks: Iterable[i
     for stage in current.stages:
         gone = {r for r in stage.ranks if r in dead} | {r for rep in stage.replicas if rep.index in dropped
                                                         for r in rep.ranks}
-        stages.append(layout.next_topology(stage, gone, min_tp=min_tp, policy=policy) if gone else
-                      _next_generation(stage))
+        stages.append(layout.next_topology(stage, gone, min_tp=min_tp, policy=policy))  # none gone: as it was
     return _renumbered(stages)
 
 
-def join_topology(current: "Topology | PipelineTopology", joined_slots: Iterable[tuple[int, ...]], min_tp: int = 1
-                  ) -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.plan.layout.join_topology`, for a topology with or without stages (``(replica, slot, stage)``
-    triples with stages)."""
-    if not isinstance(current, PipelineTopology):
-        return layout.join_topology(current, joined_slots, min_tp=min_tp)
-    joining: dict[int, list[tuple[int, int]]] = {p: [] for p in range(current.num_stages)}
-    for item in joined_slots:
+def _by_stage(current: JobTopology, identities: Iterable[tuple[int, ...]], what: str) -> dict[int, list]:
+    """Identities (``(replica, slot, stage)``; ``(replica, slot)`` in a job of one stage, passed on as given) as
+    ``(replica, slot)`` items per stage."""
+    out: dict[int, list] = {p: [] for p in range(current.num_stages)}
+    for item in identities:
+        if current.num_stages == 1 and len(item) == 2:  # the identity rule of a job of one stage
+            out[0].append(item)
+            continue
         replica, slot, stage = item
         if not 0 <= stage < current.num_stages:
-            raise ValueError(f"joined slot {item!r}: stage {stage} out of range 0..{current.num_stages - 1}")
-        joining[stage].append((replica, slot))
+            raise ValueError(f"{what} {item!r}: stage {stage} out of range 0..{current.num_stages - 1}")
+        out[stage].append((replica, slot))
+    return out
+
+
+def join_topology(current: JobTopology, joined_slots: Iterable[tuple[int, ...]], min_tp: int = 1) -> JobTopology:
+    """:func:`ntp_megatron.plan.layout.join_topology`, stage by stage (``(replica, slot, stage)`` triples with stages,
+    ``(replica, slot)`` pairs in a job of one stage)."""
+    joining = _by_stage(current, joined_slots, "joined slot")
     present = set(current.replica_indices)
     returning = [{r for r, _ in joining[p]} - present for p in range(current.num_stages)]
     if any(back != returning[0] for back in returning):
         raise TopologyError(f"a dropped replica comes back only with slots in every stage (returning per stage: "
                             f"{[sorted(b) for b in returning]})")
-    return _renumbered(layout.join_topology(stage, joining[p], min_tp=min_tp) if joining[p] else
-                       _next_generation(stage) for p, stage in enumerate(current.stages))
+    return _renumbered(layout.join_topology(stage, joining[p], min_tp=min_tp) for p, stage in enumerate(current.stages))
 
 
-def rebalanced_topology(current: "Topology | PipelineTopology", weights: Mapping[tuple[int, int], Mapping[int, int]]
-                      ) -> "Topology | PipelineTopology":
-    """:func:`ntp_megatron.plan.layout.rebalanced_topology` for a topology with or without stages: ``weights`` maps
-    ``(replica, stage)`` (stage 0 without stages) to that stage's slot weights; other stages keep their layout."""
+def rebalanced_topology(current: JobTopology, weights: Mapping[tuple[int, int], Mapping[int, int]]) -> JobTopology:
+    """:func:`ntp_megatron.plan.layout.rebalanced_topology` stage by stage: ``weights`` maps ``(replica, stage)``
+    (stage 0 without stages) to that stage's slot weights; other stages keep their layout."""
     per_stage: dict[int, dict[int, Mapping[int, int]]] = {}
-    stages = current.num_stages if isinstance(current, PipelineTopology) else 1
+    stages = current.num_stages
     for (replica, stage), given in weights.items():
         if not 0 <= stage < stages:
             raise ValueError(f"weights for replica {replica}: stage {stage} out of range 0..{stages - 1}")
         per_stage.setdefault(stage, {})[replica] = given
-    if not isinstance(current, PipelineTopology):
-        return layout.rebalanced_topology(current, per_stage.get(0, {}))
-    return _renumbered(layout.rebalanced_topology(stage, per_stage[p]) if p in per_stage else _next_generation(stage)
+    return _renumbered(layout.rebalanced_topology(stage, per_stage.get(p, {}))
                        for p, stage in enumerate(current.stages))
 
 
@@ -370,13 +388,12 @@ def weights_from_json(items: list) -> dict[tuple[int, int], dict[int, int]]:
     return {(replica, stage): {slot: w for slot, w in pairs} for replica, stage, pairs in items}
 
 
-def transition_plan(old: "Topology | PipelineTopology", new: "Topology | PipelineTopology",
-                    dead_ranks: Iterable[int] = ()) -> list[Move]:
-    """:func:`ntp_megatron.plan.layout.transition_plan`, for a topology with or without stages: each stage's own
-    (units never cross stages), in stage order."""
-    if not isinstance(old, PipelineTopology):
-        return layout.transition_plan(old, new, dead_ranks)
+def transition_plan(old: JobTopology, new: JobTopology, dead_ranks: Iterable[int] = ()) -> list[Move]:
+    """:func:`ntp_megatron.plan.layout.transition_plan` stage by stage: each stage's own (units never cross stages),
+    in stage order."""
     dead = set(dead_ranks)
+    for rank in dead:
+        old.stage_of(rank)  # a ValueError for a rank that is not live
     return [move for before, after in zip(old.stages, new.stages)
             for move in layout.transition_plan(before, after, [r for r in before.ranks if r in dead])]
 

@@ -39,7 +39,7 @@ class ShardedOptimizer:
         if p.pipeline_model_parallel_size > 1:  # refused by the config (JobConfig._check_pipeline) for now
             raise ValueError("the distributed optimizer's shards are planned for one pipeline stage")
         dims, training = memory_plan.ModelDims.of(cfg.model), memory_plan.training_of(cfg)
-        topology = cfg.topology()
+        topology = cfg.topology().only_stage
         params = memory_plan.gpt_params(dims)
         numel = []
         for block in range(topology.tp_base):
@@ -71,7 +71,7 @@ def succession(base: JobTopology, dead_ranks: list[int], min_tp: int, policy: st
             _check_no_drop(base, new, sharded.instances)
         if moves_needed:
             if sharded is not None:  # the state is the shards (units are gathered from them)
-                lost = lost_shards(base, dead_ranks, sharded.data_parallel_size, sharded.instances)
+                lost = lost_shards(base.only_stage, dead_ranks, sharded.data_parallel_size, sharded.instances)
                 if lost:
                     one = " (one instance: every shard has a single holder)" if sharded.instances == 1 else ""
                     return Succession(None, _cannot(f"distributed-optimizer shards (block, position) {lost} lost: "
@@ -91,7 +91,7 @@ def _check_no_drop(base: JobTopology, new: JobTopology, instances: int) -> None:
     """Under the distributed optimizer with several instances no replica may be dropped, before the first commit as
     after it: each instance shards over its replicas' positions, which a drop would renumber (the shards would have
     to be cut anew, and the instances would shard differently), which nothing does live."""
-    dropped = sorted({rep.index for rep in base.replicas} - {rep.index for rep in new.replicas})
+    dropped = sorted(set(base.replica_indices) - set(new.replica_indices))
     if dropped and instances > 1:
         raise TopologyError(
             f"replica{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped))} would be dropped, which "

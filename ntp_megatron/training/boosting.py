@@ -27,10 +27,9 @@ class Booster:
         tp_base, weight = tp_size, 100
         topology = setup.topology
         if topology is not None:
-            stage = topology.stage_of(setup.rank) if hasattr(topology, "stage_of") else topology
-            tp_base = stage.tp_base
-            replica, slot = stage.slot_of(setup.rank)
-            weight = stage.replica(replica).weights.get(slot, 100)
+            tp_base = topology.tp_base  # this rank's stage's (the setup's topology)
+            replica, slot = topology.slot_of(setup.rank)
+            weight = topology.replica(replica).weights.get(slot, 100)
         chosen = plan(self.boost, share, tp_base, weight)
         if self.device is not None:
             self.device.speed = chosen.perf

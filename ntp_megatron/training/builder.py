@@ -12,7 +12,7 @@ from megatron.core import tensor_parallel
 from ntp_megatron.config.schema import JobConfig
 from ntp_megatron.core.shadows import abandon_collectives
 from ntp_megatron.core.groups import GroupPool, rebind_process_groups
-from ntp_megatron.plan.layout import Topology
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.training import checkpoint
 from ntp_megatron.training.components import Components, attach_grad_sync, build_components
 from ntp_megatron.training.parallel import ParallelSetup, ntp_parallel
@@ -22,7 +22,7 @@ class RankBuilder:
     def __init__(self, cfg: JobConfig, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
 
-    def setup(self, topology: Topology, rank: int, pool: Optional[GroupPool] = None) -> ParallelSetup:
+    def setup(self, topology: JobTopology, rank: int, pool: Optional[GroupPool] = None) -> ParallelSetup:
         return ntp_parallel(self.cfg, topology, rank, pool)
 
     def build(self, setup: ParallelSetup, initialize: bool, adopt_from: Optional[Components] = None) -> Components:

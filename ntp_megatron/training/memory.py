@@ -40,7 +40,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from ntp_megatron import metrics
-from ntp_megatron.plan.memory_plan import StateBytes, dims_of, rank_state, training_of
+from ntp_megatron.plan.memory_plan import StateBytes, dims_of, stage_rank_state, training_of
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -210,7 +210,7 @@ class RankMemory:
         topology, rank = setup.topology, setup.rank
         planned = None
         if topology is not None:
-            planned = asdict(rank_state(dims_of(self.cfg), topology, rank, training_of(self.cfg)))
+            planned = asdict(stage_rank_state(dims_of(self.cfg), topology, rank, training_of(self.cfg)))  # its stage's
         peak, source = self.peak()
         record = {"kind": "memory", "phase": phase, "launch_rank": self.launch_rank,
                   "generation": setup.generation, "replica": setup.replica, "tp_rank": setup.tp_rank,

@@ -150,5 +150,5 @@ def ntp_parallel(cfg: JobConfig, topology, rank: int, pool: Optional[GroupPool] 
         topology=topology,
         groups=groups,
         stage=topology.stage,
-        stages=groups.pipeline.num_stages if groups.pipeline is not None else 1,
+        stages=groups.job.num_stages,
     )

@@ -21,7 +21,7 @@ def run_schedule(setup, tf_config, model, forward_step_func: Callable, data_iter
     groups = {"pg_collection": setup.pg}
     if setup.stages > 1 and setup.groups is not None:  # NTP: stages of different widths border each other
         device = next(model.parameters()).device
-        groups["p2p_communicator"] = NTPP2PCommunicator(setup.groups.pipeline, setup.rank, tf_config, device)
+        groups["p2p_communicator"] = NTPP2PCommunicator(setup.groups.job, setup.rank, tf_config, device)
     elif setup.stages > 1:  # the 1F1B schedule takes explicit groups only together with its communicator
         groups["p2p_communicator"] = P2PCommunicator(pp_group=setup.pg.pp, config=tf_config)
     return get_forward_backward_func(pp_size=setup.stages, vp_size=None)(

@@ -187,11 +187,9 @@ def _check_stage_rows(segment: Segment, last_segment: bool, stage: int) -> set[i
 
 
 def _healthy(topology, replica: int) -> bool:
-    """Replica ``replica`` has every slot of every stage live in ``topology``."""
-    from ntp_megatron.plan.stages import PipelineTopology
-
-    stages = topology.stages if isinstance(topology, PipelineTopology) else (topology,)
-    return all(any(rep.index == replica for rep in stage.replicas) and stage.is_healthy(replica) for stage in stages)
+    """Replica ``replica`` has every slot of every stage live in ``topology`` (a job's)."""
+    return all(any(rep.index == replica for rep in stage.replicas) and stage.is_healthy(replica)
+               for stage in topology.stages)
 
 
 def _group_names(keys) -> set[str]:
@@ -211,14 +209,14 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
     times in its model, DDP and optimizer, and made only sync groups. Returns how many such ranks were seen.
     ``dp``: the launch data-parallel size (default: the replicas of generation 0)."""
     from ntp_megatron.plan.group_plan import event_plan, rank_group_keys
-    from ntp_megatron.plan.stages import PipelineTopology, load_topology
+    from ntp_megatron.plan.stages import load_topology
 
     published = {e["generation"]: e for e in result.events("generation_published")}
     topologies = {g: load_topology(e["topology"]) for g, e in published.items()}
     records = {(r["generation"], r["launch_rank"]): r for r in result.records if r.get("kind") == "reform_rank"}
     start = topologies[0]
     if dp is None:
-        dp = len((start.stages[0] if isinstance(start, PipelineTopology) else start).replicas)
+        dp = len(start.replica_indices)
     launch_of = {start.slot_of(lr): lr for lr in range(start.world_size)}
     kept_tp = 0
     for event in result.events("reformed"):

@@ -31,6 +31,7 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
         from torch.distributed import distributed_c10d
 
         from ntp_megatron.core.groups import build_groups
+        from ntp_megatron.plan.stages import JobTopology  # in the spawned process, as build_groups
 
         store = store_client(port, timeout_s)
         for generation, dead in enumerate(GENERATIONS):
@@ -40,7 +41,7 @@ def _slot_process(replica: int, slot: int, port: int, timeout_s: float) -> None:
                 continue
             dist.init_process_group("gloo", store=dist.PrefixStore(keys.process_group_prefix(generation), store),
                                     rank=rank, world_size=topology.world_size, timeout=timedelta(seconds=timeout_s))
-            groups = build_groups(topology, rank, timeout_s)
+            groups = build_groups(JobTopology.one_stage(topology), rank, timeout_s)
             used = [groups.tp, groups.pg_collection.pp, *groups.sync.values()]
             held = [g for g in distributed_c10d._world.pg_names if g is not distributed_c10d._get_default_group()]
             assert {id(g) for g in held} == {id(g) for g in used}, (generation, [g.size() for g in held])

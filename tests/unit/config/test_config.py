@@ -155,7 +155,7 @@ def test_degraded_start_sizes_the_world():
     cfg = load_job_config(overrides=["ntp.enabled=true", "parallel.tensor_model_parallel_size=4",
                                      "ntp.dead_slots=[1:3]"])
     assert cfg.world_size == 7
-    assert [r.width for r in cfg.topology().replicas] == [4, 3]
+    assert [r.width for r in cfg.topology().only_stage.replicas] == [4, 3]
     assert cfg.unit_counts() == {"heads": 8, "ffn": 256, "vocab": 256}
 
 
@@ -163,11 +163,11 @@ def test_the_distributed_optimizer_starts_degraded_with_checkpoints_and_drops_re
     dist_opt = ["ntp.enabled=true", "parallel.use_distributed_optimizer=true", "parallel.tensor_model_parallel_size=2"]
     cfg = load_job_config(overrides=[*dist_opt, "ntp.dead_slots=[1:1]", "checkpoint.save=/tmp/ckpt",
                                      "checkpoint.load=/tmp/ckpt"])
-    assert [r.width for r in cfg.topology().replicas] == [2, 1]
+    assert [r.width for r in cfg.topology().only_stage.replicas] == [2, 1]
     assert cfg.parallel.num_distributed_optimizer_instances == 2
     cfg = load_job_config(overrides=[*dist_opt, "ntp.dropped_replicas=[1]",
                                      "parallel.num_distributed_optimizer_instances=1"])
-    assert [r.index for r in cfg.topology().replicas] == [0]
+    assert [r.index for r in cfg.topology().only_stage.replicas] == [0]
 
 
 def test_megatron_style_flags_become_overrides():

@@ -20,6 +20,7 @@ from ntp_megatron.core.groups import GroupPool, build_groups
 from ntp_megatron.plan import stages
 from ntp_megatron.plan.group_plan import rank_group_calls, rank_group_keys
 from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.training.parallel import ntp_parallel, uniform_parallel
 
 TP = 8
@@ -109,7 +110,7 @@ def test_ntp_groups_do_not_grow_with_the_world(fake_world, replicas):
     assert len(topology.member_blocks(proxy)) >= 2 and len(topology.member_blocks(degraded)) == 1
     for rank in (healthy, proxy, degraded):
         world = fake_world(topology.world_size, rank)
-        setup = ntp_parallel(cfg, topology, rank)
+        setup = ntp_parallel(cfg, JobTopology.one_stage(topology), rank)
         blocks = topology.member_blocks(rank)
         _check_calls(world, largest_allowed=replicas)
         replica = topology.replica_of(rank)
@@ -182,9 +183,9 @@ def test_plain_pipeline_groups_are_megatrons(fake_world, tp, dp, pp):
 
 _UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 PLANNED = {  # topology, dp, distributed-optimizer instances
-    "healthy": (make_topology(4, 3, _UNITS), 3, 1),
-    "dead slots": (make_topology(4, 3, _UNITS, dead_slots=[(1, 3), (2, 0), (2, 1)]), 3, 1),
-    "instances": (make_topology(2, 4, _UNITS, dead_slots=[(1, 1)]), 4, 2),
+    "healthy": (JobTopology.one_stage(make_topology(4, 3, _UNITS)), 3, 1),
+    "dead slots": (JobTopology.one_stage(make_topology(4, 3, _UNITS, dead_slots=[(1, 3), (2, 0), (2, 1)])), 3, 1),
+    "instances": (JobTopology.one_stage(make_topology(2, 4, _UNITS, dead_slots=[(1, 1)])), 4, 2),
     "pipeline": (stages.make_pipeline_topology(2, 2, 2, _UNITS, dead_slots=[(1, 1, 1)]), 2, 1),
 }
 

@@ -18,6 +18,7 @@ from ntp_megatron.core.groups import build_groups, group_mapping
 from ntp_megatron.plan.group_plan import intra_group_ranks, sync_group_ranks
 from ntp_megatron.plan.layout import make_topology, next_topology
 from ntp_megatron.plan.optimizer_shards import instance_of, instances, shard_holders
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.training.parallel import uniform_parallel
 from tests.unit.core.test_group_scaling import fake_world  # noqa: F401 - the fixture
 
@@ -73,7 +74,7 @@ def test_ntp_groups_with_instances_split_each_sync_group_by_megatrons_rule(fake_
     tp_base, dp, k, topology, ranks = case
     for rank in ranks:
         world = fake_world(topology.world_size, rank)
-        groups = build_groups(topology, rank, 60.0, dp=dp, instances=k)
+        groups = build_groups(JobTopology.one_stage(topology), rank, 60.0, dp=dp, instances=k)
         replica = topology.replica_of(rank).index
         instance, position = instance_of(replica, dp, k)
         assert (groups.instances, groups.instance, groups.position) == (k, instance, position)
@@ -103,9 +104,9 @@ def test_a_reformation_maps_the_intra_and_inter_groups_of_blocks_served_in_both(
     new_topology = next_topology(old_topology, [old_topology.rank_of(1, 1)])
     rank_old, rank_new = old_topology.rank_of(0, 1), new_topology.rank_of(0, 1)
     fake_world(old_topology.world_size, rank_old)
-    old = build_groups(old_topology, rank_old, 60.0, dp=4, instances=2)
+    old = build_groups(JobTopology.one_stage(old_topology), rank_old, 60.0, dp=4, instances=2)
     fake_world(new_topology.world_size, rank_new)
-    new = build_groups(new_topology, rank_new, 60.0, dp=4, instances=2)
+    new = build_groups(JobTopology.one_stage(new_topology), rank_new, 60.0, dp=4, instances=2)
     mapping = group_mapping(old, new)
     assert mapping[id(old.intra[1])] is new.intra[1] and mapping[id(old.inter[1])] is new.inter[1]
     assert new.intra[1].ranks == [rank_new, new_topology.sync_member(1, 1)]

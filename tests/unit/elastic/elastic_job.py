@@ -12,7 +12,7 @@ from ntp_megatron.elastic import commit, publication
 from ntp_megatron.elastic.commit import CommitProtocol, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.layout import Topology, make_topology
-from ntp_megatron.plan.stages import PipelineTopology, make_pipeline_topology
+from ntp_megatron.plan.stages import JobTopology, make_pipeline_topology
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 16}
 WAIT_S = 10.0
@@ -47,14 +47,18 @@ class Job:
         self.said: list[str] = []
         self.events: list[dict] = []
         self.controller = Controller(controller_store if controller_store is not None else store,
-                                     make_topology(tp, dp, UNITS) if pp == 1 else
+                                     JobTopology.one_stage(make_topology(tp, dp, UNITS)) if pp == 1 else
                                      make_pipeline_topology(tp, dp, pp, UNITS), min_tp, policy, self.said.append,
                                      self.events.append, start_iteration=start, sharded=sharded)
         self.alive = set(range(tp * dp * pp))
 
     # -- what the store says -------------------------------------------------------------------------------------
-    def topology(self, generation: int) -> "Topology | PipelineTopology":
+    def topology(self, generation: int) -> JobTopology:
         return publication.topology(self.store, generation)
+
+    def layout(self, generation: int) -> Topology:
+        """The layout of a job without pipeline stages in ``generation``."""
+        return self.topology(generation).only_stage
 
     def info(self, generation: int) -> dict:
         return publication.info(self.store, generation)

@@ -44,7 +44,7 @@ def test_a_failure_publishes_the_next_generation_and_ends_the_current_one():
     job.commit(0, 1)
     assert job.die(3) is None
     assert job.latest() == 1 and job.controller.forming()
-    assert job.topology(1) == next_topology(job.topology(0), [3])
+    assert job.layout(1) == next_topology(job.layout(0), [3])
     info = job.info(1)
     assert info["base"] == 0 and sorted(info["dead"]) == _slots(job, 3)
     assert info["settled"] == {"generation": 0, "iteration": 2, "decision": ABORT, "started": 0}
@@ -71,7 +71,7 @@ def test_a_second_failure_while_forming_builds_on_the_last_completed_generation_
     assert job.store.get(commit.formed_key(1)).decode() == INCOMPLETE and job.store.check([keys.abort(1)])
     info = job.info(2)
     assert info["base"] == 0 and sorted(info["dead"]) == _slots(job, 3, 5)
-    assert job.topology(2).replicas == next_topology(job.topology(0), [3, 5]).replicas
+    assert job.layout(2).replicas == next_topology(job.layout(0), [3, 5]).replicas
     assert _published(job, 2)["dead_ranks"] == [3, 5]
     assert info["settled"] == {"generation": 0, "iteration": 2, "decision": ABORT, "started": 0}, \
         "the same iteration of generation 0 is still the one in flight"
@@ -81,7 +81,7 @@ def test_a_second_failure_while_forming_builds_on_the_last_completed_generation_
     assert job.die(2) is None
     info = job.info(3)
     assert info["base"] == 2 and sorted(info["dead"]) == _slots(job, 2)
-    assert job.topology(3).replicas == next_topology(job.topology(2), [job.topology(2).rank_of(1, 0)]).replicas
+    assert job.layout(3).replicas == next_topology(job.layout(2), [job.layout(2).rank_of(1, 0)]).replicas
     assert _published(job, 3)["dead_ranks"] == [job.topology(2).rank_of(1, 0)]
 
 
@@ -167,7 +167,7 @@ def test_an_admission_happens_at_one_iteration_boundary_and_waits_for_no_reforma
     info = job.info(2)
     assert info["base"] == 1 and info["joined"] == _slots(job, 3) and sorted(info["dead"]) == []
     assert _published(job, 2)["joined"] == _slots(job, 3)
-    assert job.topology(2).replicas == job.topology(0).replicas, "the replacement takes its slot back"
+    assert job.layout(2).replicas == job.layout(0).replicas, "the replacement takes its slot back"
     assert job.controller.forming()
     assert not job.controller.admit([3]), "one admission at a time"
     assert any("admitting launch rank 3" in line for line in job.said)
@@ -259,7 +259,7 @@ def test_a_replica_below_min_tp_stops_the_job_or_is_dropped_by_the_policy():
     job.form(0)
     job.commit(0, 1)
     assert job.die(3) is None
-    assert [rep.index for rep in job.topology(1).replicas] == [0]
+    assert [rep.index for rep in job.layout(1).replicas] == [0]
     assert job.controller.live_launch_ranks() == [0, 1]
 
 
@@ -293,10 +293,10 @@ def test_out_of_memory_in_a_degraded_replica_drops_it_and_the_job_goes_on():
     job.form(0)
     job.commit(0, 1)
     assert job.die(1) is None
-    assert [r.width for r in job.topology(1).replicas] == [1, 2, 2]
+    assert [r.width for r in job.layout(1).replicas] == [1, 2, 2]
     _run_out_of_memory(job, 0)
     assert job.die(0) is None
-    assert [r.index for r in job.topology(2).replicas] == [1, 2]
+    assert [r.index for r in job.layout(2).replicas] == [1, 2]
     assert job.info(2)["base"] == 0 and sorted(job.info(2)["dead"]) == _slots(job, 0, 1)
     event = _oom_event(job)
     assert (event["launch_rank"], event["replica"], event["phase"], event["policy"], event["degraded"]) == \
@@ -315,13 +315,13 @@ def test_out_of_memory_retires_the_other_live_ranks_of_the_dropped_replica():
     job.commit(1, 2)
     _run_out_of_memory(job, 0, phase="forward", iteration=3)
     assert job.die(0) is None
-    assert [r.index for r in job.topology(2).replicas] == [1]
+    assert [r.index for r in job.layout(2).replicas] == [1]
     assert _oom_event(job)["retired"] == [1]
     assert 1 in job.controller.dead
     job.form(2)
     job.alive.update({0, 2})
     assert not job.controller.admit([0, 2]), "two of replica 0's three slots: it stays dropped"
-    assert job.controller.admit([0, 1, 2]) and [r.width for r in job.topology(3).replicas] == [3, 3]
+    assert job.controller.admit([0, 1, 2]) and [r.width for r in job.layout(3).replicas] == [3, 3]
 
 
 @pytest.mark.parametrize("policy", ["stop", "restart"])
@@ -417,7 +417,7 @@ def test_out_of_memory_is_judged_in_the_layout_the_rank_trained_in():
     formed.form(1)
     _run_out_of_memory(formed, 0, phase="forward", iteration=3)
     assert formed.die(0) is None and _oom_event(formed)["degraded"]
-    assert [r.index for r in formed.topology(2).replicas] == [1]
+    assert [r.index for r in formed.layout(2).replicas] == [1]
 
 
 def test_out_of_memory_in_two_degraded_replicas_at_once_drops_both():
@@ -428,7 +428,7 @@ def test_out_of_memory_in_two_degraded_replicas_at_once_drops_both():
     _run_out_of_memory(job, 0)
     _run_out_of_memory(job, 2)
     assert job.die(0, 2) is None
-    assert [r.index for r in job.topology(2).replicas] == [2]
+    assert [r.index for r in job.layout(2).replicas] == [2]
     assert sorted((e["launch_rank"], e["policy"]) for e in job.events if e.get("event") == "oom") == \
         [(0, "drop_replica"), (2, "drop_replica")]
 
@@ -466,7 +466,7 @@ def test_a_rebalance_is_published_for_the_next_iteration_boundary():
     assert Decision.from_json(json.loads(json.dumps(slow.to_json()))) == slow
     assert job.controller.rebalance([slow])
     assert job.latest() == 1 and job.store.check([publication.reform_requested_key(0)])
-    assert job.topology(1) == dataclasses.replace(rebalanced_topology(job.topology(0), {0: {0: 100, 1: 40}}),
+    assert job.layout(1) == dataclasses.replace(rebalanced_topology(job.layout(0), {0: {0: 100, 1: 40}}),
                                                   generation=1)
     assert job.info(1)["weights"] == [[0, 0, [[0, 100], [1, 40]]]] and job.info(1)["dead"] == []
     [event] = [e for e in job.events if e.get("event") == "rebalanced"]

@@ -22,14 +22,15 @@ from ntp_megatron.elastic.commit import note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.launch.console import Console
 from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology
 
 UNITS = {"heads": 8, "ffn": 16, "vocab": 32}
 
 
 def _controller(console: Console, records: list[dict]) -> tuple[dist.Store, Controller]:
     store = dist.HashStore()
-    controller = Controller(store, make_topology(2, 2, UNITS), 1, "drop_replica", console.say, records.append,
-                            hold=console.hold, release=console.release)
+    controller = Controller(store, JobTopology.one_stage(make_topology(2, 2, UNITS)), 1, "drop_replica", console.say,
+                            records.append, hold=console.hold, release=console.release)
     store.set(commit.COMPLETED, "0")  # generation 0 formed: its ranks train
     return store, controller
 
@@ -92,7 +93,8 @@ def test_the_report_waits_for_the_survivors_on_one_key_not_one_per_survivor():
     keys are read once, when the count says they are all in."""
     store = _Requests(dist.HashStore())
     records: list[dict] = []
-    controller = Controller(store, make_topology(2, 32, UNITS), 1, "drop_replica", Console().say, records.append)
+    controller = Controller(store, JobTopology.one_stage(make_topology(2, 32, UNITS)), 1, "drop_replica", Console().say,
+                            records.append)
     store.set(commit.COMPLETED, "0")
     assert controller.handle([Death(5, time.time(), "was killed by signal SIGKILL", 4242)]) is None
     deadline = time.monotonic() + 10
@@ -115,7 +117,7 @@ def test_notes_whose_count_was_lost_are_still_reported_once_the_wait_is_over():
     Once the report's wait is over it finds every note and reports the detection latency, not 'not all aware'."""
     records: list[dict] = []
     store, controller = _controller(Console(), records)
-    old = make_topology(2, 2, UNITS)
+    old = JobTopology.one_stage(make_topology(2, 2, UNITS))
     for rank in (0, 1, 2):
         store.set(commit.aware_key(0, rank), repr(time.time()))  # no count
     controller.reports.report([Death(3, time.time(), "was killed by signal SIGKILL", 4242)], old, None, [0, 1, 2],

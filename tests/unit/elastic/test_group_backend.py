@@ -19,7 +19,8 @@ from ntp_megatron.elastic.group_backend import GlooBackend, NcclBackend
 from ntp_megatron.elastic.watchdog import GenerationWatchdog
 from ntp_megatron.plan.group_plan import blocked_by, event_plan, rank_group_keys
 from ntp_megatron.core.groups import PooledGroup
-from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
+from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology, join_topology, next_topology
 from ntp_megatron.sockets import socket_fds
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
@@ -31,6 +32,11 @@ class FakeGroup:
 
     def abort(self) -> None:
         self.aborted += 1
+
+
+def make_job(*args, **kwargs) -> JobTopology:
+    """A job without pipeline stages."""
+    return JobTopology.one_stage(make_topology(*args, **kwargs))
 
 
 def pooled(topology, rank: int) -> dict:
@@ -48,9 +54,9 @@ def names(keys) -> list[str]:
 
 
 EVENTS = {
-    "kill": (make_topology(4, 2, UNITS), lambda t: kill(t, (1, 3)), [(1, 3)]),
-    "rejoin": (kill(make_topology(4, 2, UNITS), (1, 3)), lambda t: join_topology(t, [(1, 3)]), []),
-    "drop": (make_topology(2, 3, UNITS), lambda t: kill(t, (2, 1), "drop_replica", min_tp=2), [(2, 1)]),
+    "kill": (make_job(4, 2, UNITS), lambda t: kill(t, (1, 3)), [(1, 3)]),
+    "rejoin": (kill(make_job(4, 2, UNITS), (1, 3)), lambda t: join_topology(t, [(1, 3)]), []),
+    "drop": (make_job(2, 3, UNITS), lambda t: kill(t, (2, 1), "drop_replica", min_tp=2), [(2, 1)]),
 }
 
 
@@ -150,7 +156,7 @@ class RecordingBackend(GlooBackend):
 @pytest.mark.parametrize("value, dead", [(keys.abort_value([(1, 3)]), [(1, 3)]), (keys.MOVED, []), ("stop", None)])
 def test_the_watchdog_cuts_the_groups_the_abort_key_names(value, dead):
     """A kill names the dead: the groups with one are cut; a planned move cuts none; a stop cuts every group."""
-    topology = make_topology(4, 2, UNITS)
+    topology = make_job(4, 2, UNITS)
     store = dist.HashStore()
     backend = RecordingBackend()
     watchdog = GenerationWatchdog(lambda timeout_s: store, 0, {}, 30.0, backend)

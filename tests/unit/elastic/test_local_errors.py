@@ -18,6 +18,7 @@ from ntp_megatron.elastic import commit, errors, keys, publication
 from ntp_megatron.elastic.commit import IterationAborted, note_aware
 from ntp_megatron.elastic.controller import Controller, Death
 from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.training.checkpoint import CheckpointError
 
 UNITS = {"heads": 4, "ffn": 8, "vocab": 8}
@@ -158,8 +159,8 @@ def test_an_injected_error_raises_at_its_phase_and_iteration():
 
 
 def controller(store: dist.Store, emit=lambda record: None) -> Controller:
-    return Controller(store, make_topology(2, 2, UNITS), min_tp=1, policy="drop_replica", say=lambda line: None,
-                      emit=emit)
+    return Controller(store, JobTopology.one_stage(make_topology(2, 2, UNITS)), min_tp=1, policy="drop_replica",
+                      say=lambda line: None, emit=emit)
 
 
 def test_a_death_with_a_reported_error_stops_the_job_naming_it():

@@ -32,7 +32,7 @@ from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory
 from ntp_megatron.plan.layout import make_topology
-from ntp_megatron.plan.stages import load_topology, make_pipeline_topology, published_topology
+from ntp_megatron.plan.stages import JobTopology, load_topology, make_pipeline_topology, published_topology
 
 TIMEOUT_S = 20.0
 
@@ -53,8 +53,8 @@ class Nodes:
     def __init__(self, per_node: list[int]) -> None:
         self.root = _root()
         self.per_node = per_node
-        self.controller = Controller(self.root, make_topology(1, sum(per_node), {"layer": 2}), min_tp=1,
-                                     policy="drop_replica", say=lambda _: None, emit=lambda _: None)
+        self.controller = Controller(self.root, JobTopology.one_stage(make_topology(1, sum(per_node), {"layer": 2})),
+                                     min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
         self.controller.reports.start = lambda *args: None  # its wait for the survivors' notes is not tested here
         self.relays = {i: NodeRelay(lambda t: _client(self.root.port, t), i)
                        for i in range(1, len(per_node))}
@@ -319,8 +319,8 @@ def test_a_survivor_that_sees_the_new_generation_finds_its_decision_first(by):
     the decisions of the ended generation come before ``latest``, whether the controller wrote them into the end or
     the relay read them from the root (a generation's end without them)."""
     root = _root()
-    controller = Controller(root, make_topology(1, 2, {"layer": 2}), min_tp=1, policy="drop_replica",
-                            say=lambda _: None, emit=lambda _: None)
+    controller = Controller(root, JobTopology.one_stage(make_topology(1, 2, {"layer": 2})), min_tp=1,
+                            policy="drop_replica", say=lambda _: None, emit=lambda _: None)
     controller.reports.start = lambda *args: None
     server = _root()
     written: list[str] = []
@@ -358,7 +358,7 @@ def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(stag
     the dead are admitted back: what a rank computes from each publication (:func:`published_topology`, from the
     generation it builds on) is what the controller published."""
     store = dist.HashStore()
-    start = make_topology(4, 2, {"vocab": 64, "layer": 8}) if stages == 1 else \
+    start = JobTopology.one_stage(make_topology(4, 2, {"vocab": 64, "layer": 8})) if stages == 1 else \
         make_pipeline_topology(4, 2, 2, {"vocab": 64, "layer": 8})
     controller = Controller(store, start, min_tp=1, policy="drop_replica", say=lambda _: None, emit=lambda _: None)
     controller.reports.start = lambda *args: None

@@ -41,7 +41,7 @@ def test_a_shard_with_a_surviving_twin_is_absorbed_live():
     job.form(1)
     job.commit(1, 3)
     assert job.die(1) is None and job.latest() == 2  # (1, 0) now: launch rank 1 died, replica 1's proxy lives
-    assert [r.width for r in job.topology(2).replicas] == [1, 1]
+    assert [r.width for r in job.layout(2).replicas] == [1, 1]
     assert _lost(job) == []
 
 

@@ -13,14 +13,19 @@ from ntp_megatron.plan import optimizer_shards as shards
 from ntp_megatron.plan import stages
 from ntp_megatron.plan.group_plan import (GroupKey, Offer, blocked_by, event_plan, intra_group_ranks, keep_verdict, key,
                                          rank_group_calls, rank_group_keys, sync_group_ranks)
-from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
-from ntp_megatron.plan.stages import with_generation
+from ntp_megatron.plan.layout import make_topology
+from ntp_megatron.plan.stages import JobTopology, join_topology, next_topology, with_generation
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 29}
 
 
 def roles(keys) -> list[str]:
     return sorted(k.name() for k in keys)
+
+
+def make_job(*args, **kwargs) -> JobTopology:
+    """A job without pipeline stages."""
+    return JobTopology.one_stage(make_topology(*args, **kwargs))
 
 
 def identities_of(topology) -> list[tuple[int, ...]]:
@@ -31,9 +36,9 @@ def test_a_kill_leaves_healthy_replicas_their_tensor_parallel_groups():
     """TP4 × DP2, replica 1 loses slot 3: replica 0 keeps everything but sync group 3 (its member in replica 1
     goes from slot 3 to the proxy of block 3); replica 1 makes its TP group and the sync group of block 3 on
     the proxy, and keeps the sync groups of its live slots."""
-    old = make_topology(4, 2, UNITS)
+    old = make_job(4, 2, UNITS)
     new = next_topology(old, [old.rank_of(1, 3)])
-    proxy = new.proxy(1, 3)  # a slot
+    proxy = new.only_stage.proxy(1, 3)  # a slot
     for slot in range(4):
         plan = event_plan(old, new, (0, slot))
         assert roles(plan.make) == (["sync[0, 3]"] if slot == 3 else [])
@@ -50,9 +55,9 @@ def test_a_kill_leaves_healthy_replicas_their_tensor_parallel_groups():
 
 
 def test_a_rejoin_makes_the_returning_replicas_groups_and_its_blocks_sync_group_only():
-    old = next_topology(make_topology(4, 2, UNITS), [7])
+    old = next_topology(make_job(4, 2, UNITS), [7])
     new = join_topology(old, [(1, 3)])
-    assert new.is_healthy(1)
+    assert new.only_stage.is_healthy(1)
     for slot in range(4):
         assert roles(event_plan(old, new, (0, slot)).make) == (["sync[0, 3]"] if slot == 3 else [])
         assert "tp[0]" in roles(event_plan(old, new, (0, slot)).keep)
@@ -62,9 +67,9 @@ def test_a_rejoin_makes_the_returning_replicas_groups_and_its_blocks_sync_group_
 
 
 def test_a_dropped_replica_makes_every_sync_group_anew_and_keeps_every_tensor_parallel_group():
-    old = make_topology(2, 3, UNITS)
+    old = make_job(2, 3, UNITS)
     new = next_topology(old, [old.rank_of(2, 0), old.rank_of(2, 1)], policy="drop_replica")
-    assert [rep.index for rep in new.replicas] == [0, 1]
+    assert [rep.index for rep in new.only_stage.replicas] == [0, 1]
     for replica in (0, 1):
         for slot in (0, 1):
             plan = event_plan(old, new, (replica, slot))
@@ -88,10 +93,10 @@ def event_chains(draw):
     """A healthy TP × DP topology and up to three events after it (kills, with either policy, and rejoins):
     every (generation, next generation) pair of the chain."""
     tp, dp = draw(st.integers(1, 4)), draw(st.integers(1, 4))
-    topology = make_topology(tp, dp, UNITS)
+    topology = make_job(tp, dp, UNITS)
     pairs = []
     for _ in range(draw(st.integers(1, 3))):
-        present = {rep.index for rep in topology.replicas}
+        present = set(topology.replica_indices)
         dead_slots = [(r, s) for r in sorted(present) for s in range(tp) if topology.rank_of(r, s) is None]
         if dead_slots and draw(st.booleans()):
             following = join_topology(topology, [draw(st.sampled_from(dead_slots))])
@@ -131,7 +136,7 @@ def _check_plans(old, new) -> None:
 
 
 def test_groups_with_a_dead_member_are_the_ones_shut_at_once():
-    old = make_topology(2, 2, UNITS)
+    old = make_job(2, 2, UNITS)
     keys = rank_group_keys(old, old.rank_of(0, 1))
     assert roles(blocked_by(keys, [(1, 1)])) == ["sync[0, 1]"]
     assert roles(blocked_by(keys, [(0, 0)])) == ["tp[0]"]
@@ -152,7 +157,7 @@ def test_a_group_goes_on_only_if_every_member_holds_it_alike(offers, kept):
 
 
 def test_keys_name_groups_by_identity_not_by_rank():
-    old = make_topology(2, 3, UNITS)
+    old = make_job(2, 3, UNITS)
     new = next_topology(old, [old.rank_of(0, 1)])  # every rank of replicas 1 and 2 is numbered anew
     [tp_old] = [k for k in rank_group_keys(old, old.rank_of(2, 0)) if k.role == "tp"]
     [tp_new] = [k for k in rank_group_keys(new, new.rank_of(2, 0)) if k.role == "tp"]
@@ -164,12 +169,11 @@ def _membership_rule(topology, rank, dp=None, k=1) -> list[GroupKey]:
     """The groups a rank is in, by the rule stated independently of the plan's enumeration: its replica stage,
     itself, its replica (with stages), the sync group of each block it serves (ascending), and per such block its
     instance's part of it and its twins' group."""
-    pipeline = topology if isinstance(topology, stages.PipelineTopology) else None
-    stage = pipeline.stage_of(rank) if pipeline is not None else topology
+    stage = topology.stage_of(rank)
     replica = stage.replica_of(rank)
     keys = [key(topology, "tp", (stage.stage,), replica.ranks), key(topology, "alone", (), [rank])]
-    if pipeline is not None:
-        keys.append(key(topology, "mp", (replica.index,), pipeline.replica_ranks(replica.index)))
+    if topology.num_stages > 1:
+        keys.append(key(topology, "mp", (replica.index,), topology.replica_ranks(replica.index)))
     blocks = stage.member_blocks(rank)
     keys += [key(topology, "sync", (stage.stage, b), sync_group_ranks(stage, b)) for b in blocks]
     if k > 1:
@@ -189,7 +193,7 @@ def planned_topologies(draw):
     slots = [(r, s, p) for r in range(dp) for s in range(1, tp) for p in range(pp)]  # slot 0 stays
     dead = draw(st.lists(st.sampled_from(slots), unique=True, max_size=3)) if slots else []
     if pp == 1:
-        return make_topology(tp, dp, UNITS, dead_slots=[(r, s) for r, s, _ in dead]), dp, k
+        return make_job(tp, dp, UNITS, dead_slots=[(r, s) for r, s, _ in dead]), dp, k
     return stages.make_pipeline_topology(tp, dp, pp, UNITS, dead_slots=dead), dp, k
 
 
@@ -205,7 +209,7 @@ def test_the_plan_is_one_call_sequence_every_rank_shares_and_its_members_are_the
         calls = rank_group_calls(topology, rank, dp, k)
         local = [c for c in calls if c.how != "every_rank"]
         assert calls[:len(local)] == local, "the groups made by members alone come first"
-        assert [c.how for c in local] == ["first", "alone"] + (["part"] if isinstance(topology, stages.PipelineTopology) else [])
+        assert [c.how for c in local] == ["first", "alone"] + (["part"] if topology.num_stages > 1 else [])
         assert all(rank in c.ranks and c.key is not None for c in local)
         shared = [c for c in calls if c.how == "every_rank"]
         sequences.add(tuple(c.ranks for c in shared))

@@ -10,6 +10,7 @@ import pytest
 from ntp_megatron.plan.layout import join_topology, make_topology, next_topology, transition_plan
 from ntp_megatron.core.unit_moves import own_lower_bound_bytes, plan_transfers
 from ntp_megatron.plan import stages
+from ntp_megatron.plan.stages import JobTopology
 
 UNITS = {"heads": 8, "ffn": 24, "vocab": 16}
 PER_UNIT = {"heads": 3, "ffn": 5, "vocab": 7}  # elements per unit of each family (any positive numbers)
@@ -35,6 +36,11 @@ def total_lower_bound_bytes(old, new, dead=()) -> int:
     return total
 
 
+def one(topology) -> JobTopology:
+    """A job without pipeline stages."""
+    return JobTopology.one_stage(topology)
+
+
 def test_a_joiner_alone_rebuilding_a_dropped_replica_is_bounded_by_all_its_units():
     """TP2 x 2; replica 1 loses both slots and is dropped; one replacement brings it back alone at TP1, holding
     every unit of every family."""
@@ -44,8 +50,8 @@ def test_a_joiner_alone_rebuilding_a_dropped_replica_is_bounded_by_all_its_units
     back = join_topology(dropped, [(1, 1)], min_tp=1)
     assert [rep.width for rep in back.replicas] == [2, 1]
     everything = sum(UNITS[f] * PER_UNIT[f] * 4 for f in UNITS)
-    assert delivered_bytes(dropped, back, [(1, 1)]) == everything
-    assert join_lower_bound_bytes(dropped, back, [(1, 1)]) == everything
+    assert delivered_bytes(one(dropped), one(back), [(1, 1)]) == everything
+    assert join_lower_bound_bytes(one(dropped), one(back), [(1, 1)]) == everything
 
 
 @pytest.mark.parametrize("tp, dead, joined", [
@@ -57,8 +63,9 @@ def test_joiners_into_a_live_replica(tp, dead, joined):
     start = make_topology(tp, 2, UNITS)
     degraded = next_topology(start, [start.rank_of(*slot) for slot in dead])
     new = join_topology(degraded, joined)
-    bound = join_lower_bound_bytes(degraded, new, joined)
-    assert bound == delivered_bytes(degraded, new, joined) == total_lower_bound_bytes(degraded, new)
+    bound = join_lower_bound_bytes(one(degraded), one(new), joined)
+    assert bound == delivered_bytes(one(degraded), one(new), joined) == \
+        total_lower_bound_bytes(one(degraded), one(new))
     blocks = sum(len(new.block(f, slot)) * PER_UNIT[f] * 4 for _, slot in joined for f in UNITS)
     assert bound >= blocks
 
@@ -74,7 +81,7 @@ def test_a_joiner_gets_the_replicated_parameters_once(tp, dead, joined):
     start = make_topology(tp, 2, UNITS)
     degraded = next_topology(start, [start.rank_of(*slot) for slot in dead], min_tp=1)
     new = join_topology(degraded, joined, min_tp=1)
-    transfers = plan_transfers(degraded, new, [])
+    transfers = plan_transfers(one(degraded), one(new), [])
     for slot in joined:
         rank = new.rank_of(*slot)
         to_joiner = [t for t in transfers if t.dst == rank]

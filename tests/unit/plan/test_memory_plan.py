@@ -12,7 +12,7 @@ import torch
 
 from ntp_megatron.plan.layout import make_topology, next_topology
 from ntp_megatron.plan.memory_plan import (ModelDims, Training, gpt_params, param_specs, plan, rank_state,
-                                      stage_state, worst_state)
+                                      stage_rank_state, stage_state, worst_state)
 
 DIMS = [
     ModelDims(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=4, kv_channels=8,
@@ -84,7 +84,7 @@ def test_pipeline_stages_split_the_model_and_the_plan_takes_the_largest_stage(ti
     for rank in range(topology.world_size):
         replica, slot, stage = topology.slot_of(rank)
         got = rank_state(dims, topology, rank, Training())
-        assert got == rank_state(dims, topology.stage_of(rank), rank, Training())
+        assert got == stage_rank_state(dims, topology.stage_of(rank), rank, Training())
         width = topology.widths(replica)[stage]
         bound = stage_state(dims, 2, width, Training(), stage)
         # exact at width 1, and for slot 0 of a healthy stage (the larger block of the odd vocabulary)
@@ -148,14 +148,14 @@ def test_parameters_and_bytes_equal_the_real_objects(megatron, dims, precision):
         held = {f: len(topology.units_of(rank, f)) for f in dims.units}
         assert [(s.name, s.numel) for s in param_specs(gpt_params(dims), held)] == \
             [(n, p.numel()) for n, p in model.module.named_parameters()]
-        want = rank_state(dims, topology, rank, Training(precision=precision))
+        want = stage_rank_state(dims, topology, rank, Training(precision=precision))
         assert want.params == _bytes(model.module.parameters())
         assert want.grads == _bytes(b.grad_data for b in model.buffers)
         assert want.optimizer == _bytes(_optimizer_tensors(optimizer))
         assert want.shadow_grads == _bytes(b.grad_data for s in shadows for b in s.buffers)
         assert want.shadow_params == 0 and len(shadows) == len(topology.member_blocks(rank)) * (topology is degraded)
-    assert rank_state(dims, degraded, proxy, Training()).shadow_grads > \
-        rank_state(dims, degraded, 1 - proxy, Training()).shadow_grads > 0
+    assert stage_rank_state(dims, degraded, proxy, Training()).shadow_grads > \
+        stage_rank_state(dims, degraded, 1 - proxy, Training()).shadow_grads > 0
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -196,7 +196,7 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
         moments = 2 * sum(p.numel() * 4 for p in stepped)  # what Adam's first step allocates
         mains = 0 if precision == "fp32" else _bytes(stepped)  # fp32: the steps are views of the param buffer
         largest = max(largest, moments + mains)
-    want = rank_state(dims, topology, 0, Training(precision=precision, distributed_optimizer=True, shard_over=3))
+    want = stage_rank_state(dims, topology, 0, Training(precision=precision, distributed_optimizer=True, shard_over=3))
     assert want.params == buffer.param_data.untyped_storage().nbytes()
     assert want.grads == buffer.grad_data.untyped_storage().nbytes()
     assert want.optimizer == largest
@@ -249,7 +249,7 @@ def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(
                 moments = 2 * sum(p.numel() * 4 for p in stepped)  # what Adam's first step allocates
                 mains = 0 if precision == "fp32" else _bytes(stepped)  # fp32: views of the parameter buffer
                 largest[block] = max(largest[block], moments + mains)
-        want = rank_state(dims, degraded, rank, Training(precision=precision, distributed_optimizer=True,
+        want = stage_rank_state(dims, degraded, rank, Training(precision=precision, distributed_optimizer=True,
                                                          shard_over=size))
         assert model.buffers[0].param_data is None
         assert want.params == _bytes(model.module.parameters())
@@ -286,8 +286,8 @@ def test_the_distributed_optimizer_counts_the_padded_buffer_and_one_shard():
     (about 1/D of the non-distributed optimizer's)."""
     dims = DIMS[0]
     topology = make_topology(2, 1, dims.units)
-    plain = rank_state(dims, topology, 0, Training(precision="bf16"))
-    sharded = rank_state(dims, topology, 0, Training(precision="bf16", distributed_optimizer=True, shard_over=4))
+    plain = stage_rank_state(dims, topology, 0, Training(precision="bf16"))
+    sharded = stage_rank_state(dims, topology, 0, Training(precision="bf16", distributed_optimizer=True, shard_over=4))
     assert plain.params <= sharded.params < plain.params + 2 * 64 * len(gpt_params(dims)) + 2 * 128
     assert plain.optimizer / 4 <= sharded.optimizer < plain.optimizer / 4 + 12 * 64 * len(gpt_params(dims))
     assert plain.optimizer == 12 * plain.params // 2  # bf16: 2 bytes per parameter, 12 of optimizer state
@@ -300,8 +300,8 @@ def test_a_proxy_holds_more_than_a_survivor_and_the_worst_case_grows_as_min_tp_f
     after = next_topology(healthy, [3])
     proxy = after.sync_member(0, 3)
     survivor = next(r for r in range(after.world_size) if r != proxy)
-    assert rank_state(dims, after, proxy, training).total > rank_state(dims, after, survivor, training).total
-    assert rank_state(dims, after, survivor, training).total > rank_state(dims, healthy, 0, training).total
+    assert stage_rank_state(dims, after, proxy, training).total > stage_rank_state(dims, after, survivor, training).total
+    assert stage_rank_state(dims, after, survivor, training).total > stage_rank_state(dims, healthy, 0, training).total
     totals = [plan(dims, 4, min_tp, training).worst.total for min_tp in (3, 2, 1)]
     assert totals == sorted(totals) and totals[0] < totals[-1]
     at_one = plan(dims, 4, 1, training)
@@ -348,7 +348,7 @@ def test_the_bound_covers_every_rank_of_every_reachable_layout(tp_base, units, d
     for topology in reachable(tp_base, units, 1):
         width = topology.replicas[0].width
         for rank in range(topology.world_size):
-            exact[width] = max(exact.get(width, 0), rank_state(dims, topology, rank, training).total)
+            exact[width] = max(exact.get(width, 0), stage_rank_state(dims, topology, rank, training).total)
     assert sorted(exact) == list(range(1, tp_base))
     for width, largest in exact.items():
         bound = worst_state(dims, tp_base, width, training).total

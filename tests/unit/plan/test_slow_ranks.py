@@ -10,6 +10,7 @@ from ntp_megatron.config.files import ConfigError
 from ntp_megatron.speed.device_model import EmulatedDevice
 from ntp_megatron.plan.layout import make_topology, rebalanced_topology
 from ntp_megatron.plan.rebalance import Group, RebalanceMonitor, groups_of
+from ntp_megatron.plan.stages import JobTopology
 
 pytestmark = pytest.mark.unit
 
@@ -95,7 +96,7 @@ def feed(monitor: RebalanceMonitor, times: dict[int, list[float]], first: int = 
 
 
 def test_a_rank_slower_than_its_group_for_the_window_gets_a_share_in_proportion():
-    topo = make_topology(4, 2, {"heads": 8})
+    topo = JobTopology.one_stage(make_topology(4, 2, {"heads": 8}))
     identity = {lr: topo.slot_of(lr) for lr in range(8)}
     monitor = RebalanceMonitor(threshold=1.2, window=3)
     feed(monitor, {lr: [1.0, 1.0, 1.0] for lr in range(8)})
@@ -136,7 +137,7 @@ def test_ranks_holding_more_units_are_not_taken_for_slow_ones():
     taken as weight per second the survivor would look 1.3x slower and be rebalanced for nothing."""
     from ntp_megatron.plan.layout import next_topology
 
-    topo = next_topology(make_topology(8, 1, {"heads": 8, "ffn": 64, "vocab": 64}), [7])
+    topo = JobTopology.one_stage(next_topology(make_topology(8, 1, {"heads": 8, "ffn": 64, "vocab": 64}), [7]))
     identity = {lr: topo.slot_of(lr) for lr in range(7)}
     costs = {0: {"heads": 300, "ffn": 10, "vocab": 5}}
     [group] = groups_of(topo, identity, costs)

@@ -1,4 +1,4 @@
-"""Pipeline topologies (ntp_megatron.plan.stages): one NTP layout per stage, ranks stage by stage, and the pairing at
+"""Job topologies with pipeline stages (ntp_megatron.plan.stages): one NTP layout per stage, ranks stage by stage, and the pairing at
 stage boundaries of different TP degrees."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ntp_megatron.plan.layout import Topology, make_topology
-from ntp_megatron.plan.stages import PipelineTopology, load_topology, make_pipeline_topology
+from ntp_megatron.plan.stages import JobTopology, load_topology, make_pipeline_topology
 
 pytestmark = pytest.mark.unit
 
@@ -45,8 +45,10 @@ def test_stages_are_numbered_in_megatrons_order_and_round_trip(case):
         assert topo.stage_of(rank).stage == stage
     assert all(topo.rank_of(*d) is None for d in dead)
     again = load_topology(topo.to_json())
-    assert again == topo and isinstance(again, PipelineTopology)
-    assert isinstance(load_topology(topo.stages[0].to_json()), Topology)
+    assert again == topo and isinstance(again, JobTopology) and again.num_stages == pp
+    alone = load_topology(topo.stages[0].to_json())  # a plain layout's JSON: a job of one stage
+    assert isinstance(alone, JobTopology) and alone.stages == (topo.stages[0],) and isinstance(alone.stages[0], Topology)
+    assert alone.to_json() == topo.stages[0].to_json()
 
 
 @settings(max_examples=150, deadline=None)
@@ -94,6 +96,7 @@ def test_bad_pipelines_are_refused():
         make_pipeline_topology(2, 1, 2, UNITS, dead_slots=[(0, 0, 1)], min_tp=2)
     one = make_topology(2, 1, UNITS)
     with pytest.raises(ValueError, match="expected stage 1 with ranks from 2"):
-        PipelineTopology((one, one))
-    with pytest.raises(ValueError, match="at least two stages"):
-        PipelineTopology((one,))
+        JobTopology((one, one))
+    with pytest.raises(ValueError, match="at least one stage"):
+        JobTopology(())
+    assert JobTopology((one,)) == JobTopology.one_stage(one) and JobTopology((one,)).num_stages == 1

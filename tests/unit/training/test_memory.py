@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ntp_megatron.plan.layout import make_topology, next_topology
-from ntp_megatron.plan.memory_plan import Training, rank_state
+from ntp_megatron.plan.memory_plan import Training, stage_rank_state
 from ntp_megatron.training import memory
 from tests.unit.plan.test_memory_plan import DIMS, _config, _objects
 
@@ -36,7 +36,7 @@ def test_the_measured_state_of_real_objects_is_the_plan(megatron, precision):
                                  ("survivor", degraded, 1 - proxy)]:
         parts = _parts(*_objects(megatron, cfg, topology, rank))
         measured[name] = memory.state_bytes(parts)
-        assert measured[name] == rank_state(dims, topology, rank, Training(precision=precision)), name
+        assert measured[name] == stage_rank_state(dims, topology, rank, Training(precision=precision)), name
         assert memory.role(topology, rank) == name
     assert measured["proxy"].shadow_grads > measured["survivor"].shadow_grads > 0 == measured["healthy"].shadow_grads
 
