@@ -333,7 +333,7 @@ def ntp_module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
 # Distributed-optimizer shards in model space: plain data
 #
 # Megatron's distributed optimizer keeps, for each parameter, the flat range of it that falls inside this rank's
-# shard of a bucket (a *piece*: ``shard_layout.shard_pieces``; upstream ``gbuf_ranges[...]['param_map'][param]
+# shard of a bucket (a *piece*: ``plan.optimizer_shards.shard_pieces``; upstream ``gbuf_ranges[...]['param_map'][param]
 # ['param']``). Its checkpoint format ``fully_reshardable`` stores the fp32 main parameters and Adam moments in
 # model space: ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, each the model tensor's global shape.
 # A piece is written as boxes of those tensors, without gathering: a flat range of a row-major tensor is at most

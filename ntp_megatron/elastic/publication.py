@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.keys import PREFIX
-from ntp_megatron.plan.stages import JobTopology, load_topology, published_topology
+from ntp_megatron.plan.stages import JobTopology, published_topology
 
 Store = Any
 """A ``torch.distributed.Store`` (root or node store): duck-typed, so this module loads without torch."""
@@ -114,7 +114,7 @@ def topology_bytes(store: Store, generation: int) -> bytes:
 
 def parsed(raw: bytes) -> JobTopology:
     """A topology from its published bytes."""
-    return load_topology(json.loads(raw))
+    return JobTopology.from_json(json.loads(raw))
 
 
 def computed(base: JobTopology, published: dict, generation: int, min_tp: int = 1,

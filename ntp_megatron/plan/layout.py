@@ -110,7 +110,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from math import floor
 from functools import cached_property, lru_cache
-from typing import Any, Iterable, Literal, Mapping, Optional
+from typing import Any, Iterable, Literal, Mapping
 
 __all__ = [
     "FAMILIES",

@@ -8,7 +8,7 @@ owns under the distributed optimizer, without building a model. The rules mirror
 - ``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._build_model_gbuf_range`` and
   ``_build_model_gbuf_param_range_map`` (shards and the parameter pieces inside them).
 
-``tests/unit/plan/test_shard_layout.py`` pins every function here to the real Megatron-Core objects.
+``tests/unit/plan/test_optimizer_shards.py`` pins every function here to the real Megatron-Core objects.
 
 With several distributed-optimizer instances, :func:`instances` says which replicas form each (Megatron's rule),
 :func:`shard_holders` which ranks of an NTP topology hold a shard, and :func:`shard_plan` /

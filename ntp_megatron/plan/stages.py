@@ -39,7 +39,7 @@ move only inside a stage (:func:`transition_plan`). :func:`next_topology`, :func
 :func:`rebalanced_topology` and :func:`transition_plan` are those of one stage's layout for a job of one stage.
 
 Serialised, a job of one stage is its stage's plain :class:`Topology` JSON (what every published generation of such
-a job has always been); a job of several is ``{"stages": [...]}``. :func:`load_topology` reads both.
+a job has always been); a job of several is ``{"stages": [...]}``. :meth:`JobTopology.from_json` reads both.
 """
 
 from __future__ import annotations
@@ -250,11 +250,6 @@ def _step(direction: str) -> int:
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     return 1 if direction == "forward" else -1
-
-
-def load_topology(d: dict) -> JobTopology:
-    """A published topology from its JSON, with or without pipeline stages (:meth:`JobTopology.to_json`)."""
-    return JobTopology.from_json(d)
 
 
 def make_pipeline_topology(tp_base: int, dp: int, pp: int, units: Mapping[str, int],

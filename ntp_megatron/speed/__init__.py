@@ -5,5 +5,5 @@ events), :mod:`.device_model` (the emulated device for CPU tests and benchmarks)
 through NVML, or a dry run that records what it would set). The decisions themselves are pure and live in
 :mod:`ntp_megatron.plan.rebalance` and :mod:`ntp_megatron.plan.power_curve`.
 
-May import: :mod:`ntp_megatron.plan` and the cross-cutting top-level modules.
+May import: :mod:`ntp_megatron.plan` and :mod:`ntp_megatron.phases`, nothing else of the package.
 """

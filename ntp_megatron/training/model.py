@@ -117,7 +117,7 @@ def _fused_rope_available() -> bool:
 def layer_spec(cfg: JobConfig):
     if cfg.model.transformer_impl == "transformer_engine":
         try:
-            import transformer_engine  # noqa: F401
+            import transformer_engine  # noqa: F401 - an optional dependency: only whether it is there
         except ImportError:
             raise SystemExit(
                 "model.transformer_impl is 'transformer_engine' but Transformer Engine is not installed; "

@@ -209,10 +209,10 @@ def assert_groups_as_planned(result: JobResult, dp: Optional[int] = None, instan
     times in its model, DDP and optimizer, and made only sync groups. Returns how many such ranks were seen.
     ``dp``: the launch data-parallel size (default: the replicas of generation 0)."""
     from ntp_megatron.plan.group_plan import event_plan, rank_group_keys
-    from ntp_megatron.plan.stages import load_topology
+    from ntp_megatron.plan.stages import JobTopology
 
     published = {e["generation"]: e for e in result.events("generation_published")}
-    topologies = {g: load_topology(e["topology"]) for g, e in published.items()}
+    topologies = {g: JobTopology.from_json(e["topology"]) for g, e in published.items()}
     records = {(r["generation"], r["launch_rank"]): r for r in result.records if r.get("kind") == "reform_rank"}
     start = topologies[0]
     if dp is None:

@@ -88,6 +88,12 @@ def _targets(node: ast.AST, module: str, is_package: bool, known: dict[str, Path
     return out
 
 
+def _says_why(line: str) -> bool:
+    """A comment on ``line`` with words in it, not only a linter's codes (``# noqa: F401`` says nothing of why)."""
+    _, hash_, comment = line.partition("#")
+    return bool(hash_) and bool(re.sub(r"noqa(:\s*[A-Z]+\d+(,\s*[A-Z]+\d+)*)?", "", comment).strip(" -:"))
+
+
 def _first_import_of_block(tree: ast.AST) -> dict[int, ast.stmt]:
     """Import statement -> the first of the run of import statements it stands in (a comment above a run of local
     imports covers the run)."""
@@ -117,8 +123,9 @@ def imports(known: dict[str, Path]) -> list[Import]:
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             lead = first_of_block.get(id(node), node)
-            commented = any("#" in lines[n.lineno - 1] or (n.lineno > 1 and lines[n.lineno - 2].strip().startswith("#"))
-                            for n in (node, lead))
+            above = (lambda n: n.lineno > 1 and lines[n.lineno - 2].strip().startswith("#")
+                     and _says_why(lines[n.lineno - 2]))
+            commented = any(_says_why(lines[n.lineno - 1]) or above(n) for n in (node, lead))
             for target in _targets(node, module, path.name == "__init__.py", known) or [None]:
                 found.append(Import(module, target, node.lineno, id(node) in local, commented))
     return found

@@ -69,7 +69,7 @@ def _global_shape(m: SimpleNamespace, name: str) -> tuple[int, ...]:
 
 def topology_boxes(topology, m: SimpleNamespace):
     """Every rank's boxes per tensor as the checkpoint code describes them: ``{name: [(rank, replica,
-    replica_id, offset, size)]}``, TP-split tensors through ``sharding.fragments`` and a replicated one
+    replica_id, offset, size)]}``, TP-split tensors through ``checkpoint_map.fragments`` and a replicated one
     (``norm``) whole on every rank."""
     from ntp_megatron.core.checkpoint_map import UnitAxis, checkpoint_roles, fragments
 

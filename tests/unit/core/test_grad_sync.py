@@ -138,7 +138,7 @@ def test_real_shadows_have_a_healthy_slot_ranks_buffers_and_shards(megatron):
 
     from ntp_megatron.core.shadows import Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
-    from tests.unit.plan.test_shard_layout import _DpPosition
+    from tests.unit.plan.test_optimizer_shards import _DpPosition
 
     cfg = load_job_config(None, [*MODEL, "parallel.use_distributed_optimizer=true"])
     tf_config = transformer_config(cfg)

@@ -32,7 +32,7 @@ from ntp_megatron.elastic.generation import ElasticRank, NodePlane
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory
 from ntp_megatron.plan.layout import make_topology
-from ntp_megatron.plan.stages import JobTopology, load_topology, make_pipeline_topology, published_topology
+from ntp_megatron.plan.stages import JobTopology, make_pipeline_topology, published_topology
 
 TIMEOUT_S = 20.0
 
@@ -375,7 +375,7 @@ def test_the_topology_a_rank_computes_from_a_publication_is_the_controllers(stag
         info = json.loads(store.get(publication.info_key(g)))
         computed = published_topology(topologies[info["base"]], info, g)
         assert computed.to_json() == json.loads(store.get(publication.topology_key(g))), g
-        assert computed == load_topology(json.loads(store.get(publication.topology_key(g))))
+        assert computed == JobTopology.from_json(json.loads(store.get(publication.topology_key(g))))
         topologies[g] = computed
     assert topologies[max(topologies)].world_size == start.world_size  # the dead came back
 

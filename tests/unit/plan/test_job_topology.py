@@ -96,7 +96,7 @@ def test_a_one_stage_job_keeps_its_layouts_identities_widths_and_json(case):
         assert job.units_of(rank, "heads") == topo.units_of(rank, "heads")
         assert stages.named_stage(job.slot_of(rank)) is None and stages.identity_stage(job.slot_of(rank)) == 0
     assert job.to_json() == topo.to_json()  # published as the plain layout
-    assert stages.load_topology(json.loads(json.dumps(topo.to_json()))) == job
+    assert stages.JobTopology.from_json(json.loads(json.dumps(topo.to_json()))) == job
     dp = len(topo.replicas) + 1
     assert stages.tp_per_replica(job, dp) == [rep.width for rep in topo.replicas] + [0]
     assert stages.live_widths(job) == [rep.width for rep in topo.replicas]

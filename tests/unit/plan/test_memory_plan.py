@@ -170,7 +170,7 @@ def test_a_healthy_rank_with_the_distributed_optimizer_equals_megatrons_objects(
 
     from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt
     from ntp_megatron.training.model import ddp_config, transformer_config
-    from tests.unit.plan.test_shard_layout import _DpPosition
+    from tests.unit.plan.test_optimizer_shards import _DpPosition
 
     dims = DIMS[1]
     cfg = _config(dims, precision=precision, dist_opt=True)
@@ -217,7 +217,7 @@ def test_a_degraded_rank_with_the_distributed_optimizer_equals_its_real_objects(
 
     from ntp_megatron.core.shadows import Shadow
     from ntp_megatron.training.model import build_model, ddp_config, transformer_config
-    from tests.unit.plan.test_shard_layout import _DpPosition
+    from tests.unit.plan.test_optimizer_shards import _DpPosition
 
     dims, size = DIMS[1], 2
     cfg = _config(dims, precision=precision, dist_opt=True)

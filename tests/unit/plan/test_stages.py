@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from ntp_megatron.plan.layout import Topology, make_topology
-from ntp_megatron.plan.stages import JobTopology, load_topology, make_pipeline_topology
+from ntp_megatron.plan.stages import JobTopology, make_pipeline_topology
 
 pytestmark = pytest.mark.unit
 
@@ -44,9 +44,9 @@ def test_stages_are_numbered_in_megatrons_order_and_round_trip(case):
         assert (replica, slot, stage) not in dead and topo.rank_of(replica, slot, stage) == rank
         assert topo.stage_of(rank).stage == stage
     assert all(topo.rank_of(*d) is None for d in dead)
-    again = load_topology(topo.to_json())
+    again = JobTopology.from_json(topo.to_json())
     assert again == topo and isinstance(again, JobTopology) and again.num_stages == pp
-    alone = load_topology(topo.stages[0].to_json())  # a plain layout's JSON: a job of one stage
+    alone = JobTopology.from_json(topo.stages[0].to_json())  # a plain layout's JSON: a job of one stage
     assert isinstance(alone, JobTopology) and alone.stages == (topo.stages[0],) and isinstance(alone.stages[0], Topology)
     assert alone.to_json() == topo.stages[0].to_json()
 

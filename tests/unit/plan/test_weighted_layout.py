@@ -2,7 +2,7 @@
 
 The checks are written from the definitions, not from the implementation: a family's shares are proportional to
 the weights with at least one unit each (checked by what characterises them, not by recomputing them), every
-unit is held exactly once, each count is within one unit of its share, and a reweighting moves as few units as
+unit is held exactly once, each count is within one unit of its share, and a rebalance moves as few units as
 any layout within one unit of the shares could (found by trying every such count vector).
 """
 
@@ -89,7 +89,7 @@ def test_worked_example_slow_slot_1_at_half_speed():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Random histories of deaths, joins and reweightings
+# Random histories of deaths, joins and rebalances
 
 
 @st.composite
@@ -100,7 +100,7 @@ def weighted_histories(draw):
     topo = make_topology(tp, dp, units)
     steps = []
     for _ in range(draw(st.integers(1, 6))):
-        kind = draw(st.sampled_from(["reweight", "reweight", "shrink", "join"]))
+        kind = draw(st.sampled_from(["rebalance", "rebalance", "shrink", "join"]))
         if kind == "shrink":
             candidates = [rank for rep in topo.replicas if rep.width > 1 for rank in rep.ranks]
             if not candidates:
@@ -120,7 +120,7 @@ def weighted_histories(draw):
             even = draw(st.booleans()) and draw(st.booleans())
             weights = {} if even else {s: draw(st.integers(1, 200)) for s in rep.slots}
             new = rebalanced_topology(topo, {rep.index: weights})
-            steps.append(("reweight", topo, new, (rep.index, weights)))
+            steps.append(("rebalance", topo, new, (rep.index, weights)))
         topo = new
     return steps
 
@@ -183,8 +183,8 @@ def test_every_weighted_topology_holds_each_unit_once_within_one_unit_of_its_sha
 
 @PROPS
 @given(weighted_histories())
-def test_a_reweighting_moves_the_fewest_units_inside_its_replica_only(steps):
-    for kind, old, new, what in (s for s in steps if s[0] == "reweight"):
+def test_a_rebalance_moves_the_fewest_units_inside_its_replica_only(steps):
+    for kind, old, new, what in (s for s in steps if s[0] == "rebalance"):
         index, weights = what
         for rep in old.replicas:
             after = new.replica(rep.index)
@@ -243,7 +243,7 @@ def test_deaths_and_joins_of_weighted_replicas(steps):
                     assert all(rep.weights[s] == w for s, w in before.weights.items())
 
 
-def test_reweighting_a_stage_of_a_pipeline_leaves_the_other_stages():
+def test_rebalancing_a_stage_of_a_pipeline_leaves_the_other_stages():
     start = stages.make_pipeline_topology(3, 2, 2, {"heads": 6, "ffn": 9, "vocab": 12})
     new = stages.rebalanced_topology(start, {(1, 1): {0: 100, 1: 30, 2: 100}})
     assert new.stages[0].replicas == tuple(
@@ -255,7 +255,7 @@ def test_reweighting_a_stage_of_a_pipeline_leaves_the_other_stages():
         stages.rebalanced_topology(start, {(0, 2): {}})
 
 
-def test_reweight_errors():
+def test_rebalance_errors():
     topo = make_topology(4, 1, {"heads": 8}, dead_slots=[(0, 3)])
     with pytest.raises(ValueError, match=r"exactly its live slots \[0, 1, 2\]"):
         rebalanced_topology(topo, {0: {0: 1, 1: 1, 2: 1, 3: 1}})
