@@ -62,9 +62,10 @@ def _gather_full(tensors: dict[str, tuple[torch.Tensor, UnitShard]], tp_group) -
 
 
 def _as_bytes(tensor: torch.Tensor):
-    """A tensor's bits as a numpy byte array: pickled as raw bytes (a pickled tensor is a ``torch.save`` archive
-    each, which cost more than the gather)."""
-    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """A copy of a tensor's bits as a numpy byte array: pickled as raw bytes (a pickled tensor is a ``torch.save``
+    archive each, which cost more than the gather). A copy: numpy over the tensor's own storage would make that
+    storage non-resizable, and a re-formation frees parameters by resizing theirs."""
+    return tensor.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy()
 
 
 def covered_tensors(model, optimizer) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
