@@ -1,7 +1,7 @@
 """Shared fixtures, and the two tiers of the suite.
 
 ``tests/unit/`` holds tests that start no rank process (pure layout math, config, the protocol over an in-memory
-store, one-process Megatron-Core models): ``scripts/test.sh -m unit`` runs them in under a minute.
+store, one-process Megatron-Core models): ``scripts/test.sh -m unit -n auto`` runs them in about a minute.
 ``tests/jobs/`` holds multi-process runs (real launcher, real gloo ranks). Every test runs under a timeout, so a
 hang fails that test, never the suite.
 
