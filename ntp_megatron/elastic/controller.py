@@ -149,9 +149,9 @@ class Controller:
             # It completed just now: its last rank wrote the verdict and had not yet recorded the generation.
             commit.record_completed(self.store, old.generation)
         self._refresh_completed()
-        # Ranks train in ``old`` itself, or in the newest completed generation before it when a re-formation or an
-        # admission was pending (with an admission pending, ranks train there until the boundary). Both end now.
-        # Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
+        # Ranks train in the newest completed generation: ``old`` itself, or one before it when a re-formation or an
+        # admission was pending (with an admission pending, ranks train there until the boundary). Both end now
+        # (the successor's ``ends``). Ranks only train in a completed generation: settle the iteration in flight there (none if they had all
         # left it at an admission boundary; the same one again if a re-formation after a failure was interrupted).
         in_flight = settle(self.store, self.completed.generation)
         if in_flight is not None:
