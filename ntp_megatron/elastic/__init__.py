@@ -12,6 +12,7 @@ re-formation are reported as), :mod:`.relay` (a node's copy of the root store's 
 :mod:`.group_backend` (the process groups of a generation). :mod:`.keys` lists the owner of every key they share in the
 launcher's store (:mod:`.commit`, :mod:`.publication`, itself; :mod:`ntp_megatron.launch.nodes` for the launchers'):
 only an owner names its keys and calls the store on them.
+The controller's decisions are made without the store, over plain inputs, in :mod:`.triage`.
 
 May import: :mod:`ntp_megatron.config`, :mod:`ntp_megatron.plan`, :mod:`ntp_megatron.core`, the patches and the
 cross-cutting top-level modules; never :mod:`ntp_megatron.training`, :mod:`ntp_megatron.launch`, :mod:`ntp_megatron.sim`
