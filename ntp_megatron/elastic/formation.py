@@ -1,18 +1,26 @@
 """Forming one generation on a surviving rank: its objects, and the state it lacks, from peers.
 
-A formation is decided once, on two axes, and then carried out (:class:`Formation`):
+A formation is decided once, when it begins, and then carried out (:class:`Formation`). The decision is
 
-- **its objects**: *kept* (its units do not change: the model, DDP buffers and optimizer it holds take the new
-  groups) or *rebuilt* (its replica lost or regained a rank, it is new to the job, the run starts from a checkpoint,
-  or, under the distributed optimizer, its replica is degraded: a degraded rank's optimizer steps shadows of the groups
-  it was built in);
-- **where the state it lacks comes from**: *its own* (before the run's first committed iteration every rank builds
-  its initial state itself, from the seed or the checkpoint the run resumes from: nothing moves), *units* from the
-  ranks that hold them (:func:`ntp_megatron.core.unit_moves.plan_transfers`), or *shards* of the distributed
-  optimizer from a surviving holder (:func:`ntp_megatron.core.unit_moves.plan_shard_transfers`).
+- **a strategy** (:func:`choose`), from where the state this rank lacks comes from:
 
-Then every rank, kept or rebuilt, gathers its parameters from the shards in the new groups (a failure in the last
-step's gather left them partial; nothing to do without the distributed optimizer), and votes that it is done.
+  - :class:`OwnStart`: no iteration committed yet; every rank builds its initial state itself, from the seed:
+    nothing moves, nothing is gathered;
+  - :class:`LoadedStart`: the same, from the checkpoint the run resumes from (every rank builds new objects and
+    reads it into them);
+  - :class:`UnitMoves`: units, from the ranks that hold them (:func:`ntp_megatron.core.unit_moves.plan_transfers`);
+  - :class:`ShardMoves`: under the distributed optimizer, shards from a surviving holder
+    (:func:`ntp_megatron.core.unit_moves.plan_shard_transfers`); no units move;
+
+- **whether this rank's objects are kept or rebuilt** (:meth:`Formation.rebuilds`): *kept* if its units do not change
+  (the model, DDP buffers and optimizer it holds take the new groups), *rebuilt* by the strategy if its replica lost
+  or regained a rank, it is new to the job, the run starts from a checkpoint, or, under the distributed optimizer,
+  its replica is degraded (a degraded rank's optimizer steps shadows of the groups it was built in).
+
+Every strategy has the same steps (:class:`Strategy`), which :meth:`Formation.run` takes in the same order on every
+rank, kept or rebuilt, so that their collectives match: the peers' progress, the objects, the moves, the gather of
+every rank's parameters from the shards in the new groups (a failure in the last step's gather left them partial;
+nothing to do without the distributed optimizer), what moved; then every rank votes that it is done.
 """
 
 from __future__ import annotations
@@ -36,9 +44,6 @@ from ntp_megatron.elastic.generation import ElasticRank, Generation
 from ntp_megatron.elastic.interfaces import Builder, RankObjects, Training
 from ntp_megatron.plan.stages import JobTopology
 
-OWN, UNITS, SHARDS = "own", "units", "shards"
-"""Where a formation's missing state comes from."""
-
 
 @dataclass(frozen=True)
 class Progress:
@@ -61,140 +66,164 @@ class Staged:
     base: JobTopology
     dead: list[int]
     started: float
-    fresh: bool
-    """No iteration committed yet: every rank built the initial weights itself."""
-    loaded: bool = False
-    """Every rank read its state (scheduler included) from the checkpoint the run resumes from."""
+    strategy: Strategy
+    """The formation's strategy (:func:`choose`): it also sets rebuilt objects' schedule when they are adopted."""
     memory: dict = field(default_factory=dict)
     """What the rank held at the re-formation's steps (bytes, for its ``memory`` record)."""
     progress: Optional[Progress] = None
     """The steps the optimizer and the schedule of the ranks that hold state took (None before the first
     committed iteration)."""
 
+    @property
+    def fresh(self) -> bool:
+        """No iteration committed yet: every rank built the initial weights itself."""
+        return self.strategy.fresh
 
-class Formation:
-    """This rank's part in forming ``generation`` (joined, its setup made) from ``base``, the layout it holds."""
 
-    def __init__(self, cfg: JobConfig, elastic: ElasticRank, builder: Builder, training: Training,
-                 generation: Generation, info: dict, base: JobTopology, dead: list[int], setup: Any,
-                 start_iteration: int) -> None:
-        self.cfg, self.elastic, self.builder, self.training = cfg, elastic, builder, training
-        self.generation, self.topology, self.info, self.setup = generation, generation.topology, info, setup
-        self.base, self.dead = base, dead
-        self.old: Optional[RankObjects] = training.parts
-        self.fresh = training.iteration == start_iteration
-        self.loaded = self.fresh and cfg.checkpoint.load is not None
-        self.sharded = cfg.parallel.use_distributed_optimizer
-        self.old_rank = base.rank_of(*elastic.identity)
-        self.rebuilt = self._rebuilds()
-        self.source = OWN if self.fresh else SHARDS if self.sharded else UNITS
-        self.state = state_keys(cfg.training.optimizer)
-        self.old_tensors = UnitTensors(self.old.model.module, self.old.optimizer, self.state, not self.fresh) \
-            if self.old is not None else None
-        self.new_parts: Optional[RankObjects] = None
+# -- the strategies ---------------------------------------------------------------------------------------------------
+
+class Strategy:
+    """How a formation fills this rank's objects with the state they lack: one per source of that state. Its steps
+    take the :class:`Formation` they serve (what the rank holds and what it has built so far) and run on every rank
+    of the generation in :meth:`Formation.run`'s order. The base is a formation after the run's first committed
+    iteration: the peers' progress is taken and every rank's parameters are gathered."""
+
+    fresh = False
+    """No iteration committed yet: every rank builds its initial state itself."""
+    keeps = True
+    """A rank whose units do not change keeps its objects (else every rank rebuilds)."""
+
+    def progress(self, f: Formation) -> Optional[Progress]:
+        """The steps of the ranks that hold state (collective; :func:`peers_progress`)."""
+        return peers_progress(f.old)
+
+    def build(self, f: Formation) -> None:
+        """New objects for the new layout (``f.new_parts``, set as soon as they exist: an error after that discards
+        them), their state initialised from what this rank holds."""
+        raise NotImplementedError
+
+    def move(self, f: Formation) -> int:
+        """Receive what the rank lacks and send what others lack (collective); returns the bytes received."""
+        return 0
+
+    def gather(self, f: Formation) -> None:
+        """Every rank's parameters from the committed shards, in the new groups (a failure in the gather of the
+        last step, or in this one, leaves partial buffers; nothing to do without the distributed optimizer)."""
+        (f.new_parts or f.old).param_gather()
+
+    def account(self, f: Formation) -> None:
+        """Beyond the bytes received: what the re-formation's report needs from this rank (in the store)."""
+
+    def schedule(self, new: RankObjects, old: Optional[RankObjects], progress: Optional[Progress]) -> None:
+        """When rebuilt objects ``new`` are adopted, before ``old`` (None for a process new to the job) are
+        released: the learning-rate schedule the rank's old objects followed, else its peers' (``progress``)."""
+        if old is not None:
+            new.scheduler.load_state_dict(old.scheduler.state_dict())
+        else:
+            new.scheduler.step(increment=progress.scheduler_steps)
+
+
+class OwnStart(Strategy):
+    """No iteration committed yet: every rank builds its initial weights from the seed; nothing moves."""
+
+    fresh = True
+
+    def progress(self, f: Formation) -> Optional[Progress]:
+        return None
+
+    def build(self, f: Formation) -> None:
+        f.new_parts = f.builder.build(f.setup, True, adopt_from=None)
+
+    def gather(self, f: Formation) -> None:
+        pass
+
+    def schedule(self, new: RankObjects, old: Optional[RankObjects], progress: Optional[Progress]) -> None:
+        if old is not None:  # without old objects the schedule is at its start, as every rank's is
+            new.scheduler.load_state_dict(old.scheduler.state_dict())
+
+
+class LoadedStart(OwnStart):
+    """No iteration committed yet, the run resumes from a checkpoint: every rank builds new objects and reads it
+    (its schedule too)."""
+
+    keeps = False
+
+    def build(self, f: Formation) -> None:
+        f.new_parts = parts = f.builder.build(f.setup, False, adopt_from=None)
+        iteration = f.builder.load_start(parts)
+        if iteration != f.training.iteration:
+            raise SystemExit(f"checkpoint.load: {f.cfg.checkpoint.load} holds iteration {iteration}, but the "
+                             f"launcher started the run at iteration {f.training.iteration}")
+
+    def schedule(self, new: RankObjects, old: Optional[RankObjects], progress: Optional[Progress]) -> None:
+        pass
+
+
+class UnitMoves(Strategy):
+    """Units (parameters and optimizer state) from the ranks that hold them; a rebuilt rank copies those it kept."""
+
+    def __init__(self, old: Optional[RankObjects], state: tuple[str, ...]) -> None:
+        self.old_tensors = UnitTensors(old.model.module, old.optimizer, state, True) if old is not None else None
         self.new_tensors: Optional[UnitTensors] = None
-        self.progress: Optional[Progress] = None
-        self.held: dict[str, int] = {}
-        self.received = 0
-        self.moves: list[list[int]] = []
 
-    def _rebuilds(self) -> bool:
-        """Whether this rank builds new objects (see the module's docstring) rather than keep its own."""
-        topology, rank = self.topology, self.generation.rank
-        if self.loaded or self.old is None or self.old_rank is None:
-            return True
-        if any(self.base.units_of(self.old_rank, f) != topology.units_of(rank, f) for f in topology.units):
-            return True
-        stage = topology.stage_of(rank)
-        return self.sharded and not stage.is_healthy(stage.replica_of(rank).index)
-
-    def run(self, started: float) -> Staged:
-        """Build or keep, move what is missing, gather, vote; the staged result once every rank completed."""
-        memory = self.training.memory
-        memory.begin()
-        memory.sample(self.old)
-        try:
-            if not self.fresh:
-                self.progress = peers_progress(self.old)
-            if self.rebuilt:
-                self._rebuild()
-            else:
-                self.builder.rebind(self.old, self.setup)  # kept objects take the new groups: the gather runs there
-            phases.point("reform")  # objects built (or rebound), nothing moved yet
-            if self.source == SHARDS:
-                self._move_shards()
-            elif self.source == UNITS:
-                self.received = self._exchange(plan_transfers(self.base, self.topology, self.dead), self.old_tensors,
-                                               self.new_tensors)
-            if not self.fresh:
-                # Every rank's parameters from the committed shards, in the new groups (a failure in the gather of the
-                # last step, or in this one, leaves partial buffers; nothing to do without the distributed optimizer).
-                (self.new_parts or self.old).param_gather()
-            self._account()
-            if self.generation.commit.form() != COMPLETE:
-                raise GenerationEnded(f"forming generation {self.topology.generation} did not complete")
-        except BaseException:
-            if self.new_parts is not None:
-                self.new_parts.discard()
-            raise
-        return Staged(self.topology, self.info, self.setup, self.new_parts, self.base, self.dead, started, self.fresh,
-                      loaded=self.loaded, memory=self.held, progress=self.progress)
-
-    # -- the objects ------------------------------------------------------------------------------------------------
-
-    def _rebuild(self) -> None:
-        """New objects for the new layout, their state initialised from what this rank holds (or its own)."""
-        old, memory, moving = self.old, self.training.memory, not self.fresh
-        if old is not None and moving:
-            # The iteration that filled the old gradients was settled: they are dead. Freed before the new objects
-            # exist, so the two never hold gradients at once (restored if old is kept).
-            self.held["freed_gradient_bytes"] = memory.free_gradients(old)
-            base = self.base.stage_of(self.old_rank)
-            if self.sharded and not base.is_healthy(base.replica_of(self.old_rank).index):
-                # Under the distributed optimizer a degraded rank's model parameters are dead too: the new objects
-                # gather theirs from the shards, and these objects are rebuilt by every later formation (a degraded
-                # replica's always are), never trained with again.
-                self.held["freed_parameter_bytes"] = memory.free_parameters(old)
-        # Under the distributed optimizer the new objects take over the old buffers of blocks they keep serving,
-        # with their optimizer state: the rank never holds a block twice.
-        new = self.new_parts = self.builder.build(self.setup, self.fresh and not self.loaded,
-                                                  adopt_from=old if self.sharded and moving else None)
-        if self.loaded:
-            self._load_start(new)
-        self.new_tensors = UnitTensors(new.model.module, new.optimizer, self.state, moving)
-        if not moving:
-            return
-        self.held["held_after_build_bytes"] = memory.sample(old, new)
-        memory.free_gradients(new)  # nothing fills the new gradients before the first iteration: allocated when adopted
-        adam = self.cfg.training.optimizer == "adam"
-        if self.sharded:
-            init_shard_state(new.optimizer, self.state, self.progress.adam_step if adam else None,
-                             adopted=frozenset().union(*new.adopted.values()))
-            return
+    def build(self, f: Formation) -> None:
+        old = f.old
+        f.free_old_gradients()
+        f.new_parts = new = f.builder.build(f.setup, False, adopt_from=None)
+        self.new_tensors = UnitTensors(new.model.module, new.optimizer, f.state, True)
+        f.built(new)
         init_state(new.model.module, self.new_tensors)
         if old is not None:
             copy_kept(self.old_tensors, self.new_tensors, old.model.module, new.model.module)
-        elif adam:
-            write_step(self.new_tensors.optimizer, self.progress.adam_step)
+        elif f.cfg.training.optimizer == "adam":
+            write_step(self.new_tensors.optimizer, f.progress.adam_step)
 
-    def _load_start(self, parts: RankObjects) -> None:
-        """Read the checkpoint the run resumes from into ``parts`` (this generation's layout)."""
-        iteration = self.builder.load_start(parts)
-        if iteration != self.training.iteration:
-            raise SystemExit(f"checkpoint.load: {self.cfg.checkpoint.load} holds iteration {iteration}, but the "
-                             f"launcher started the run at iteration {self.training.iteration}")
+    def move(self, f: Formation) -> int:
+        return f.exchange(plan_transfers(f.base, f.topology, f.dead), self.old_tensors, self.new_tensors)
 
-    # -- the missing state ------------------------------------------------------------------------------------------
+    def account(self, f: Formation) -> None:
+        """What this rank lacks, with its own stage's sizes: summed over the ranks."""
+        tensors = self.old_tensors or self.new_tensors
+        kept = f.old_rank if f.old_rank is not None and f.old_rank not in f.dead else None
+        keys.add_lower_bound(f.elastic.ctl, f.topology.generation, own_lower_bound_bytes(
+            f.base, f.topology, kept, f.generation.rank, {u: tensors.unit_numel(u) for u in f.topology.units},
+            tensors.replicated_numel()))
 
-    def _move_shards(self) -> None:
-        """Under the distributed optimizer: a rebuilt rank copies the shards it held locally, from its old objects,
-        and receives the others (each from a surviving holder, :func:`plan_shard_transfers`), while every rank sends
-        what others need; under bf16 the received main params are then rounded into the model's shard."""
-        p, rank, old, new = self.cfg.parallel, self.generation.rank, self.old, self.new_parts
-        transfers = plan_shard_transfers(self.base.only_stage, self.topology.only_stage, self.dead,
+
+class ShardMoves(Strategy):
+    """Under the distributed optimizer: shards of the optimizer state from a surviving holder, its twin in the other
+    instance; a rebuilt rank takes over the buffers of every block it keeps serving (it adopts them: never a block
+    twice) and copies any other shard it held."""
+
+    def __init__(self) -> None:
+        self.moves: list[list[int]] = []
+        """[block, position, bytes] of every shard this rank received."""
+
+    def build(self, f: Formation) -> None:
+        old, memory = f.old, f.training.memory
+        if f.free_old_gradients():
+            stage = f.base.stage_of(f.old_rank)
+            if not stage.is_healthy(stage.replica_of(f.old_rank).index):
+                # A degraded rank's model parameters are dead too: the new objects gather theirs from the shards, and
+                # these objects are rebuilt by every later formation (a degraded replica's always are), never
+                # trained with again.
+                f.held["freed_parameter_bytes"] = memory.free_parameters(old)
+        # The new objects take over the old buffers of blocks they keep serving, with their optimizer state: the
+        # rank never holds a block twice.
+        f.new_parts = new = f.builder.build(f.setup, False, adopt_from=old)
+        f.built(new)
+        init_shard_state(new.optimizer, f.state, f.progress.adam_step if f.cfg.training.optimizer == "adam" else None,
+                         adopted=frozenset().union(*new.adopted.values()))
+
+    def move(self, f: Formation) -> int:
+        """A rebuilt rank copies the shards it held locally, from its old objects, and receives the others (each from
+        a surviving holder, :func:`plan_shard_transfers`), while every rank sends what others need; under bf16 the
+        received main params are then rounded into the model's shard."""
+        p, rank, old, new = f.cfg.parallel, f.generation.rank, f.old, f.new_parts
+        transfers = plan_shard_transfers(f.base.only_stage, f.topology.only_stage, f.dead,
                                          p.data_parallel_size, p.num_distributed_optimizer_instances)
-        old_shards = ShardTensors(old.optimizer, old.shard_sources(), self.state) if old is not None else None
-        new_shards = ShardTensors(new.optimizer, new.shard_sources(), self.state) if new is not None else None
+        old_shards = ShardTensors(old.optimizer, old.shard_sources(), f.state) if old is not None else None
+        new_shards = ShardTensors(new.optimizer, new.shard_sources(), f.state) if new is not None else None
         incoming = {block for t in transfers if t.dst == rank for block, _ in t.shards}
         if incoming and new_shards is None:
             raise RuntimeError(f"rank {rank} keeps its objects but is to receive shards of blocks {sorted(incoming)}")
@@ -205,13 +234,101 @@ class Formation:
                 if old_shards is None or block not in old_shards.buckets:
                     raise RuntimeError(f"rank {rank}: its shard of block {block} neither moves nor was held")
                 new_shards.copy_from(old_shards, block)
-        self.received = self._exchange(transfers, old_shards, new_shards)
+        received = f.exchange(transfers, old_shards, new_shards)
         if new is not None:
             copy_main_params_to_model(new.optimizer)
         self.moves = [[block, position, 4 * len(new_shards.keys) * new_shards.numel(block)]
                       for t in transfers if t.dst == rank for block, position in t.shards]
+        return received
 
-    def _exchange(self, transfers: list, old_side, new_side) -> int:
+    def account(self, f: Formation) -> None:
+        if self.moves:
+            keys.record_shards(f.elastic.ctl, f.topology.generation, f.generation.rank, self.moves)
+
+
+def choose(cfg: JobConfig, fresh: bool, old: Optional[RankObjects], state: tuple[str, ...]) -> Strategy:
+    """The strategy of a formation (see the module's docstring); ``fresh``: no iteration committed yet."""
+    if fresh:
+        return LoadedStart() if cfg.checkpoint.load is not None else OwnStart()
+    return ShardMoves() if cfg.parallel.use_distributed_optimizer else UnitMoves(old, state)
+
+
+# -- the formation ----------------------------------------------------------------------------------------------------
+
+class Formation:
+    """This rank's part in forming ``generation`` (joined, its setup made) from ``base``, the layout it holds: the
+    strategy and whether the rank keeps its objects are decided here, once."""
+
+    def __init__(self, cfg: JobConfig, elastic: ElasticRank, builder: Builder, training: Training,
+                 generation: Generation, info: dict, base: JobTopology, dead: list[int], setup: Any,
+                 start_iteration: int) -> None:
+        self.cfg, self.elastic, self.builder, self.training = cfg, elastic, builder, training
+        self.generation, self.topology, self.info, self.setup = generation, generation.topology, info, setup
+        self.base, self.dead = base, dead
+        self.old: Optional[RankObjects] = training.parts
+        self.old_rank = base.rank_of(*elastic.identity)
+        self.state = state_keys(cfg.training.optimizer)
+        self.strategy = choose(cfg, training.iteration == start_iteration, self.old, self.state)
+        self.rebuilt = self.rebuilds()
+        self.new_parts: Optional[RankObjects] = None
+        self.progress: Optional[Progress] = None
+        self.held: dict[str, int] = {}
+
+    def rebuilds(self) -> bool:
+        """Whether this rank builds new objects (see the module's docstring) rather than keep its own."""
+        topology, rank = self.topology, self.generation.rank
+        if not self.strategy.keeps or self.old is None or self.old_rank is None:
+            return True
+        if any(self.base.units_of(self.old_rank, f) != topology.units_of(rank, f) for f in topology.units):
+            return True
+        stage = topology.stage_of(rank)
+        return self.cfg.parallel.use_distributed_optimizer and not stage.is_healthy(stage.replica_of(rank).index)
+
+    def run(self, started: float) -> Staged:
+        """The strategy's steps, in order: progress, objects (built, or kept and rebound), moves, gather, what
+        moved; then the vote. The staged result once every rank completed."""
+        memory, strategy = self.training.memory, self.strategy
+        memory.begin()
+        memory.sample(self.old)
+        try:
+            self.progress = strategy.progress(self)
+            if self.rebuilt:
+                strategy.build(self)
+            else:
+                self.builder.rebind(self.old, self.setup)  # kept objects take the new groups: the gather runs there
+            phases.point("reform")  # objects built (or rebound), nothing moved yet
+            received = strategy.move(self)
+            strategy.gather(self)
+            keys.add_moved(self.elastic.ctl, self.topology.generation, received)
+            strategy.account(self)
+            if self.generation.commit.form() != COMPLETE:
+                raise GenerationEnded(f"forming generation {self.topology.generation} did not complete")
+        except BaseException:
+            if self.new_parts is not None:
+                self.new_parts.discard()
+            raise
+        return Staged(self.topology, self.info, self.setup, self.new_parts, self.base, self.dead, started, strategy,
+                      memory=self.held, progress=self.progress)
+
+    # -- what the strategies share --------------------------------------------------------------------------------
+
+    def free_old_gradients(self) -> bool:
+        """Before a rebuilt rank's new objects exist: the iteration that filled the old gradients was settled, so
+        they are dead; freed now, the two never hold gradients at once (restored if the old objects are kept).
+        Whether the rank held objects."""
+        if self.old is None:
+            return False
+        self.held["freed_gradient_bytes"] = self.training.memory.free_gradients(self.old)
+        return True
+
+    def built(self, new: RankObjects) -> None:
+        """After a rebuilt rank's new objects exist: what it holds now, and their gradients freed (nothing fills
+        them before the first iteration: allocated when adopted)."""
+        memory = self.training.memory
+        self.held["held_after_build_bytes"] = memory.sample(self.old, new)
+        memory.free_gradients(new)
+
+    def exchange(self, transfers: list, old_side, new_side) -> int:
         """:func:`ntp_megatron.core.unit_moves.exchange` of units or shards, with what the rank holds sampled around it
         (``exchange`` holds one piece in flight at a time: the largest is the message part of the peak); returns the
         bytes received."""
@@ -222,19 +339,6 @@ class Formation:
         self.held["held_after_exchange_bytes"] = memory.sample(self.old, self.new_parts)
         self.held["largest_message_bytes"] = message
         return received
-
-    def _account(self) -> None:
-        """What moved, against the bound, in the store for generation rank 0's report."""
-        ctl, g, rank = self.elastic.ctl, self.topology.generation, self.generation.rank
-        keys.add_moved(ctl, g, self.received)
-        if self.source == UNITS:  # what this rank lacks, with its own stage's sizes: summed over the ranks
-            tensors = self.old_tensors or self.new_tensors
-            kept = self.old_rank if self.old_rank is not None and self.old_rank not in self.dead else None
-            keys.add_lower_bound(ctl, g, own_lower_bound_bytes(
-                self.base, self.topology, kept, rank, {f: tensors.unit_numel(f) for f in self.topology.units},
-                tensors.replicated_numel()))
-        if self.moves:
-            keys.record_shards(ctl, g, rank, self.moves)
 
 
 def peers_progress(old: Optional[RankObjects]) -> Progress:

@@ -205,12 +205,9 @@ class Reformer:
         old: Optional[RankObjects] = training.parts
         memory = training.memory
         if staged.new_parts is not None:
+            staged.strategy.schedule(staged.new_parts, old, staged.progress)
             if old is not None:
-                if not staged.loaded:
-                    staged.new_parts.scheduler.load_state_dict(old.scheduler.state_dict())
                 old.release()
-            elif staged.progress is not None and not staged.loaded:  # a process new to the job: its peers' schedule
-                staged.new_parts.scheduler.step(increment=staged.progress.scheduler_steps)
             training.parts = staged.new_parts
             staged.new_parts.settle()
         else:
