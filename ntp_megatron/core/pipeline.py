@@ -104,7 +104,7 @@ class TiedEmbeddingSync:
         stage = topology.stage_of(rank)
         other = topology.stages[-1] if stage.stage == 0 else topology.stages[0]
         replica = stage.replica_of(rank).index
-        mine = list(weight.ntp_shard.units)  # local rows in this order
+        mine = list(weight.ntp_held_units.units)  # local rows in this order
         row = {unit: i for i, unit in enumerate(mine)}
         self.weight = weight
         self.peers: list[tuple[int, torch.Tensor]] = []

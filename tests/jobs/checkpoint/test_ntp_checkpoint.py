@@ -263,8 +263,8 @@ def test_ntp_state_dict_is_plain_megatrons(megatron, model_name, topology_name):
                               **common)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                shard = getattr(param, "ntp_shard", None)
-                value = shard.select(full[name]) if shard is not None else full[name]
+                held = getattr(param, "ntp_held_units", None)
+                value = held.select(full[name]) if held is not None else full[name]
                 param.copy_(value.reshape(param.shape))
         for shard in _shards(model.sharded_state_dict(metadata={ROLE_KEY: roles[rank]})):
             if isinstance(shard, ShardedObject):
