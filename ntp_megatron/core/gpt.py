@@ -192,7 +192,7 @@ def family_geometry(name: str, tf_config) -> Optional[tuple[str, int, int]]:
     """(family, outer, inner) of a TP-split GPT parameter by name, None for a replicated one.
 
     The same folding the NTP layers tag their parameters with; used to read a uniform Megatron model's
-    shards (contiguous unit blocks per rank) the same way as an NTP model's.
+    TP-split tensors (contiguous unit blocks per rank) the same way as an NTP model's.
     """
     hidden = tf_config.hidden_size
     head_dim = tf_config.kv_channels

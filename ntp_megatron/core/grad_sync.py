@@ -105,7 +105,7 @@ class GradSync:
         self.replicated = [(n, p) for n, p in self.params if not hasattr(p, "ntp_held_units")]
         for name, param in self.params:
             if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_held_units"):
-                raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
+                raise ValueError(f"TP-split parameter {name} records no held units: it would be synced as replicated")
         self._by_name = dict(self.params)
         self.ddp = model
         self.distributed_optimizer = bool(ddp_config.use_distributed_optimizer)

@@ -93,8 +93,8 @@ class TiedEmbeddingSync:
     """Tied word embeddings across pipeline stages under NTP: the first stage's embedding and the last stage's output
     layer are two copies of one weight, and each copy's gradient must be the sum of both uses.
 
-    Upstream all-reduces the two copies' whole shards over the embedding group, which needs equal vocabulary shards
-    at both ends; here the two ends of a replica may hold different units (different widths, dealt units). Every
+    Upstream all-reduces the two copies' whole local tensors over the embedding group, which needs equal vocabulary
+    slices at both ends; here the two ends of a replica may hold different units (different widths, dealt units). Every
     vocabulary unit has exactly one holder in each end stage of a replica: the holders swap that unit's rows of the
     unsynced gradient and each adds the other's (a + b on one side, b + a on the other: the same bits, addition
     commutes), before the cross-replica sync, which then runs on equal copies. Messages go between the ranks that share units, one per
