@@ -13,13 +13,13 @@ checkpoint tests:
 (model and optimizer) at each TP degree and writes the full-vocabulary logits of :func:`fixed_batch`, as
 ``{(ckpt, tp): logits}``.
 
-Whole states are one format: every tensor whole (TP shards joined as Megatron lays them out, :func:`tp_split`),
+Whole states are one format: every tensor whole (TP slices joined as Megatron lays them out, :func:`tp_split`),
 keyed by its name in the PP1 model (global layer numbers; the last stage's copy of tied embeddings left out),
 flattened fp32. ``train --write-init FILE`` writes the model's initial parameters so, right after the build and
 before any step; ``train --init-state FILE`` starts from such parameters instead of Megatron's initialisation, at
 any TP and PP (:func:`load_whole_state`: loaded into the GPTModel before DDP and the optimizer are built, after its
 own tied-embedding copy), so that every layout trains from one initial model. Megatron's initialisation differs
-between layouts (its draws depend on the TP shard and, with PP, on the stage), so layouts are compared from one
+between layouts (its draws depend on the TP slice and, with PP, on the stage), so layouts are compared from one
 ``--init-state``.
 
 ``train --state FILE`` also writes the final parameters and Adam moments (a whole state), and ``--out``
@@ -55,7 +55,7 @@ compared. ``--memory DIR`` writes every rank's state bytes by kind and step time
 ``ntp_megatron.bench.memory``). With ``--dist-opt``, ``--state`` gathers the moments with Megatron's own
 ``get_parameter_state_dp_zero(use_gloo_comm=False)`` (instance 0's shards, over the intra-instance group) and
 writes them whole, as without it; the parameters are the model's, complete on every rank after the step's
-all-gather. With TP or PP, each stage's TP ranks at DP rank 0 join their shards and rank 0 gathers the stages'
+all-gather. With TP or PP, each stage's TP ranks at DP rank 0 join their TP slices and rank 0 gathers the stages'
 (:func:`gather_whole_state`).
 
 Groups: ``parallel_state.initialize_model_parallel(tp, pp)`` builds the one-instance grid (its k > 1 path imports
@@ -359,7 +359,7 @@ def pp1_names(gpt, pg) -> dict[str, str]:
 
 
 def tp_split(name: str, param, config) -> Optional[tuple[int, bool]]:
-    """How Megatron lays out ``param``'s TP shards: None if every TP rank holds it whole, else (``partition_dim``,
+    """How Megatron lays out ``param``'s TP slices: None if every TP rank holds it whole, else (``partition_dim``,
     gated). Shard r is chunk r of the whole on that dimension, except for ``linear_fc1`` under a gated linear unit
     (swiglu): the whole is [gate; up] and each rank holds [its gate rows; its up rows], since its MLP splits its own
     output in two halves. linear_qkv needs nothing special even under GQA: its rows are laid out query group by
@@ -371,8 +371,8 @@ def tp_split(name: str, param, config) -> Optional[tuple[int, bool]]:
     return param.partition_dim, gated
 
 
-def tp_shards(whole: torch.Tensor, split: tuple[int, bool], tp: int) -> list[torch.Tensor]:
-    """The TP shards of a whole tensor, by :func:`tp_split`'s layout."""
+def tp_slices(whole: torch.Tensor, split: tuple[int, bool], tp: int) -> list[torch.Tensor]:
+    """The TP slices of a whole tensor, by :func:`tp_split`'s layout."""
     dim, gated = split
     if not gated:
         return list(whole.chunk(tp, dim))
@@ -380,18 +380,18 @@ def tp_shards(whole: torch.Tensor, split: tuple[int, bool], tp: int) -> list[tor
     return [torch.cat(pair, dim) for pair in zip(gate.chunk(tp, dim), up.chunk(tp, dim))]
 
 
-def tp_whole(shards: list[torch.Tensor], split: tuple[int, bool]) -> torch.Tensor:
-    """The whole tensor of its TP shards (the inverse of :func:`tp_shards`)."""
+def tp_whole(parts: list[torch.Tensor], split: tuple[int, bool]) -> torch.Tensor:
+    """The whole tensor of its TP slices (the inverse of :func:`tp_slices`)."""
     dim, gated = split
     if not gated:
-        return torch.cat(shards, dim)
-    halves = [shard.chunk(2, dim) for shard in shards]
+        return torch.cat(parts, dim)
+    halves = [part.chunk(2, dim) for part in parts]
     return torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim)
 
 
 def load_whole_state(gpt, state: dict, pg) -> None:
     """Overwrite this rank's part of the model with ``state``: whole tensors under PP1 names, flattened (what
-    ``--write-init`` and ``--state`` write), at any TP and PP (:func:`pp1_names`, :func:`tp_shards`). A collective
+    ``--write-init`` and ``--state`` write), at any TP and PP (:func:`pp1_names`, :func:`tp_slices`). A collective
     over the world: every key must be some stage's (``output_layer.weight`` aside when the embeddings are tied:
     the last stage loads the word embeddings into its copy)."""
     tp, tp_rank = pg.tp.size(), pg.tp.rank()
@@ -408,7 +408,7 @@ def load_whole_state(gpt, state: dict, pg) -> None:
             if state[key].numel() != torch.Size(shape).numel():
                 raise ValueError(f"the initial state's {key} has {state[key].numel()} elements, not {shape}")
             whole = state[key].reshape(shape)
-            param.copy_(whole if split is None else tp_shards(whole, split, tp)[tp_rank])
+            param.copy_(whole if split is None else tp_slices(whole, split, tp)[tp_rank])
     used: list = [None] * dist.get_world_size()
     dist.all_gather_object(used, sorted(set(names.values())))
     unused = set(state) - {key for keys in used for key in keys}
@@ -421,7 +421,7 @@ def load_whole_state(gpt, state: dict, pg) -> None:
 def gather_whole_state(gpt, pg, layout: Layout, moments: Optional[dict] = None) -> Optional[dict]:
     """Every parameter whole under its PP1 name, flattened fp32, on rank 0 (None elsewhere), with each one's Adam
     moments (``name.exp_avg``, ``name.exp_avg_sq``) if ``moments`` (:func:`whole_moments`) is given. A collective
-    over the world: the TP ranks of each stage's DP rank 0 all-gather the shards, their TP rank 0 sends the stage's
+    over the world: the TP ranks of each stage's DP rank 0 all-gather the TP slices, their TP rank 0 sends the stage's
     tensors to rank 0 (``gather_object``), which puts them in PP1 order (stage by stage). The last stage's copy of
     tied embeddings is left out, after checking that it equals the word embeddings."""
     rank = dist.get_rank()
@@ -438,9 +438,9 @@ def gather_whole_state(gpt, pg, layout: Layout, moments: Optional[dict] = None) 
             copy = gpt.share_embeddings_and_output_weights and name == OUTPUT_LAYER  # the tied copy: only compared
             for key, local in tensors.items():
                 if split is not None and layout.tp > 1:
-                    shards = [torch.empty_like(local) for _ in range(layout.tp)]
-                    dist.all_gather(shards, local.contiguous(), group=pg.tp)
-                    local = tp_whole(shards, split)
+                    slices = [torch.empty_like(local) for _ in range(layout.tp)]
+                    dist.all_gather(slices, local.contiguous(), group=pg.tp)
+                    local = tp_whole(slices, split)
                 mine[(copy, key)] = local.reshape(-1).float().clone()
     parts: Optional[list] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine if dp_rank == 0 and tp_rank == 0 else None, parts, dst=0)
@@ -629,7 +629,7 @@ def fixed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def whole_moments(model, optimizer, dist_opt: bool) -> Optional[dict]:
-    """Every parameter's Adam moments (its TP shard's: :func:`gather_whole_state` makes them whole), on every
+    """Every parameter's Adam moments (its TP slice's: :func:`gather_whole_state` makes them whole), on every
     rank, or with the distributed optimizer on DP rank 0 of each stage and TP rank (None elsewhere). Those are
     gathered by Megatron's own ``get_parameter_state_dp_zero`` (a collective over the intra-instance group: every
     rank calls it) and cut back into parameters by the buffer's ``param_index_map``; the world tensors it returns
@@ -742,7 +742,7 @@ def run_train(rank: int, layout: Layout, args) -> None:
 
 def pipelined_logits(model, layout: Layout, pg) -> Optional[torch.Tensor]:
     """The logits of :func:`fixed_batch` through the pipeline, one micro-batch in Megatron's forward-only 1F1B
-    schedule: on the last stage (its TP shard, [b, s, vocab / tp]), None elsewhere."""
+    schedule: on the last stage (its TP slice, [b, s, vocab / tp]), None elsewhere."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 

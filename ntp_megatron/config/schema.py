@@ -276,16 +276,17 @@ class NTPSection(_Section):
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)
     """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
     then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless; with
-    ``progress_fence`` a rank whose heartbeat goes on but whose progress does not is fenced at half of this. The
-    heartbeat is a Python thread that long GIL-holding work can delay by seconds: keep this well above that."""
+    ``progress_fence`` a rank whose heartbeat goes on but whose progress does not is fenced at half of this
+    (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work can delay by seconds:
+    keep this well above that."""
     progress_fence: bool = False
     """Also fence a rank whose heartbeat goes on but which has made no progress for half of
-    ``heartbeat_timeout_s`` in a phase of an iteration (forward, backward, grad_sync, optimizer) while another rank
-    has waited on its peers as long (stuck in a kernel; ``--inject-failure spin:...``). Off by default: progress is
-    marked per layer (forward and backward), per collective and per phase, so a rank whose one layer or optimizer
-    step computes longer than half the timeout would be taken for a stuck one, and the fence is not causal yet (a
-    stall anywhere lets any frozen rank be fenced). gloo on CPU only (NCCL waits do not block the host: a healthy
-    rank waiting on a stuck one would look stuck)."""
+    ``heartbeat_timeout_s`` (``timing.stall_fraction``) in a phase of an iteration (forward, backward, grad_sync,
+    optimizer) while another rank has waited on its peers as long (stuck in a kernel; ``--inject-failure
+    spin:...``). Off by default: progress is marked per layer (forward and backward), per collective and per phase,
+    so a rank whose one layer or optimizer step computes longer than half the timeout would be taken for a stuck
+    one, and the fence is not causal yet (a stall anywhere lets any frozen rank be fenced). gloo on CPU only (NCCL
+    waits do not block the host: a healthy rank waiting on a stuck one would look stuck)."""
     keep_groups: bool = True
     """A re-formation keeps the process groups it did not touch (a healthy replica's tensor-parallel group, the sync
     groups whose members did not change), the same objects and communicators, where their members agree nothing is

@@ -27,6 +27,12 @@ class TimingSection(BaseModel):
     """How long a stopped rank has to exit, after SIGTERM and again after SIGKILL."""
     process_start_timeout_s: float = Field(60.0, gt=0)
     """How long the launcher's fork server may take to start a process."""
+    fork_server_close_s: float = Field(5.0, gt=0)
+    """How long the launcher, as it ends, waits for its fork server's reader thread once the server's socket is
+    closed."""
+    output_join_s: float = Field(2.0, gt=0)
+    """How long the launcher, as it ends, waits for each of a rank's output threads to pass on the last lines and
+    records the rank wrote (per thread)."""
     node_wait_fraction: float = Field(0.8, gt=0, le=1)
     """Of ``parallel.timeout_s``: how long node 0 waits for every node's launcher before it says which is missing
     (before the ranks' own rendezvous gives up)."""
@@ -53,6 +59,10 @@ class TimingSection(BaseModel):
     stall_refresh_s: float = Field(0.5, gt=0)
     """How often the agent refreshes its record of ranks waiting on their peers (``ntp.progress_fence``); a record
     older than three times this is stale."""
+    stall_fraction: float = Field(0.5, gt=0, le=1)
+    """Of ``ntp.heartbeat_timeout_s`` (``ntp.progress_fence``): a rank that has waited on its peers this long is
+    recorded as stalled, and a rank that works in a phase of an iteration and has made no progress this long while
+    another is stalled is fenced."""
     relay_wait_s: float = Field(30.0, gt=0)
     """How long a relay thread blocks on one store call before it asks again (a wait for a generation's end lasts as
     long as the generation: one request to the root per node every this many seconds)."""
@@ -60,6 +70,17 @@ class TimingSection(BaseModel):
     """How long a node relay's store clients may take to connect."""
     relay_retry_s: float = Field(1.0, gt=0)
     """How long a relay thread whose store call failed waits before it connects again."""
+    relay_stop_s: float = Field(5.0, gt=0)
+    """How long a stopped node relay's threads have to end (their connections are shut down, so a thread in a store
+    call fails out of it at once)."""
+    node_beat_fraction: float = Field(0.25, gt=0, le=1)
+    """Of ``ntp.heartbeat_timeout_s``: how often a node's relay writes the node's heartbeat to node 0's store."""
+    port_connect_timeout_s: float = Field(1.0, gt=0)
+    """How long one attempt to connect to a store's port may take while a client (a rank's, a relay's, a node
+    launcher's) waits for the store to come up."""
+    port_retry_s: float = Field(0.2, gt=0)
+    """How long a client waiting for a store to come up pauses between two attempts to connect (a retry's pause,
+    not a synchronisation)."""
 
     # -- a rank --
     escape_grace_s: float = Field(0.05, ge=0)
@@ -74,11 +95,19 @@ class TimingSection(BaseModel):
     """How long the controller (or the launcher, NTP off) waits for the report that names the cause when every death
     it has is a rank that only echoed another's error: the ranks of one failed save all raise at the same moment,
     but exit some milliseconds apart."""
+    echo_poll_s: float = Field(0.01, gt=0)
+    """How often, while it waits for that report, it reads the ranks' error reports again."""
     bring_wait_s: float = Field(1.0, gt=0)
     """How long a node's last voter waits on the root for the decision before it looks whether the generation ended
     without one."""
     watch_timeout_s: float = Field(3600.0, gt=0)
     """The store timeout of a generation watchdog's client (it waits on the generation's end, however long)."""
+    watchdog_join_s: float = Field(5.0, gt=0)
+    """How long a rank leaving an ended generation waits for the generation's watchdog thread to finish (its
+    sockets are shut down: the thread's barrier probe fails at once)."""
+    heartbeat_store_timeout_s: float = Field(30.0, gt=0)
+    """The store timeout of a rank's heartbeat client, and of the clients it opens again after a broken connection;
+    ten heartbeat intervals (``ntp.heartbeat_interval_s``) where that is longer."""
     generation_poll_s: float = Field(0.01, gt=0)
     """How often a rank looks for a newer generation or the end of one while it waits for it."""
 

@@ -1,7 +1,7 @@
 """How one rank's NTP state maps onto Megatron-Core's global tensors, for ``dist_checkpointing``.
 
 A TP-split tensor of an NTP rank holds an explicit, possibly uneven and non-contiguous, list of units
-(:class:`ntp_megatron.core.layers.UnitShard`): a degraded rank may hold query groups {0, 1, 6}. Megatron describes a
+(:class:`ntp_megatron.core.layers.HeldUnits`): a degraded rank may hold query groups {0, 1, 6}. Megatron describes a
 rank's part of a global tensor with ``ShardedTensor`` boxes (a global offset and a local shape per axis), so
 each maximal run of consecutive units becomes one box, *a fragment*, with an explicit global offset and no
 regular grid (``axis_fragmentations=None``). One local tensor maps to several fragments, so it is wrapped in a
@@ -84,7 +84,7 @@ class UnitAxis:
     @classmethod
     def of(cls, local_shape: Sequence[int], axis: int, num_units: int, num_local: int, outer: int,
            inner: int) -> "UnitAxis":
-        """From a parameter's ``[outer, units, inner]`` folding (:class:`ntp_megatron.core.layers.UnitShard`) and its
+        """From a parameter's ``[outer, units, inner]`` folding (:class:`ntp_megatron.core.layers.HeldUnits`) and its
         local shape: the axes before ``axis`` fold into ``outer`` (what is left of it is ``blocks``), the axes
         after it into ``inner`` (what is left of it is ``unit_len``)."""
         shape = tuple(local_shape)
@@ -250,14 +250,14 @@ def unit_sharded_tensor(key: str, tensor: torch.Tensor, split: UnitAxis, units: 
 
 
 def unit_axis_of(param: torch.Tensor) -> tuple[UnitAxis, tuple[int, ...]]:
-    """The :class:`UnitAxis` and units of a parameter tagged by the NTP layers (``ntp_shard`` plus Megatron's
+    """The :class:`UnitAxis` and units of a parameter tagged by the NTP layers (``ntp_held_units`` plus Megatron's
     ``partition_dim``)."""
-    shard = param.ntp_shard
+    held = param.ntp_held_units
     axis = getattr(param, "partition_dim", None)
     if axis is None or axis < 0:
         raise ValueError(f"an NTP parameter of shape {tuple(param.shape)} has no partition_dim")
-    split = UnitAxis.of(param.shape, axis, shard.num_units, len(shard.units), shard.outer, shard.inner)
-    return split, shard.units
+    split = UnitAxis.of(param.shape, axis, held.num_units, len(held.units), held.outer, held.inner)
+    return split, held.units
 
 
 def describe_parameter(key: str, param: torch.Tensor, prepend_offsets: Sequence[tuple[int, int, int]] = (),
@@ -284,7 +284,7 @@ def assign_replica_ids(sharded_state_dict: ShardedStateDict, role: CheckpointRol
         if isinstance(value, UnitShardedTensorFactory):
             value.replica_id = role.split_replica_id
             return value
-        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and hasattr(value.data, "ntp_shard"):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and hasattr(value.data, "ntp_held_units"):
             if isinstance(value, ShardedTensorFactory):
                 raise ValueError(f"{value.key}: an NTP parameter wrapped by a factory that knows nothing of its "
                                  "units (give its module an NTP sharded_state_dict)")
@@ -319,7 +319,7 @@ def ntp_module_sharded_state_dict(module: torch.nn.Module, prefix: str = "",
     out: ShardedStateDict = {}
     rest = {}
     for name, value in state.items():
-        if hasattr(value, "ntp_shard"):
+        if hasattr(value, "ntp_held_units"):
             out[f"{prefix}{name}"] = describe_parameter(f"{prefix}{name}", value, sharded_offsets,
                                                         allow_shape_mismatch)
         else:
@@ -383,7 +383,7 @@ def flat_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
 
 
 @dataclass(frozen=True)
-class ShardBox:
+class TensorBox:
     """One box of a piece in the global tensor: ``global_offset`` / ``shape`` in the tensor's own axes (no
     prepended axes), and where it sits in the local tensor (``local_offset``, same shape)."""
 
@@ -393,7 +393,7 @@ class ShardBox:
 
 
 def shard_boxes(local_shape: Sequence[int], places: Sequence[Fragment], axis: int, start: int,
-                end: int) -> list[ShardBox]:
+                end: int) -> list[TensorBox]:
     """The global boxes of flat elements ``[start, end)`` of a local tensor of ``local_shape`` whose place in the
     global tensor is ``places``: fragments that cut the local tensor along ``axis`` (each: its global offset,
     shape and ``local_start`` along ``axis``; :func:`fragments`, or one fragment for a regular grid). In flat
@@ -412,7 +412,7 @@ def shard_boxes(local_shape: Sequence[int], places: Sequence[Fragment], axis: in
             shape[axis] = b - a
             origin = [0] * len(local_shape)
             origin[axis] = place.local_start
-            out.append(ShardBox(tuple(g + x - o for g, x, o in zip(place.global_offset, local, origin)),
+            out.append(TensorBox(tuple(g + x - o for g, x, o in zip(place.global_offset, local, origin)),
                                 tuple(shape), tuple(local)))
     return out
 
@@ -453,10 +453,10 @@ def model_place(entry: Any) -> ModelPlace:
 
 def place_of_units(place: ModelPlace, param: torch.Tensor) -> ModelPlace:
     """``place`` (a model parameter's) for another tensor of the same checkpoint tensor: ``param``, holding the
-    units its ``ntp_shard`` names (a degraded rank's slot-shaped shadow of a block: the block's units, where the
+    units its ``ntp_held_units`` names (a degraded rank's slot-shaped shadow of a block: the block's units, where the
     model parameter holds the rank's own). A tensor without units (replicated) must have the model's shape and
     lies where it does."""
-    if not hasattr(param, "ntp_shard"):
+    if not hasattr(param, "ntp_held_units"):
         if tuple(param.shape) != place.local_shape:
             raise ValueError(f"{place.key}: a replicated tensor of shape {tuple(param.shape)} where the model's is "
                              f"{place.local_shape}")
@@ -478,7 +478,7 @@ def _strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _box_view(flat: torch.Tensor, strides: tuple[int, ...], start: int, box: ShardBox) -> torch.Tensor:
+def _box_view(flat: torch.Tensor, strides: tuple[int, ...], start: int, box: TensorBox) -> torch.Tensor:
     """The elements of ``box`` (local coordinates) in ``flat``, the contiguous elements ``[start, ...)`` of the
     local tensor."""
     first = sum(o * s for o, s in zip(box.local_offset, strides)) - start

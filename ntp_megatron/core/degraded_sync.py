@@ -58,8 +58,8 @@ class DegradedSync:
         self.replica = topology.replica_of(rank).index
         self.tp_base = topology.tp_base
         self.distributed_optimizer = bool(ddp_config.use_distributed_optimizer)
-        self.split = [(n, p.ntp_shard) for n, p in params if hasattr(p, "ntp_shard")]
-        self.replicated = [(n, p) for n, p in params if not hasattr(p, "ntp_shard")]
+        self.split = [(n, p.ntp_held_units) for n, p in params if hasattr(p, "ntp_held_units")]
+        self.replicated = [(n, p) for n, p in params if not hasattr(p, "ntp_held_units")]
         self._by_name = dict(params)
         self._first = params[0][1]
         self.shadows: dict[int, Shadow] = {}
@@ -99,7 +99,7 @@ class DegradedSync:
     def _model_units(self, piece: Piece, what: str) -> torch.Tensor:
         """This rank's units of ``piece``'s parameter as ``[outer, units, inner]``: gradient or value."""
         param = self._by_name[piece.name]
-        return unit_view(param.main_grad if what == "grad" else param.data, piece.shard, len(piece.shard.units))
+        return unit_view(param.main_grad if what == "grad" else param.data, piece.held, len(piece.held.units))
 
     def _pack(self, transfer: _Transfer, from_shadow: bool, what: str) -> torch.Tensor:
         parts = []
@@ -114,7 +114,7 @@ class DegradedSync:
     def _unpack(self, transfer: _Transfer, buffer: torch.Tensor, into_shadow: bool, what: str) -> None:
         offset = 0
         for piece in transfer.pieces:
-            chunk = buffer[offset:offset + piece.numel].view(piece.shard.outer, -1, piece.shard.inner)
+            chunk = buffer[offset:offset + piece.numel].view(piece.held.outer, -1, piece.held.inner)
             offset += piece.numel
             if into_shadow:
                 self.shadows[transfer.block].region(piece, what).index_copy_(1, piece.in_block, chunk)

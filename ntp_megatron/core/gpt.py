@@ -23,7 +23,7 @@ from ntp_megatron.core.layers import (
     NTPRowParallelLinear,
     NTPSelfAttention,
     NTPVocabParallelEmbedding,
-    UnitShard,
+    HeldUnits,
     global_to_local_index,
     initialize_like_megatron,
     tag_parameter,
@@ -119,7 +119,7 @@ class NTPGPTModel(GPTModel):
         if self.post_process and self.output_layer.weight is not None:  # untied output layer: vocab rows
             tag_parameter(self.output_layer.weight,
                           InitRecipe("master", config.init_method, (vocab_size, config.hidden_size)),
-                          UnitShard("vocab", vocab_size, units.vocab, 1, config.hidden_size), dim=0)
+                          HeldUnits("vocab", vocab_size, units.vocab, 1, config.hidden_size), dim=0)
             self.output_layer.output_size = vocab_size
         for module in self.modules():
             if type(module) is MLP:
@@ -172,12 +172,12 @@ def build_ntp_gpt(config, units: RankUnits, normalization: str, vocab_size: int,
     if device is not None:
         model = model.to(device)
     if initialize and init == "layout_free":  # on the device: nothing full-size, nothing through the host
-        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_shard", None),
+        initialize_layout_free(model, config, seed, lambda name, param: getattr(param, "ntp_held_units", None),
                                layer_offset=layer_offset)
     return model
 
 
-def uniform_shard(name: str, param: torch.nn.Parameter, tf_config, tp_rank: int, tp_size: int) -> Optional[UnitShard]:
+def uniform_units(name: str, param: torch.nn.Parameter, tf_config, tp_rank: int, tp_size: int) -> Optional[HeldUnits]:
     """The units of a plain Megatron model's (uniform TP) parameter on ``tp_rank``: block ``tp_rank`` of equal
     contiguous blocks, folded as :func:`family_geometry` says; None for a replicated parameter."""
     geometry = family_geometry(name, tf_config)
@@ -185,14 +185,14 @@ def uniform_shard(name: str, param: torch.nn.Parameter, tf_config, tp_rank: int,
         return None
     family, outer, inner = geometry
     local = param.numel() // (outer * inner)
-    return UnitShard(family, local * tp_size, tuple(range(tp_rank * local, (tp_rank + 1) * local)), outer, inner)
+    return HeldUnits(family, local * tp_size, tuple(range(tp_rank * local, (tp_rank + 1) * local)), outer, inner)
 
 
 def family_geometry(name: str, tf_config) -> Optional[tuple[str, int, int]]:
     """(family, outer, inner) of a TP-split GPT parameter by name, None for a replicated one.
 
     The same folding the NTP layers tag their parameters with; used to read a uniform Megatron model's
-    shards (contiguous unit blocks per rank) the same way as an NTP model's.
+    TP-split tensors (contiguous unit blocks per rank) the same way as an NTP model's.
     """
     hidden = tf_config.hidden_size
     head_dim = tf_config.kv_channels

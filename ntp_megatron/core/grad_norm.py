@@ -82,7 +82,7 @@ def shard_table_norm(sources: list[tuple[int, list]], tp_base: int, tp: dist.Pro
     groups = [buffers[0].data_parallel_group for _, buffers in sources]
     size = groups[0].size()
     split = {id(param) for _, buffers in sources for buffer in buffers for param in buffer.param_index_map
-             if hasattr(param, "ntp_shard")}  # the model's or the shadows' (both tagged)
+             if hasattr(param, "ntp_held_units")}  # the model's or the shadows' (both tagged)
     table = torch.zeros(tp_base * size + size, dtype=torch.float64, device=device)
     for (block, buffers), group in zip(sources, groups):
         position = group.rank()

@@ -101,11 +101,11 @@ class GradSync:
         self.uneven = any(n % topology.tp_base for n in topology.units.values())
         self.params: list[tuple[str, torch.nn.Parameter]] = [
             (n, p) for n, p in model.module.named_parameters() if p.requires_grad]
-        self.split = [(n, p.ntp_shard) for n, p in self.params if hasattr(p, "ntp_shard")]
-        self.replicated = [(n, p) for n, p in self.params if not hasattr(p, "ntp_shard")]
+        self.split = [(n, p.ntp_held_units) for n, p in self.params if hasattr(p, "ntp_held_units")]
+        self.replicated = [(n, p) for n, p in self.params if not hasattr(p, "ntp_held_units")]
         for name, param in self.params:
-            if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_shard"):
-                raise ValueError(f"TP-split parameter {name} has no unit shard: it would be synced as replicated")
+            if getattr(param, "tensor_model_parallel", False) and not hasattr(param, "ntp_held_units"):
+                raise ValueError(f"TP-split parameter {name} records no held units: it would be synced as replicated")
         self._by_name = dict(self.params)
         self.ddp = model
         self.distributed_optimizer = bool(ddp_config.use_distributed_optimizer)

@@ -6,7 +6,7 @@ each rank computes only the elements of its own units, on its own device, in chu
 chunk) memory, and the same value for an element whatever layout holds it (any unit list, uneven, non-contiguous).
 
 The global element index of a TP-split tensor is taken over the tensor folded as ``[units, outer, inner]`` (see
-:class:`ntp_megatron.core.layers.UnitShard`), partition dimension outermost, so every unit is one contiguous range of
+:class:`ntp_megatron.core.layers.HeldUnits`), partition dimension outermost, so every unit is one contiguous range of
 indices. A replicated tensor is one unit.
 
 The generator is counter-based: SplitMix64's finaliser over ``key + (index + 1) * golden_gamma`` (``key`` hashes
@@ -32,7 +32,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.core.layers import HeldUnits
 
 logger = logging.getLogger(__name__)
 
@@ -142,19 +142,19 @@ def _runs(units: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
 
 
 @torch.no_grad()
-def fill_normal_(param: torch.Tensor, key: int, std: float, shard: Optional[UnitShard],
+def fill_normal_(param: torch.Tensor, key: int, std: float, held: Optional[HeldUnits],
                  chunk: Optional[int] = None) -> None:
-    """Write N(0, std) into ``param`` (this rank's units of ``shard``, or the whole tensor if replicated), at most
+    """Write N(0, std) into ``param`` (this rank's units of ``held``, or the whole tensor if replicated), at most
     ``chunk`` (default :data:`CHUNK`, :data:`CHUNK_CUDA` on a GPU) elements at a time, on the parameter's
     device."""
     chunk = chunk or (CHUNK if param.device.type == "cpu" else CHUNK_CUDA)
-    if shard is None:
-        shard = UnitShard("replicated", 1, (0,), 1, param.numel())
-    outer, inner = shard.outer, shard.inner
+    if held is None:
+        held = HeldUnits("replicated", 1, (0,), 1, param.numel())
+    outer, inner = held.outer, held.inner
     unit_numel = outer * inner
-    local = param.view(outer, len(shard.units), inner)
+    local = param.view(outer, len(held.units), inner)
     device = param.device
-    for first_unit, first_local, count in _runs(shard.units):
+    for first_unit, first_local, count in _runs(held.units):
         base = first_unit * unit_numel
         if outer == 1:  # the run is contiguous in memory and in index order
             flat = local[0, first_local:first_local + count].view(-1)
@@ -223,18 +223,18 @@ def global_name(name: str, layer_offset: int, tied_copy: bool = False) -> str:
 
 @torch.no_grad()
 def initialize_layout_free(model: torch.nn.Module, tf_config, seed: int,
-                           shard_of: Callable[[str, torch.nn.Parameter], Optional[UnitShard]],
+                           held_units_of: Callable[[str, torch.nn.Parameter], Optional[HeldUnits]],
                            layer_offset: int = 0) -> None:
     """Initialise every parameter of ``model`` (an unwrapped GPTModel, NTP or plain, or one pipeline stage of it,
     its first layer being global layer ``layer_offset``) from (seed, global name, index).
 
-    ``shard_of(name, param)`` says which units of a TP-split parameter this rank holds (None: replicated).
+    ``held_units_of(name, param)`` says which units of a TP-split parameter this rank holds (None: replicated).
     """
     for name, param in model.named_parameters():
         name_in_model = global_name(name, layer_offset, tied_copy=getattr(param, "shared_embedding", False))
         init_method = megatron_init_of(name_in_model, tf_config)
         if init_method is not None:
-            fill_normal_(param, stream_key(seed, name_in_model), normal_std(init_method), shard_of(name, param))
+            fill_normal_(param, stream_key(seed, name_in_model), normal_std(init_method), held_units_of(name, param))
         elif name.endswith(".bias"):
             param.zero_()  # Megatron zeroes linear biases; norm biases are constructed as zeros
     logger.debug("layout-free initialisation: %d elements on this rank", sum(p.numel() for p in model.parameters()))

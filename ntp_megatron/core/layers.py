@@ -7,7 +7,7 @@ ascending order. Layouts come from :mod:`ntp_megatron.plan.layout`; this module 
 
 How the Megatron classes are reused: each NTP class calls the upstream constructor with a size that
 upstream's ``divide(size, tp)`` turns into this rank's local size (``local × tp``), with initialisation off,
-then records the true global size and the rank's :class:`UnitShard` on every split parameter. Initial
+then records the true global size and the rank's :class:`HeldUnits` on every split parameter. Initial
 values come later: from :mod:`ntp_megatron.core.init` (the default: each element a function of seed, name and global
 index, computed for this rank's units only), or from :func:`initialize_like_megatron`, which draws every master
 weight at its global size in Megatron's own order, so any layout starts from the weights a TP1 Megatron model
@@ -30,7 +30,7 @@ from megatron.core.transformer.attention import SelfAttention
 from ntp_megatron.core.checkpoint_map import ntp_module_sharded_state_dict
 
 @dataclass(frozen=True)
-class UnitShard:
+class HeldUnits:
     """Which units of a TP-split tensor this rank holds, and how the tensor folds into ``[outer, units, inner]``."""
 
     family: str
@@ -63,15 +63,15 @@ class InitRecipe:
     full_shape: tuple[int, ...] = ()
 
 
-def tag_parameter(param: Optional[torch.nn.Parameter], recipe: InitRecipe, shard: Optional[UnitShard] = None,
+def tag_parameter(param: Optional[torch.nn.Parameter], recipe: InitRecipe, held: Optional[HeldUnits] = None,
          dim: int = 0, stride: int = 1) -> None:
     """Record how to initialise ``param`` and, for a split tensor, its units — plus Megatron's own TP
     attributes, which upstream sets only when it initialises (it does not here)."""
     if param is None:
         return
     param.ntp_init = recipe
-    if shard is not None:
-        param.ntp_shard = shard
+    if held is not None:
+        param.ntp_held_units = held
         if not hasattr(param, "tensor_model_parallel"):
             set_tensor_model_parallel_attributes(param, True, dim, stride)
 
@@ -97,8 +97,8 @@ class NTPColumnParallelLinear(ColumnParallelLinear):
         self.output_size = stride * num_units * unit_rows
         self.output_size_per_partition = local_out
         tag_parameter(self.weight, InitRecipe("master", init_method, (self.output_size, input_size)),
-             UnitShard(family, num_units, tuple(units), stride, unit_rows * input_size), dim=0, stride=stride)
-        tag_parameter(self.bias, InitRecipe("zeros"), UnitShard(family, num_units, tuple(units), stride, unit_rows),
+             HeldUnits(family, num_units, tuple(units), stride, unit_rows * input_size), dim=0, stride=stride)
+        tag_parameter(self.bias, InitRecipe("zeros"), HeldUnits(family, num_units, tuple(units), stride, unit_rows),
              dim=0, stride=stride)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
@@ -120,7 +120,7 @@ class NTPRowParallelLinear(RowParallelLinear):
         self.input_size = num_units * unit_cols
         self.input_size_per_partition = local_in
         tag_parameter(self.weight, InitRecipe("master", init_method, (output_size, self.input_size)),
-             UnitShard(family, num_units, tuple(units), output_size, unit_cols), dim=1)
+             HeldUnits(family, num_units, tuple(units), output_size, unit_cols), dim=1)
         tag_parameter(self.bias, InitRecipe("zeros"))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
@@ -141,7 +141,7 @@ class NTPVocabParallelEmbedding(VocabParallelEmbedding):
         self.num_embeddings_per_partition = len(units)
         self.register_buffer("global_to_local", global_to_local_index(units, num_embeddings), persistent=False)
         tag_parameter(self.weight, InitRecipe("master", init_method, (num_embeddings, embedding_dim)),
-             UnitShard("vocab", num_embeddings, tuple(units), 1, embedding_dim))
+             HeldUnits("vocab", num_embeddings, tuple(units), 1, embedding_dim))
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         local = self.global_to_local[input_]
@@ -234,8 +234,8 @@ def initialize_like_megatron(model: torch.nn.Module) -> None:
         if recipe.kind == "master":
             master = torch.empty(recipe.full_shape, dtype=torch.float)
             recipe.init_method(master)
-            shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-            value = shard.select(master) if shard is not None else master
+            held: Optional[HeldUnits] = getattr(param, "ntp_held_units", None)
+            value = held.select(master) if held is not None else master
             param.copy_(value.reshape(param.shape).to(param.dtype))
         elif recipe.kind == "embedding":
             torch.nn.init.normal_(param)  # what torch.nn.Embedding.__init__ draws before Megatron re-initialises

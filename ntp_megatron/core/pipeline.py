@@ -93,8 +93,8 @@ class TiedEmbeddingSync:
     """Tied word embeddings across pipeline stages under NTP: the first stage's embedding and the last stage's output
     layer are two copies of one weight, and each copy's gradient must be the sum of both uses.
 
-    Upstream all-reduces the two copies' whole shards over the embedding group, which needs equal vocabulary shards
-    at both ends; here the two ends of a replica may hold different units (different widths, dealt units). Every
+    Upstream all-reduces the two copies' whole local tensors over the embedding group, which needs equal vocabulary
+    slices at both ends; here the two ends of a replica may hold different units (different widths, dealt units). Every
     vocabulary unit has exactly one holder in each end stage of a replica: the holders swap that unit's rows of the
     unsynced gradient and each adds the other's (a + b on one side, b + a on the other: the same bits, addition
     commutes), before the cross-replica sync, which then runs on equal copies. Messages go between the ranks that share units, one per
@@ -104,7 +104,7 @@ class TiedEmbeddingSync:
         stage = topology.stage_of(rank)
         other = topology.stages[-1] if stage.stage == 0 else topology.stages[0]
         replica = stage.replica_of(rank).index
-        mine = list(weight.ntp_shard.units)  # local rows in this order
+        mine = list(weight.ntp_held_units.units)  # local rows in this order
         row = {unit: i for i, unit in enumerate(mine)}
         self.weight = weight
         self.peers: list[tuple[int, torch.Tensor]] = []

@@ -14,7 +14,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel
 
 from ntp_megatron.core.groups import NTPGroups, rebind_process_groups
-from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.core.layers import HeldUnits
 from ntp_megatron.plan.layout import Topology
 
 # Attributes Megatron's DDP and optimizer read from a parameter; a shadow parameter carries them too.
@@ -50,12 +50,12 @@ def abandon_collectives(ddp: DistributedDataParallel) -> None:
         group.per_param_grad_ready_counts = {}
 
 
-def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> torch.Size:
+def slot_shape(param: torch.nn.Parameter, held: HeldUnits, num_units: int) -> torch.Size:
     """The shape ``param`` has on a rank that holds ``num_units`` units of its family (any layout)."""
     dim = param.partition_dim
     shape = list(param.shape)
-    per_unit, rest = divmod(shape[dim], len(shard.units))
-    assert rest == 0, f"dimension {dim} of {tuple(param.shape)} is not a multiple of {len(shard.units)} units"
+    per_unit, rest = divmod(shape[dim], len(held.units))
+    assert rest == 0, f"dimension {dim} of {tuple(param.shape)} is not a multiple of {len(held.units)} units"
     shape[dim] = per_unit * num_units
     return torch.Size(shape)
 
@@ -63,7 +63,7 @@ def slot_shape(param: torch.nn.Parameter, shard: UnitShard, num_units: int) -> t
 def shadow_module(module: torch.nn.Module, topology: Topology, block: int,
                   device: Optional[torch.device] = None) -> torch.nn.Module:
     """A module whose parameters have the names, order, dtypes and attributes of ``module``'s at the shapes a
-    healthy rank at slot ``block`` has (a TP-split one tagged with the block's units, ``ntp_shard``). Megatron's
+    healthy rank at slot ``block`` has (a TP-split one tagged with the block's units, ``ntp_held_units``). Megatron's
     DDP lays buckets out from exactly those properties, so a DDP over this module has a slot-``block`` rank's
     buckets.
 
@@ -73,9 +73,9 @@ def shadow_module(module: torch.nn.Module, topology: Topology, block: int,
     ``_base``), so building a shadow allocates nothing but its buffers; the caller fills them."""
     root = torch.nn.Module()
     for name, param in module.named_parameters():
-        shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-        units = None if shard is None else tuple(topology.block(shard.family, block))
-        shape = param.shape if shard is None else slot_shape(param, shard, len(units))
+        held: Optional[HeldUnits] = getattr(param, "ntp_held_units", None)
+        units = None if held is None else tuple(topology.block(held.family, block))
+        shape = param.shape if held is None else slot_shape(param, held, len(units))
         if device is None:
             data = torch.empty(shape, dtype=param.dtype, device="meta")
         else:
@@ -84,8 +84,8 @@ def shadow_module(module: torch.nn.Module, topology: Topology, block: int,
         for attr in _PARAM_ATTRS:
             if hasattr(param, attr):
                 setattr(shadow, attr, getattr(param, attr))
-        if shard is not None:
-            shadow.ntp_shard = UnitShard(shard.family, shard.num_units, units, shard.outer, shard.inner)
+        if held is not None:
+            shadow.ntp_held_units = HeldUnits(held.family, held.num_units, units, held.outer, held.inner)
         owner = root
         *path, leaf = name.split(".")
         for part in path:
@@ -105,32 +105,32 @@ class Piece:
     that rank's unit list) and in the block (positions in the block's unit list)."""
 
     name: str
-    shard: UnitShard
+    held: HeldUnits
     local: torch.Tensor
     in_block: torch.Tensor
 
     @property
     def numel(self) -> int:
-        return self.shard.outer * len(self.local) * self.shard.inner
+        return self.held.outer * len(self.local) * self.held.inner
 
 
-def block_pieces(topology: Topology, rank: int, block: int, split: list[tuple[str, UnitShard]],
+def block_pieces(topology: Topology, rank: int, block: int, split: list[tuple[str, HeldUnits]],
             device: torch.device) -> list[Piece]:
     """Every unit of ``block`` that ``rank`` holds, per TP-split parameter, in parameter order."""
     out = []
-    for name, shard in split:
-        held = topology.units_of(rank, shard.family)
-        block_units = topology.block(shard.family, block)
+    for name, held in split:
+        rank_units = topology.units_of(rank, held.family)
+        block_units = topology.block(held.family, block)
         start = block_units[0]
-        mine = [(i, u - start) for i, u in enumerate(held) if start <= u <= block_units[-1]]
+        mine = [(i, u - start) for i, u in enumerate(rank_units) if start <= u <= block_units[-1]]
         if mine:
             local, in_block = zip(*mine)
-            out.append(Piece(name, shard, torch.tensor(local, device=device), torch.tensor(in_block, device=device)))
+            out.append(Piece(name, held, torch.tensor(local, device=device), torch.tensor(in_block, device=device)))
     return out
 
 
-def unit_view(tensor: torch.Tensor, shard: UnitShard, units: int) -> torch.Tensor:
-    return tensor.view(shard.outer, units, shard.inner)
+def unit_view(tensor: torch.Tensor, held: HeldUnits, units: int) -> torch.Tensor:
+    return tensor.view(held.outer, units, held.inner)
 
 
 @dataclass
@@ -174,7 +174,7 @@ class Shadow:
         """The block's units of ``piece``'s parameter, as ``[outer, units, inner]``: of its gradient (``grad``) or
         of its value (``param``; real shadows only)."""
         tensor = self.grads[piece.name] if what == "grad" else self.params[piece.name].data
-        return unit_view(tensor, piece.shard, self.block_units[piece.shard.family])
+        return unit_view(tensor, piece.held, self.block_units[piece.held.family])
 
     def _adopt(self, module: torch.nn.Module, topology: Topology, groups: NTPGroups, pg) -> None:
         """Take over ``self.adopted``'s DDP (its buffers hold this block's slot-shaped buckets, with this rank's

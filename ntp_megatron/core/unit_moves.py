@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ntp_megatron.core.adam_step import read_step, write_step
-from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.core.layers import HeldUnits
 from ntp_megatron.plan.layout import Topology, survivor_ranks, transition_plan
 from ntp_megatron.plan.stages import JobTopology
 from ntp_megatron.plan.optimizer_shards import ShardId, shard_plan
@@ -92,9 +92,9 @@ class UnitTensors:
     """One rank's TP-split parameters and their optimizer state, addressable by unit."""
 
     def __init__(self, model: torch.nn.Module, optimizer, keys: tuple[str, ...], with_state: bool) -> None:
-        self.params: list[tuple[str, torch.nn.Parameter, UnitShard]] = [
-            (name, p, p.ntp_shard) for name, p in model.named_parameters() if hasattr(p, "ntp_shard")]
-        self.replicated: list[torch.nn.Parameter] = [p for p in model.parameters() if not hasattr(p, "ntp_shard")]
+        self.params: list[tuple[str, torch.nn.Parameter, HeldUnits]] = [
+            (name, p, p.ntp_held_units) for name, p in model.named_parameters() if hasattr(p, "ntp_held_units")]
+        self.replicated: list[torch.nn.Parameter] = [p for p in model.parameters() if not hasattr(p, "ntp_held_units")]
         self.keys = keys if with_state else ()
         self.optimizer: Optional[torch.optim.Optimizer] = optimizer.optimizer if optimizer is not None else None
         """The torch optimizer inside Megatron's."""
@@ -131,12 +131,12 @@ class UnitTensors:
         ``t.replicated``), then the index in :attr:`params` of each TP-split parameter of a family ``t.units`` has
         units of. Every rank's model has the same parameters, so both ends of a message cut it alike."""
         families = {family for family, _ in t.units}
-        split = [i for i, (_, _, shard) in enumerate(self.params) if shard.family in families]
+        split = [i for i, (_, _, held) in enumerate(self.params) if held.family in families]
         return ([None] if t.replicated and self.replicated else []) + split
 
     def _local(self, units: tuple[Unit, ...], piece: int) -> list[int]:
-        _, _, shard = self.params[piece]
-        return [shard.units.index(u) for f, u in units if f == shard.family]
+        _, _, held = self.params[piece]
+        return [held.units.index(u) for f, u in units if f == held.family]
 
     def pack(self, t: Transfer, piece: Optional[int]) -> torch.Tensor:
         """One piece of a message (:meth:`pieces`): ``t.units`` of one parameter (or every replicated parameter),
@@ -144,16 +144,16 @@ class UnitTensors:
         units = t.units
         if piece is None:
             return torch.cat([x.reshape(-1) for p in self.replicated for x in self.moved(p)]).float()
-        _, param, shard = self.params[piece]
+        _, param, held = self.params[piece]
         index = torch.tensor(self._local(units, piece), device=param.device)
-        return torch.cat([tensor.view(shard.outer, len(shard.units), shard.inner).index_select(1, index).reshape(-1)
+        return torch.cat([tensor.view(held.outer, len(held.units), held.inner).index_select(1, index).reshape(-1)
                           for tensor in self.moved(param)]).float()
 
     def piece_numel(self, t: Transfer, piece: Optional[int]) -> int:
         if piece is None:
             return self.replicated_numel()
-        _, _, shard = self.params[piece]
-        return shard.outer * len(self._local(t.units, piece)) * shard.inner * (1 + len(self.keys))
+        _, _, held = self.params[piece]
+        return held.outer * len(self._local(t.units, piece)) * held.inner * (1 + len(self.keys))
 
     def numel(self, units: tuple[Unit, ...], replicated: bool = False) -> int:
         return sum(self.unit_numel(family) for family, _ in units) + (self.replicated_numel() if replicated else 0)
@@ -168,17 +168,17 @@ class UnitTensors:
                 if optimizer_param(param) is not param:
                     param.data.copy_(optimizer_param(param).data)
         else:
-            _, param, shard = self.params[piece]
+            _, param, held = self.params[piece]
             local = self._local(units, piece)
             index = torch.tensor(local, device=param.device)
             for tensor in self.moved(param):
-                size = shard.outer * len(local) * shard.inner
-                chunk = buffer[offset:offset + size].view(shard.outer, len(local), shard.inner).to(tensor.dtype)
-                shard.view(tensor).index_copy_(1, index, chunk)
+                size = held.outer * len(local) * held.inner
+                chunk = buffer[offset:offset + size].view(held.outer, len(local), held.inner).to(tensor.dtype)
+                held.view(tensor).index_copy_(1, index, chunk)
                 offset += size
             main = optimizer_param(param)
             if main is not param:  # the 16-bit parameter: its main param's new units, rounded
-                shard.view(param.data).index_copy_(1, index, shard.view(main.data).index_select(1, index).to(param.dtype))
+                held.view(param.data).index_copy_(1, index, held.view(main.data).index_select(1, index).to(param.dtype))
         assert offset == buffer.numel(), f"piece of {buffer.numel()} elements, {offset} used"
 
 
@@ -191,19 +191,19 @@ def copy_kept(old: UnitTensors, new: UnitTensors, old_model: torch.nn.Module, ne
         write_step(new.optimizer, step)
     for name, param in new_model.named_parameters():
         before = old_by_name[name]
-        shard: Optional[UnitShard] = getattr(param, "ntp_shard", None)
-        if shard is None:
+        held: Optional[HeldUnits] = getattr(param, "ntp_held_units", None)
+        if held is None:
             for target, source in zip(new.tensors(param), old.tensors(before)):
                 target.copy_(source)
             continue
-        previous: UnitShard = before.ntp_shard
-        kept = [(i, previous.units.index(u)) for i, u in enumerate(shard.units) if u in previous.units]
+        previous: HeldUnits = before.ntp_held_units
+        kept = [(i, previous.units.index(u)) for i, u in enumerate(held.units) if u in previous.units]
         if not kept:
             continue
         dst, src = (torch.tensor(x, device=param.device) for x in zip(*kept))
         for target, source in zip(new.tensors(param), old.tensors(before)):
             view = source.view(previous.outer, len(previous.units), previous.inner)
-            target.view(shard.outer, len(shard.units), shard.inner).index_copy_(1, dst, view.index_select(1, src))
+            target.view(held.outer, len(held.units), held.inner).index_copy_(1, dst, view.index_select(1, src))
 
 
 def init_state(model: torch.nn.Module, tensors: UnitTensors) -> None:

@@ -9,10 +9,11 @@ well above that.
 
 *Progress, not liveness* (``ntp.progress_fence``, gloo on CPU). A rank stuck in a kernel keeps its heartbeat alive
 while every peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its
-peers. A launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` says so in the store
-(:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher fences its ranks that,
-in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not progressed for half the
-timeout and do not wait themselves: the rank the others wait on, by name, within ``ntp.heartbeat_timeout_s``.
+peers. A launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` (``timing.stall_fraction``)
+says so in the store (:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher
+fences its ranks that, in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not
+progressed for half the timeout and do not wait themselves: the rank the others wait on, by name, within
+``ntp.heartbeat_timeout_s``.
 
 *Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
@@ -188,12 +189,12 @@ class Agent:
         return [beat if beat["t"] > 0 else None for beat in beats]
 
     def _progress(self, rank: int, beat: dict, now: float) -> Optional[float]:
-        """Track ``rank``'s progress from its heartbeat; say in the store if it has waited on its peers for half the
-        timeout. Returns since when it has made no progress, if that is half the timeout or more while it works
-        in a phase of an iteration (None otherwise)."""
-        half = self.heartbeat_timeout_s / 2
+        """Track ``rank``'s progress from its heartbeat; say in the store if it has waited on its peers for
+        ``timing.stall_fraction`` of the timeout (half). Returns since when it has made no progress, if that is as
+        long or longer while it works in a phase of an iteration (None otherwise)."""
+        patience = self.heartbeat_timeout_s * timing.current().stall_fraction
         waiting_since = beat.get("waiting_since")
-        if waiting_since is not None and now - waiting_since >= half:
+        if waiting_since is not None and now - waiting_since >= patience:
             if now - self._stall_published >= timing.current().stall_refresh_s:
                 self._stall_published = now
                 try:
@@ -205,7 +206,7 @@ class Agent:
         if seen is None or seen[0] != count:
             self.progress[rank] = (count, now)
             return None
-        if waiting_since is not None or beat.get("phase") not in phases.ITERATION or now - seen[1] < half:
+        if waiting_since is not None or beat.get("phase") not in phases.ITERATION or now - seen[1] < patience:
             return None
         return seen[1]
 

@@ -155,7 +155,7 @@ def cause_behind_echoes(store: dist.Store, launch_ranks: list[int]) -> Optional[
                 return launch_rank, report
         if time.monotonic() >= deadline:
             return None
-        time.sleep(0.01)
+        time.sleep(timing.current().echo_poll_s)
 
 
 def own_error_cause(report: dict) -> str:

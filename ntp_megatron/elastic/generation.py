@@ -223,7 +223,7 @@ class ElasticRank:
         simply ends with the process."""
         torch_distributed_work.set_escape(None)
         if ended:
-            generation.watchdog.join(timeout=5.0)  # its sockets are shut down: a barrier probe fails at once
+            generation.watchdog.join(timeout=timing.current().watchdog_join_s)
         keep = set(keep) - generation.watchdog.cut if ended else set()  # a group cut cannot go on
         pool = generation.pool
         # Groups carried here and not made or kept yet (a formation cut short) are detached already.

@@ -119,10 +119,11 @@ class NodeRelay:
         with self._ended:
             return self._ended.wait_for(lambda: generation in self.ended_at, timeout_s)
 
-    def stop(self, timeout_s: float = 5.0) -> bool:
+    def stop(self, timeout_s: Optional[float] = None) -> bool:
         """Stop the threads and join them: the relay's connections are shut down, so a thread in a store call
-        fails out of it at once. Returns whether every thread ended within ``timeout_s`` (a thread left in a store
-        call would abort the process at exit)."""
+        fails out of it at once. Returns whether every thread ended within ``timeout_s`` (default
+        ``timing.relay_stop_s``; a thread left in a store call would abort the process at exit)."""
+        timeout_s = timing.current().relay_stop_s if timeout_s is None else timeout_s
         self._stop.set()
         with self._sockets_lock:  # not _CONNECTING: a thread may hold it for as long as a connection takes
             shutdown_sockets(self._sockets)

@@ -148,7 +148,7 @@ class Heartbeat:
     phase marks, micro-batches and finished collective waits) and since when it waits on a collective."""
 
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:
-        self._open_store, self._timeout = open_store, max(30.0, 10 * interval_s)
+        self._open_store, self._timeout = open_store, max(timing.current().heartbeat_store_timeout_s, 10 * interval_s)
         self._store = open_store(self._timeout)
         self._launch_rank = launch_rank
         self._interval = interval_s
@@ -191,7 +191,7 @@ def wait_for_port(host: str, port: int, timeout_s: float, stop: Optional[threadi
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, port), timeout=1.0) as sock:
+            with socket.create_connection((host, port), timeout=timing.current().port_connect_timeout_s) as sock:
                 if sock.getsockname() != sock.getpeername():  # not TCP's self-connect to a free local port
                     return
             raise ConnectionRefusedError(111, "Connection refused")
@@ -199,8 +199,8 @@ def wait_for_port(host: str, port: int, timeout_s: float, stop: Optional[threadi
             if time.monotonic() > deadline:
                 raise TimeoutError(exc.strerror or str(exc)) from None
             if stop is None:
-                time.sleep(0.2)  # a retry's pause, not a synchronisation
-            elif stop.wait(0.2):
+                time.sleep(timing.current().port_retry_s)
+            elif stop.wait(timing.current().port_retry_s):
                 raise InterruptedError(f"stopped while waiting for {host}:{port}") from None
 
 

@@ -149,7 +149,7 @@ class ForkServer:
         except OSError:
             pass
         self._sock.close()
-        self._reader.join(timeout=5.0)
+        self._reader.join(timeout=timing.current().fork_server_close_s)
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:

@@ -244,7 +244,7 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.processes.stop_all()  # the warm spares, once the ranks are done
-            self.processes.join_relays(timeout=2.0)
+            self.processes.join_relays(timeout=timing.current().output_join_s)
             self.policy.close()
             if self.console.sink is not None:
                 if self.args.node_rank == 0:
@@ -259,7 +259,7 @@ class Launcher:
         (:func:`ntp_megatron.launch.nodes.host_node_store`)."""
         self.node_store, self.relay = host_node_store(
             self.args.store_host, self.nodes.port, self.args.node_rank, self.cfg.parallel.timeout_s,
-            self.cfg.ntp.heartbeat_timeout_s / 4,
+            self.cfg.ntp.heartbeat_timeout_s * timing.current().node_beat_fraction,
             lambda: sum(p.poll() is None for p in list(self.processes.ranks.values())), self.console.say)
 
     def _monitor(self) -> int:

@@ -18,7 +18,7 @@ more.
 
 Parameters are listed in ``named_parameters()`` order of the GPT model on Megatron-Core's local layer spec (the
 spec NTP builds on), with each TP-split parameter's elements per unit of its family (``(outer, inner)`` of
-:class:`ntp_megatron.core.layers.UnitShard`). With pipeline stages a rank holds its stage's part of the model (its
+:class:`ntp_megatron.core.layers.HeldUnits`). With pipeline stages a rank holds its stage's part of the model (its
 layers; the embeddings in the first stage, the final norm and the output layer in the last, which holds a copy
 of tied embeddings as its output layer), and a plan is the largest over the stages.
 """

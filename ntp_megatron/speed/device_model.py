@@ -48,15 +48,15 @@ class EmulatedDevice:
 
 def tp_share(parameters: Iterable[torch.nn.Parameter], tp_size: int) -> float:
     """The fraction of the replica's tensor-parallel weights these parameters are: each TP-split one (tagged
-    ``ntp_shard`` with its units, under NTP) counts its share of the whole tensor; replicated ones do not count.
+    ``ntp_held_units`` with its units, under NTP) counts its share of the whole tensor; replicated ones do not count.
     Without NTP's tags (plain Megatron-Core layers split evenly): ``1 / tp_size``."""
     held = whole = 0.0
     for p in parameters:
-        shard = getattr(p, "ntp_shard", None)
-        if shard is None or not shard.units:
+        held = getattr(p, "ntp_held_units", None)
+        if held is None or not held.units:
             continue
         held += p.numel()
-        whole += p.numel() * shard.num_units / len(shard.units)
+        whole += p.numel() * held.num_units / len(held.units)
     return held / whole if whole else 1.0 / tp_size
 
 

@@ -169,7 +169,7 @@ def build_optimizer(cfg: JobConfig, tf_config, model, setup: ParallelSetup):
 
 def carry_ntp_attributes(optimizer) -> None:
     """Under bf16 / fp16 the optimizer steps fp32 copies of the model's parameters (main params), to which
-    Megatron copies only its own TP attributes; every ``ntp_*`` attribute (``ntp_shard``: the units a tensor
+    Megatron copies only its own TP attributes; every ``ntp_*`` attribute (``ntp_held_units``: the units a tensor
     holds) goes to them too, so the code that walks the optimizer's tensors — state checksums, unit moves,
     checkpoints — sees their layout."""
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ntp_megatron.core.init import global_name
-from ntp_megatron.core.layers import UnitShard
+from ntp_megatron.core.layers import HeldUnits
 from ntp_megatron.core.gpt import family_geometry
 from ntp_megatron.core.unit_moves import main_param_of, optimizer_param, state_keys
 
@@ -29,34 +29,34 @@ class UncoveredState(RuntimeError):
     """A tensor the verification must cover cannot be read in unit order (or is missing): never skipped."""
 
 
-def shard_of(name: str, param: torch.Tensor, tf_config, num_units: dict[str, int], tp_rank: int,
-             tp_size: int) -> Optional[UnitShard]:
+def held_units_of(name: str, param: torch.Tensor, tf_config, num_units: dict[str, int], tp_rank: int,
+                  tp_size: int) -> Optional[HeldUnits]:
     """The NTP tag if the tensor has one; for a uniform Megatron model, rank ``tp_rank``'s contiguous block."""
-    shard = getattr(param, "ntp_shard", None)
-    if shard is not None or tp_size == 1:
-        return shard
+    held = getattr(param, "ntp_held_units", None)
+    if held is not None or tp_size == 1:
+        return held
     geometry = family_geometry(name, tf_config)
     if geometry is None:
         return None
     family, outer, inner = geometry
     per_rank = num_units[family] // tp_size
     units = tuple(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
-    return UnitShard(family, num_units[family], units, outer, inner)
+    return HeldUnits(family, num_units[family], units, outer, inner)
 
 
-def _gather_full(tensors: dict[str, tuple[torch.Tensor, UnitShard]], tp_group) -> dict[str, torch.Tensor]:
+def _gather_full(tensors: dict[str, tuple[torch.Tensor, HeldUnits]], tp_group) -> dict[str, torch.Tensor]:
     """Each tensor whole, in global unit order, from every TP rank's units: one ``all_gather_object`` for all of
     them (one per tensor cost a checked run's ranks about a quarter of their time)."""
-    mine = {key: (shard.units, _as_bytes(tensor)) for key, (tensor, shard) in tensors.items()}
+    mine = {key: (held.units, _as_bytes(tensor)) for key, (tensor, held) in tensors.items()}
     parts: list = [None] * tp_group.size()
     dist.all_gather_object(parts, mine, group=tp_group)
     out = {}
-    for key, (tensor, shard) in tensors.items():
-        full = torch.zeros(shard.outer, shard.num_units, shard.inner, dtype=tensor.dtype)
+    for key, (tensor, held) in tensors.items():
+        full = torch.zeros(held.outer, held.num_units, held.inner, dtype=tensor.dtype)
         for theirs in parts:
             units, piece = theirs[key]
             piece = torch.from_numpy(piece).view(tensor.dtype)
-            full[:, list(units), :] = piece.reshape(shard.outer, len(units), shard.inner)
+            full[:, list(units), :] = piece.reshape(held.outer, len(units), held.inner)
         out[key] = full.reshape(-1)
     return out
 
@@ -69,9 +69,10 @@ def _as_bytes(tensor: torch.Tensor):
 
 
 def covered_tensors(model, optimizer) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
-    """``key`` → (parameter name, tensor, the tensor whose ``ntp_shard`` describes it) for every tensor of the replica state:
-    each parameter ``name``; under bf16 / fp16 its fp32 main param ``name.main_param``; and ``name.<key>`` for
-    each per-element optimizer state tensor (Adam's moments, SGD's momentum), which belong to the main param.
+    """``key`` → (parameter name, tensor, the tensor whose ``ntp_held_units`` describes it) for every tensor of the
+    replica state: each parameter ``name``; under bf16 / fp16 its fp32 main param ``name.main_param``; and
+    ``name.<key>`` for each per-element optimizer state tensor (Adam's moments, SGD's momentum), which belong to
+    the main param.
 
     Raises :class:`UncoveredState` where a tensor would otherwise go unreported: a parameter the optimizer does
     not step, a main param without the parameter's NTP tag, or, once the optimizer holds any state, a parameter
@@ -89,8 +90,8 @@ def covered_tensors(model, optimizer) -> dict[str, tuple[str, torch.Tensor, torc
         if id(main) not in stepped:
             raise UncoveredState(f"{name}: the optimizer does not step this parameter (or its main param)")
         if main is not param:
-            if hasattr(param, "ntp_shard") and getattr(main, "ntp_shard", None) != param.ntp_shard:
-                raise UncoveredState(f"{name}: its fp32 main param lacks the parameter's ntp_shard")
+            if hasattr(param, "ntp_held_units") and getattr(main, "ntp_held_units", None) != param.ntp_held_units:
+                raise UncoveredState(f"{name}: its fp32 main param lacks the parameter's ntp_held_units")
             out[f"{name}.main_param"] = (name, main.data, main)
         if not has_state:
             continue  # before the first step (or a load) no parameter has state yet
@@ -126,7 +127,7 @@ def gathered_shard_state(model, optimizer: DistributedOptimizer, keys: tuple[str
     group its buffer shards over (collective over that group, buffer by buffer in the optimizer's order).
 
     The optimizer steps ``model`` itself, or (a degraded NTP rank) the slot-shaped shadows of the blocks the rank
-    serves, whose TP-split parameters carry their block's units (``ntp_shard``): a parameter's tensors are then
+    serves, whose TP-split parameters carry their block's units (``ntp_held_units``): a parameter's tensors are then
     its blocks' side by side (units in block order), and a replicated parameter's are its first block's."""
     out: dict[str, tuple[str, torch.Tensor, torch.Tensor]] = {}
     has_state = any(optimizer.optimizer.state.values())  # a defaultdict: entries can exist, empty
@@ -174,14 +175,14 @@ def _side_by_side(blocks: list[tuple[str, torch.Tensor, torch.Tensor]]) -> tuple
     """One tensor of a parameter from its blocks' (each tagged with its units): TP-split ones joined along the unit
     axis, under a tag naming all their units; a replicated one is the first block's."""
     name, first, owner = blocks[0]
-    shards = [getattr(p, "ntp_shard", None) for _, _, p in blocks]
-    if shards[0] is None:
+    held_per_block = [getattr(p, "ntp_held_units", None) for _, _, p in blocks]
+    if held_per_block[0] is None:
         return blocks[0]
-    joined = torch.cat([shard.view(tensor) for shard, (_, tensor, _) in zip(shards, blocks)], dim=1)
-    shard = shards[0]
-    units = tuple(u for s in shards for u in s.units)
-    return name, joined.reshape(-1), SimpleNamespace(ntp_shard=UnitShard(shard.family, shard.num_units, units,
-                                                                         shard.outer, shard.inner))
+    joined = torch.cat([held.view(tensor) for held, (_, tensor, _) in zip(held_per_block, blocks)], dim=1)
+    held = held_per_block[0]
+    units = tuple(u for s in held_per_block for u in s.units)
+    return name, joined.reshape(-1), SimpleNamespace(ntp_held_units=HeldUnits(held.family, held.num_units, units,
+                                                                                   held.outer, held.inner))
 
 
 def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group, tp_rank: int,
@@ -200,12 +201,12 @@ def full_state(model, optimizer, tf_config, num_units: dict[str, int], tp_group,
     else:
         tensors = covered_tensors(model, optimizer)
     out: dict[str, torch.Tensor] = {}
-    split: dict[str, tuple[torch.Tensor, UnitShard]] = {}
+    split: dict[str, tuple[torch.Tensor, HeldUnits]] = {}
     for key, (name, tensor, owner) in tensors.items():
         key = global_name(key, layer_offset, tied_copy=getattr(owner, "shared_embedding", False))
-        shard = shard_of(name, owner, tf_config, num_units, tp_rank, tp_group.size())
-        if shard is not None:
-            split[key] = (tensor, shard)
+        held = held_units_of(name, owner, tf_config, num_units, tp_rank, tp_group.size())
+        if held is not None:
+            split[key] = (tensor, held)
             out[key] = None  # filled in below, keeping the tensors' order
             continue
         flat = tensor.detach().reshape(-1).clone()

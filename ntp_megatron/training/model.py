@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, get_tr
 
 from ntp_megatron import phases
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt, uniform_shard
+from ntp_megatron.core.gpt import RankUnits, build_ntp_gpt, uniform_units
 from ntp_megatron.core.init import initialize_layout_free
 from ntp_megatron.plan.optimizer_shards import ddp_bucket_size
 
@@ -240,7 +240,7 @@ def initialize_uniform_layout_free(gpt: torch.nn.Module, tf_config: TransformerC
     """``model.init: layout_free`` for a plain Megatron model at uniform TP, any stage: the same values as every NTP
     layout (and every pipeline layout: layers are named by their global number)."""
     rank, size = tp_group.rank(), tp_group.size()
-    initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_shard(name, param, tf_config, rank, size),
+    initialize_layout_free(gpt, tf_config, seed, lambda name, param: uniform_units(name, param, tf_config, rank, size),
                            layer_offset=layer_offset(tf_config, stage))
 
 

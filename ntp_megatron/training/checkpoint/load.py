@@ -202,7 +202,7 @@ def _is_ntp_optimizer(optimizer) -> bool:
     """A distributed optimizer over NTP parameters: the model's, or a degraded rank's shadows (plain modules whose
     parameters carry units)."""
     dist_opt = distributed_optimizer(optimizer)
-    return dist_opt is not None and any(hasattr(param, "ntp_shard") for chunk in dist_opt.model_chunks
+    return dist_opt is not None and any(hasattr(param, "ntp_held_units") for chunk in dist_opt.model_chunks
                                         for param in chunk.module.parameters())
 
 

@@ -140,7 +140,7 @@ def _optimizer_places(model, model_sd: dict, grad_sync) -> Callable[[torch.nn.Pa
         if id(param) in shadows:
             model_param, block = shadows[id(param)]
             place = place_of_units(model_place(entries[id(model_param)]), param)
-            return place, ((0, 0) if hasattr(param, "ntp_shard") else (0, block))
+            return place, ((0, 0) if hasattr(param, "ntp_held_units") else (0, block))
         place = model_place(entries[id(param)])
         rid = place.replica_id
         return place, ((rid[0], rid[1]) if isinstance(rid, tuple) else (0, 0))

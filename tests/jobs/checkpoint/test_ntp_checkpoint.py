@@ -196,7 +196,7 @@ TOPOLOGIES = {  # (tp_base, dp, dead slots): a healthy writer; no healthy replic
 }
 
 
-def _shards(sharded_state_dict) -> list:
+def _entries(sharded_state_dict) -> list:
     """ShardedTensors and ShardedObjects after Megatron applies the factories."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import apply_factories
@@ -205,12 +205,12 @@ def _shards(sharded_state_dict) -> list:
     return list(nested_values(sharded_state_dict))
 
 
-def _place(full, shard) -> None:
+def _place(full, entry) -> None:
     import torch
 
-    size = (1,) * shard.prepend_axis_num + tuple(shard.local_shape)
-    index = tuple(slice(o, o + s) for o, s in zip(shard.global_offset, size))
-    full[index] = shard.data.reshape(size).to(torch.float64)
+    size = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+    index = tuple(slice(o, o + s) for o, s in zip(entry.global_offset, size))
+    full[index] = entry.data.reshape(size).to(torch.float64)
 
 
 @pytest.mark.parametrize("topology_name", sorted(TOPOLOGIES))
@@ -241,12 +241,12 @@ def test_ntp_state_dict_is_plain_megatrons(megatron, model_name, topology_name):
     full = dict(plain.named_parameters())
     expected: dict[str, torch.Tensor] = {}
     objects: set[tuple[str, tuple[int, ...]]] = set()
-    for shard in _shards(plain.sharded_state_dict()):
-        if isinstance(shard, ShardedObject):
-            objects.add((shard.key, shard.global_offset))
+    for entry in _entries(plain.sharded_state_dict()):
+        if isinstance(entry, ShardedObject):
+            objects.add((entry.key, entry.global_offset))
             continue
-        expected.setdefault(shard.key, torch.zeros(shard.global_shape, dtype=torch.float64))
-        _place(expected[shard.key], shard)
+        expected.setdefault(entry.key, torch.zeros(entry.global_shape, dtype=torch.float64))
+        _place(expected[entry.key], entry)
 
     tp_base, dp, dead = TOPOLOGIES[topology_name]
     topology = make_topology(tp_base, dp, cfg.unit_counts(), dead)
@@ -263,26 +263,26 @@ def test_ntp_state_dict_is_plain_megatrons(megatron, model_name, topology_name):
                               **common)
         with torch.no_grad():
             for name, param in model.named_parameters():
-                shard = getattr(param, "ntp_shard", None)
-                value = shard.select(full[name]) if shard is not None else full[name]
+                held = getattr(param, "ntp_held_units", None)
+                value = held.select(full[name]) if held is not None else full[name]
                 param.copy_(value.reshape(param.shape))
-        for shard in _shards(model.sharded_state_dict(metadata={ROLE_KEY: roles[rank]})):
-            if isinstance(shard, ShardedObject):
-                if is_main_replica(shard.replica_id):
-                    main_objects.append((shard.key, shard.global_offset))
+        for entry in _entries(model.sharded_state_dict(metadata={ROLE_KEY: roles[rank]})):
+            if isinstance(entry, ShardedObject):
+                if is_main_replica(entry.replica_id):
+                    main_objects.append((entry.key, entry.global_offset))
                 continue
-            assert isinstance(shard, ShardedTensor)
-            assert shard.key in expected, f"{shard.key} is not a key of plain Megatron's GPTModel"
-            assert shard.global_shape == tuple(expected[shard.key].shape), shard.key
+            assert isinstance(entry, ShardedTensor)
+            assert entry.key in expected, f"{entry.key} is not a key of plain Megatron's GPTModel"
+            assert entry.global_shape == tuple(expected[entry.key].shape), entry.key
             replica = members[rank][0]
-            mine = per_replica.setdefault((replica, shard.key), torch.zeros_like(expected[shard.key]))
-            _place(mine, shard)
-            if is_main_replica(shard.replica_id):
-                _place(main[shard.key], shard)
-                ones = shard.data.new_ones(shard.local_shape)
-                size = (1,) * shard.prepend_axis_num + tuple(shard.local_shape)
-                index = tuple(slice(o, o + s) for o, s in zip(shard.global_offset, size))
-                count[shard.key][index] += ones.reshape(size).to(torch.float64)
+            mine = per_replica.setdefault((replica, entry.key), torch.zeros_like(expected[entry.key]))
+            _place(mine, entry)
+            if is_main_replica(entry.replica_id):
+                _place(main[entry.key], entry)
+                ones = entry.data.new_ones(entry.local_shape)
+                size = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+                index = tuple(slice(o, o + s) for o, s in zip(entry.global_offset, size))
+                count[entry.key][index] += ones.reshape(size).to(torch.float64)
     assert set(main) == set(expected)
     for key in expected:
         assert (count[key] == 1).all(), f"{key}: main fragments do not cover it exactly once"

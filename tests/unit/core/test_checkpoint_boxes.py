@@ -131,12 +131,12 @@ def test_a_shadow_lies_where_its_blocks_units_are():
     tensor are refused."""
     import torch
 
-    from ntp_megatron.core.layers import UnitShard
+    from ntp_megatron.core.layers import HeldUnits
     from ntp_megatron.core.checkpoint_map import ModelPlace, place_of_units
 
     def tagged(units, rows_per_unit=2, cols=3):
         param = torch.zeros(2 * len(units) * rows_per_unit, cols)  # [gate, up] x units x rows
-        param.ntp_shard = UnitShard("ffn", 6, tuple(units), 2, rows_per_unit * cols)
+        param.ntp_held_units = HeldUnits("ffn", 6, tuple(units), 2, rows_per_unit * cols)
         param.partition_dim = 0
         return param
 
@@ -157,5 +157,5 @@ def test_a_shadow_lies_where_its_blocks_units_are():
         place_of_units(norm, torch.zeros(4))
     with pytest.raises(ValueError, match="do not lie in the global tensor"):
         wrong = tagged((2, 3))
-        wrong.ntp_shard = UnitShard("ffn", 7, (2, 3), 2, 6)  # another family size: another global tensor
+        wrong.ntp_held_units = HeldUnits("ffn", 7, (2, 3), 2, 6)  # another family size: another global tensor
         place_of_units(place, wrong)

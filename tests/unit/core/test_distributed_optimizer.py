@@ -69,7 +69,7 @@ def test_shard_norm_table_equals_the_whole_buffer_table(megatron):
     generator = torch.Generator().manual_seed(3)
     for ddp in ddps:  # synced gradients: the replicated ones alike in every slot
         for name, param in ddp.module.named_parameters():
-            if hasattr(param, "ntp_shard"):
+            if hasattr(param, "ntp_held_units"):
                 param.main_grad.copy_(torch.randn(param.shape, generator=generator))
             else:
                 value = replicated_values.setdefault(name, torch.randn(param.shape, generator=generator))
@@ -78,11 +78,11 @@ def test_shard_norm_table_equals_the_whole_buffer_table(megatron):
     whole = []  # the table without the distributed optimizer: per (split parameter, block), replicated once
     for block, ddp in enumerate(ddps):
         for name, param in ddp.module.named_parameters():
-            if hasattr(param, "ntp_shard") or block == 0:
+            if hasattr(param, "ntp_held_units") or block == 0:
                 whole.append(float(param.main_grad.double().pow(2).sum()))
     cells = {}
     for block, ddp in enumerate(ddps):
-        split = {id(p) for p in ddp.module.parameters() if hasattr(p, "ntp_shard")}
+        split = {id(p) for p in ddp.module.parameters() if hasattr(p, "ntp_held_units")}
         for position in range(size):
             split_sq, replicated_sq = shard_square_sums(ddp.buffers, split, position, size)
             cells[block, position, "split"] = float(split_sq)
@@ -91,7 +91,7 @@ def test_shard_norm_table_equals_the_whole_buffer_table(megatron):
     want, got = math.fsum(whole), math.fsum(cells.values())
     assert abs(got - want) <= 1e-13 * want, (got, want)
     # Not vacuous: counting block 1's replicated pieces too would be visibly off.
-    split_ids = {id(p) for p in ddps[1].module.parameters() if hasattr(p, "ntp_shard")}
+    split_ids = {id(p) for p in ddps[1].module.parameters() if hasattr(p, "ntp_held_units")}
     extra = sum(float(shard_square_sums(ddps[1].buffers, split_ids, j, size)[1]) for j in range(size))
     assert extra > 1e-6 * want
     # One non-zero contributor per cell: the reduction is exact, whichever member's table comes first.

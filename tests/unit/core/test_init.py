@@ -42,16 +42,16 @@ def _assemble(cfg, layouts: list[list[tuple[int, ...]]]) -> dict[str, torch.Tens
     seen: dict[str, torch.Tensor] = {}
     for units in layouts:
         for name, param in _ntp(cfg, units).named_parameters():
-            shard = getattr(param, "ntp_shard", None)
-            if shard is None:  # replicated: every rank computes the same value
+            held = getattr(param, "ntp_held_units", None)
+            if held is None:  # replicated: every rank computes the same value
                 assert name not in full or torch.equal(full[name], param), name
                 full[name] = param.detach().clone()
                 continue
             if name not in full:
-                full[name] = torch.full((shard.outer, shard.num_units, shard.inner), float("nan"))
-                seen[name] = torch.zeros(shard.num_units, dtype=torch.long)
-            index = torch.tensor(shard.units)
-            full[name][:, index] = shard.view(param.detach())
+                full[name] = torch.full((held.outer, held.num_units, held.inner), float("nan"))
+                seen[name] = torch.zeros(held.num_units, dtype=torch.long)
+            index = torch.tensor(held.units)
+            full[name][:, index] = held.view(param.detach())
             seen[name][index] += 1
     for name, count in seen.items():
         assert (count == 1).all(), f"{name}: layouts must hold every unit once"
@@ -94,7 +94,7 @@ def test_initial_weights_do_not_depend_on_the_layout(megatron, model):
 def test_uniform_megatron_blocks_are_the_canonical_blocks(megatron):
     """A plain model at uniform TP k holds block r of k equal contiguous blocks on TP rank r: the canonical block
     of a healthy NTP replica, so plain TP k and every NTP layout start from the same weights."""
-    from ntp_megatron.core.gpt import uniform_shard
+    from ntp_megatron.core.gpt import uniform_units
     from ntp_megatron.training.model import transformer_config
 
     cfg = load_job_config(None, [*MODEL, "model.ffn_hidden_size=48", "model.vocab_size=264"])
@@ -102,15 +102,15 @@ def test_uniform_megatron_blocks_are_the_canonical_blocks(megatron):
     model = _ntp(cfg, [tuple(range(n)) for n in cfg.unit_counts().values()], initialize=False)
     topology = make_topology(3, 1, cfg.unit_counts())
     for name, param in model.named_parameters():
-        shard = getattr(param, "ntp_shard", None)
+        held = getattr(param, "ntp_held_units", None)
         for rank in range(3):
             local = torch.empty(param.numel() // 3)
-            got = uniform_shard(name, local, tf_config, rank, 3)
-            if shard is None:
+            got = uniform_units(name, local, tf_config, rank, 3)
+            if held is None:
                 assert got is None, name
             else:
-                assert got.units == tuple(topology.block(shard.family, rank)), name
-                assert (got.outer, got.inner, got.num_units) == (shard.outer, shard.inner, shard.num_units), name
+                assert got.units == tuple(topology.block(held.family, rank)), name
+                assert (got.outer, got.inner, got.num_units) == (held.outer, held.inner, held.num_units), name
 
 
 def test_initial_weights_follow_megatrons_init_per_parameter(megatron):
@@ -169,8 +169,8 @@ def test_generation_is_o_local(megatron, monkeypatch):
     monkeypatch.undo()
     normal_params = [p for n, p in model.named_parameters() if not n.endswith(".bias") and "norm" not in n]
     local = sum(p.numel() for p in normal_params)
-    full = sum(p.numel() // len(p.ntp_shard.units) * p.ntp_shard.num_units if hasattr(p, "ntp_shard") else p.numel()
-               for p in normal_params)
+    full = sum(p.numel() // len(p.ntp_held_units.units) * p.ntp_held_units.num_units
+               if hasattr(p, "ntp_held_units") else p.numel() for p in normal_params)
     assert local < 0.4 * full
     assert position == model.embedding.position_embeddings.weight.numel()
     assert drawn in ([position], []), f"torch normal draws of {drawn} elements (local: {local}, full: {full})"
@@ -182,16 +182,16 @@ def test_generator_chunks_and_runs_give_the_same_values():
     """Any chunk size and any unit list: the elements of each unit are the TP1 tensor's (all three copy paths:
     contiguous rows, whole strided units, rows of a unit larger than a chunk)."""
     from ntp_megatron.core.init import fill_normal_, stream_key
-    from ntp_megatron.core.layers import UnitShard
+    from ntp_megatron.core.layers import HeldUnits
 
     key = stream_key(3, "w")
     for outer, num_units, inner in ((1, 7, 5), (6, 9, 1), (5, 4, 3)):
         full = torch.empty(outer, num_units, inner)
-        fill_normal_(full, key, 1.0, UnitShard("f", num_units, tuple(range(num_units)), outer, inner))
+        fill_normal_(full, key, 1.0, HeldUnits("f", num_units, tuple(range(num_units)), outer, inner))
         for units in ((0, 1, 2), (1, 3, 4, 8) if num_units > 8 else (1, 3), (num_units - 1,)):
             for chunk in (1, 4, 7, 1 << 18):
                 local = torch.empty(outer, len(units), inner)
-                fill_normal_(local, key, 1.0, UnitShard("f", num_units, units, outer, inner), chunk=chunk)
+                fill_normal_(local, key, 1.0, HeldUnits("f", num_units, units, outer, inner), chunk=chunk)
                 assert torch.equal(local, full[:, list(units)]), (outer, num_units, inner, units, chunk)
 
 
