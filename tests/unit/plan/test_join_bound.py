@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from ntp_megatron.plan.layout import join_topology, make_topology, next_topology, transition_plan
+from ntp_megatron.plan.layout import join_topology, make_topology, next_topology
 from ntp_megatron.core.unit_moves import own_lower_bound_bytes, plan_transfers
 from ntp_megatron.plan import stages
 from ntp_megatron.plan.stages import JobTopology

@@ -5,7 +5,6 @@ layouts."""
 from __future__ import annotations
 
 import itertools
-from datetime import timedelta
 
 import pytest
 import torch
