@@ -52,11 +52,11 @@ def tp_share(parameters: Iterable[torch.nn.Parameter], tp_size: int) -> float:
     Without NTP's tags (plain Megatron-Core layers split evenly): ``1 / tp_size``."""
     held = whole = 0.0
     for p in parameters:
-        held = getattr(p, "ntp_held_units", None)
-        if held is None or not held.units:
+        units = getattr(p, "ntp_held_units", None)
+        if units is None or not units.units:
             continue
         held += p.numel()
-        whole += p.numel() * held.num_units / len(held.units)
+        whole += p.numel() * units.num_units / len(units.units)
     return held / whole if whole else 1.0 / tp_size
 
 
