@@ -96,8 +96,16 @@ class RebalanceMonitor:
             del mine[old]
 
     def decide(self, groups: Iterable[Group]) -> list[Decision]:
-        """The groups to rebalance now, and how."""
-        return [d for g in groups if (d := self._decide(g)) is not None]
+        """The groups to rebalance now, and how. A decision takes effect two iterations after its window at the
+        earliest: until then iterations run in the layout it replaces, and no later decision may read them (one
+        did, and weighed a rank by its speed before the first decision's effect: an over-correction)."""
+        decisions = [d for g in groups if (d := self._decide(g)) is not None]
+        for d in decisions:
+            self.since = max(self.since, max(d.iterations) + 2)
+        for mine in self.times.values():
+            for iteration in [k for k in mine if k <= self.since]:
+                del mine[iteration]
+        return decisions
 
     def _decide(self, group: Group) -> Decision | None:
         slots = sorted(group.members)

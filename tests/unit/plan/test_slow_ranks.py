@@ -160,3 +160,21 @@ def test_a_recovered_rank_gets_its_units_back_though_fixed_work_keeps_it_below_i
     monitor = RebalanceMonitor(threshold=1.2, window=2)
     feed(monitor, {0: [1.0, 1.0], 1: [0.8 / 0.8, 0.8 / 0.8]})  # still at 0.8: as its weight says, nothing to do
     assert monitor.decide([group]) == []
+
+
+def test_a_later_decision_reads_only_iterations_after_the_earlier_ones_effect():
+    """A decision over iterations 3-5 takes effect at 7 at the earliest: the next decision may not weigh the slow
+    rank by iterations 4-6 (still the old layout's), whatever was observed before."""
+    monitor = RebalanceMonitor(threshold=1.2, window=3)
+    group = Group(0, 0, {0: 0, 1: 1})
+    for k in range(3, 7):
+        monitor.observe(0, [(k, 1.0)])
+        monitor.observe(1, [(k, 3.0)])
+    [first] = monitor.decide([group])
+    assert max(first.iterations) == 6
+    assert monitor.decide([Group(0, 0, {0: 0, 1: 1}, first.weights)]) == []  # 4-6 do not count again
+    for k in range(9, 12):  # fast again: slot 1 takes its share of the time
+        monitor.observe(0, [(k, 1.0)])
+        monitor.observe(1, [(k, first.weights[1] / 100)])
+    [back] = monitor.decide([Group(0, 0, {0: 0, 1: 1}, first.weights)])
+    assert min(back.iterations) >= 9
