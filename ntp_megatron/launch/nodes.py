@@ -121,7 +121,7 @@ class Nodes:
         limit = timing.current().node_wait_fraction * self.timeout_s
         waiting_for: set[int] = set()
         while True:
-            missing = [i for i in range(1, self.nnodes) if not try_check(store, node_key(i))]
+            missing = [i for i in range(1, self.nnodes) if not keys.quietly(store.check, [node_key(i)], default=False)]
             if not missing:
                 return True
             waited = time.time() - started
@@ -196,40 +196,19 @@ def published_deaths(store: dist.Store) -> list[Death]:
 
 def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:
     """Tell every node to stop: why, and the failure this node named (so they all name the same one)."""
-    try_set(store, ABORT, json.dumps({"reason": reason,
-                                      "death": dataclasses.asdict(death) if death is not None else None}))
+    named = dataclasses.asdict(death) if death is not None else None
+    keys.quietly(store.set, ABORT, json.dumps({"reason": reason, "death": named}))
 
 
 def read_abort(store: dist.Store) -> tuple[Optional[str], Optional[Death]]:
     """(reason, the named failure or None) if a node has aborted the job, else (None, None)."""
-    if not try_check(store, ABORT):
+    if not keys.quietly(store.check, [ABORT], default=False):
         return None, None
     try:
         record = json.loads(store.get(ABORT).decode())
     except Exception:  # noqa: BLE001
         return "unknown", None
     return record["reason"], Death(**record["death"]) if record.get("death") else None
-
-
-def try_set(store: dist.Store, key: str, value: str) -> None:
-    try:
-        store.set(key, value)
-    except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
-        pass
-
-
-def try_delete(store: dist.Store, key: str) -> None:
-    try:
-        store.delete_key(key)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def try_check(store: dist.Store, key: str) -> bool:
-    try:
-        return store.check([key])
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def request_rebalance(store: dist.Store, node_rank: int, generation: int, decisions: list) -> None:
@@ -257,4 +236,4 @@ def rebalance_requests(store: dist.Store, numbers: list[int]) -> list[dict]:
 def delete_rebalance_requests(store: dist.Store, numbers: list[int]) -> None:
     """Node 0: the requests are dealt with."""
     for n in numbers:
-        try_delete(store, rebalance_request_key(n))
+        keys.quietly(store.delete_key, rebalance_request_key(n))
