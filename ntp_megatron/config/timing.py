@@ -88,6 +88,12 @@ class TimingSection(BaseModel):
     shut down gloo's own error arrives within milliseconds; on a group left as it was (no dead member: it may go on)
     none comes, so a rank blocked there waits out this grace before it re-forms (``scripts/bench.sh --only recovery``
     measured 0.2 s on every recovery when it was 0.2)."""
+    replica_grace_s: float = Field(2.0, ge=0)
+    """``escape_grace_s`` for a rank of a replica the end named no dead member of, while it computes (forward,
+    backward): its waits there are on its own replica's groups, whose members compute on and arrive. Given up
+    after the short grace, a wait on a peer the machine was slow to schedule would leave a collective of the
+    replica's tensor-parallel group half-matched, and the group made anew (:mod:`ntp_megatron.plan.group_plan`).
+    Bounds a wait on a peer stuck there too."""
     peer_grace_s: float = Field(5.0, ge=0)
     """How long a rank waits for its generation to be marked over before it calls an exception its own. Bounds the
     time from a rank's own error to the stop of the job; far above the controller's reaction to a death."""

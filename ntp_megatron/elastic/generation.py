@@ -188,7 +188,7 @@ class ElasticRank:
         with SocketScope() as scope:
             store = self.open_store(self.timeout_s)
         watchdog = GenerationWatchdog(self.open_local, topology.generation, scope.sockets, timing.current().watch_timeout_s,
-                                      self.group_backend)
+                                      self.group_backend, replica=self.identity[0])
         if self.backend == "gloo":  # the escape works around gloo's own behaviour (NCCL: not run here)
             torch_distributed_work.set_escape(watchdog)
         if self.nodes is None:

@@ -37,21 +37,36 @@ StoreFactory = Callable[[float], dist.Store]
 """Opens a new client of the launcher's store with the given timeout (seconds)."""
 
 
+COMPUTE_PHASES = frozenset({"forward", "backward"})
+"""Where a rank waits only on its own replica's groups (tensor-parallel collectives, pipeline transfers)."""
+
+
+def escape_grace(phase: str, replica: Optional[int], dead: Optional[set[tuple[int, ...]]]) -> float:
+    """How long after its generation ended a rank still waits on a collective of it: ``timing.replica_grace_s`` while
+    it computes in a replica the end named no dead member of (its peers there compute on and arrive), else
+    ``timing.escape_grace_s``."""
+    t = timing.current()
+    whole = replica is not None and dead is not None and all(identity[0] != replica for identity in dead)
+    return t.replica_grace_s if whole and phase in COMPUTE_PHASES else t.escape_grace_s
+
+
 class GenerationWatchdog:
     """One thread per generation: waits for the generation's abort key, then cuts what something can be blocked on
     (:class:`ntp_megatron.elastic.group_backend.GroupBackend`): the generation's own connections (its store client,
     its default group) and the process groups the backend says (the value of the key names the dead,
     :func:`ntp_megatron.elastic.keys.abort_value`). On gloo those with a dead member; one without is left as it is
     (it may go on into the next generation, :mod:`ntp_megatron.plan.group_plan`), and a rank blocked in it gives its
-    wait up after ``timing.escape_grace_s``.
+    wait up after a grace (:func:`escape_grace`).
 
     The thread ends when the key appears (the controller always sets it when a generation ends) or when its
     own store client fails; :meth:`join` waits for that. ``fired_at`` is when it acted (wall clock).
     """
 
     def __init__(self, open_store: StoreFactory, generation: int, sockets: dict[int, str], timeout_s: float,
-                 backend: Optional[GroupBackend] = None) -> None:
+                 backend: Optional[GroupBackend] = None, replica: Optional[int] = None) -> None:
         self.generation = generation
+        self.replica = replica
+        """The rank's replica (None: unknown, every wait gets the short grace)."""
         self.backend = backend or GlooBackend()
         self.default_group = None
         """The generation's default group, once made (the NCCL backend aborts it; gloo cuts its sockets)."""
@@ -102,7 +117,7 @@ class GenerationWatchdog:
         generation still waited on ``timing.escape_grace_s`` after its sockets were shut down is one gloo will not wake
         before the collective timeout (a message in mid-transfer); the rank gives it up."""
         fired = self._fired_monotonic
-        if fired is None or time.monotonic() - fired < timing.current().escape_grace_s:
+        if fired is None or time.monotonic() - fired < escape_grace(phases.current()[1], self.replica, self.dead):
             return None
         return (f"generation {self.generation} ended {time.monotonic() - fired:.2f} s ago and a collective of it "
                 f"was still blocked: given up")

@@ -212,9 +212,13 @@ def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, rank
 
 def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):
     """Below ``ntp.min_tp`` the replica is dropped; its share of every global batch goes to the other replica,
-    so the loss curve does not change, and its surviving rank ends cleanly."""
+    so the loss curve does not change, and its surviving rank ends cleanly. Launch rank 1 of the healthy replica is
+    slow in the iteration of the kill: its peer waits on it in the backward pass as the generation ends, and keeps
+    waiting (``timing.replica_grace_s``), so their TP group goes on."""
     args = ntp_args(2, 2, extra=("--set", "ntp.min_tp=2", "--set", "ntp.on_unrecoverable=drop_replica"))
-    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward"])
+    result = run_job(tmp_path / "run", args + ["--inject-failure", "kill:rank=3,iter=5,phase=backward",
+                                               "--inject-failure", "slow:rank=1,factor=30,iter=5",
+                                               "--inject-failure", "slow:rank=1,factor=1,iter=6"])
     assert_same_run(result, reference_tp2)
     assert_replicas_agree(result, ITERS)
     records = {r["iteration"]: r for r in result.records if r.get("kind") == "iteration"}
