@@ -13,7 +13,10 @@ generation), an untimed ``Work.wait()`` from Python waits in short slices and, b
 whether the generation is over; if so it raises :class:`CollectiveAbandoned` and hands the escape what it
 abandoned (whose process groups must outlive the blocked thread; see ``ElasticRank.leave``). Collectives run
 on gloo's worker threads, so a timed wait on them has no side effect. A point-to-point wait runs in the caller
-and, on a timeout, closes every pair of the group — so it is waited on by a helper thread instead. Without an
+and, on a timeout, closes every pair of the group — so it is waited on by a helper thread instead. So is every
+wait once the generation is over: a collective issued after its group's sockets were shut down (a rank that
+computed on into the gradient sync) blocked even a timed wait of 50 ms until the collective timeout (measured:
+a coalesced gradient all-reduce, 60 s). Without an
 escape (NCCL, no elastic job), ``wait`` is upstream's.
 
 Every wait is also marked as one (:class:`ntp_megatron.phases.waiting`): the heartbeat reports since when the
@@ -58,8 +61,11 @@ class AbandonedWait:
 
 
 class Escape(Protocol):
+    def over(self) -> bool:
+        """Whether the generation is over (its sockets shut down)."""
+
     def reason(self) -> Optional[str]:
-        """Why waits must end now (the generation is over), or None."""
+        """Why waits must end now (the generation is over, its grace out), or None."""
 
     def abandoned(self, wait: AbandonedWait) -> None:
         """A wait was given up (called before :class:`CollectiveAbandoned` is raised)."""
@@ -83,6 +89,8 @@ def _wait_for(self: Work, timeout: timedelta) -> bool:
     if int(self._get_op_type()) in _POINT_TO_POINT:
         return _wait_in_helper(self, escape)
     while True:
+        if escape.over():  # issued on sockets shut down: even a timed wait can block for the group's timeout
+            return _wait_in_helper(self, escape)
         try:
             return _original_wait(self, SLICE)
         except RuntimeError:

@@ -10,8 +10,8 @@ if [ "$#" -gt 0 ]; then
   exec "$PY" -m pytest "$@"
 fi
 unit=0
-"$PY" -m pytest -m unit -n auto || unit=$?
+"$PY" -m pytest tests/unit -n auto || unit=$?  # the tiers by their folders: neither collects the other's modules
 job=0
-"$PY" -m pytest -m job || job=$?
+"$PY" -m pytest tests/jobs || job=$?
 echo "scripts/test.sh: unit tier exit $unit, job tier exit $job"
 [ "$unit" -eq 0 ] && [ "$job" -eq 0 ]

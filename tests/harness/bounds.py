@@ -212,7 +212,7 @@ def job_config(run_dir: Path) -> dict:
 
 
 def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
-    """Every ``reformed`` event moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
+    """Every ``reformed`` event recovered in less than half of ``parallel.timeout_s``, and moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
     dimensions and the topologies in the ``generation_published`` events, and reported that bound (else
     :class:`ReformationBoundError`, once every re-formation is checked); the unit counts the controller published
     are the model's. Under the distributed optimizer whole shards move instead of units: the event's shard moves
@@ -254,6 +254,10 @@ def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
                 wrong.append(f"generation {g} (from {new['base']}, dead ranks {new['dead_ranks']}, joined "
                              f"{new['joined']}): moved {event['moved_bytes']} bytes, but the units that had to move "
                              f"are {bound} bytes")
+            timeout_s = cfg.get("parallel", {}).get("timeout_s")
+            if timeout_s is not None and event["recovery_s"] >= timeout_s / 2:
+                wrong.append(f"generation {g}: recovered in {event['recovery_s']:.1f} s, half the collective timeout "
+                             f"parallel.timeout_s ({timeout_s} s) or more: a wait ran into it rather than out")
             if event["lower_bound_bytes"] != bound:
                 wrong.append(f"generation {g}: the rank reported a lower bound of {event['lower_bound_bytes']} bytes; "
                              f"the units that had to move are {bound} bytes")

@@ -23,6 +23,10 @@ from ntp_megatron.config.files import ConfigError
 from ntp_megatron.training import checkpoint
 from tests.harness import run_module
 
+# The launchers these tests start are forked from a zygote that each worker process starts once (its imports
+# take seconds): the tests share one worker (pytest-xdist, --dist loadgroup), so one zygote serves them all.
+pytestmark = pytest.mark.xdist_group("zygote")
+
 REFUSAL_TIMEOUT_S = 20
 """A refusal takes a second; without the check a job would start: stop it (and fail) before the test's own
 timeout, so that the harness, not the test's timeout, ends it."""

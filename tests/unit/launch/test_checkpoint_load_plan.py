@@ -22,6 +22,10 @@ from ntp_megatron.training import checkpoint
 from ntp_megatron.training.checkpoint import LoadPlan
 from tests.unit.launch.test_checkpoint_checks import _launch
 
+# The launchers these tests start are forked from a zygote that each worker process starts once (its imports
+# take seconds): the tests share one worker (pytest-xdist, --dist loadgroup), so one zygote serves them all.
+pytestmark = pytest.mark.xdist_group("zygote")
+
 MODEL_ONLY = LoadPlan(False, False, False)
 
 

@@ -13,6 +13,10 @@ from ntp_megatron.config.files import ConfigError
 from ntp_megatron.config.flags import translate
 from tests.harness import TINY, run_module
 
+# The launchers these tests start are forked from a zygote that each worker process starts once (its imports
+# take seconds): the tests share one worker (pytest-xdist, --dist loadgroup), so one zygote serves them all.
+pytestmark = pytest.mark.xdist_group("zygote")
+
 SMALL = ["--tensor-model-parallel-size", "1", "--data-parallel-size", "2", "--micro-batch-size", "2",
          "--global-batch-size", "4", *TINY[:6], "--lr-warmup-iters", "1", "--log-interval", "1"]
 
