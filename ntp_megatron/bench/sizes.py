@@ -51,7 +51,7 @@ SLOW_DEFAULT = SlowSizes(iters=15, slow_at=3, slow_end=10, window=2, device_ms=1
 """Slow from iteration 3, measured over 2 iterations, rebalanced from iteration 6, the slowdown's end at 10 and the
 units back from iteration 13: every stretch of the full schedule, each a few iterations long. Most of each job is
 its eight ranks' start (about 12 s here) and the checksums of every iteration, not its steps."""
-SLOW_SMOKE = SlowSizes(tp=2, iters=7, slow_at=2, slow_end=6, factor=3.0, window=2, device_ms=100.0)
+SLOW_SMOKE = SlowSizes(tp=2, iters=5, slow_at=2, slow_end=4, factor=3.0, window=1, device_ms=40.0)
 
 
 @dataclass(frozen=True)
