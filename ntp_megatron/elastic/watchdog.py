@@ -112,9 +112,6 @@ class GenerationWatchdog:
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
 
-    def over(self) -> bool:
-        return self._fired_monotonic is not None
-
     def reason(self) -> Optional[str]:
         """Part of the wait escape (:mod:`ntp_megatron.patches.torch_distributed_work`): a collective of this
         generation still waited on ``timing.escape_grace_s`` after its sockets were shut down is one gloo will not wake

@@ -18,6 +18,9 @@ import pytest
 from tests.harness import TINY, JobResult, alive, assert_groups_as_planned, assert_replicas_agree, layout_args, \
     relative_difference, run_job
 
+# Asserts detection and reaction times (a spinning rank's, an out-of-memory error's): scripts/test.sh runs it alone.
+pytestmark = pytest.mark.timed
+
 ITERS = 10
 TOL = 1e-5
 
