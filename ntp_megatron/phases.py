@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional, Protocol
+import weakref
+from typing import Any, Callable, Optional, Protocol
 
 ITERATION = ("forward", "backward", "grad_sync", "optimizer")
 """The phases of an iteration's work, where a rank makes progress at a bounded pace (micro-batches, collectives):
@@ -38,6 +39,7 @@ _waiting_since: Optional[float] = None
 _wait_began = 0.0
 _waited = 0.0
 _computed: list[tuple[int, float]] = []
+_point_to_point: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _passes_done: Optional[float] = None
 COMPUTED_KEPT = 16
 """How many iterations' compute times :func:`computed` keeps (the heartbeat sends them all)."""
@@ -127,7 +129,7 @@ class waiting:
         global _waiting_since, _wait_began
         self._outer = threading.current_thread() is threading.main_thread() and _waiting_since is None
         if self._outer:
-            _waiting_since = time.time()
+            _waiting_since = time.monotonic()
             _wait_began = time.perf_counter()
             if _wait_listener is not None:
                 _wait_listener.wait_began()
@@ -144,9 +146,22 @@ class waiting:
 
 
 def wait_state() -> Optional[float]:
-    """When the main thread began its current wait on its peers (wall clock), None if it is not waiting. Read
-    from other threads (the heartbeat)."""
+    """When the main thread began its current wait on its peers (``time.monotonic``), None if it is not waiting.
+    Read from other threads (the heartbeat)."""
     return _waiting_since
+
+
+def posted_point_to_point(group: Any, messages: int = 1) -> None:
+    """This rank posted ``messages`` point-to-point sends or receives on ``group`` (a process group). torch's
+    per-group sequence number counts each of them, so members' counts differ by design where some post more than
+    others (a degraded replica's proxy gathering dead blocks); the hang detection's count of collectives is torch's
+    less these (:mod:`ntp_megatron.elastic.sequences`). Weakly keyed: a group let go of is forgotten."""
+    _point_to_point[group] = _point_to_point.get(group, 0) + messages
+
+
+def point_to_point(group: Any) -> int:
+    """Point-to-point messages posted on ``group`` (:func:`posted_point_to_point`). Read from other threads."""
+    return _point_to_point.get(group, 0)
 
 
 def progress() -> int:
