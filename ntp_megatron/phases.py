@@ -120,10 +120,17 @@ def tick(micro_batch: bool = False) -> None:
         pace("micro_batch" if micro_batch else "tick")
 
 
+WAITED_ON_PEERS = "ntp_waited_on_peers"
+"""Set (True) on an exception raised inside a :class:`waiting` block of the main thread: a wait on the rank's peers
+failed (a collective timed out, no new generation came), so the rank is a victim, not the cause
+(:func:`ntp_megatron.elastic.errors.waited_on_peers`)."""
+
+
 class waiting:
     """``with waiting():`` the main thread waits on its peers (a collective, the commit decision, the controller's
     verdict on an error): what :func:`wait_state` reports, and a progress mark when the wait ends. Nested waits and
-    other threads' leave the outer one's state as it is."""
+    other threads' leave the outer one's state as it is. An exception that ends the outer wait is marked
+    (:data:`WAITED_ON_PEERS`)."""
 
     def __enter__(self) -> "waiting":
         global _waiting_since, _wait_began
@@ -135,8 +142,13 @@ class waiting:
                 _wait_listener.wait_began()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
         global _waiting_since, _ticks, _waited
+        if self._outer and isinstance(error, BaseException):
+            try:  # raised while the rank waited on its peers: its report must not call it an error of its own
+                setattr(error, WAITED_ON_PEERS, True)
+            except AttributeError:  # an exception type without a __dict__
+                pass
         if self._outer:
             if _wait_listener is not None:
                 _wait_listener.wait_ended()
