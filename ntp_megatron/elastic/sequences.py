@@ -106,7 +106,7 @@ class TorchSequences:
 
 def default_dump(entries: bool) -> bytes:
     """The flight recorder's state (NCCL's where this torch has it), with its entries (no stacks) or without."""
-    import torch._C._distributed_c10d as c10d
+    import torch._C._distributed_c10d as c10d  # here: only a rank that reads the flight recorder needs its API
 
     dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace
     return dump(entries, False, False)
