@@ -114,8 +114,9 @@ def default_dump(entries: bool) -> bytes:
 
 class FlightRecorderSequences:
     """``flight_recorder``: per group, the last collective enqueued, started and completed, from torch's flight
-    recorder (``dump(entries)`` returns its pickled state: ``pg_status`` by process-group id and, with ``entries``,
-    the records that name each id's group; they are read only while a tracked group's id is not known yet)."""
+    recorder (``dump(entries)`` returns its pickled state: ``pg_status`` by the recorder's id of each process group
+    and, with ``entries``, the records that name each id's group; they are read only while a tracked group's id is
+    not known yet)."""
 
     name = "flight_recorder"
 
@@ -124,25 +125,28 @@ class FlightRecorderSequences:
         self.dump = dump
         self.clock = clock
         self.pg_ids: dict[str, str] = {}
-        """Process-group name -> the recorder's id for it (learnt from its entries; stable for the group's life)."""
+        """Group id -> the recorder's id for that group (its backend's ``uid`` on NCCL, else learnt from entries)."""
         self.started_waiting: dict[tuple[str, int], float] = {}
         """(group id, collective) -> when this source first saw it started and not completed."""
 
     def read(self, tracked: Sequence[Tracked]) -> Reading:
-        unknown = any(str(getattr(t.group, "group_name", "")) not in self.pg_ids for t in tracked)
+        for t in tracked:
+            uid = backend_uid(t.group)
+            if uid is not None:
+                self.pg_ids[t.gid] = uid
+        unknown = any(t.gid not in self.pg_ids for t in tracked)
         try:
             state = pickle.loads(self.dump(unknown))
         except Exception as exc:  # noqa: BLE001 - no recorder (not enabled): report nothing rather than fail
             logger.debug("flight recorder unreadable: %s", exc)
             return Reading(wait=host_wait())
-        for entry in state.get("entries", ()):
-            self.pg_ids.setdefault(str(entry["process_group"][0]), str(entry["pg_id"]))
+        if unknown:
+            self._learn(tracked, state.get("entries", ()))
         status = state.get("pg_status", {})
         reading, waits, now = Reading(), [], self.clock()
         device_starts = False
         for t in tracked:
-            pg_id = self.pg_ids.get(str(getattr(t.group, "group_name", "")))
-            s = status.get(pg_id) if pg_id is not None else None
+            s = status.get(self.pg_ids.get(t.gid, ""))
             if s is None:  # nothing recorded on it yet
                 reading.groups[t.gid] = 0
                 continue
@@ -165,6 +169,31 @@ class FlightRecorderSequences:
         elif not device_starts:
             reading.wait = host_wait()
         return reading
+
+    def _learn(self, tracked: Sequence[Tracked], entries: Iterable[dict]) -> None:
+        """Recorder ids of tracked groups from the entries that name them. A name can come back (a group made
+        anew with the same ranks): the newest id not already another incarnation's is this one's; none while the
+        new group has recorded nothing (its count is 0 then)."""
+        named: dict[str, set[str]] = {}
+        for entry in entries:
+            named.setdefault(str(entry["process_group"][0]), set()).add(str(entry["pg_id"]))
+        for t in tracked:
+            if t.gid in self.pg_ids:
+                continue
+            taken = set(self.pg_ids.values())
+            ids = named.get(str(getattr(t.group, "group_name", "")), set()) - taken
+            if ids:
+                self.pg_ids[t.gid] = max(ids, key=int)
+
+
+def backend_uid(group: Any) -> Optional[str]:
+    """The flight recorder's id of ``group``'s NCCL backend (``ProcessGroupNCCL.uid``), None elsewhere."""
+    try:
+        import torch  # here: only a rank that reads the flight recorder needs it
+
+        return str(group._get_backend(torch.device("cuda")).uid)
+    except Exception:  # noqa: BLE001 - no NCCL backend (gloo, a fake): the entries name it
+        return None
 
 
 _source: Source = TorchSequences()

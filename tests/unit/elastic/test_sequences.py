@@ -121,6 +121,20 @@ def test_nccl_a_stuck_device_is_behind_and_not_waiting():
     assert reading.groups == {"tp@0": 11} and reading.wait is None
 
 
+def test_a_group_made_anew_under_the_same_name_is_not_read_as_the_old_one():
+    """A re-formation makes a group of the same ranks again: torch may give it the same name, the recorder a new id.
+    Until the new one records something its count is 0, not the old incarnation's."""
+    recorder = FakeRecorder({"3": "tp-name"})
+    recorder.state = {"3": (40, 40, 40)}
+    source = FlightRecorderSequences(recorder)
+    assert source.read([Tracked("tp@0", FakeGroup("tp-name"))]).groups == {"tp@0": 40}
+    again = [Tracked("tp@1", FakeGroup("tp-name"))]
+    assert source.read(again).groups == {"tp@1": 0}
+    recorder.names["7"] = "tp-name"
+    recorder.state["7"] = (2, 2, 1)
+    assert source.read(again).groups == {"tp@1": 2}
+
+
 def test_a_group_with_nothing_recorded_yet_has_entered_nothing():
     recorder = FakeRecorder({})
     reading = FlightRecorderSequences(recorder).read([Tracked("tp@0", FakeGroup("tp-name"))])
