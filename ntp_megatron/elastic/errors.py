@@ -58,6 +58,10 @@ _TRANSPORT_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection 
                       "NCCL communicator was aborted", "remote process exited or there was a network error")
 """Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
 
+_TIMEOUT_MARKERS = ("timed out", "Timed out", "timeout", "Timeout")
+"""How torch's collectives and stores say a wait ran out of time (gloo: "Timed out waiting ...", NCCL's watchdog:
+"... collective operation timeout", the store: "Socket Timeout", "wait timeout")."""
+
 _CONDITIONS = (OSError, MemoryError, torch.OutOfMemoryError)
 """Errors of the machine's state (a write refused, a full disk, memory exhausted): the message says it all, as an
 :class:`OwnError`'s does. Any other exception is a bug somewhere, and its traceback is printed too."""
@@ -117,12 +121,13 @@ def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> 
 
 
 def waited_on_peers(exc: BaseException) -> bool:
-    """``exc`` ended a wait of the rank on its peers (:data:`ntp_megatron.phases.WAITED_ON_PEERS`: a collective that
-    timed out, no new generation after a peer's failure): the rank is a victim of what it waited on, never reported
-    as failing with an error of its own (an error of ours or of the machine raised there still is)."""
-    if isinstance(exc, OwnError) or is_out_of_memory(exc):
+    """``exc`` is a wait of the rank on its peers that timed out (it ended a wait,
+    :data:`ntp_megatron.phases.WAITED_ON_PEERS`, and says it timed out: a collective's timeout, no new generation
+    after a peer's failure): the rank is a victim of what it waited on, never reported as failing with an error of its
+    own. Anything else raised in a wait (an error of ours, of the machine, of its own device) still is one."""
+    if isinstance(exc, OwnError) or is_out_of_memory(exc) or not getattr(exc, phases.WAITED_ON_PEERS, False):
         return False
-    return bool(getattr(exc, phases.WAITED_ON_PEERS, False))
+    return isinstance(exc, TimeoutError) or any(marker in str(exc) for marker in _TIMEOUT_MARKERS)
 
 
 def describe(exc: BaseException) -> str:

@@ -218,6 +218,7 @@ def test_a_rank_that_gave_up_waiting_on_its_peers_is_not_reported_as_failing_wit
     assert errors.waited_on_peers(timeout) and not errors.waited_on_peers(TimeoutError("a store wait of ours"))
     assert not errors.waited_on_peers(_raised_in_a_wait(errors.OwnError("a write failed")))
     assert not errors.waited_on_peers(_raised_in_a_wait(torch.OutOfMemoryError("out of memory")))
+    assert not errors.waited_on_peers(_raised_in_a_wait(RuntimeError("NCCL error: unhandled cuda error")))
     errors.report(store, 3, timeout)
     assert "gave up waiting on its peers: launch rank 3, iteration 4, phase forward: TimeoutError" in \
         capsys.readouterr().err
