@@ -277,8 +277,8 @@ class NTPSection(_Section):
     """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
     then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless; with
     ``progress_fence`` (the default) a rank whose heartbeat goes on but that holds its peers up without progress is
-    fenced at half of this (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work can delay by seconds:
-    keep this well above that."""
+    fenced at half of this (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work
+    can delay by seconds: keep this well above that."""
     progress_fence: bool = True
     """Also fence a rank whose heartbeat goes on but which holds its peers up: a rank has waited on its peers for
     half of ``heartbeat_timeout_s`` (``timing.stall_fraction``), and this one is a member of a group it waits in that

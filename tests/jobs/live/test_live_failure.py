@@ -237,6 +237,7 @@ def test_a_slow_rank_is_not_fenced(tmp_path, reference_tp2):
                                                 "--inject-failure", "slow:rank=2,factor=1,iter=5"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)
+    assert_replicas_agree(result, ITERS)
     assert result.events("rank_failed") == [] and "stopped responding" not in result.stderr, launcher_lines(result)
     waited = max(r["elapsed_ms"] for r in result.records if r.get("kind") == "iteration")
     assert waited > 1e3 * HEARTBEAT_TIMEOUT_S / 2, f"the slowest iteration took {waited:.0f} ms: no wait to blame"
