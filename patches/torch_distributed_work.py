@@ -84,8 +84,8 @@ def _wait_for(self: Work, timeout: timedelta) -> bool:
         return _original_wait(self, timeout)
     if int(self._get_op_type()) in _POINT_TO_POINT:
         return _wait_in_helper(self, escape)
+    done = threading.Event()
     try:
-        done = threading.Event()
         self.get_future().add_done_callback(lambda _: done.set())  # run by gloo's thread, or at once if done
     except RuntimeError:  # a work without a future: waited on by a helper thread
         return _wait_in_helper(self, escape)

@@ -114,8 +114,9 @@ class GenerationWatchdog:
 
     def reason(self) -> Optional[str]:
         """Part of the wait escape (:mod:`ntp_megatron.patches.torch_distributed_work`): a collective of this
-        generation still waited on ``timing.escape_grace_s`` after its sockets were shut down is one gloo will not wake
-        before the collective timeout (a message in mid-transfer); the rank gives it up."""
+        generation still waited on a grace (:func:`escape_grace`) after its sockets were shut down is one gloo will not
+        wake before the collective timeout (a message in mid-transfer), or one whose peers left it; the rank gives it
+        up."""
         fired = self._fired_monotonic
         if fired is None or time.monotonic() - fired < escape_grace(phases.current()[1], self.replica, self.dead):
             return None

@@ -212,8 +212,9 @@ def job_config(run_dir: Path) -> dict:
 
 
 def check_reformations(records: list[dict], run_dir: Path) -> list[dict]:
-    """Every ``reformed`` event recovered in less than half of ``parallel.timeout_s``, and moved exactly :func:`reformation_lower_bound` bytes, computed from the model's
-    dimensions and the topologies in the ``generation_published`` events, and reported that bound (else
+    """Every ``reformed`` event recovered in less than half of ``parallel.timeout_s`` (no wait ran into the collective
+    timeout), and moved exactly :func:`reformation_lower_bound` bytes, computed from the model's dimensions and the
+    topologies in the ``generation_published`` events, and reported that bound (else
     :class:`ReformationBoundError`, once every re-formation is checked); the unit counts the controller published
     are the model's. Under the distributed optimizer whole shards move instead of units: the event's shard moves
     must be the needed ones, from surviving holders, and the bound is their state's bytes

@@ -187,7 +187,7 @@ class _SwitchEscape:
     peer know (``on_slices``)."""
 
     def __init__(self, on_slices=lambda: None) -> None:
-        self.ended: bool = False
+        self.over: bool = False
         self.waits: list = []
         self.slices = 0
         self.on_slices = on_slices
@@ -196,7 +196,7 @@ class _SwitchEscape:
         self.slices += 1
         if self.slices == SLICES:
             self.on_slices()
-        return "test: generation over" if self.ended else None
+        return "test: generation over" if self.over else None
 
     def abandoned(self, wait) -> None:
         self.waits.append(wait)
@@ -221,7 +221,7 @@ def _collective_rank(port: int, rank: int) -> None:
     if rank == 1:
         store.wait(["abandoned"])
         os._exit(0)  # never joins the next collective; dies after rank 0 gave up on it
-    escape.ended = True
+    escape.over = True
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(4))
@@ -229,7 +229,7 @@ def _collective_rank(port: int, rank: int) -> None:
     except torch_distributed_work.CollectiveAbandoned:
         abandoned_after = f"{time.monotonic() - start:.3f}"
     store.set("abandoned", "1")
-    escape.ended = False
+    escape.over = False
     try:
         dist.all_reduce(torch.ones(4))  # rank 1 is gone: gloo's own error, waited for in slices
         error = "no error"
