@@ -64,6 +64,11 @@ def test_transport_errors_and_verdicts_are_a_peers_failure_at_once(exc):
     # peer's death (unless the generation ends).
     dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error"),
     dist.DistStoreError("wait timeout after 60000ms, keys: /elastic/gen1/ready"),
+    # gloo's own timeouts, although their text names gloo's transport: a hung peer, or this rank's own lateness.
+    RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                 "60000ms for recv operation to complete"),
+    dist.DistBackendError("[../third_party/gloo/gloo/transport/tcp/pair.h:311] Connect timeout [127.0.0.1]:41235"),
+    RuntimeError("Application timeout caused pair closure"),
 ])
 def test_any_other_exception_is_own_unless_the_generation_ends_within_the_grace(exc):
     store = dist.HashStore()
@@ -78,6 +83,15 @@ def test_any_other_exception_is_own_unless_the_generation_ends_within_the_grace(
     finally:
         timer.join()
     assert not errors.caused_by_peer(exc, marked_over(store, 4))  # another generation's end says nothing
+
+
+def test_with_ntp_off_a_gloo_timeout_still_echoes_a_peer():
+    """NTP off names the rank behind its peers' failures: a hung rank's peers time out, and they are its echoes."""
+    timeout = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 600ms "
+                           "for recv operation to complete")
+    assert errors.is_peer_failure(timeout) and not errors.is_transport_failure(timeout)
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [::1]:1")
+    assert errors.is_peer_failure(closed) and errors.is_transport_failure(closed)
 
 
 def test_an_error_of_ours_is_own_at_once_whatever_it_quotes():
