@@ -81,6 +81,9 @@ class TimingSection(BaseModel):
     port_retry_s: float = Field(0.2, gt=0)
     """How long a client waiting for a store to come up pauses between two attempts to connect (a retry's pause,
     not a synchronisation)."""
+    node_probe_s: float = Field(1.0, gt=0)
+    """How often a launcher of another node probes node 0's store's port once it stopped answering (until it answers
+    again, or ``ntp.node_timeout_s`` has passed)."""
 
     # -- a rank --
     escape_grace_s: float = Field(0.05, ge=0)

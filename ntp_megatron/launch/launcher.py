@@ -30,7 +30,7 @@ import torch
 
 from ntp_megatron import faults, metrics
 
-from ntp_megatron.launch import describe, summary
+from ntp_megatron.launch import describe, root_watch, summary
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config import timing
@@ -44,7 +44,7 @@ from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
 from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
 from ntp_megatron.launch.modes import choose
-from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
+from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
 from ntp_megatron.plan.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
@@ -206,6 +206,9 @@ class Launcher:
                                  f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running "
                                  f"there with --store-port {port}?")
             return 1
+        if self.args.node_rank > 0:  # node 0 may go: its store is called through a guard (root_watch)
+            self.store = root_watch.guard(self.store, self.args.store_host, self.nodes.port,
+                                          self.cfg.ntp.node_timeout_s, self.cfg.parallel.timeout_s)
         self.node_store = self.store
         if self.cfg.ntp.enabled and self.args.node_rank > 0:
             self._host_node_store()
@@ -279,12 +282,30 @@ class Launcher:
                 if self.processes.first_iteration_at is not None:
                     self.agent.begin_training(self.processes.first_iteration_at)
                 self.agent.poll(inject=not self.policy.training_done)
+            lost = self._node_0_lost()
+            if lost is not None:
+                return lost
             outcome = self.policy.step(self._collect_exits())
             if outcome is not None:
                 return outcome
             if self._all_collected() and self.policy.idle():
-                self.console.say(f"all {len(self.finished)} ranks finished")
-                return 0
+                return self._all_ended()
+
+    def _node_0_lost(self) -> Optional[int]:
+        """On a node other than 0, node 0 lost (:func:`~ntp_megatron.launch.root_watch.lost_line`) ends this node's
+        part of the job in one line: its ranks cannot go on without node 0's controller. The exit code, else None."""
+        line = root_watch.lost_line(self.store, self.args.store_host, self.nodes.port, self.cfg.ntp.node_timeout_s)
+        if line is None:
+            return None
+        self.console.say(line)
+        self.processes.stop_all()
+        return 1
+
+    def _all_ended(self) -> int:
+        """Every rank of this node has ended: the exit code, said in one line (:func:`~ntp_megatron.launch.policy.ending`)."""
+        code, line = ending(self.policy.training_done, {p.rank: p.returncode for p in self.processes.ranks.values()})
+        self.console.say(line)
+        return code
 
     def _all_collected(self) -> bool:
         """Every rank has exited and its exit was handled; bounded: an exit not delivered ``timing.exit_delivery_s`` after
