@@ -33,16 +33,19 @@ class Silence:
     probe_s: float
     """How often a silent node's port is probed."""
     since: Optional[float] = None
+    """Silent since then (the last time node 0 answered), or None: not silent."""
+    last_heard: Optional[float] = None
     last_probe: float = -math.inf
 
     def unheard(self, now: float) -> None:
-        """A call failed and the port refused: silent from now on, unless already."""
+        """A call failed and the port refused: silent since node 0 last answered (now, if it never did), unless
+        already."""
         if self.since is None:
-            self.since = now
+            self.since = self.last_heard if self.last_heard is not None else now
         self.last_probe = now
 
-    def heard(self) -> None:
-        self.since = None
+    def heard(self, now: float) -> None:
+        self.since, self.last_heard = None, now
 
     @property
     def silent(self) -> bool:
@@ -80,11 +83,13 @@ class GuardedStore:
         def call(*args: Any, **kwargs: Any) -> Any:
             self._before_call()
             try:
-                return getattr(self._store, name)(*args, **kwargs)
+                result = getattr(self._store, name)(*args, **kwargs)
             except Exception:
                 if not self._reachable():  # gone, not just a slow or refused request
                     self.silence.unheard(self._clock())
                 raise
+            self.silence.heard(self._clock())
+            return result
 
         return call
 
@@ -102,7 +107,7 @@ class GuardedStore:
                 except Exception:  # noqa: BLE001 - gone again: still silent
                     pass
                 else:
-                    self.silence.heard()
+                    self.silence.heard(now)
                     return
         raise StoreSilent(f"node 0's store has not answered for {now - self.silence.since:.1f} s")
 
