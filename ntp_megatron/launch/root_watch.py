@@ -19,6 +19,9 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
+from ntp_megatron.config import timing
+from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
+
 
 class StoreSilent(ConnectionError):
     """Node 0's store does not answer: the call was not made."""
@@ -125,9 +128,6 @@ class GuardedStore:
 def guard(store: dist.Store, host: str, port: int, node_timeout_s: float, client_timeout_s: float) -> GuardedStore:
     """``store`` (a client of node 0's store at ``host:port``) behind a :class:`GuardedStore`: lost after
     ``node_timeout_s`` of silence, probed every ``timing.node_probe_s``, reconnected with ``client_timeout_s``."""
-    from ntp_megatron.config import timing
-    from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
-
     def reachable() -> bool:
         try:
             wait_for_port(host, port, 0.0)

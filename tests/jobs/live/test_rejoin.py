@@ -21,7 +21,7 @@ def test_failed_rank_rejoins_after_a_failed_admission(tmp_path, jobs):
     args = ntp_args(2, 2, iters=ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=3",
                                                  "--set", "ntp.warm_spares=3"))
     args += ["--inject-failure", "kill:rank=3,iter=5,phase=backward",   # the failure
-             "--inject-failure", "kill:rank=3,iter=6,phase=connect",    # the first replacement dies in the rendezvous
+             "--inject-failure", "kill:rank=3,iter=5,phase=connect",    # the first replacement dies in the rendezvous
              "--inject-failure", "kill:rank=3,iter=6,phase=reform"]     # the second dies re-forming
     result = run_job(tmp_path / "run", args, timeout=400)
     assert_same_run(result, reference, ITERS)  # run_job fails a re-formation that takes half of parallel.timeout_s
