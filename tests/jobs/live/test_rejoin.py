@@ -2,10 +2,13 @@
 degraded, is admitted at an iteration boundary and takes its canonical block back; one that dies while being
 admitted leaves the job degraded, and the next attempt succeeds. The loss curve is the failure-free run's.
 
-The first replacement dies inside the rendezvous of the generation that admits it (``phase=connect``): it arrives
-first, publishes its address and waits for the others, who then connect to a dead process — gloo leaves those that
-listen for it waiting 5 x the group's timeout unless the connect is given up with its generation
-(``patches/torch_distributed_c10d.py``). The second dies after it joined, as it re-forms (``phase=reform``)."""
+The first replacement hangs inside the rendezvous of the generation that admits it (``hang:...,phase=connect``,
+SIGSTOP): it arrives first, publishes its address and stops while it waits for the others, who then connect to it;
+those that listen for its connection (gloo lets the side with the larger address connect: each survivor with
+probability 1/2) wait until the launcher has fenced it and beyond, 5 x the group's timeout, unless the connect is given
+up with its generation (``patches/torch_distributed_c10d.py``); ``timing.stopped_grace_s`` gives the survivors the time
+to reach the rendezvous (they finish an iteration first) before the hung replacement is fenced. The second dies after
+it joined, as it re-forms (``phase=reform``)."""
 
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ ITERS = 30  # three warm spares take the three attempts: none waits for an inter
 def test_failed_rank_rejoins_after_a_failed_admission(tmp_path, jobs):
     reference = jobs.run("rejoin-ref", ntp_args(2, 2, iters=ITERS))
     args = ntp_args(2, 2, iters=ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=3",
-                                                 "--set", "ntp.warm_spares=3"))
+                                                 "--set", "ntp.warm_spares=3", "--set", "timing.stopped_grace_s=3"))
     args += ["--inject-failure", "kill:rank=3,iter=5,phase=backward",   # the failure
-             "--inject-failure", "kill:rank=3,iter=5,phase=connect",    # the first replacement dies in the rendezvous
+             "--inject-failure", "hang:rank=3,iter=5,phase=connect",    # the first replacement hangs in the rendezvous
              "--inject-failure", "kill:rank=3,iter=6,phase=reform"]     # the second dies re-forming
     result = run_job(tmp_path / "run", args, timeout=400)
     assert_same_run(result, reference, ITERS)  # run_job fails a re-formation that takes half of parallel.timeout_s
