@@ -42,4 +42,6 @@ def test_failed_rank_rejoins_after_a_failed_admission(tmp_path, jobs):
     assert widths[4] == [2, 2] and widths[6] == [2, 1] and widths[ITERS] == [2, 2]
     rejoined_at = reformed[-1]["resume_iteration"]
     assert all(widths[i] == [2, 2] for i in range(rejoined_at, ITERS + 1))
-    assert assert_groups_as_planned(result, healthy_tp_kept=True) == 2 * len(reformed)
+    # Not healthy_tp_kept: a rendezvous cut short may leave replica 0's TP group half-matched (one of its ranks got
+    # past the connect and drained the group, the other did not), and its members' verdict makes it anew.
+    assert_groups_as_planned(result)
