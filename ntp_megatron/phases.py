@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional, Protocol
+import weakref
+from typing import Any, Callable, Optional, Protocol
 
 ITERATION = ("forward", "backward", "grad_sync", "optimizer")
 """The phases of an iteration's work, where a rank makes progress at a bounded pace (micro-batches, collectives):
@@ -38,6 +39,7 @@ _waiting_since: Optional[float] = None
 _wait_began = 0.0
 _waited = 0.0
 _computed: list[tuple[int, float]] = []
+_point_to_point: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _passes_done: Optional[float] = None
 COMPUTED_KEPT = 16
 """How many iterations' compute times :func:`computed` keeps (the heartbeat sends them all)."""
@@ -118,23 +120,35 @@ def tick(micro_batch: bool = False) -> None:
         pace("micro_batch" if micro_batch else "tick")
 
 
+WAITED_ON_PEERS = "ntp_waited_on_peers"
+"""Set (True) on an exception raised inside a :class:`waiting` block of the main thread: a wait on the rank's peers
+failed (a collective timed out, no new generation came), so the rank is a victim, not the cause
+(:func:`ntp_megatron.elastic.errors.waited_on_peers`)."""
+
+
 class waiting:
     """``with waiting():`` the main thread waits on its peers (a collective, the commit decision, the controller's
     verdict on an error): what :func:`wait_state` reports, and a progress mark when the wait ends. Nested waits and
-    other threads' leave the outer one's state as it is."""
+    other threads' leave the outer one's state as it is. An exception that ends the outer wait is marked
+    (:data:`WAITED_ON_PEERS`)."""
 
     def __enter__(self) -> "waiting":
         global _waiting_since, _wait_began
         self._outer = threading.current_thread() is threading.main_thread() and _waiting_since is None
         if self._outer:
-            _waiting_since = time.time()
+            _waiting_since = time.monotonic()
             _wait_began = time.perf_counter()
             if _wait_listener is not None:
                 _wait_listener.wait_began()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
         global _waiting_since, _ticks, _waited
+        if self._outer and isinstance(error, BaseException):
+            try:  # raised while the rank waited on its peers: its report must not call it an error of its own
+                setattr(error, WAITED_ON_PEERS, True)
+            except AttributeError:  # an exception type without a __dict__
+                pass
         if self._outer:
             if _wait_listener is not None:
                 _wait_listener.wait_ended()
@@ -144,9 +158,22 @@ class waiting:
 
 
 def wait_state() -> Optional[float]:
-    """When the main thread began its current wait on its peers (wall clock), None if it is not waiting. Read
-    from other threads (the heartbeat)."""
+    """When the main thread began its current wait on its peers (``time.monotonic``), None if it is not waiting.
+    Read from other threads (the heartbeat)."""
     return _waiting_since
+
+
+def posted_point_to_point(group: Any, messages: int = 1) -> None:
+    """This rank posted ``messages`` point-to-point sends or receives on ``group`` (a process group). torch's
+    per-group sequence number counts each of them, so members' counts differ by design where some post more than
+    others (a degraded replica's proxy gathering dead blocks); the hang detection's count of collectives is torch's
+    less these (:mod:`ntp_megatron.elastic.sequences`). Weakly keyed: a group let go of is forgotten."""
+    _point_to_point[group] = _point_to_point.get(group, 0) + messages
+
+
+def point_to_point(group: Any) -> int:
+    """Point-to-point messages posted on ``group`` (:func:`posted_point_to_point`). Read from other threads."""
+    return _point_to_point.get(group, 0)
 
 
 def progress() -> int:

@@ -63,6 +63,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         optimizer_grad_norm,
         torch_distributed_c10d,
         torch_distributed_work,
+        torch_optim_adam,
     )
 
     # Bucket groups dispatch in creation order (a rule every member of a sync group can follow); the grad
@@ -83,12 +84,15 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     torch_distributed_work.apply()
     # ... and so can the full-mesh connect of a gloo group it forms (a member that died after publishing its address).
     torch_distributed_c10d.apply_connect_escape()
+    # A progress mark per parameter in Adam's CPU step (the hang detection's; bit for bit upstream's update).
+    torch_optim_adam.apply()
     # Where a rank collects its checkpoint writes: the phase checkpoint_write of --inject-failure.
     dist_checkpointing_filesystem_async.apply_write_point()
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
                      "optimizer_distrib_optimizer (deferrable param gather)", "datasets_gpt_dataset",
                      "dist_checkpointing_checkpointable", "dist_checkpointing_validation", "torch_distributed_work",
-                     "torch_distributed_c10d (connect escape)", "dist_checkpointing_filesystem_async (write point)"])
+                     "torch_distributed_c10d (connect escape)", "torch_optim_adam",
+                     "dist_checkpointing_filesystem_async (write point)"])
     if cpu:
         # the CPU-only patches, loaded on a CPU run only
         from ntp_megatron.patches import (

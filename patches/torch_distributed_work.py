@@ -11,12 +11,11 @@ in torch 2.13 wakes it: gloo's ``abort()`` does nothing, and the process group's
 So a rank must not wait on it. With an :class:`Escape` installed (the elastic layer installs one per gloo
 generation), an untimed ``Work.wait()`` from Python waits in short slices and, between slices, asks the escape
 whether the generation is over; if so it raises :class:`CollectiveAbandoned` and hands the escape what it
-abandoned (whose process groups must outlive the blocked thread; see ``ElasticRank.leave``). Collectives run
-on gloo's worker threads, so a timed wait on them has no side effect. A point-to-point wait runs in the caller
-and, on a timeout, closes every pair of the group — so it is waited on by a helper thread instead. So is every
-wait once the generation is over: a collective issued after its group's sockets were shut down (a rank that
-computed on into the gradient sync) blocked even a timed wait of 50 ms until the collective timeout (measured:
-a coalesced gradient all-reduce, 60 s). Without an
+abandoned (whose process groups must outlive the blocked thread; see ``ElasticRank.leave``). A collective's slices
+are waits on a Python event that the work's future sets when it completes: the caller never blocks in C++, where
+even a timed wait of 50 ms on a coalesced gradient all-reduce whose sockets were shut down stayed until the
+collective timeout (measured: 60 s). A point-to-point wait runs in the caller and, on a timeout, closes every pair
+of the group — so it is waited on by a helper thread instead (as is a work without a future). Without an
 escape (NCCL, no elastic job), ``wait`` is upstream's.
 
 Every wait is also marked as one (:class:`ntp_megatron.phases.waiting`): the heartbeat reports since when the
@@ -63,9 +62,6 @@ class AbandonedWait:
 
 
 class Escape(Protocol):
-    def over(self) -> bool:
-        """Whether the generation is over (its sockets shut down)."""
-
     def reason(self) -> Optional[str]:
         """Why waits must end now (the generation is over, its grace out), or None."""
 
@@ -95,15 +91,14 @@ def _wait_for(self: Work, timeout: timedelta) -> bool:
         return _original_wait(self, timeout)
     if int(self._get_op_type()) in _POINT_TO_POINT:
         return _wait_in_helper(self, escape)
-    while True:
-        if escape.over():  # issued on sockets shut down: even a timed wait can block for the group's timeout
-            return _wait_in_helper(self, escape)
-        try:
-            return _original_wait(self, SLICE)
-        except RuntimeError:
-            if self.is_completed():  # its own outcome (a result, or the collective's error), not the slice
-                return _original_wait(self)
+    try:
+        done = threading.Event()
+        self.get_future().add_done_callback(lambda _: done.set())  # run by gloo's thread, or at once if done
+    except RuntimeError:  # a work without a future: waited on by a helper thread
+        return _wait_in_helper(self, escape)
+    while not done.wait(SLICE.total_seconds()):
         _give_up_if_over(escape, AbandonedWait(self))
+    return _original_wait(self)  # its outcome (a result, or the collective's error)
 
 
 def _wait_in_helper(work: Work, escape: Escape) -> bool:

@@ -276,22 +276,30 @@ class NTPSection(_Section):
     heartbeat_timeout_s: float = Field(10.0, gt=0.0)
     """A rank whose heartbeat is this old (stuck so hard its heartbeat thread cannot run) is fenced: SIGKILLed,
     then handled as dead. A stopped process (SIGSTOP) is fenced within half a second regardless; with
-    ``progress_fence`` a rank whose heartbeat goes on but whose progress does not is fenced at half of this
-    (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work can delay by seconds:
-    keep this well above that."""
+    ``progress_fence`` (the default) a rank whose heartbeat goes on but that holds its peers up without progress is
+    fenced at half of this (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work
+    can delay by seconds: keep this well above that."""
     node_timeout_s: float = Field(30.0, gt=0.0)
     """A node silent this long counts as lost: one whose launcher (on node 0: whose store) cannot be reached, or whose
     heartbeat in node 0's store is this old. A launcher of another node that cannot reach node 0's store for this long
     stops its ranks and exits 1 with one line naming it (its ranks cannot go on without node 0's controller). At least
     ``heartbeat_timeout_s``: a node is given as long as a rank before it counts as gone."""
-    progress_fence: bool = False
-    """Also fence a rank whose heartbeat goes on but which has made no progress for half of
-    ``heartbeat_timeout_s`` (``timing.stall_fraction``) in a phase of an iteration (forward, backward, grad_sync,
-    optimizer) while another rank has waited on its peers as long (stuck in a kernel; ``--inject-failure
-    spin:...``). Off by default: progress is marked per layer (forward and backward), per collective and per phase,
-    so a rank whose one layer or optimizer step computes longer than half the timeout would be taken for a stuck
-    one, and the fence is not causal yet (a stall anywhere lets any frozen rank be fenced). gloo on CPU only (NCCL
-    waits do not block the host: a healthy rank waiting on a stuck one would look stuck)."""
+    progress_fence: bool = True
+    """Also fence a rank whose heartbeat goes on but which holds its peers up: a rank has waited on its peers for
+    half of ``heartbeat_timeout_s`` (``timing.stall_fraction``), and this one is a member of a group it waits in that
+    has entered fewer collectives there, makes no progress for as long (marks per layer in forward and backward, per
+    parameter in the optimizer step, per collective and per phase), does not wait itself and is in a phase of an
+    iteration (forward, backward, grad_sync, optimizer): stuck in a kernel (``--inject-failure spin:...``). Causal: a
+    rank frozen elsewhere is not fenced for this wait, a slow rank that progresses never is. On gloo and NCCL
+    (``collective_sequences``). false: fence by heartbeat only (a rank stuck with its heartbeat alive then holds its
+    peers until ``parallel.timeout_s``)."""
+    collective_sequences: Literal["auto", "torch", "flight_recorder"] = "auto"
+    """Where each rank's collective sequence numbers per group, and what it waits on, come from (``progress_fence``):
+    ``torch``, torch's per-group sequence number and the host's waits (right on gloo, where a wait blocks the host);
+    ``flight_recorder``, torch's flight recorder (``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_ENABLE_TIMING``):
+    the collectives each group's device started and completed (right on NCCL, where a wait does not block the
+    host; on gloo it records no start and falls back to ``torch``'s counts); ``auto``, the flight recorder on NCCL
+    and ``torch`` otherwise."""
     keep_groups: bool = True
     """A re-formation keeps the process groups it did not touch (a healthy replica's tensor-parallel group, the sync
     groups whose members did not change), the same objects and communicators, where their members agree nothing is
@@ -523,10 +531,6 @@ class JobConfig(_Section):
         if self.ntp.on_unrecoverable == "restart" and not (self.checkpoint.save and self.checkpoint.save_interval):
             raise ValueError("ntp.on_unrecoverable 'restart' needs checkpoint.save and checkpoint.save_interval "
                              "(the checkpoints it restarts from)")
-        if self.ntp.progress_fence and "cuda" in (self.training.device, "cuda" if p.backend == "nccl" else ""):
-            raise ValueError("ntp.progress_fence is written for gloo on CPU only (an NCCL wait does not block the "
-                             "host, so a healthy rank waiting on a stuck one would look stuck): set it to false, or "
-                             "training.device: cpu")
         if self.ntp.heartbeat_timeout_s <= self.ntp.heartbeat_interval_s:
             raise ValueError(f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}) must exceed "
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")

@@ -57,12 +57,12 @@ class TimingSection(BaseModel):
     stopped_grace_s: float = Field(0.5, ge=0)
     """A rank stopped (SIGSTOP: ``T`` in ``/proc/<pid>/stat``) this long is fenced."""
     stall_refresh_s: float = Field(0.5, gt=0)
-    """How often the agent refreshes its record of ranks waiting on their peers (``ntp.progress_fence``); a record
-    older than three times this is stale."""
+    """How often a launcher refreshes, in the root store, its ranks that wait on their peers (``ntp.progress_fence``:
+    what the other launchers blame their own ranks for); emptied at once when no rank of it waits."""
     stall_fraction: float = Field(0.5, gt=0, le=1)
-    """Of ``ntp.heartbeat_timeout_s`` (``ntp.progress_fence``): a rank that has waited on its peers this long is
-    recorded as stalled, and a rank that works in a phase of an iteration and has made no progress this long while
-    another is stalled is fenced."""
+    """Of ``ntp.heartbeat_timeout_s`` (``ntp.progress_fence``), the patience: a rank that has waited on its peers this
+    long is published as waiting, and a rank that holds such a wait up (behind it in a group it waits in) and has made
+    no progress this long, in a phase of an iteration, is fenced."""
     relay_wait_s: float = Field(30.0, gt=0)
     """How long a relay thread blocks on one store call before it asks again (a wait for a generation's end lasts as
     long as the generation: one request to the root per node every this many seconds)."""

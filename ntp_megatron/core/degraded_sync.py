@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 
+from ntp_megatron import phases
 from ntp_megatron.core.groups import NTPGroups
 from ntp_megatron.core.shadows import Adoptable, Piece, Shadow, block_pieces, unit_view
 from ntp_megatron.plan.layout import Topology
@@ -139,6 +140,7 @@ class DegradedSync:
             buffer = self._pack(t, from_shadow=not to_member, what=what)
             peer = t.member if to_member else t.holder
             sends.append((buffer, dist.isend(buffer, dst=peer, group=tp, tag=tag_base + t.block)))
+        phases.posted_point_to_point(tp, len(works) + len(sends))  # torch counts each: not a collective
         for t, buffer, work in works:
             work.wait()
             self._unpack(t, buffer, into_shadow=to_member, what=what)

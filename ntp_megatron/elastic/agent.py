@@ -7,13 +7,15 @@ never come back and write; the reaper then reports it dead like any other. The h
 which long GIL-holding work (unpickling, building a dataset index) can delay by seconds: its timeout must stay
 well above that.
 
-*Progress, not liveness* (``ntp.progress_fence``, gloo on CPU). A rank stuck in a kernel keeps its heartbeat alive
-while every peer blocks on it. Its heartbeat says how far it got (its progress count) and whether it waits on its
-peers. A launcher whose rank has waited longer than half ``ntp.heartbeat_timeout_s`` (``timing.stall_fraction``)
-says so in the store (:data:`~ntp_megatron.elastic.keys.STALLED`, refreshed while it waits); then every launcher
-fences its ranks that, in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`), have not
-progressed for half the timeout and do not wait themselves: the rank the others wait on, by name, within
-``ntp.heartbeat_timeout_s``.
+*Progress, not liveness* (``ntp.progress_fence``, on by default). A rank stuck in a kernel keeps its heartbeat
+alive while its peers block on it. Its heartbeat says how far it got (its progress count), how many collectives it
+entered on each of its groups and what it waits on (:mod:`ntp_megatron.elastic.sequences`). A launcher whose rank
+has waited at least half ``ntp.heartbeat_timeout_s`` (``timing.stall_fraction``, the *patience*) publishes that
+wait with the rank's counts in the root store (:data:`~ntp_megatron.elastic.keys.WAITS`, refreshed while it waits,
+emptied when it ends); every launcher then fences those of its own ranks that hold a published wait up — behind the
+waiter in a group it waits in, making no progress for the patience, not waiting themselves, in a phase of an
+iteration — by name (:mod:`ntp_megatron.elastic.blame`, the rule). How long a rank's progress stood still is
+measured on its launcher's monotonic clock; a wait's length on its rank's: no clocks of two hosts are compared.
 
 *Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
@@ -22,9 +24,9 @@ iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn an
 
 from __future__ import annotations
 
-import json
 import os
 import signal
+import socket
 import time
 from typing import Callable, Optional, Protocol
 
@@ -32,7 +34,7 @@ import torch.distributed as dist
 
 from ntp_megatron import faults, phases
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import blame, keys
 
 
 class _Process(Protocol):
@@ -72,7 +74,11 @@ class Agent:
         self.fence = fence
         """Fence by heartbeat (only ranks of an NTP job beat)."""
         self.fence_progress = fence_progress
-        """Fence by progress too (``ntp.progress_fence``)."""
+        """Fence by progress too (``ntp.progress_fence``): the causal rule of :mod:`ntp_megatron.elastic.blame`."""
+        self.clock: Callable[[], float] = time.monotonic
+        """How long a rank's progress stands still is measured on this clock (monotonic; tests pass their own)."""
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        """This launcher's entry in the published waits."""
         self.started = time.time()
         self.born: dict[int, float] = {}
         """Launch rank -> when its current process started (a replacement later than the job)."""
@@ -84,7 +90,7 @@ class Agent:
         self.training_started: Optional[float] = None
         """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
         self.progress: dict[int, tuple[int, float]] = {}
-        """Launch rank -> (its last progress count, since when it has had it)."""
+        """Launch rank -> (its last progress count, since when it has had it on :attr:`clock`)."""
         self._placed: set[int] = set()
         """Ranks whose heartbeat key this agent has set if it was missing (:meth:`_read_beats`)."""
         self.compute_times: dict[int, list] = {}
@@ -92,7 +98,8 @@ class Agent:
         (for the rebalance monitor, :mod:`ntp_megatron.plan.rebalance`)."""
         self.oldest_beat_s = 0.0
         """The oldest heartbeat seen so far, as its age when read (how far the store lags behind the ranks)."""
-        self._stall_published = 0.0
+        self._waits_published: Optional[float] = None
+        """When (:attr:`clock`) this launcher last published waits of its ranks; None: its entry is empty."""
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
         self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
         self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
@@ -117,6 +124,7 @@ class Agent:
         self.born = dict.fromkeys(self.processes(), time.time())
         self.stopped_since.clear()
         self.progress.clear()
+        self._waits_published = None  # a fresh store: this launcher has no entry there
         self.notes.clear()
         self.hung.clear()
         self._placed.clear()
@@ -138,7 +146,7 @@ class Agent:
     def _fence(self, now: float) -> None:
         if not self.fence:
             return
-        stale: list[tuple[int, object, dict, float]] = []
+        states: list[tuple[blame.RankState, object]] = []
         running = []
         for rank, proc in self.processes().items():
             if proc.poll() is not None or rank in self.notes:
@@ -167,13 +175,10 @@ class Agent:
                 self._kill(rank, proc, last if last is not None else now,
                            f"hung: fenced after {silent:.1f} s without a heartbeat")
                 continue
-            if last is None or not self.fence_progress:
-                continue
-            stuck_since = self._progress(rank, beat, now)
-            if stuck_since is not None:
-                stale.append((rank, proc, beat, stuck_since))
-        if stale:
-            self._fence_stuck(stale, now)
+            if last is not None and self.fence_progress:
+                states.append((self._state(rank, beat), proc))
+        if self.fence_progress:
+            self._fence_stuck(states, now)
 
     def _read_beats(self, ranks: list[int]) -> list[Optional[dict]]:
         """The last heartbeat of each of ``ranks`` (None where it has none yet), in one request: every rank's key is
@@ -188,45 +193,45 @@ class Agent:
         beats = keys.beats(self.store, ranks)
         return [beat if beat["t"] > 0 else None for beat in beats]
 
-    def _progress(self, rank: int, beat: dict, now: float) -> Optional[float]:
-        """Track ``rank``'s progress from its heartbeat; say in the store if it has waited on its peers for
-        ``timing.stall_fraction`` of the timeout (half). Returns since when it has made no progress, if that is as
-        long or longer while it works in a phase of an iteration (None otherwise)."""
-        patience = self.heartbeat_timeout_s * timing.current().stall_fraction
-        waiting_since = beat.get("waiting_since")
-        if waiting_since is not None and now - waiting_since >= patience:
-            if now - self._stall_published >= timing.current().stall_refresh_s:
-                self._stall_published = now
-                try:
-                    keys.mark_stalled(self.shared, rank, waiting_since, now)
-                except Exception:  # noqa: BLE001 - the store is going away with the job
-                    pass
-        count = beat.get("progress")
+    def _state(self, rank: int, beat: dict) -> blame.RankState:
+        """``rank`` as its heartbeat and this agent's record of its progress say it is."""
+        count, now = beat.get("progress"), self.clock()
         seen = self.progress.get(rank)
         if seen is None or seen[0] != count:
-            self.progress[rank] = (count, now)
-            return None
-        if waiting_since is not None or beat.get("phase") not in phases.ITERATION or now - seen[1] < patience:
-            return None
-        return seen[1]
+            self.progress[rank] = seen = (count, now)
+        return blame.RankState(rank, beat.get("phase", ""), beat.get("iteration", 0), beat.get("seq") or {},
+                               blame.Wait.from_json(beat.get("wait")), now - seen[1])
 
-    def _fence_stuck(self, stale: list[tuple[int, object, dict, float]], now: float) -> None:
-        """Fence the ranks that make no progress while another rank has been waiting on its peers (the stall in
-        the store is current)."""
+    def _fence_stuck(self, states: list[tuple[blame.RankState, object]], now: float) -> None:
+        """Publish this launcher's waiting ranks; fence its own ranks that hold up a wait any launcher published
+        (:func:`ntp_megatron.elastic.blame.culprits`)."""
+        patience = self.heartbeat_timeout_s * timing.current().stall_fraction
+        self._publish(blame.waiters([state for state, _ in states], patience))
+        suspects = [(state, proc) for state, proc in states if blame.suspect(state, patience)]
+        if not suspects:
+            return
         try:
-            raw = keys.stalled(self.shared)
+            published = [blame.Waiter.from_json(w) for w in keys.published_waits(self.shared)]
         except Exception:  # noqa: BLE001 - the store is going away with the job
             return
-        stall = json.loads(raw) if raw else None
-        if stall is None or now - stall["t"] > 3 * timing.current().stall_refresh_s:
+        procs = {state.launch_rank: proc for state, proc in suspects}
+        for found in blame.culprits(published, [state for state, _ in suspects], patience):
+            self._kill(found.culprit, procs[found.culprit], now - found.still_s, found.cause())
+
+    def _publish(self, waiting: list[blame.Waiter]) -> None:
+        """This launcher's entry in the published waits: refreshed every ``timing.stall_refresh_s`` while some of its
+        ranks wait, emptied at once when none does."""
+        now = self.clock()
+        if waiting and self._waits_published is not None \
+                and now - self._waits_published < timing.current().stall_refresh_s:
             return
-        for rank, proc, beat, since in stale:
-            if rank == stall["launch_rank"]:
-                continue
-            self._kill(rank, proc, since,
-                       f"stuck: no progress for {now - since:.1f} s in phase {beat['phase']} of iteration "
-                       f"{beat['iteration']} while launch rank {stall['launch_rank']} has waited on its peers for "
-                       f"{now - stall['since']:.1f} s (its heartbeat goes on)")
+        if not waiting and self._waits_published is None:
+            return
+        try:
+            keys.publish_waits(self.shared, self.name, [w.to_json() for w in waiting])
+        except Exception:  # noqa: BLE001 - the store is going away with the job
+            return
+        self._waits_published = now if waiting else None
 
     def _kill(self, rank: int, proc, failed_at: float, cause: str) -> None:
         self.notes[rank] = (failed_at, cause)

@@ -22,6 +22,14 @@ the error's type and message, where it happened (iteration, phase: :mod:`ntp_meg
 line naming it (with the traceback when it is a bug rather than a condition of the machine), and exits non-zero.
 The controller then stops the job naming the error (:func:`reported_error`), instead of re-forming around it.
 
+A rank that *gave up waiting on its peers* — an exception ended a wait of its main thread on them
+(:data:`ntp_megatron.phases.WAITED_ON_PEERS`: a collective that timed out, no new generation within the timeout after
+a peer's failure) — is a victim of what it waited on: it reports the same way, marked ``waited``, and the line, the
+stop's reason and the ``job_stopped`` event say it gave up waiting, never that it failed with an error of its own (a
+rank's real error in the same batch is named before it). The hang detection (:mod:`ntp_megatron.elastic.blame`)
+should have fenced the rank it waited on long before; this is what is left when it could not (``ntp.progress_fence:
+false``, a rank stuck outside an iteration's phases).
+
 Running out of memory is never a peer's failure and is reported at once, without waiting out
 ``timing.peer_grace_s``: peers blocked in a collective with this rank are released by the controller's verdict,
 which comes as soon as this rank has exited. Its report says ``out_of_memory``, so that the controller can take
@@ -56,6 +64,10 @@ _TRANSPORT_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection 
 GLOO_TIMEOUTS = ("Timed out waiting", "Connect timeout", "Application timeout caused pair closure")
 """gloo's own timeouts (torch 2.13's bundled gloo: ``unbound_buffer.cc``, ``pair.h``, ``context.cc``): their text starts
 with the path of gloo's transport, but nothing in them says that a peer went away."""
+
+_TIMEOUT_MARKERS = ("timed out", "Timed out", "timeout", "Timeout")
+"""How torch's collectives and stores say a wait ran out of time (gloo: "Timed out waiting ...", NCCL's watchdog:
+"... collective operation timeout", the store: "Socket Timeout", "wait timeout")."""
 
 _CONDITIONS = (OSError, MemoryError, torch.OutOfMemoryError)
 """Errors of the machine's state (a write refused, a full disk, memory exhausted): the message says it all, as an
@@ -130,6 +142,16 @@ def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> 
     return marked_over(timing.current().peer_grace_s)
 
 
+def waited_on_peers(exc: BaseException) -> bool:
+    """``exc`` is a wait of the rank on its peers that timed out (it ended a wait,
+    :data:`ntp_megatron.phases.WAITED_ON_PEERS`, and says it timed out: a collective's timeout, no new generation
+    after a peer's failure): the rank is a victim of what it waited on, never reported as failing with an error of its
+    own. Anything else raised in a wait (an error of ours, of the machine, of its own device) still is one."""
+    if isinstance(exc, OwnError) or is_out_of_memory(exc) or not getattr(exc, phases.WAITED_ON_PEERS, False):
+        return False
+    return isinstance(exc, TimeoutError) or any(marker in str(exc) for marker in _TIMEOUT_MARKERS)
+
+
 def describe(exc: BaseException) -> str:
     """``<Type>: <message>`` (first 500 characters), the form of the report and of the controller's reason."""
     if isinstance(exc, SystemExit):  # our own clear stop, e.g. a checkpoint of another model
@@ -146,12 +168,14 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
         try:
             keys.record_error(store, launch_rank, {
                 "error": error, "iteration": iteration, "phase": phase, "time": time.time(),
-                "echo": isinstance(exc, OwnError) and exc.echo, "out_of_memory": is_out_of_memory(exc)})
+                "echo": isinstance(exc, OwnError) and exc.echo, "out_of_memory": is_out_of_memory(exc),
+                "waited": waited_on_peers(exc)})
         except Exception:  # noqa: BLE001 - the launcher's store is gone too: the exit code still tells
             pass
     if not isinstance(exc, (SystemExit, OwnError, *_CONDITIONS)):
         traceback.print_exception(exc, file=sys.stderr)
-    print(f"error: launch rank {launch_rank}, iteration {iteration}, phase {phase}: {error}", file=sys.stderr,
+    what = "gave up waiting on its peers" if waited_on_peers(exc) else "error"
+    print(f"{what}: launch rank {launch_rank}, iteration {iteration}, phase {phase}: {error}", file=sys.stderr,
           flush=True)
     return EXIT_RANK_ERROR
 
@@ -181,6 +205,7 @@ def cause_behind_echoes(store: dist.Store, launch_ranks: list[int]) -> Optional[
 
 
 def own_error_cause(report: dict) -> str:
-    """How a death whose rank reported an error of its own (:func:`report`) is described."""
-    return f"failed with an error of its own (iteration {report['iteration']}, phase {report['phase']}): " \
-           f"{report['error']}"
+    """How a death whose rank reported an error of its own (:func:`report`) is described: a rank that gave up waiting
+    on its peers is said to have done so, not to have failed."""
+    what = "gave up waiting on its peers" if report.get("waited") else "failed with an error of its own"
+    return f"{what} (iteration {report['iteration']}, phase {report['phase']}): {report['error']}"

@@ -31,13 +31,15 @@ This module's keys (``elastic/`` unless it says otherwise):
   leave g together at an admission boundary, by a node's relay into its node's store (:func:`end`); read by every
   rank's watchdog, the ranks, the relays, the control-plane load test (:func:`wait_end`, :func:`is_ended`,
   :func:`end_value`).
-- ``hb/<launch rank>``: a rank's heartbeat (JSON: ``t``, iteration, phase, progress, since when it waits). Written
+- ``hb/<launch rank>``: a rank's heartbeat (JSON: ``t``, iteration, phase, progress, collective sequence numbers per
+  group, its wait). Written
   by the rank's heartbeat thread and the load test (:func:`beat`), placed by its launcher (:func:`place_beat`,
   :func:`reset_beat`); read by the launcher's agent (:func:`beats`).
 - ``node_hb/<node rank>``: a node relay's heartbeat in the root (JSON ``{"t", "ranks"}``), one per node. Written by
   the relay (:func:`beat_node`); read by the load test (:func:`node_beats`).
-- ``stalled``: a rank that waits on a collective too long (JSON). Written and read by the launchers' agents
-  (:func:`mark_stalled`, :func:`stalled`).
+- ``waits``: every launcher's ranks that have waited on their peers too long, with their collective sequence
+  numbers (JSON, one entry per launcher). Written and read by the launchers' agents (:func:`publish_waits`,
+  :func:`published_waits`); each launcher writes its own entry only (a ``compare_set`` loop).
 - ``failure/<launch rank>`` and ``fired/<spec>``: an injected failure's record and that it fired. Written by the
   rank (:func:`record_failure`) and, across a restart, the launcher (:func:`mark_fired`); read by the failure
   report (:func:`injected_failure`), the rank and the launchers (:func:`has_fired`).
@@ -141,10 +143,11 @@ def heartbeat(launch_rank: int) -> str:
     return f"{PREFIX}hb/{launch_rank}"
 
 
-STALLED = PREFIX + "stalled"
-"""JSON set by a launcher while one of its ranks has waited on a collective longer than half
-``ntp.heartbeat_timeout_s`` (launch rank, since, ``t`` the time it was last confirmed): the launchers then fence
-their ranks that make no progress while not waiting (:class:`ntp_megatron.elastic.agent.Agent`)."""
+WAITS = PREFIX + "waits"
+"""JSON ``{launcher: [waiter, ...]}``: each launcher's ranks that have waited on their peers at least half
+``ntp.heartbeat_timeout_s``, with the collectives they entered per group (:class:`ntp_megatron.elastic.blame.Waiter`);
+every launcher fences its own ranks that hold one of them up (:class:`ntp_megatron.elastic.agent.Agent`). An entry
+lasts while its waits do: its launcher empties it when they end."""
 
 
 def failure(launch_rank: int) -> str:
@@ -294,14 +297,30 @@ def node_beats(root: Any, node_ranks: Sequence[int]) -> list[bytes]:
     return root.multi_get([node_beat(n) for n in node_ranks])
 
 
-def mark_stalled(store: Any, launch_rank: int, since: float, now: float) -> None:
-    """A launcher: ``launch_rank`` has waited on a collective since ``since``, confirmed at ``now``."""
-    store.set(STALLED, json.dumps({"launch_rank": launch_rank, "since": since, "t": now}))
+def publish_waits(store: Any, launcher: str, waiters: list) -> None:
+    """A launcher's entry in :data:`WAITS`: its waiting ranks (JSON-ready), or none (``[]``: the entry goes). Only
+    this launcher's entry changes, whatever the others write meanwhile (``compare_set`` until it holds)."""
+    current = store.get(WAITS) if store.check([WAITS]) else b""
+    while True:
+        table = json.loads(current.decode()) if current else {}
+        if waiters:
+            table[launcher] = waiters
+        elif launcher in table:
+            del table[launcher]
+        else:
+            return
+        wanted = json.dumps(table, sort_keys=True).encode()
+        current = bytes(store.compare_set(WAITS, current, wanted))
+        if current == wanted:
+            return
 
 
-def stalled(store: Any) -> Optional[str]:
-    """The last stall a launcher published (JSON), if any."""
-    return store.get(STALLED).decode() if store.check([STALLED]) else None
+def published_waits(store: Any) -> list:
+    """Every launcher's waiting ranks (JSON-ready, as published), in one list."""
+    if not store.check([WAITS]):
+        return []
+    raw = store.get(WAITS)
+    return [waiter for entry in (json.loads(raw.decode()) if raw else {}).values() for waiter in entry]
 
 
 # -- what the ranks report --------------------------------------------------------------------------------------------

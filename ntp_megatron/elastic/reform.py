@@ -36,7 +36,7 @@ import torch
 
 from ntp_megatron import phases
 from ntp_megatron.config.schema import JobConfig
-from ntp_megatron.elastic import commit
+from ntp_megatron.elastic import commit, sequences
 from ntp_megatron.elastic.commit import COMMITTED_DECISIONS, CommitProtocol
 from ntp_megatron.elastic.errors import OWN_OR_PEER, caused_by_peer
 from ntp_megatron.elastic.formation import Formation, Staged
@@ -116,6 +116,7 @@ class Reformer:
     def leave(self) -> None:
         """At the end of the run: leave the generation without marking it over (nobody needs to)."""
         if self.generation is not None:
+            sequences.untrack()
             self.elastic.leave(self.generation, ended=False)
             self.generation = None
 
@@ -129,6 +130,7 @@ class Reformer:
                 topology, info = self.elastic.await_newer(seen)  # bounded: a timeout ends this process
             seen = topology.generation
             if self.generation is not None:
+                sequences.untrack()  # the heartbeat reports no group of a generation being left
                 self.elastic.leave(self.generation, keep=self._wanted(topology) if self.keep_groups else ())
                 self.generation = None
             _try(lambda: self.elastic.note_aware(topology.generation - 1))
@@ -186,6 +188,7 @@ class Reformer:
         with elastic.scope(generation):
             setup = self.builder.setup(topology, generation.rank, generation.pool)
         elastic.drain_kept(generation)
+        sequences.track(sequences.tracked_of(generation.pool))  # what the heartbeat counts collectives on
         if training.parts is None:  # a fresh process resumes after the newest committed iteration
             training.iteration = commit.committed(elastic.ctl)
             training.consumed_samples = commit.consumed(elastic.ctl)

@@ -114,8 +114,9 @@ def echo_sources(identity: Mapping[int, tuple[int, ...]], dead: frozenset[int], 
 def own_errors(reported: tuple[tuple[Death, dict], ...],
                cause_behind: Optional[tuple[int, dict]]) -> list[tuple[Death, dict]]:
     """The errors reported, the cause first: not a rank that only echoes it (the rank behind the echoes first of all),
-    and an error of the program before running out of memory."""
-    errors = sorted(reported, key=lambda de: (bool(de[1].get("echo")), bool(de[1].get("out_of_memory"))))
+    nor one that gave up waiting on its peers, and an error of the program before running out of memory."""
+    errors = sorted(reported, key=lambda de: (bool(de[1].get("echo")), bool(de[1].get("waited")),
+                                              bool(de[1].get("out_of_memory"))))
     if errors and errors[0][1].get("echo") and cause_behind is not None:
         launch_rank, report = cause_behind
         errors.insert(0, (Death(launch_rank, report["time"], own_error_cause(report), error=report["error"]), report))
@@ -143,8 +144,7 @@ def triage(batch: Batch) -> Triage:
 
 
 def error_stop(batch: Batch, d: Death, error: dict) -> ErrorStop:
-    reason = (f"launch rank {d.launch_rank} failed with an error of its own (iteration {error['iteration']}, "
-              f"phase {error['phase']}): {error['error']}")
+    reason = f"launch rank {d.launch_rank} {own_error_cause(error)}"
     replica, slot = batch.identity[d.launch_rank][:2]
     return ErrorStop(reason, {"launch_rank": d.launch_rank, "replica": replica, "slot": slot,
                               **_stage(batch, d.launch_rank), "generation": batch.latest.generation,

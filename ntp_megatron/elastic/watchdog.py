@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ntp_megatron import phases
 from ntp_megatron.config import timing
-from ntp_megatron.elastic import keys
+from ntp_megatron.elastic import keys, sequences
 from ntp_megatron.elastic.group_backend import GlooBackend, GroupBackend
 from ntp_megatron.patches.torch_distributed_work import AbandonedWait
 
@@ -112,9 +112,6 @@ class GenerationWatchdog:
         logger.debug("generation %d over: shut down %d of its %d sockets", self.generation, closed,
                      len(self.sockets))
 
-    def over(self) -> bool:
-        return self._fired_monotonic is not None
-
     def reason(self) -> Optional[str]:
         """Part of the wait escape (:mod:`ntp_megatron.patches.torch_distributed_work`): a collective of this
         generation still waited on ``timing.escape_grace_s`` after its sockets were shut down is one gloo will not wake
@@ -161,8 +158,9 @@ class Heartbeat:
     """A thread that writes this rank's heartbeat to the store every ``interval_s``, so the launcher can fence a
     rank that stopped responding (SIGSTOP, a hung device) without waiting for a collective timeout, and one that
     is alive but makes no progress while its peers wait on it (a kernel that never returns;
-    ``ntp.progress_fence``): the heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far it got (its progress count:
-    phase marks, micro-batches and finished collective waits) and since when it waits on a collective."""
+    ``ntp.progress_fence``): the heartbeat (:func:`beat`) says when, where the rank is (iteration, phase), how far
+    it got (its progress count: phase marks, micro-batches, layers, finished collective waits), how many
+    collectives it entered on each of its groups and what it waits on (:mod:`ntp_megatron.elastic.blame`)."""
 
     def __init__(self, open_store: StoreFactory, launch_rank: int, interval_s: float) -> None:
         self._open_store, self._timeout = open_store, max(timing.current().heartbeat_store_timeout_s, 10 * interval_s)
@@ -192,12 +190,14 @@ class Heartbeat:
 
 def beat() -> dict:
     """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
-    works), ``waiting_since`` (when its main thread began waiting on a collective, or None) and ``compute`` (its
-    last iterations' compute times, ``[iteration, seconds]``: what the launcher's rebalance monitor reads, with no
-    request of its own)."""
+    works: its marks, plus the collectives its device completed where the source counts them), the collective
+    sequence numbers it entered per group (``seq``) and its wait on its peers (``wait``: for how long, on what where
+    known; :mod:`ntp_megatron.elastic.sequences`), and ``compute`` (its last iterations' compute times,
+    ``[iteration, seconds]``: what the launcher's rebalance monitor reads, with no request of its own)."""
     iteration, phase = phases.current()
-    return {"t": time.time(), "iteration": iteration, "phase": phase, "progress": phases.progress(),
-            "waiting_since": phases.wait_state(),
+    reported = sequences.report()
+    return {"t": time.time(), "iteration": iteration, "phase": phase,
+            "progress": phases.progress() + reported["device"], "seq": reported["seq"], "wait": reported["wait"],
             "compute": [[k, round(seconds, 6)] for k, seconds in phases.computed()]}
 
 

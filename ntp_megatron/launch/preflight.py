@@ -35,14 +35,6 @@ def check_device(cfg: JobConfig) -> None:
     """A config that asks for CUDA (``training.device: cuda`` or ``parallel.backend: nccl``) on a machine where
     torch sees no CUDA device, or ``auto`` on a GPU machine whose CUDA is broken (the environment or the driver
     names GPUs, torch sees none): one line here instead of one per rank. Creates no CUDA context."""
-    if cfg.ntp.progress_fence and cfg.training.device == "auto" and cfg.parallel.backend != "gloo":
-        try:
-            cuda = torch.cuda.is_available()
-        except Exception:  # noqa: BLE001 - a broken CUDA is named below
-            cuda = False
-        if cuda:
-            raise ConfigError("ntp.progress_fence is written for gloo on CPU only, and training.device 'auto' "
-                              "trains on this machine's GPUs: set ntp.progress_fence: false, or training.device: cpu")
     wants = [f"{key} is {value!r}" for key, value in (("training.device", cfg.training.device),
                                                        ("parallel.backend", cfg.parallel.backend))
              if value in ("cuda", "nccl")]

@@ -30,7 +30,7 @@ from ntp_megatron import faults, phases  # noqa: E402
 from ntp_megatron.speed import compute_time, device_model  # noqa: E402
 from ntp_megatron.config import timing  # noqa: E402
 from ntp_megatron.config.schema import JobConfig  # noqa: E402
-from ntp_megatron.elastic import errors, keys  # noqa: E402
+from ntp_megatron.elastic import errors, keys, sequences  # noqa: E402
 from ntp_megatron.elastic.generation import ElasticRank, JobStopped, NodePlane  # noqa: E402
 from ntp_megatron.elastic.reform import Retired  # noqa: E402
 from ntp_megatron.elastic.session import ElasticSession, NullSession  # noqa: E402
@@ -143,8 +143,10 @@ def build_elastic_trainer(env: runtime.RankEnv, cfg: JobConfig, device: torch.de
     """NTP on: everything but the layout-dependent objects, which the first (re-)formation builds."""
     set_identical_param_groups(True)  # a re-formation builds optimizers on some ranks only
     p = cfg.parallel
+    backend = runtime.select_backend(p.backend, device)
+    sequences.install(cfg.ntp.collective_sequences, backend)  # before any process group: what the heartbeat counts
     elastic = ElasticRank(env.rank, store_factory(env.store_host, env.store_port),
-                          runtime.select_backend(p.backend, device), p.timeout_s, cfg.ntp.heartbeat_interval_s,
+                          backend, p.timeout_s, cfg.ntp.heartbeat_interval_s,
                           _node_plane(env, cfg), root_port=env.store_port)
     # Once generation 0 is published, node 0's launcher has built the dataset's index caches: read them here,
     # before any process group, so no barrier exists that a failure could hang.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import queue
 import sys
@@ -655,7 +654,25 @@ def test_a_save_cut_short_leaves_the_last_good_checkpoint_to_resume_from(degrade
 LOGITS_TOPOLOGIES = {"tp4+tp3": (4, 2, "1:3"), "tp3": (4, 1, "0:3")}
 
 
-def _ntp_logits_rank(rank: int, world: int, port: int, cfg_json: str, ckpt: str, resave: str, results) -> None:
+def _ntp_logits_store(rank: int, port_pipe):
+    """Rank 0 hosts the ranks' store on a port the OS picks and hands the port to the parent; the others get it
+    from the parent. (The parent starts no thread before it forks the ranks: a store's server thread holding a lock
+    at a fork left a rank deadlocked before its first line, once in a few runs on a loaded machine.)"""
+    import torch.distributed as dist
+
+    from tests.harness import store_client
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size=None, is_master=True, timeout=timedelta(seconds=120),
+                              wait_for_workers=False)
+        port_pipe.send(store.port)
+        return store
+    if not port_pipe.poll(120):
+        raise TimeoutError("no store port from the parent within 120 s")
+    return store_client(port_pipe.recv(), 120)
+
+
+def _ntp_logits_rank(rank: int, world: int, port_pipe, cfg_json: str, ckpt: str, resave: str, results) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -667,10 +684,8 @@ def _ntp_logits_rank(rank: int, world: int, port: int, cfg_json: str, ckpt: str,
         from ntp_megatron.training.components import build_components
         from tests.plain_megatron import fixed_batch
 
-        from tests.harness import store_client
-
         apply_patches(cpu=True)
-        dist.init_process_group("gloo", store=store_client(port, 120), rank=rank, world_size=world,
+        dist.init_process_group("gloo", store=_ntp_logits_store(rank, port_pipe), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         cfg = JobConfig.model_validate_json(cfg_json)
         topology = cfg.topology()
@@ -711,8 +726,6 @@ def _ntp_logits_main(argv: list[str]) -> int:
 
     from ntp_megatron.config.schema import load_job_config
     from ntp_megatron.training import runtime
-    from tests.harness import store_server
-
     runtime.quiet_optional_dependency_warnings()
     # What the ranks import, imported once here: each forked rank would otherwise pay seconds of imports.
     import megatron.core.tensor_parallel  # noqa: F401
@@ -732,13 +745,18 @@ def _ntp_logits_main(argv: list[str]) -> int:
     for name, (tp_base, dp, dead) in LOGITS_TOPOLOGIES.items():
         overrides = [a for a in ntp_args(tp_base, dp, dead) if a != "--set"]
         cfg = load_job_config(None, overrides)
-        store = store_server(120)  # the ranks' store, on a port the OS picks
-        world, port, results = cfg.world_size, store.port, ctx.Queue()
+        world, results = cfg.world_size, ctx.Queue()  # the parent only reads it: no feeder thread here
+        pipes = [ctx.Pipe() for _ in range(world)]  # the store's port, from rank 0 through the parent
         resave = args.resave if dp == 1 else ""
-        procs = [ctx.Process(target=_ntp_logits_rank, args=(r, world, port, cfg.model_dump_json(), args.ckpt,
+        procs = [ctx.Process(target=_ntp_logits_rank, args=(r, world, pipes[r][1], cfg.model_dump_json(), args.ckpt,
                                                              resave, results)) for r in range(world)]
         for p in procs:
             p.start()
+        if not pipes[0][0].poll(120):
+            raise SystemExit(f"ntp-logits {name}: rank 0 hosted no store within 120 s")
+        port = pipes[0][0].recv()
+        for parent_end, _ in pipes[1:]:
+            parent_end.send(port)
         got = {}
         while len(got) < dp:
             try:

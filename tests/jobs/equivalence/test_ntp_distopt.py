@@ -41,6 +41,9 @@ from tests.harness import REPO, TINY, assert_ok, assert_replicas_agree, relative
 from tests.jobs.live.test_live_failure import leftover_processes, ntp_args
 from tests.jobs.equivalence.test_ntp_equivalence import check_case
 
+# Asserts how soon the controller stops the job: scripts/test.sh runs it alone.
+pytestmark = pytest.mark.timed
+
 ITERS = 3
 LIKE_TOL = 1e-7
 DECIDED_WITHIN_S = 2.0

@@ -73,10 +73,8 @@ def units(topology: Topology, slot: tuple[int, int]) -> dict[str, list[int]]:
 
 def test_healthy_replicas_keep_their_objects_at_every_re_formation(tmp_path):
     """TP2 x 3: replica 1 loses slot 1, then replica 2 loses slot 1 (replica 1 degraded and untouched then);
-    replacements for both come back while training goes on. No rebalance: on a loaded machine a rank can look slow
-    for ten iterations, and a planned move is not what this test counts."""
-    args = ntp_args(2, 3, iters=REJOIN_ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=1",
-                                                     "--set", "ntp.rebalance=false"))
+    replacements for both come back while training goes on."""
+    args = ntp_args(2, 3, iters=REJOIN_ITERS, extra=("--set", "ntp.rejoin_after_s=0", "--set", "ntp.max_rejoin_attempts=1"))
     args += ["--inject-failure", "kill:rank=3,iter=3,phase=backward", "--inject-failure", "kill:rank=5,iter=6,phase=start"]
     result = run_job(tmp_path / "run", args, timeout=400)
     assert result.returncode == 0, result.stderr[-4000:]

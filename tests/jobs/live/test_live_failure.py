@@ -18,6 +18,9 @@ import pytest
 from tests.harness import TINY, JobResult, alive, assert_groups_as_planned, assert_replicas_agree, layout_args, \
     relative_difference, run_job
 
+# Asserts detection and reaction times (a spinning rank's, an out-of-memory error's): scripts/test.sh runs it alone.
+pytestmark = pytest.mark.timed
+
 ITERS = 10
 TOL = 1e-5
 
@@ -170,10 +173,27 @@ def test_launch_rank_0_killed(tmp_path, reference_tp4):
     assert "[rank 1]" in next(l for l in result.stdout.splitlines() if "re-formed" in l)
 
 
+HEARTBEAT_TIMEOUT_S = 10.0
+"""``ntp.heartbeat_timeout_s`` of the default config: a hang must be absorbed within twice that."""
+
+
+def assert_fenced_in_time(result: JobResult, rank: int) -> dict:
+    """Launch rank ``rank`` was the one failure, named, and its replica re-formed within 2 x the heartbeat timeout
+    of the failure; returns its ``rank_failed`` event."""
+    [failed] = result.events("rank_failed")
+    assert failed["launch_rank"] == rank, launcher_lines(result)
+    [reformed] = result.events("reformed")
+    took = reformed["time"] - failed["time"]
+    assert took < 2 * HEARTBEAT_TIMEOUT_S, f"re-formed {took:.1f} s after the hang"
+    assert f"launch rank {rank} (pid" in result.stderr and "stopped responding" in result.stderr
+    return failed
+
+
 def test_hung_rank_is_fenced(tmp_path, reference_tp2):
-    """Also with ``overlap_grad_reduce``: while the hung rank is being fenced, the healthy replica dispatches its
-    buckets' reductions during backward and waits on them; its kept DDP must forget them, or the redone iteration
-    cannot dispatch its own. Overlap changes no bit of the sums (the same buckets in the same order)."""
+    """``hang`` (SIGSTOP) in backward. Also with ``overlap_grad_reduce``: while the hung rank is being fenced, the
+    healthy replica dispatches its buckets' reductions during backward and waits on them; its kept DDP must forget
+    them, or the redone iteration cannot dispatch its own. Overlap changes no bit of the sums (the same buckets in
+    the same order)."""
     args = ntp_args(2, 2, extra=("--set", "parallel.overlap_grad_reduce=true")) + [
         "--inject-failure", "hang:rank=2,iter=4,phase=backward"]
     result = run_job(tmp_path / "run", args)
@@ -181,33 +201,46 @@ def test_hung_rank_is_fenced(tmp_path, reference_tp2):
     assert_replicas_agree(result, ITERS)
     kept = [r for r in result.records if r.get("kind") == "reform_rank" and r["generation"] == 1 and r["replica"] == 0]
     assert len(kept) == 2 and all(not r["rebuilt"] and r["same_ddp"] for r in kept), kept
-    [failed] = result.events("rank_failed")
-    assert failed["launch_rank"] == 2 and failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
-    assert "stopped responding" in result.stderr
+    failed = assert_fenced_in_time(result, 2)
+    assert failed["cause"].startswith("hung: stopped (SIGSTOP), fenced")
     assert 0.4 < failed["detect_s"] < 3.0  # seen stopped, fenced after half a second, then the abort
 
 
-SPIN_TIMEOUT_S = 3.0
-
-
-@pytest.mark.parametrize("rank, phase", [(1, "forward"), (2, "grad_sync")])
-def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, rank, phase):
-    """``spin`` with ``ntp.progress_fence``: the rank busy-loops with its heartbeat alive (as one stuck in a kernel
-    does) — in forward, where its TP peer waits on it, or in the gradient sync, where the other replica's ranks do.
-    Its launcher fences it by name within ``ntp.heartbeat_timeout_s`` (its progress stood still while its peers waited), the survivors
-    re-form, and the loss curve is the failure-free run's."""
-    args = ntp_args(2, 2, extra=("--set", f"ntp.heartbeat_timeout_s={SPIN_TIMEOUT_S}",
-                                 "--set", "ntp.progress_fence=true")) + [
-        "--inject-failure", f"spin:rank={rank},iter=4,phase={phase}"]
+@pytest.mark.parametrize("phase", ["forward", "grad_sync", "optimizer"])
+def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, phase):
+    """``spin`` with the default config: the rank busy-loops with its heartbeat alive (as one stuck in a kernel
+    does) — in forward, where its TP peer waits on it in their TP group; in the gradient sync, where the other
+    replica's rank waits on it in their sync group; after its vote (optimizer), where both wait on it in the next
+    iteration. Its launcher fences it by name, blamed by the rank that waits on it (the group and the collective),
+    the survivors re-form within twice the heartbeat timeout, and the loss curve is the failure-free run's."""
+    args = ntp_args(2, 2) + ["--inject-failure", f"spin:rank=2,iter=4,phase={phase}"]
     result = run_job(tmp_path / "run", args)
     assert_same_run(result, reference_tp2)
     assert_replicas_agree(result, ITERS)
-    [failed] = result.events("rank_failed")
-    assert failed["launch_rank"] == rank and failed["cause"].startswith(
-        "stuck: no progress for "), failed["cause"]
-    assert f"in phase {phase} of iteration 4 while launch rank" in failed["cause"]
-    assert failed["detect_s"] < SPIN_TIMEOUT_S, failed
-    assert f"launch rank {rank} (pid" in result.stderr and "stopped responding (stuck: no progress" in result.stderr
+    failed = assert_fenced_in_time(result, 2)
+    assert failed["cause"].startswith("stuck: no progress for "), failed["cause"]
+    assert f"in phase {phase} of iteration 4 while launch rank" in failed["cause"], failed["cause"]
+    assert "has waited" in failed["cause"] and "(for collective" in failed["cause"], failed["cause"]
+    assert failed["detect_s"] < HEARTBEAT_TIMEOUT_S, failed
+
+
+SLOW_DEVICE = ("--set", "ntp.emulated_device_ms=300")
+"""Each rank sleeps its share of 300 ms per micro-batch: 20 times that (three micro-batches) keeps the other replica
+waiting on the slow rank in the gradient sync longer than the patience, while no stretch of the slow rank without a
+progress mark (one micro-batch's) comes near it."""
+
+
+def test_a_slow_rank_is_not_fenced(tmp_path, reference_tp2):
+    """Launch rank 2 computes 20 times slower in iteration 4 (on the emulated device, so that its peers wait on it
+    longer than the patience, half the heartbeat timeout): it progresses, so nobody is fenced and nothing re-forms."""
+    args = ntp_args(2, 2, extra=SLOW_DEVICE) + ["--inject-failure", "slow:rank=2,factor=20,iter=4",
+                                                "--inject-failure", "slow:rank=2,factor=1,iter=5"]
+    result = run_job(tmp_path / "run", args)
+    assert_same_run(result, reference_tp2)
+    assert_replicas_agree(result, ITERS)
+    assert result.events("rank_failed") == [] and "stopped responding" not in result.stderr, launcher_lines(result)
+    waited = max(r["elapsed_ms"] for r in result.records if r.get("kind") == "iteration")
+    assert waited > 1e3 * HEARTBEAT_TIMEOUT_S / 2, f"the slowest iteration took {waited:.0f} ms: no wait to blame"
 
 
 def test_drop_replica_keeps_the_global_batch(tmp_path, reference_tp2):

@@ -19,6 +19,9 @@ import pytest
 from tests.harness import Forked, JobResult, run_job
 from tests.jobs.live.test_live_failure import leftover_processes, ntp_args
 
+# Asserts how soon the job stops after a rank's own error: scripts/test.sh runs it alone.
+pytestmark = pytest.mark.timed
+
 STOP_WITHIN_S = 30.0
 """From the iteration the error came after to the end of the job; ``parallel.timeout_s`` is 60 s in these runs."""
 SAVE_AT = 40

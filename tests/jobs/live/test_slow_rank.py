@@ -11,9 +11,12 @@ import pytest
 from tests.harness import assert_groups_as_planned, run_job
 from tests.jobs.live.test_live_failure import assert_replicas_agree, assert_same_run, ntp_args, widths_by_iteration
 
+# Asserts a rank's measured slowness against its peers': scripts/test.sh runs it alone.
+pytestmark = pytest.mark.timed
+
 ITERS = 20
 SLOW_FROM, SLOW_UNTIL = 3, 11
-DEVICE = ("--set", "ntp.emulated_device_ms=300", "--set", "ntp.rebalance_window=3")
+DEVICE = ("--set", "ntp.emulated_device_ms=300", "--set", "ntp.rebalance_window=3", "--set", "ntp.rebalance=true")
 
 
 def test_a_slow_rank_is_rebalanced_and_gets_its_block_back(tmp_path, jobs):
@@ -76,7 +79,7 @@ def test_a_slow_rank_on_another_node_is_rebalanced_through_node_0(tmp_path):
 
     (code0, err0), node1, records = _two_nodes(tmp_path, [
         "--set", "ntp.enabled=true", "--train-iters", "14", "--inject-failure", "slow:rank=3,factor=3,iter=3",
-        "--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3"])
+        "--set", "ntp.emulated_device_ms=400", "--set", "ntp.rebalance_window=3", "--set", "ntp.rebalance=true"])
     assert code0 == 0 and node1[0] == 0, err0[-3000:] + node1[2][-3000:]
     [rebalanced] = [r for r in records if r.get("event") == "rebalanced"]
     assert rebalanced["replica"] == 1 and rebalanced["launch_ranks"] == {"0": 2, "1": 3}

@@ -111,6 +111,24 @@ def test_a_stop_reaches_both_nodes(tmp_path):
     assert alive(pids) == []
 
 
+def test_a_rank_spinning_on_node_1_is_fenced_by_its_own_launcher(tmp_path, reference):
+    """TP1 x DP2, one rank per node: launch rank 1 (node 1) spins in the gradient sync with its heartbeat alive, and
+    the only rank that waits on it is launch rank 0, on node 0. Node 0's launcher publishes that wait in the root
+    store; node 1's launcher, and only it, fences rank 1 by name; replica 1 is dropped (it had no other rank), replica
+    0 trains on with the whole global batch, and the loss is the failure-free run's."""
+    run_dir = tmp_path / "run"
+    codes, records, (err0, err1) = two_nodes(run_dir, ["spin:rank=1,iter=4,phase=grad_sync"],
+                                             extra=("--set", "parallel.tensor_model_parallel_size=1"))
+    assert codes == [0, 0], (err0[-3000:], err1[-3000:])
+    got = {r["iteration"]: r["lm_loss"] for r in records if r.get("kind") == "iteration"}
+    want = reference.losses()
+    assert sorted(got) == list(range(1, ITERS + 1))
+    assert all(relative_difference(got[i], want[i]) <= TOL for i in want), (got, want)
+    [failed] = [r for r in records if r.get("event") == "rank_failed"]
+    assert failed["launch_rank"] == 1 and "while launch rank 0 has waited" in failed["cause"], failed
+    assert "launch rank 1 (pid" in err1 and "stopped responding" in err1 and "stopped responding" not in err0
+
+
 NODE_TIMEOUT_S = 5.0
 
 

@@ -210,6 +210,44 @@ def test_the_stop_names_the_error_a_rank_only_echoed():
     assert reason is not None and "launch rank 2" in reason and "No space left on device" in reason
 
 
+def _raised_in_a_wait(exc: BaseException) -> BaseException:
+    try:
+        with phases.waiting():
+            raise exc
+    except BaseException as raised:  # noqa: BLE001
+        return raised
+
+
+def test_a_rank_that_gave_up_waiting_on_its_peers_is_not_reported_as_failing_with_an_error_of_its_own(capsys):
+    """No generation came after its collective timed out (a peer stuck with its heartbeat alive and the fence off):
+    the rank, a victim, says it gave up waiting; the stop says so too, and names a rank's real error before it. An
+    error of ours or of the machine raised inside a wait is still the rank's own."""
+    store = dist.HashStore()
+    ctl = controller(store)
+    store.set(commit.COMPLETED, "0")
+    phases.at_iteration(4)
+    phases.enter("forward")
+    timeout = _raised_in_a_wait(TimeoutError("no generation after 0 within 60 s; this rank had left its generation "
+                                             "after RuntimeError: Timed out waiting 60000ms for recv"))
+    assert errors.waited_on_peers(timeout) and not errors.waited_on_peers(TimeoutError("a store wait of ours"))
+    assert not errors.waited_on_peers(_raised_in_a_wait(errors.OwnError("a write failed")))
+    assert not errors.waited_on_peers(_raised_in_a_wait(torch.OutOfMemoryError("out of memory")))
+    assert not errors.waited_on_peers(_raised_in_a_wait(RuntimeError("NCCL error: unhandled cuda error")))
+    errors.report(store, 3, timeout)
+    assert "gave up waiting on its peers: launch rank 3, iteration 4, phase forward: TimeoutError" in \
+        capsys.readouterr().err
+    reason = ctl.handle([Death(3, time.time(), "exited with code 1")])
+    assert reason.startswith("launch rank 3 gave up waiting on its peers (iteration 4, phase forward): TimeoutError")
+    assert "error of its own" not in reason
+    store = dist.HashStore()
+    ctl = controller(store)
+    store.set(commit.COMPLETED, "0")
+    errors.report(store, 3, timeout)
+    errors.report(store, 1, ValueError("a bug"))
+    reason = ctl.handle([Death(3, time.time(), "exited with code 1"), Death(1, time.time(), "exited with code 1")])
+    assert reason.startswith("launch rank 1 failed with an error of its own"), reason
+
+
 def test_an_echo_that_dies_first_waits_for_the_report_of_the_cause():
     """The echo's rank exits alone, the rank with the cause reports a moment later (still alive when the
     controller acts): the stop names the cause, and it is the one failure recorded."""

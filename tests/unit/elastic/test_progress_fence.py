@@ -1,7 +1,9 @@
-"""Progress, not liveness (:class:`ntp_megatron.elastic.agent.Agent`): a rank whose heartbeat goes on but whose
-progress count stands still, in a phase of an iteration, while another rank has waited on its peers for half of
-``ntp.heartbeat_timeout_s``, is fenced by name; no other rank is (one that waits itself, one that works, one
-outside an iteration's phases, or when nobody waits). The launcher's clock is passed in (``Agent._fence(now)``);
+"""Progress, not liveness, on the launcher's side (:class:`ntp_megatron.elastic.agent.Agent`): a launcher publishes
+its ranks that have waited on their peers for half of ``ntp.heartbeat_timeout_s`` (the patience) in the root store,
+and fences those of its own ranks that hold a published wait up — behind the waiter in a group it waits in, no
+progress for the patience, not waiting, in a phase of an iteration (:mod:`ntp_megatron.elastic.blame`, whose
+rule has its own tests) — by name; no other rank, also when the waiter and the culprit are on different launchers.
+The launcher's clocks are passed in (wall ``Agent._fence(now)`` for heartbeat ages, ``Agent.clock`` for progress);
 the heartbeats are what :func:`ntp_megatron.elastic.watchdog.beat` writes."""
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from ntp_megatron.phases import wait_state, waiting
 
 TIMEOUT_S = 4.0
 HALF = TIMEOUT_S / 2
+TP0, TP1, S0, S1 = "tp[0]:aaaa@0", "tp[0]:bbbb@0", "sync[0, 0]:cccc@0", "sync[0, 1]:dddd@0"
+GROUPS = {0: (TP0, S0), 1: (TP0, S1), 2: (TP1, S0), 3: (TP1, S1)}
+"""TP2 x DP2: replica 0 is launch ranks 0 and 1, replica 1 ranks 2 and 3; sync groups (0, 2) and (1, 3)."""
 
 
 class _Proc:
@@ -33,92 +38,120 @@ class _Proc:
         return None
 
 
+class _Node:
+    """One launcher's agent over some ranks, its kills recorded instead of sent, on a clock the test moves."""
+
+    def __init__(self, ranks: list[int], store: dist.Store, root: dist.Store, killed: list[int]) -> None:
+        procs = {rank: _Proc(rank) for rank in ranks}
+        self.said: list[str] = []
+        self.store, self.t = store, 0.0
+        self.agent = Agent(store, lambda: procs, TIMEOUT_S, startup_grace_s=60.0, specs=[], say=self.said.append,
+                           live=lambda: list(procs), fence_progress=True, shared=root)
+        self.agent.clock = lambda: self.t
+        self.agent.name = f"node-of-{ranks[0]}"
+        self.ranks = ranks
+
+    def beats(self, t: float, **per_rank: dict) -> None:
+        """At ``t`` seconds: each of this node's ranks beats (counts, wait, progress, phase as given), then the agent
+        polls."""
+        self.t = t
+        now = self.agent.started + t
+        for rank in self.ranks:
+            fields = {"iteration": 3, "phase": "forward", "progress": 0, "wait": None,
+                      "seq": dict(zip(GROUPS[rank], (10, 2))), **per_rank.get(f"r{rank}", {})}
+            self.store.set(keys.heartbeat(rank), json.dumps({"t": now, **fields}))
+        self.agent._fence(now)
+
+
 @pytest.fixture
-def fence(monkeypatch):
-    """An agent over ranks 0..3 of one node, its kills recorded instead of sent, and a way to write beats."""
+def nodes(monkeypatch):
+    """``nodes(*rank lists)``: one launcher per list, each with its own node store, all sharing one root."""
     killed: list[int] = []
-    procs = {rank: _Proc(rank) for rank in range(4)}
     monkeypatch.setattr(agent_module, "_signal", lambda pid, sig: killed.append(sig))
-    store = dist.HashStore()
-    said: list[str] = []
-    agent = Agent(store, lambda: procs, TIMEOUT_S, startup_grace_s=60.0, specs=[], say=said.append,
-                  live=lambda: list(procs), fence_progress=True)
-    start = agent.started
+    root = dist.HashStore()
 
-    def beats(now: float, **per_rank: dict) -> None:
-        for rank in range(4):
-            fields = {"iteration": 3, "phase": "forward", "progress": 0, "waiting_since": None,
-                      **per_rank.get(f"r{rank}", {})}
-            store.set(keys.heartbeat(rank), json.dumps({"t": now, **fields}))
-        agent._fence(now)
+    def make(*rank_lists: list[int]) -> list[_Node]:
+        return [_Node(ranks, root if i == 0 else dist.HashStore(), root, killed) for i, ranks in enumerate(rank_lists)]
 
-    return agent, beats, said, killed, start
+    make.killed = killed
+    make.root = root
+    return make
 
 
-def test_the_rank_the_others_wait_on_is_fenced_by_name(fence):
-    agent, beats, said, killed, t0 = fence
-    waits = {"r0": {"waiting_since": t0, "progress": 7}, "r2": {"waiting_since": t0, "progress": 9}}
-    beats(t0, r1={"progress": 5}, r3={"progress": 1}, **waits)
-    beats(t0 + HALF - 0.1, r1={"progress": 5}, r3={"progress": 2}, **waits)
-    assert not killed, "not yet half the timeout"
-    beats(t0 + HALF + 0.1, r1={"progress": 5}, r3={"progress": 3}, **waits)
-    assert killed == [signal.SIGKILL] and agent.notes.keys() == {1}
-    [line] = said
-    assert line.startswith("launch rank 1 ") and "stuck: no progress for 2.1 s in phase forward of iteration 3" in line
-    assert "while launch rank 0 has waited on its peers" in line
-    assert agent.notes[1][0] == t0, "it failed when it stopped progressing"
+def waits(s: float, on=None) -> dict:
+    return {"s": s, "on": on}
 
 
-@pytest.mark.parametrize("case", ["nobody waits", "it waits too", "outside an iteration", "it works"])
-def test_no_one_else_is_fenced(fence, case):
-    agent, beats, said, killed, t0 = fence
-    waiting_peer = {} if case == "nobody waits" else {"waiting_since": t0}
-    stuck = {"progress": 5, "phase": "checkpoint" if case == "outside an iteration" else "backward",
-             "waiting_since": t0 if case == "it waits too" else None}
-    for step, now in enumerate((t0, t0 + 1.0, t0 + HALF + 0.5, t0 + TIMEOUT_S - 0.1)):
-        if case == "it works":
-            stuck["progress"] = 5 + step
-        beats(now, r0=waiting_peer, r1=stuck, r2={"progress": step}, r3={"progress": step})
-    assert not killed, said
+def spin(t: float) -> dict:
+    """Launch rank 2 froze at t = 0 in forward, behind 3 in TP1; 3 waits on it since 0; replica 0 works."""
+    return {"r2": {"progress": 5, "seq": {TP1: 10, S0: 2}},
+            "r3": {"progress": 7, "seq": {TP1: 11, S1: 2}, "wait": waits(t)},
+            "r0": {"progress": int(t * 10)}, "r1": {"progress": int(t * 10)}}
 
 
-def test_without_the_progress_fence_nobody_is_fenced_for_progress(fence):
-    agent, beats, said, killed, t0 = fence
-    agent.fence_progress = False
-    waits = {"r0": {"waiting_since": t0}, "r2": {"waiting_since": t0}}
-    for now in (t0, t0 + HALF + 0.1, t0 + TIMEOUT_S - 0.1):
-        beats(now, r1={"progress": 5}, r3={"progress": int(now)}, **waits)
-    assert not killed, said
+def test_the_rank_the_others_wait_on_is_fenced_by_name(nodes):
+    [node] = nodes([0, 1, 2, 3])
+    node.beats(0.0, **spin(0.0))
+    node.beats(HALF - 0.1, **spin(HALF - 0.1))
+    assert not nodes.killed, "not yet half the timeout"
+    node.beats(HALF + 0.1, **spin(HALF + 0.1))
+    assert nodes.killed == [signal.SIGKILL] and node.agent.notes.keys() == {2}
+    [line] = node.said
+    assert line.startswith("launch rank 2 ") and "stuck: no progress for 2.1 s in phase forward of iteration 3" in line
+    assert f"while launch rank 3 has waited 2.1 s on it in group {TP1} (for collective 11; this rank entered 10" in line
+    assert node.agent.notes[2][0] == pytest.approx(node.agent.started), "it failed when it stopped progressing"
 
 
-def test_a_stall_no_longer_confirmed_is_over(fence):
-    """Rank 0 waited, then its wait ended (no new stall): a rank idle since then is not fenced for it."""
-    agent, beats, said, killed, t0 = fence
-    busy = {"r2": {"progress": 1}, "r3": {"progress": 1}}
-    beats(t0, r0={"waiting_since": t0}, r1={"progress": 5}, **busy)
-    busy = {"r2": {"progress": 2}, "r3": {"progress": 2}}
-    beats(t0 + HALF + 0.1, r0={"waiting_since": t0}, r1={"progress": 6}, **busy)  # the stall is published, 1 works
-    assert json.loads(agent.store.get(keys.STALLED))["launch_rank"] == 0
-    busy = {"r2": {"progress": 3}, "r3": {"progress": 3}}
-    beats(t0 + HALF + 0.2, r0={"progress": 1}, r1={"progress": 6}, **busy)
-    busy = {"r2": {"progress": 4}, "r3": {"progress": 4}}
-    beats(t0 + 2 * HALF + 2.0, r0={"progress": 2}, r1={"progress": 6}, **busy)  # 1 idle > half, the stall stale
-    assert not killed, said
-    beats(t0 + 2 * HALF + 2.1, r0={"waiting_since": t0 + 2 * HALF + 2.0 - HALF - 0.1}, r1={"progress": 6},
-          r2={"progress": 5}, r3={"progress": 5})
-    assert agent.notes.keys() == {1}, "a new stall: the rank idle all along is the one the others wait on"
+def test_the_waiter_and_the_culprit_on_different_launchers(nodes):
+    """Launch ranks 0, 1 on node 0's launcher (the root's store), 2, 3 on node 1's (a store of its own): rank 0
+    waits in S0 on rank 2. The
+    waiter's launcher publishes the wait in the root; the culprit's launcher fences its own rank; nobody fences a
+    rank of another launcher; the entry is emptied once the wait ends."""
+    first, second = nodes([0, 1], [2, 3])
+
+    def at(t: float, waiting: bool = True) -> None:
+        per = {"r0": {"progress": 3, "seq": {TP0: 20, S0: 3}, "wait": waits(t) if waiting else None},
+               "r1": {"progress": int(t * 10)}, "r2": {"progress": 5, "seq": {TP1: 10, S0: 2}},
+               "r3": {"progress": 6, "seq": {TP1: 10, S1: 2}, "wait": waits(t)}}
+        second.beats(t, **per)
+        first.beats(t, **per)
+
+    at(0.0)
+    at(HALF + 0.1)  # the second launcher polled before the first published: nothing yet
+    assert json.loads(nodes.root.get(keys.WAITS))["node-of-0"][0]["launch_rank"] == 0
+    at(HALF + 0.2)
+    assert second.agent.notes.keys() == {2} and not first.agent.notes, (first.said, second.said)
+    assert "while launch rank 0 has waited" in second.said[0] and f"in group {S0}" in second.said[0]
+    at(HALF + 0.3, waiting=False)
+    assert "node-of-0" not in json.loads(nodes.root.get(keys.WAITS)), "the wait ended: its entry goes"
 
 
-def test_a_wait_shorter_than_half_the_timeout_is_no_stall(fence):
-    """Rank 1 froze at t0; rank 0 began waiting later and has waited less than half the timeout: nobody is
-    fenced yet (a rank may be slow for a while), and once rank 0 has waited half the timeout, rank 1 is."""
-    agent, beats, said, killed, t0 = fence
-    beats(t0, r1={"progress": 5}, r2={"progress": 1}, r3={"progress": 1})
-    late = t0 + HALF
-    beats(late + HALF - 0.2, r0={"waiting_since": late}, r1={"progress": 5}, r2={"progress": 2}, r3={"progress": 2})
-    assert not killed and not agent.store.check([keys.STALLED])
-    beats(late + HALF + 0.1, r0={"waiting_since": late}, r1={"progress": 5}, r2={"progress": 3}, r3={"progress": 3})
-    assert agent.notes.keys() == {1}
+def test_a_rank_frozen_elsewhere_is_not_fenced(nodes):
+    """Rank 1 makes no progress in the optimizer step while rank 3 waits on rank 2: only rank 2 is fenced."""
+    [node] = nodes([0, 1, 2, 3])
+    frozen = {"r1": {"progress": 9, "phase": "optimizer", "seq": {TP0: 12, S1: 3}}}
+    for t in (0.0, HALF + 0.1):
+        node.beats(t, **{**spin(t), **frozen})
+    assert node.agent.notes.keys() == {2}
+
+
+@pytest.mark.parametrize("case", ["it progresses", "it waits too", "outside an iteration", "level with the waiter",
+                                  "the wait is short", "no progress fence"])
+def test_no_one_else_is_fenced(nodes, case):
+    [node] = nodes([0, 1, 2, 3])
+    node.agent.fence_progress = case != "no progress fence"
+    for step, t in enumerate((0.0, 1.0, HALF + 0.5, TIMEOUT_S - 0.1)):
+        per = spin(t if case != "the wait is short" else t / 2)
+        if case == "it progresses":
+            per["r2"]["progress"] = 5 + step
+        elif case == "it waits too":
+            per["r2"]["wait"] = waits(t)
+        elif case == "outside an iteration":
+            per["r2"]["phase"] = "checkpoint"
+        elif case == "level with the waiter":
+            per["r2"]["seq"] = {TP1: 11, S0: 2}
+        node.beats(t, **per)
+    assert not nodes.killed, node.said
 
 
 def test_the_heartbeat_says_where_the_rank_is_and_whether_it_waits():
@@ -126,14 +159,14 @@ def test_the_heartbeat_says_where_the_rank_is_and_whether_it_waits():
 
     phases.enter("grad_sync")
     before = beat()
-    assert before["phase"] == "grad_sync" and before["waiting_since"] is None
+    assert before["phase"] == "grad_sync" and before["wait"] is None and before["seq"] == {}
     with waiting():
         inside = beat()
-        assert inside["waiting_since"] is not None and wait_state() == inside["waiting_since"]
+        assert inside["wait"]["on"] is None and 0 <= inside["wait"]["s"] < 5.0 and wait_state() is not None
         with waiting():  # nested: the outer wait speaks for both
-            assert beat()["waiting_since"] == inside["waiting_since"]
+            assert beat()["wait"]["s"] >= inside["wait"]["s"]
     after = beat()
-    assert after["waiting_since"] is None and after["progress"] == before["progress"] + 1
+    assert after["wait"] is None and after["progress"] == before["progress"] + 1
     phases.tick()
     assert beat()["progress"] == after["progress"] + 1
     seen = []
