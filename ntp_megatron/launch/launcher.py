@@ -42,6 +42,7 @@ from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
+from ntp_megatron.launch import nodes
 from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
@@ -78,6 +79,8 @@ class Launcher:
         """Launch ranks whose process completed the run (exit 0)."""
         self._collected: set[int] = set()
         self._exited_since: Optional[float] = None
+        self._awaiting_end = False
+        """A node other than 0 whose ranks all ended before the job did: it waits for the job's end on node 0."""
         """``id`` of every rank process whose exit :meth:`_collect_exits` handled: one that ``poll`` says has exited
         may not have delivered its exit yet (a death the policy must still see)."""
 
@@ -247,6 +250,10 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.processes.stop_all()  # the warm spares, once the ranks are done
+            if self.args.node_rank == 0 and self.nodes.multi:
+                nodes.set_ended(self.store, exit_code)
+            elif self.nodes.multi and self.store is not None:
+                nodes.set_left(self.store, self.args.node_rank, exit_code)
             self.processes.join_relays(timeout=timing.current().output_join_s)
             self.policy.close()
             if self.console.sink is not None:
@@ -255,6 +262,8 @@ class Launcher:
                     summary.summarize(self.cfg, self.console.sink, self.console.say, self.started, self.run_dir,
                                       (self.metrics_file, self.tensorboard_dir), self.store, self.failures)
                 self.console.sink.close()
+            if self.args.node_rank == 0 and self.nodes.multi:
+                self.nodes.wait_for_leaving(self.store)
         return exit_code
 
     def _host_node_store(self) -> None:
@@ -289,7 +298,9 @@ class Launcher:
             if outcome is not None:
                 return outcome
             if self._all_collected() and self.policy.idle():
-                return self._all_ended()
+                code = self._all_ended()
+                if code is not None:
+                    return code
 
     def _node_0_lost(self) -> Optional[int]:
         """On a node other than 0, node 0 lost (:func:`~ntp_megatron.launch.root_watch.lost_line`) ends this node's
@@ -301,9 +312,25 @@ class Launcher:
         self.processes.stop_all()
         return 1
 
-    def _all_ended(self) -> int:
-        """Every rank of this node has ended: the exit code, said in one line (:func:`~ntp_megatron.launch.policy.ending`)."""
-        code, line = ending(self.policy.training_done, {p.rank: p.returncode for p in self.processes.ranks.values()})
+    def _all_ended(self) -> Optional[int]:
+        """Every rank of this node has ended: the exit code, said in one line (:func:`~ntp_megatron.launch.policy.ending`).
+        Under NTP a node other than 0 whose ranks failed while the job goes on elsewhere waits for the job's end (None
+        until then): 0 if it finished, else 1 — its own ranks' failures were absorbed, so they are not the answer."""
+        if self._awaiting_end:
+            ended = nodes.read_ended(self.store)
+            if ended is None:
+                return None
+            self.console.say("the job finished on the other nodes" if ended == 0 else
+                             f"the job ended on node 0 with exit code {ended}")
+            return 0 if ended == 0 else 1
+        exits = {p.rank: p.returncode for p in self.processes.ranks.values()}
+        code, line = ending(self.policy.training_done, exits)
+        if code != 0 and self.cfg.ntp.enabled and self.args.node_rank > 0:
+            self._awaiting_end = True
+            failed = ", ".join(str(rank) for rank, c in sorted(exits.items()) if c != 0)
+            self.console.say(f"every rank of this node has ended (launch rank(s) {failed} failed); the job goes on: "
+                             "waiting for its end on node 0")
+            return self._all_ended()
         self.console.say(line)
         return code
 
