@@ -36,7 +36,11 @@ ranks never are). ``N`` is the 1-based iteration. ``P``:
 - ``reform``: in the first re-formation this process takes part in at iteration N or later (a re-formation
   counts as the iteration it resumes at, in every rank alike; NTP only: after joining the new generation and
   building its objects, before units move) — a second failure in the middle of a re-formation after
-  another rank's failure, or a replacement process dying while it is being admitted.
+  another rank's failure, or a replacement process dying while it is being admitted;
+- ``connect``: inside the first gloo connect of a forming generation at iteration N or later that is still under way
+  50 ms after it began (NTP on gloo only; a process that has not trained yet counts the iteration after the last
+  committed one): the rank's address is published, so its peers go on to connect to it — a death in the middle of
+  a rendezvous, e.g. a replacement that dies while its admission forms (it arrives first and waits for the others).
 
 A slow rank (the rank paces itself: not a failure, nothing dies)::
 
@@ -81,7 +85,9 @@ from ntp_megatron.config.files import ConfigError
 ENV_FAILURES = "NTP_INJECT_FAILURES"
 ACTIONS = ("kill", "hang", "exit", "error", "oom", "spin")
 PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "param_gather", "checkpoint", "checkpoint_write",
-          "eval", "reform")
+          "eval", "reform", "connect")
+FORMATION_PHASES = ("reform", "connect")
+"""Phases of a re-formation: due in the first one at iteration N or later (not only in iteration N)."""
 SPIN_PHASES = phases.ITERATION
 """Where ``spin`` may fire: the phases of an iteration, where the launcher takes a rank that makes no progress while
 its peers wait on it for a stuck one (:data:`ntp_megatron.phases.ITERATION`)."""
@@ -278,8 +284,8 @@ def _check_phase(text: str, action: str, phase: str, iteration: int, train_iters
     if action == "spin" and not ntp:
         raise ConfigError(f"--inject-failure {text!r}: spin needs ntp.enabled (NTP's launcher fences a rank by its "
                           "progress; without NTP the job waits for parallel.timeout_s)")
-    if phase == "reform" and not ntp:
-        raise ConfigError(f"--inject-failure {text!r}: phase reform needs ntp.enabled (only NTP re-forms)")
+    if phase in FORMATION_PHASES and not ntp:
+        raise ConfigError(f"--inject-failure {text!r}: phase {phase} needs ntp.enabled (only NTP re-forms)")
     if phase in ("checkpoint", "checkpoint_write") and not checkpoints:
         raise ConfigError(f"--inject-failure {text!r}: phase {phase} needs checkpoints to be saved "
                           "(set checkpoint.save and checkpoint.save_interval)")
@@ -334,7 +340,7 @@ class FailureTrigger:
     def point(self, phase: str, iteration: Optional[int] = None) -> None:
         iteration = self.iteration if iteration is None else iteration
         for spec in self._mine:
-            due = spec.iteration <= iteration if phase == "reform" else spec.iteration == iteration
+            due = spec.iteration <= iteration if phase in FORMATION_PHASES else spec.iteration == iteration
             if spec.phase == phase and due:
                 self._mine.remove(spec)
                 if self._fired is not None and self._fired(spec):

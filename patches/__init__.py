@@ -61,6 +61,7 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
         distributed_param_and_grad_buffer,
         optimizer_distrib_optimizer,
         optimizer_grad_norm,
+        torch_distributed_c10d,
         torch_distributed_work,
         torch_optim_adam,
     )
@@ -81,6 +82,8 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     dist_checkpointing_validation.apply()
     # Waits an ended elastic generation can cut short (gloo); upstream's wait until an escape is installed.
     torch_distributed_work.apply()
+    # ... and so can the full-mesh connect of a gloo group it forms (a member that died after publishing its address).
+    torch_distributed_c10d.apply_connect_escape()
     # A progress mark per parameter in Adam's CPU step (the hang detection's; bit for bit upstream's update).
     torch_optim_adam.apply()
     # Where a rank collects its checkpoint writes: the phase checkpoint_write of --inject-failure.
@@ -88,7 +91,8 @@ def apply_patches(cpu: bool | None = None) -> list[str]:
     _applied.extend(["distributed_param_and_grad_buffer", "distributed_data_parallel", "optimizer_grad_norm",
                      "optimizer_distrib_optimizer (deferrable param gather)", "datasets_gpt_dataset",
                      "dist_checkpointing_checkpointable", "dist_checkpointing_validation", "torch_distributed_work",
-                     "torch_optim_adam", "dist_checkpointing_filesystem_async (write point)"])
+                     "torch_distributed_c10d (connect escape)", "torch_optim_adam",
+                     "dist_checkpointing_filesystem_async (write point)"])
     if cpu:
         # the CPU-only patches, loaded on a CPU run only
         from ntp_megatron.patches import (

@@ -50,8 +50,10 @@ class AbandonedWait:
     """A wait a rank walked away from: finished once the collective (or the helper thread waiting on it) is
     done, i.e. once no thread of the process is blocked in its process group any more."""
 
-    def __init__(self, work: Work, helper: Optional[threading.Thread] = None) -> None:
-        self.work, self.helper = work, helper
+    def __init__(self, work: Optional[Work], helper: Optional[threading.Thread] = None,
+                 what: str = "a collective") -> None:
+        """``work`` may be None when ``helper`` is given (a wait that is not a collective's: a group's connect)."""
+        self.work, self.helper, self.what = work, helper, what
 
     def finished(self) -> bool:
         if self.helper is not None:
@@ -71,6 +73,11 @@ def set_escape(escape: Optional[Escape]) -> None:
     """Install (or, with None, remove) the escape every untimed wait consults."""
     global _escape
     _escape = escape
+
+
+def current_escape() -> Optional[Escape]:
+    """The escape installed (None: waits are upstream's)."""
+    return _escape
 
 
 def _wait(self: Work, timeout: timedelta = NO_TIMEOUT) -> bool:

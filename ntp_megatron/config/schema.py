@@ -279,6 +279,11 @@ class NTPSection(_Section):
     ``progress_fence`` (the default) a rank whose heartbeat goes on but that holds its peers up without progress is
     fenced at half of this (``timing.stall_fraction``). The heartbeat is a Python thread that long GIL-holding work
     can delay by seconds: keep this well above that."""
+    node_timeout_s: float = Field(30.0, gt=0.0)
+    """A node silent this long counts as lost: one whose launcher (on node 0: whose store) cannot be reached, or whose
+    heartbeat in node 0's store is this old. A launcher of another node that cannot reach node 0's store for this long
+    stops its ranks and exits 1 with one line naming it (its ranks cannot go on without node 0's controller). At least
+    ``heartbeat_timeout_s``: a node is given as long as a rank before it counts as gone."""
     progress_fence: bool = True
     """Also fence a rank whose heartbeat goes on but which holds its peers up: a rank has waited on its peers for
     half of ``heartbeat_timeout_s`` (``timing.stall_fraction``), and this one is a member of a group it waits in that
@@ -457,7 +462,7 @@ class JobConfig(_Section):
     - ``checkpoint.save_interval`` needs ``checkpoint.save``; ``ntp.on_unrecoverable: restart`` needs both;
     - ``parallel.num_distributed_optimizer_instances`` divides ``parallel.data_parallel_size`` and, above 1, needs
       ``parallel.use_distributed_optimizer``;
-    - ``ntp.heartbeat_timeout_s`` above ``ntp.heartbeat_interval_s``; ``ntp.min_tp`` at most
+    - ``ntp.heartbeat_timeout_s`` above ``ntp.heartbeat_interval_s`` and at most ``ntp.node_timeout_s``; ``ntp.min_tp`` at most
       ``parallel.tensor_model_parallel_size``.
     """
 
@@ -529,6 +534,10 @@ class JobConfig(_Section):
         if self.ntp.heartbeat_timeout_s <= self.ntp.heartbeat_interval_s:
             raise ValueError(f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}) must exceed "
                              f"ntp.heartbeat_interval_s ({self.ntp.heartbeat_interval_s})")
+        if self.ntp.node_timeout_s < self.ntp.heartbeat_timeout_s:
+            raise ValueError(f"ntp.node_timeout_s ({self.ntp.node_timeout_s}) must be at least "
+                             f"ntp.heartbeat_timeout_s ({self.ntp.heartbeat_timeout_s}): a node is given as long as a "
+                             "rank before it counts as gone")
         if self.ntp.min_tp > tp:
             raise ValueError(f"ntp.min_tp ({self.ntp.min_tp}) must be ≤ parallel.tensor_model_parallel_size ({tp})")
         return self

@@ -40,6 +40,9 @@ class TimingSection(BaseModel):
     """Nodes that connect within this long after node 0 started are not worth a "waiting for" line."""
     node_poll_s: float = Field(0.1, gt=0)
     """How often node 0 looks for the other nodes while it waits for them."""
+    node_leave_wait_s: float = Field(5.0, ge=0)
+    """How long node 0's launcher, as it ends, keeps its store up for the other nodes' launchers to read that the job
+    ended and say how they leave (a node whose ranks all ended before the job did waits for that end)."""
     echo_settle_s: float = Field(2.0, ge=0)
     """NTP off, several nodes: how long a launcher waits for the other nodes' reports of a failure before it names
     the failed rank from what it has (the first death that is not an echo of another)."""
@@ -81,6 +84,9 @@ class TimingSection(BaseModel):
     port_retry_s: float = Field(0.2, gt=0)
     """How long a client waiting for a store to come up pauses between two attempts to connect (a retry's pause,
     not a synchronisation)."""
+    node_probe_s: float = Field(1.0, gt=0)
+    """How often a launcher of another node probes node 0's store's port once it stopped answering (until it answers
+    again, or ``ntp.node_timeout_s`` has passed)."""
 
     # -- a rank --
     escape_grace_s: float = Field(0.05, ge=0)
@@ -88,12 +94,14 @@ class TimingSection(BaseModel):
     shut down gloo's own error arrives within milliseconds; on a group left as it was (no dead member: it may go on)
     none comes, so a rank blocked there waits out this grace before it re-forms (``scripts/bench.sh --only recovery``
     measured 0.2 s on every recovery when it was 0.2)."""
-    replica_grace_s: float = Field(2.0, ge=0)
+    replica_grace_s: float = Field(5.0, ge=0)
     """``escape_grace_s`` for a rank of a replica the end named no dead member of, while it computes (forward,
     backward): its waits there are on its own replica's groups, whose members compute on and arrive. Given up
     after the short grace, a wait on a peer the machine was slow to schedule would leave a collective of the
     replica's tensor-parallel group half-matched, and the group made anew (:mod:`ntp_megatron.plan.group_plan`).
-    Bounds a wait on a peer stuck there too."""
+    Bounds a wait on a peer stuck there too: as long as the progress fence takes to fence a stuck rank (half of
+    ``ntp.heartbeat_timeout_s`` by default); at 2 s a healthy peer slowed 30x in the iteration of a kill arrived too late
+    on this machine."""
     peer_grace_s: float = Field(5.0, ge=0)
     """How long a rank waits for its generation to be marked over before it calls an exception its own. Bounds the
     time from a rank's own error to the stop of the job; far above the controller's reaction to a death."""

@@ -3,7 +3,8 @@
 It lives in the launcher, which owns the store and outlives every rank (launch rank 0 included). For each
 batch of deaths it
 
-0. stops the job on a rank's own error, unless every one ran out of memory in a degraded replica it can drop;
+0. stops the job on a rank's own error, unless every one ran out of memory in a degraded replica it can drop (the
+   error is the ``job_stopped`` event's, :attr:`Controller.error_stop`: no ``rank_failed`` event, docs/metrics.md);
 1. decides what the survivors hold: the newest generation whose re-formation completed (if a newer one was
    still forming, it is marked incomplete and its survivors fall back to the layout they had);
 2. settles the iteration in flight exactly once (:func:`ntp_megatron.elastic.commit.settle`);
@@ -70,6 +71,8 @@ class Controller:
         """Replicas dropped because a rank of theirs ran out of memory in a degraded layout: they come back only
         whole (every slot admitted at once: the launch layout, which fitted)."""
         self.settled: Optional[dict] = None
+        self.error_stop: dict = {}
+        """What the ``job_stopped`` event says of the rank whose own error stopped the job (empty: none did)."""
         self.boundary = Boundary(self)
         self.reports = FailureReports(store, self.identity, self.dead, policy, say, emit, dump_stacks, hold, release)
         # Generation 0 is formed by its ranks like any other (COMPLETED once it is).
@@ -127,7 +130,7 @@ class Controller:
                      frozenset(self.dead), self.policy, self.sharded is not None)
 
     def _stop_on_error(self, stop: ErrorStop) -> str:
-        self.emit(stop.event)
+        self.error_stop = stop.details
         self._refresh_completed()
         self._stop(stop.reason, {self.completed.generation, self.latest.generation})
         return stop.reason

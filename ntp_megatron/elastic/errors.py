@@ -11,7 +11,10 @@ the next generation, when
    connection in an exception of its own, or a collective timed out: the controller marks the generation over as
    soon as the launcher reaps the dead process, well under a second after the death. Other torch.distributed
    errors are judged by this rule, not by their type: ``DistBackendError`` is also what a rank's own CUDA or NCCL
-   failure raises, ``DistStoreError`` a store wait of ours that timed out.
+   failure raises, ``DistStoreError`` a store wait of ours that timed out. So are gloo's own timeouts (a collective
+   or a connect that waited its whole timeout, and the other operations of its context, which gloo then closes),
+   although their text names gloo's transport: a peer that is alive but makes no progress (hung, or stuck on
+   another member) times a collective out as well as a dead one, and so does this rank's own late arrival.
 
 Anything else is the rank's *own* error: a failed write, a full disk, out of memory, a bug of ours. No new
 generation would come for it, so the rank does not wait for one: it writes ``keys.rank_error(launch_rank)`` with
@@ -22,7 +25,7 @@ The controller then stops the job naming the error (:func:`reported_error`), ins
 A rank that *gave up waiting on its peers* — an exception ended a wait of its main thread on them
 (:data:`ntp_megatron.phases.WAITED_ON_PEERS`: a collective that timed out, no new generation within the timeout after
 a peer's failure) — is a victim of what it waited on: it reports the same way, marked ``waited``, and the line, the
-stop's reason and the ``rank_failed`` event say it gave up waiting, never that it failed with an error of its own (a
+stop's reason and the ``job_stopped`` event say it gave up waiting, never that it failed with an error of its own (a
 rank's real error in the same batch is named before it). The hang detection (:mod:`ntp_megatron.elastic.blame`)
 should have fenced the rank it waited on long before; this is what is left when it could not (``ntp.progress_fence:
 false``, a rank stuck outside an iteration's phases).
@@ -58,6 +61,10 @@ _TRANSPORT_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection 
                       "NCCL communicator was aborted", "remote process exited or there was a network error")
 """Transport errors a peer's death causes. A rank's own NCCL error ("unhandled cuda error", ...) is not one."""
 
+GLOO_TIMEOUTS = ("Timed out waiting", "Connect timeout", "Application timeout caused pair closure")
+"""gloo's own timeouts (torch 2.13's bundled gloo: ``unbound_buffer.cc``, ``pair.h``, ``context.cc``): their text starts
+with the path of gloo's transport, but nothing in them says that a peer went away."""
+
 _TIMEOUT_MARKERS = ("timed out", "Timed out", "timeout", "Timeout")
 """How torch's collectives and stores say a wait ran out of time (gloo: "Timed out waiting ...", NCCL's watchdog:
 "... collective operation timeout", the store: "Socket Timeout", "wait timeout")."""
@@ -86,12 +93,27 @@ class GenerationEnded(RuntimeError):
     """The controller's verdict ended the generation this rank was working in (e.g. its formation incomplete)."""
 
 
-def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke)."""
+def is_transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective or store failing because a peer went away (its transport broke): a peer's
+    failure at once (rule 1 of the module docstring). A gloo timeout is not one (:func:`is_collective_timeout`)."""
     if isinstance(exc, OwnError):  # its message may quote a transport error of its own (a broken pipe of a write)
+        return False
+    if is_collective_timeout(exc):
         return False
     return isinstance(exc, dist.DistNetworkError) or (
         isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_MARKERS))
+
+
+def is_collective_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of gloo's own timeouts (:data:`GLOO_TIMEOUTS`)."""
+    return isinstance(exc, RuntimeError) and not isinstance(exc, OwnError) and any(
+        text in str(exc) for text in GLOO_TIMEOUTS)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """NTP off: whether ``exc`` echoes another rank's failure — its transport broke, or a collective with it timed
+    out (a hung peer's collectives end so on every other rank); the launcher names the rank behind it."""
+    return is_transport_failure(exc) or is_collective_timeout(exc)
 
 
 STICKY_CUDA_ERRORS = ("illegal memory access", "an illegal instruction", "uncorrectable ECC error",
@@ -115,7 +137,7 @@ def caused_by_peer(exc: BaseException, marked_over: Callable[[float], bool]) -> 
     ``within_s`` seconds, becomes) marked over, or the job stopped."""
     if isinstance(exc, OwnError) or is_out_of_memory(exc):
         return False
-    if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_peer_failure(exc):
+    if isinstance(exc, (IterationAborted, GenerationEnded, CollectiveAbandoned)) or is_transport_failure(exc):
         return True
     return marked_over(timing.current().peer_grace_s)
 

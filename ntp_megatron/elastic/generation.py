@@ -206,7 +206,9 @@ class ElasticRank:
                                         timeout=timedelta(seconds=self.timeout_s))
             watchdog.default_group = distributed_c10d.GroupMember.WORLD  # this generation's, whenever it fires
         except BaseException:
-            self.leave(generation)
+            # The groups carried from the generation before were not offered yet: they stay carried, for the members'
+            # verdict in the next generation (a rendezvous cut short by a death is common in a burst).
+            self.leave(generation, keep=list(self.carried))
             raise
         self.current = generation
         return generation

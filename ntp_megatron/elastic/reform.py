@@ -180,6 +180,8 @@ class Reformer:
             raise RuntimeError(f"generation {topology.generation} builds on generation {info['base']}, but this "
                                f"process holds generation {base.generation}")
         dead = [base.rank_of(*slot) for slot in info["dead"] if base.rank_of(*slot) is not None]
+        if training.parts is None:  # not trained yet: until the formation says, the iteration after the last committed
+            phases.at_iteration(commit.committed(elastic.ctl) + 1)  # (for the phase points of the join)
         generation = elastic.join(topology)
         self.generation = generation
         elastic.offer(generation, self._wanted(topology))

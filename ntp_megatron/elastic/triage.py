@@ -84,10 +84,11 @@ class OutOfMemory:
 
 @dataclass(frozen=True)
 class ErrorStop:
-    """The job stops on a rank's own error: why, and the rank's ``rank_failed`` event."""
+    """The job stops on a rank's own error: why, and what its ``job_stopped`` event says of the rank (an own error is
+    no ``rank_failed`` event: docs/metrics.md)."""
 
     reason: str
-    event: dict
+    details: dict
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,10 @@ def triage(batch: Batch) -> Triage:
 def error_stop(batch: Batch, d: Death, error: dict) -> ErrorStop:
     reason = f"launch rank {d.launch_rank} {own_error_cause(error)}"
     replica, slot = batch.identity[d.launch_rank][:2]
-    return ErrorStop(reason, {"kind": "event", "event": "rank_failed", "launch_rank": d.launch_rank,
-                              "replica": replica, "slot": slot, **_stage(batch, d.launch_rank),
-                              "generation": batch.latest.generation, "iteration": error["iteration"],
-                              "phase": error["phase"], "cause": d.cause, "detect_s": None, "time": d.time})
+    return ErrorStop(reason, {"launch_rank": d.launch_rank, "replica": replica, "slot": slot,
+                              **_stage(batch, d.launch_rank), "generation": batch.latest.generation,
+                              "iteration": error["iteration"], "phase": error["phase"], "cause": d.cause,
+                              "error_time": d.time})
 
 
 def out_of_memory(batch: Batch, errors: list[tuple[Death, dict]]) -> tuple[OutOfMemory, ...]:

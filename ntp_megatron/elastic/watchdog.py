@@ -124,9 +124,8 @@ class GenerationWatchdog:
                 f"was still blocked: given up")
 
     def abandoned(self, wait: AbandonedWait) -> None:
-        logger.warning("generation %d: a collective was still blocked %.2f s after the generation ended (gloo "
-                       "wakes no one waiting on a message in mid-transfer); given up", self.generation,
-                       time.monotonic() - self._fired_monotonic)
+        logger.warning("generation %d: %s was still blocked %.2f s after the generation ended; given up",
+                       self.generation, wait.what, time.monotonic() - self._fired_monotonic)
         self.abandoned_waits.append(wait)
 
     def _blocked(self, groups: list) -> list:

@@ -4,16 +4,19 @@ where that is: :func:`run_outputs`).
 Everything goes through one lock, so lines never interleave. While a failure report is pending (the controller
 waits for the survivors to notice before it prints the "rank failed" line), rank output is held back and released
 after the report, so that a rank's line about the failure ("re-formed ...") never comes before the failure it
-answers.
+answers. torch's C++ warnings of the store and transport (``[W... TCPStore.cpp:106] [c10d] sendBytes failed ...``, each
+with a C++ stack) are relayed without their stacks, and one site's at most once every ``NativeWarnings.every_s`` per
+stream (:class:`NativeWarnings`): a rank whose store went away repeats them at every call.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Callable, Optional
 
 from ntp_megatron import metrics
 from ntp_megatron.config.schema import JobConfig
@@ -64,6 +67,43 @@ class Console:
         else:
             out.write(item)
             out.flush()
+
+
+_NATIVE_WARNING = re.compile(r"\[W\d{4} [\d:.]+ (?P<site>[\w.]+:\d+)\] \[c10d\]")
+"""torch's C++ warning of c10d (its store and transport), with the source site that raised it."""
+_STACK_LINE = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python frames>|\s*$)")
+"""A line of the C++ stack such a warning carries."""
+
+
+class NativeWarnings:
+    """One stream's filter of torch's C++ c10d warnings (module docstring): :meth:`keep` gives the line to relay, or
+    None. ``every_s``: a site said is not said again sooner; the next line of it says how many were left out."""
+
+    every_s = 30.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._in_stack = False
+        self._said: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def keep(self, line: str) -> Optional[str]:
+        if self._in_stack and _STACK_LINE.match(line):
+            return None
+        self._in_stack = False
+        warning = _NATIVE_WARNING.search(line)
+        if warning is None:
+            return line
+        self._in_stack = True
+        site, now = warning.group("site"), self._clock()
+        if now - self._said.get(site, -self.every_s) < self.every_s:
+            self._left_out[site] = self._left_out.get(site, 0) + 1
+            return None
+        self._said[site] = now
+        left_out = self._left_out.pop(site, 0)
+        if not left_out:
+            return line
+        return f"{line.rstrip()} ({left_out} more from {site} left out)\n"
 
 
 def run_outputs(cfg: JobConfig, run_dir: Path) -> tuple[Optional[Path], Optional[Path]]:

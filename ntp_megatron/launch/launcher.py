@@ -30,7 +30,7 @@ import torch
 
 from ntp_megatron import faults, metrics
 
-from ntp_megatron.launch import describe, summary
+from ntp_megatron.launch import describe, root_watch, summary
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config import timing
@@ -42,9 +42,10 @@ from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
+from ntp_megatron.launch import nodes
 from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
 from ntp_megatron.launch.modes import choose
-from ntp_megatron.launch.policy import DeathPolicy, tp_per_replica
+from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
 from ntp_megatron.plan.placement import Placement, launch_slots
 from ntp_megatron.training import runtime
@@ -78,6 +79,8 @@ class Launcher:
         """Launch ranks whose process completed the run (exit 0)."""
         self._collected: set[int] = set()
         self._exited_since: Optional[float] = None
+        self._awaiting_end = False
+        """A node other than 0 whose ranks all ended before the job did: it waits for the job's end on node 0."""
         """``id`` of every rank process whose exit :meth:`_collect_exits` handled: one that ``poll`` says has exited
         may not have delivered its exit yet (a death the policy must still see)."""
 
@@ -206,6 +209,9 @@ class Launcher:
                                  f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running "
                                  f"there with --store-port {port}?")
             return 1
+        if self.args.node_rank > 0:  # node 0 may go: its store is called through a guard (root_watch)
+            self.store = root_watch.guard(self.store, self.args.store_host, self.nodes.port,
+                                          self.cfg.ntp.node_timeout_s, self.cfg.parallel.timeout_s)
         self.node_store = self.store
         if self.cfg.ntp.enabled and self.args.node_rank > 0:
             self._host_node_store()
@@ -244,6 +250,10 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.processes.stop_all()  # the warm spares, once the ranks are done
+            if self.args.node_rank == 0 and self.nodes.multi:
+                nodes.set_ended(self.store, exit_code)
+            elif self.nodes.multi and self.store is not None:
+                nodes.set_left(self.store, self.args.node_rank, exit_code)
             self.processes.join_relays(timeout=timing.current().output_join_s)
             self.policy.close()
             if self.console.sink is not None:
@@ -252,6 +262,8 @@ class Launcher:
                     summary.summarize(self.cfg, self.console.sink, self.console.say, self.started, self.run_dir,
                                       (self.metrics_file, self.tensorboard_dir), self.store, self.failures)
                 self.console.sink.close()
+            if self.args.node_rank == 0 and self.nodes.multi:
+                self.nodes.wait_for_leaving(self.store)
         return exit_code
 
     def _host_node_store(self) -> None:
@@ -279,12 +291,48 @@ class Launcher:
                 if self.processes.first_iteration_at is not None:
                     self.agent.begin_training(self.processes.first_iteration_at)
                 self.agent.poll(inject=not self.policy.training_done)
+            lost = self._node_0_lost()
+            if lost is not None:
+                return lost
             outcome = self.policy.step(self._collect_exits())
             if outcome is not None:
                 return outcome
             if self._all_collected() and self.policy.idle():
-                self.console.say(f"all {len(self.finished)} ranks finished")
-                return 0
+                code = self._all_ended()
+                if code is not None:
+                    return code
+
+    def _node_0_lost(self) -> Optional[int]:
+        """On a node other than 0, node 0 lost (:func:`~ntp_megatron.launch.root_watch.lost_line`) ends this node's
+        part of the job in one line: its ranks cannot go on without node 0's controller. The exit code, else None."""
+        line = root_watch.lost_line(self.store, self.args.store_host, self.nodes.port, self.cfg.ntp.node_timeout_s)
+        if line is None:
+            return None
+        self.console.say(line)
+        self.processes.stop_all()
+        return 1
+
+    def _all_ended(self) -> Optional[int]:
+        """Every rank of this node has ended: the exit code, said in one line (:func:`~ntp_megatron.launch.policy.ending`).
+        Under NTP a node other than 0 whose ranks failed while the job goes on elsewhere waits for the job's end (None
+        until then): 0 if it finished, else 1 — its own ranks' failures were absorbed, so they are not the answer."""
+        if self._awaiting_end:
+            ended = nodes.read_ended(self.store)
+            if ended is None:
+                return None
+            self.console.say("the job finished on the other nodes" if ended == 0 else
+                             f"the job ended on node 0 with exit code {ended}")
+            return 0 if ended == 0 else 1
+        exits = {p.rank: p.returncode for p in self.processes.ranks.values()}
+        code, line = ending(self.policy.training_done, exits)
+        if code != 0 and self.cfg.ntp.enabled and self.args.node_rank > 0:
+            self._awaiting_end = True
+            failed = ", ".join(str(rank) for rank, c in sorted(exits.items()) if c != 0)
+            self.console.say(f"every rank of this node has ended (launch rank(s) {failed} failed); the job goes on: "
+                             "waiting for its end on node 0")
+            return self._all_ended()
+        self.console.say(line)
+        return code
 
     def _all_collected(self) -> bool:
         """Every rank has exited and its exit was handled; bounded: an exit not delivered ``timing.exit_delivery_s`` after

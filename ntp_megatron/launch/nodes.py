@@ -11,6 +11,11 @@ writers and their readers:
 
 - ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`);
   read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/ended``: the job has ended on node 0 (its launcher's exit code). Written by node 0's launcher as it ends
+  (:func:`set_ended`); read by a node's launcher whose ranks all ended before the job did (:func:`read_ended`).
+- ``launcher/left/node<n>``: node n's launcher is leaving (its exit code). Written by it as it ends (:func:`set_left`);
+  read by node 0's launcher, which keeps its store up until every node has left, a bounded while
+  (:meth:`Nodes.wait_for_leaving`).
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
   (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
 - ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
@@ -47,6 +52,8 @@ LAUNCHER_PREFIX = "launcher/"
 ABORT = LAUNCHER_PREFIX + "abort"
 """JSON ``{"reason", "death"}``: a node's launcher ended the job; every other node stops its ranks and names the
 same failure."""
+ENDED = LAUNCHER_PREFIX + "ended"
+"""Node 0's launcher's exit code: the job has ended (0: it finished)."""
 DEATHS = keys.PREFIX + "deaths"
 """How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
 every node reads them to name the same failure)."""
@@ -57,6 +64,11 @@ REBALANCE_REQUESTS = keys.PREFIX + "rebalance_requests"
 def node_key(node_rank: int) -> str:
     """Set (to its pid) by node ``node_rank``'s launcher once it has connected to node 0's store."""
     return f"{LAUNCHER_PREFIX}node{node_rank}"
+
+
+def left_key(node_rank: int) -> str:
+    """Set (to its exit code) by node ``node_rank``'s launcher as it ends."""
+    return f"{LAUNCHER_PREFIX}left/node{node_rank}"
 
 
 def death_key(n: int) -> str:
@@ -137,6 +149,16 @@ class Nodes:
                     waiting_for.add(i)
             time.sleep(timing.current().node_poll_s)
 
+    def wait_for_leaving(self, store: dist.Store) -> list[int]:
+        """Node 0, as it ends: keep the store up until every other node's launcher has said it leaves, at most
+        ``timing.node_leave_wait_s`` (a node lost or stopped does not hold the end up longer). The nodes that did not."""
+        deadline = time.monotonic() + timing.current().node_leave_wait_s
+        while True:
+            staying = [i for i in range(1, self.nnodes) if not keys.quietly(store.check, [left_key(i)], default=True)]
+            if not staying or time.monotonic() >= deadline:
+                return staying
+            time.sleep(timing.current().node_poll_s)
+
     def remote_deaths(self, store: dist.Store) -> list[Death]:
         """Deaths other nodes' launchers published since the last call (node 0), each said as a node report."""
         out = []
@@ -192,6 +214,23 @@ def published_death(store: dist.Store, n: int) -> Death:
 def published_deaths(store: dist.Store) -> list[Death]:
     """Every death any node has published so far (raises if the store is unreachable)."""
     return [published_death(store, n) for n in range(1, int(store.add(DEATHS, 0)) + 1)]
+
+
+def set_ended(store: dist.Store, exit_code: int) -> None:
+    """Node 0: the job has ended with ``exit_code`` (0: it finished)."""
+    keys.quietly(store.set, ENDED, str(exit_code))
+
+
+def read_ended(store: dist.Store) -> Optional[int]:
+    """Node 0's exit code once the job has ended there, else None (also while node 0's store does not answer)."""
+    if not keys.quietly(store.check, [ENDED], default=False):
+        return None
+    return int(keys.quietly(store.get, ENDED, default=b"1"))
+
+
+def set_left(store: dist.Store, node_rank: int, exit_code: int) -> None:
+    """A node other than 0 is leaving with ``exit_code`` (node 0 may close its store once every node has)."""
+    keys.quietly(store.set, left_key(node_rank), str(exit_code))
 
 
 def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:

@@ -139,8 +139,9 @@ class ControllerPolicy(NTPPolicy):
         return self.unrecoverable(reason, deaths)
 
     def unrecoverable(self, reason: str, deaths: list[Death]) -> Optional[int]:
-        """NTP cannot absorb ``deaths`` and the controller stopped the job."""
-        self.launcher.console.emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time()})
+        """NTP cannot absorb ``deaths`` and the controller stopped the job (a rank's own error: the event names it)."""
+        self.launcher.console.emit({"kind": "event", "event": "job_stopped", "reason": reason, "time": time.time(),
+                                    **self.controller.error_stop})
         return self.stop_job(deaths)
 
     def after(self) -> None:

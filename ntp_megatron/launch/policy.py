@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Mapping, Optional, Protocol
 
 import torch.distributed as dist
 
@@ -198,6 +198,17 @@ class RestartFromCheckpoint(StopOnFailure):
         launcher.console.emit({"kind": "event", "event": "restarted", "restart": launcher.restarts, "time": time.time()})
         launcher.respawn()
         return None
+
+
+def ending(training_done: bool, exits: Mapping[int, Optional[int]]) -> tuple[int, str]:
+    """Every rank of a node has ended (``exits``: launch rank -> exit code): the launcher's exit code and its line. 0
+    if the job finished (a rank of the running job completed the run) or every rank ended cleanly (a rank of a
+    replica dropped live retires with 0: the job goes on without this node's part), else 1 naming the ranks that
+    failed: a scheduler must not take a job that did not finish for a success."""
+    if training_done or all(code == 0 for code in exits.values()):
+        return 0, f"all {sum(code == 0 for code in exits.values())} ranks finished"
+    failed = ", ".join(str(rank) for rank, code in sorted(exits.items()) if code != 0)
+    return 1, f"every rank of this node has ended and the job did not finish: launch rank(s) {failed} failed"
 
 
 def tp_per_replica(cfg: JobConfig) -> list:

@@ -22,7 +22,7 @@ from typing import IO, Optional
 
 from ntp_megatron import metrics
 from ntp_megatron.elastic.agent import process_state
-from ntp_megatron.launch.console import Console
+from ntp_megatron.launch.console import Console, NativeWarnings
 from ntp_megatron.config import timing
 from ntp_megatron.launch.forkserver import Child, ForkServer
 from ntp_megatron.training import runtime
@@ -193,7 +193,9 @@ class RankProcesses:
     def _relay(self, proc: RankProcess, stream: IO[str], out: IO[str], restart: int) -> None:
         """``restart``: how many restarts preceded the process; its iteration records say so (the same iteration
         and generation recur in a job restarted from a checkpoint). A spare's lines say ``[spare <pid>]`` until it
-        is assigned a launch rank."""
+        is assigned a launch rank. torch's C++ c10d warnings come without their stacks, rate-limited
+        (:class:`~ntp_megatron.launch.console.NativeWarnings`)."""
+        native = NativeWarnings()
         for line in stream:
             record = metrics.parse(line)
             if record is not None:
@@ -203,9 +205,9 @@ class RankProcesses:
                     if restart:
                         record["restart"] = restart
                 self.console.relayed(None, record)
-            else:
+            elif (kept := native.keep(line)) is not None:
                 prefix = f"[rank {proc.rank}] " if proc.rank is not None else f"[spare {proc.pid}] "
-                self.console.relayed(out, prefix + line)
+                self.console.relayed(out, prefix + kept)
 
     def join_relays(self, timeout: float) -> None:
         for proc in self.ranks.values():

@@ -50,10 +50,23 @@ def test_bad_specs_say_what_is_wrong(text, fragment):
     assert "\n" not in str(err.value)
 
 
-def test_reform_phase_needs_ntp():
-    parse_failure_spec("kill:rank=1,iter=2,phase=reform", ntp=True)
-    with pytest.raises(ConfigError, match="phase reform needs ntp.enabled"):
-        parse_failure_spec("kill:rank=1,iter=2,phase=reform", ntp=False)
+@pytest.mark.parametrize("phase", ["reform", "connect"])
+def test_formation_phases_need_ntp(phase):
+    parse_failure_spec(f"kill:rank=1,iter=2,phase={phase}", ntp=True)
+    with pytest.raises(ConfigError, match=f"phase {phase} needs ntp.enabled"):
+        parse_failure_spec(f"kill:rank=1,iter=2,phase={phase}", ntp=False)
+
+
+def test_formation_phases_fire_in_the_first_formation_at_their_iteration_or_later(monkeypatch):
+    exits = []
+    monkeypatch.setattr("os._exit", lambda code: exits.append(code))
+    trigger = FailureTrigger(launch_rank=3, specs=[RankFailure("exit", 3, 5, "connect", 9)])
+    for iteration in (1, 4):
+        trigger.point("connect", iteration)
+    assert exits == []  # a process that starts at iteration 1 does not die in its first rendezvous
+    trigger.point("connect", 7)  # a replacement's first, later in the run
+    trigger.point("connect", 8)
+    assert exits == [9]
 
 
 @pytest.mark.parametrize("phase", ["checkpoint", "checkpoint_write"])

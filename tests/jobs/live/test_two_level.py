@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY, Forked, alive, read_records, relative_difference
+from tests.harness import TINY, Forked, alive, read_records, relative_difference, wait_until
 from tests.jobs.live.test_multi_node import launch_node, store_port
 
 ITERS = 9
@@ -127,3 +127,46 @@ def test_a_rank_spinning_on_node_1_is_fenced_by_its_own_launcher(tmp_path, refer
     [failed] = [r for r in records if r.get("event") == "rank_failed"]
     assert failed["launch_rank"] == 1 and "while launch rank 0 has waited" in failed["cause"], failed
     assert "launch rank 1 (pid" in err1 and "stopped responding" in err1 and "stopped responding" not in err0
+
+
+NODE_TIMEOUT_S = 5.0
+
+
+def test_a_node_that_loses_node_0_says_so_once_and_exits_1(tmp_path):
+    """Node 0's launcher (the root store, the controller) is SIGKILLed while the job trains: node 1's ranks cannot go
+    on. Node 1's launcher says so in one line once node 0 has not answered for ``ntp.node_timeout_s``, stops its ranks
+    and exits 1 — not 0 ("all 0 ranks finished", once its ranks had failed on the missing generation) — with the C++
+    stacks of its ranks' store warnings left out, and leaves no process."""
+    run_dir = tmp_path / "run"
+    args = ["--nnodes", "2", *COMMON, "--set", "training.train_iters=400",
+            "--set", f"ntp.heartbeat_timeout_s={NODE_TIMEOUT_S}", "--set", f"ntp.node_timeout_s={NODE_TIMEOUT_S}"]
+    Forked.ready(2, run_dir.parent)
+    nodes = [launch_node(0, run_dir, [*args, "--store-port", "0"])]
+    try:
+        nodes.append(launch_node(1, run_dir, [*args, "--store-port", str(store_port(run_dir, nodes[0]))]))
+        wait_until(lambda: " iteration        2/" in (run_dir / "node0.stdout").read_text(errors="replace"), 240,
+                   "node 0's second iteration")
+        nodes[0].kill()
+        killed = time.monotonic()
+        code = nodes[1].wait(timeout=NODE_TIMEOUT_S + 60)
+        took = time.monotonic() - killed
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    err = (run_dir / "node1.stderr").read_text()
+    said = [line for line in err.splitlines() if line.startswith("ntp-launch: ")]
+    assert code == 1, err[-3000:]
+    assert said[-1].startswith(f"ntp-launch: node 0 is lost: its store at 127.0.0.1:") and said[-1].endswith(
+        f"has not answered for {NODE_TIMEOUT_S:.0f} s (ntp.node_timeout_s {NODE_TIMEOUT_S:g}); stopping this node's "
+        "ranks"), said
+    assert sum("node 0 is lost" in line for line in said) == 1
+    # Within the timeout, plus stopping the ranks and the launcher's own teardown on this loaded machine.
+    assert NODE_TIMEOUT_S - 1.0 < took < NODE_TIMEOUT_S + 15.0, took
+    # Node 1's own store clients fail a few times with a C++ stack each (bounded: no call reaches them while node 0 is
+    # silent); its ranks' warnings come without theirs. It wrote 4.7 MB in two minutes before.
+    assert "Traceback" not in err and len(err) < 20_000, err[-3000:]
+    assert not [line for line in err.splitlines() if line.startswith("[rank") and "frame #" in line]
+    pids = [pid for history in json.loads((run_dir / "ranks.node1.json").read_text()).values() for pid in history]
+    assert alive(pids) == []

@@ -239,5 +239,99 @@ def _collective_rank(port: int, rank: int) -> None:
     os._exit(0)
 
 
+# -- gloo's connect (patches/torch_distributed_c10d.py: EscapableGloo) ---------------------------------------------
+# A two-rank group whose rank 1 dies after publishing its address: rank 0 (the survivor) reads it and, being the
+# listener of the pair (gloo lets the side with the larger address connect: the victim's device is on 127.0.0.2, the
+# survivor's on 127.0.0.1), waits for a connection that never comes — 5 x the group's timeout upstream.
+
+
+def _gloo_options(host: str):
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    return options
+
+
+def _victim(port: int) -> None:
+    from torch.distributed import ProcessGroupGloo
+
+    ProcessGroupGloo(dist.PrefixStore("gen0/", _client(port)), 1, 2, _gloo_options("127.0.0.2"))  # killed in here
+
+
+def _connecting_survivor(port: int, escape: bool) -> None:
+    from torch.distributed import distributed_c10d
+
+    from ntp_megatron.elastic.watchdog import GenerationWatchdog, store_factory
+    from ntp_megatron.patches import torch_distributed_c10d, torch_distributed_work
+
+    torch_distributed_c10d.apply_connect_escape()
+    store = _client(port)
+    store.wait(["victim_dead"])
+    # No socket of the generation is the watchdog's to shut: only the escape can get the rank out.
+    watchdog = GenerationWatchdog(store_factory("127.0.0.1", port), 0, {}, 60.0)
+    if escape:
+        torch_distributed_work.set_escape(watchdog)
+    make = lambda: distributed_c10d.ProcessGroupGloo(dist.PrefixStore("gen0/", _client(port)), 0, 2,
+                                                     _gloo_options("127.0.0.1"))
+    if escape:
+        try:
+            make()
+            outcome = "connected"
+        except torch_distributed_work.CollectiveAbandoned:
+            outcome = "abandoned"
+        after = time.time() - watchdog.fired_at
+        finished = [(wait.what, wait.finished()) for wait in watchdog.abandoned_waits]
+        store.set("result", f"{outcome}|{after:.3f}|{finished}")
+    else:
+        import threading
+
+        connecting = threading.Thread(target=lambda: _swallow(make), daemon=True)
+        connecting.start()
+        connecting.join(3.0)
+        store.set("result", f"{'blocked' if connecting.is_alive() else 'returned'}|{time.time() - watchdog.fired_at:.3f}")
+    os._exit(0)
+
+
+def _run_connect(escape: bool) -> list[str]:
+    from ntp_megatron.elastic import keys
+
+    master = store_server()
+    ctx = _context()
+    victim = ctx.Process(target=_victim, args=(master.port,), daemon=True)
+    survivor = ctx.Process(target=_connecting_survivor, args=(master.port, escape), daemon=True)
+    victim.start()
+    survivor.start()
+    published = lambda: [k for k in master.list_keys() if k.startswith("gen0/")]
+    try:
+        wait_until(lambda: len(published()) == 1, STEP_S, "the victim publishing its address")
+        victim.kill()
+        victim.join(STEP_S)
+        master.set("victim_dead", "1")
+        wait_until(lambda: len(published()) == 2, STEP_S, "the survivor publishing its address")
+        master.set(keys.abort(0), "test")  # the generation ends while the survivor connects
+        master.wait(["result"], timedelta(seconds=60))
+        return master.get("result").decode().split("|")
+    finally:
+        for proc in (survivor, victim):
+            proc.kill()
+            proc.join(10)
+
+
+def test_upstream_connect_waits_for_a_member_that_died_after_publishing_its_address():
+    """The gloo behaviour the connect escape exists for (if a future torch bounds the wait, this test says so)."""
+    outcome, seconds = _run_connect(escape=False)
+    assert outcome == "blocked", f"the connect returned {seconds} s after the generation ended"
+
+
+def test_connect_escape_gets_the_rank_out_once_its_generation_ends():
+    outcome, seconds, finished = _run_connect(escape=True)
+    assert outcome == "abandoned"
+    assert float(seconds) < 1.0, seconds  # grace 50 ms + one 50 ms slice, not 5 x the 30 s group timeout
+    # The helper thread is still in gloo's connect: the generation's groups must be held, not destroyed.
+    assert finished == "[(\"gloo's connect of a process group\", False)]", finished
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-v"])

@@ -72,6 +72,7 @@ def test_slot_lists_stay_strings():
         ("ntp.on_unrecoverable=restart", "ntp.on_unrecoverable 'restart' needs checkpoint.save and "
                                          "checkpoint.save_interval"),
         ("ntp.heartbeat_timeout_s=0.1", "ntp.heartbeat_timeout_s (0.1) must exceed ntp.heartbeat_interval_s (0.2)"),
+        ("ntp.node_timeout_s=5", "ntp.node_timeout_s (5.0) must be at least ntp.heartbeat_timeout_s (10.0)"),
         ("model.init=random", "bad value for 'model.init': Input should be 'megatron' or 'layout_free' (got 'random')"),
     ],
 )

@@ -74,9 +74,9 @@ def test_an_own_error_stops_the_job_naming_it():
     assert triaged.stop is not None and triaged.retired == ()
     assert triaged.stop.reason == ("launch rank 1 failed with an error of its own (iteration 3, phase forward): "
                                    "ValueError: bad batch")
-    event = triaged.stop.event
-    assert (event["event"], event["launch_rank"], event["replica"], event["slot"], event["generation"]) == \
-        ("rank_failed", 1, 0, 1, 0)
+    said = triaged.stop.details  # the job_stopped event's: an own error is no rank_failed (docs/metrics.md)
+    assert (said["launch_rank"], said["replica"], said["slot"], said["generation"], said["iteration"]) == (1, 0, 1, 0, 3)
+    assert "event" not in said and said["error_time"] == 101.0
 
 
 def test_an_echo_names_the_rank_whose_error_it_echoes():
@@ -89,7 +89,7 @@ def test_an_echo_names_the_rank_whose_error_it_echoes():
     triaged = triage(_batch(launch, [echoing], reported=reported, dead={0},
                             cause_behind=(2, _error("OSError: disk full", phase="save"))))
     assert triaged.stop.reason.startswith("launch rank 2 failed with an error of its own")
-    assert "OSError: disk full" in triaged.stop.reason and triaged.stop.event["launch_rank"] == 2
+    assert "OSError: disk full" in triaged.stop.reason and triaged.stop.details["launch_rank"] == 2
 
     alone = triage(_batch(launch, [echoing], reported=reported))  # nobody reported the cause in time
     assert alone.stop.reason.startswith("launch rank 1 failed")

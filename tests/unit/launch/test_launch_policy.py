@@ -264,6 +264,31 @@ def test_without_ntp_an_echo_that_dies_first_waits_for_the_report_of_the_cause(t
     assert failed["launch_rank"] == 3 and "No space left" in failed["cause"] and failed["iteration"] == 2
 
 
+def test_under_ntp_an_own_error_is_the_job_stopped_event_not_a_failure():
+    """docs/metrics.md: a rank's own error under NTP is recorded as the job_stopped event only, naming the rank and
+    where it failed; the summary's failures (and the plot) count rank_failed events, and a kill earlier in the run
+    is one. (Seen failing when the controller emitted the error as a rank_failed event: failures 2.)"""
+    from ntp_megatron.launch.run_report import summarize
+
+    launcher = _Launcher()
+    launcher.processes = _StoppingProcesses()
+    policy = modes.choose(launcher)
+    policy.begin()
+    _formed(launcher, 0)
+    assert policy.step([launcher.processes.ranks[3].die()]) is None  # absorbed: generation 1
+    _aware(launcher, 0)
+    policy.close()  # the failure's report is written
+    _formed(launcher, 1)
+    launcher.store.set(keys.rank_error(2), '{"error": "OSError: x", "iteration": 7, "phase": "checkpoint", "time": 5}')
+    assert policy.step([_error_death(launcher, 2)]) == 1
+    assert [e["launch_rank"] for e in launcher.events("rank_failed")] == [3]
+    [stopped] = launcher.events("job_stopped")
+    assert "launch rank 2 failed with an error of its own (iteration 7, phase checkpoint)" in stopped["reason"]
+    assert (stopped["launch_rank"], stopped["replica"], stopped["slot"], stopped["iteration"], stopped["phase"]) == \
+        (2, 1, 0, 7, "checkpoint")
+    assert summarize(launcher.console.sink.records, 10.0)["failures"] == 1
+
+
 def test_a_rank_error_is_not_restarted_by_ntp_on_unrecoverable_restart(tmp_path):
     launcher = _Launcher("ntp.on_unrecoverable=restart", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=2")
     launcher.processes = _StoppingProcesses()

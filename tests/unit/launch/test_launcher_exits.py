@@ -7,8 +7,10 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
+import pytest
+
 from ntp_megatron.config import timing
-from ntp_megatron.launch import launcher
+from ntp_megatron.launch import launcher, policy
 
 
 class Exited:
@@ -44,3 +46,15 @@ def test_an_exit_never_delivered_ends_the_wait_after_a_bound():
     assert not mon._all_collected()
     mon._exited_since -= timing.current().exit_delivery_s + 0.1  # as if that long had passed
     assert mon._all_collected()
+
+
+@pytest.mark.parametrize("training_done, exits, code, line", [
+    (True, {2: 0, 3: 0}, 0, "all 2 ranks finished"),
+    (True, {2: 0, 3: -9}, 0, "all 1 ranks finished"),  # a rank of a job that finished died at its end
+    (False, {2: 0, 3: 0}, 0, "all 2 ranks finished"),  # retired cleanly with a replica dropped live
+    # What a node that lost node 0 met: its ranks failed, nothing finished. A scheduler must not see a success.
+    (False, {2: 1, 3: 4}, 1, "every rank of this node has ended and the job did not finish: launch rank(s) 2, 3 failed"),
+    (False, {}, 0, "all 0 ranks finished"),
+])
+def test_a_node_exits_0_only_if_the_job_finished_or_its_ranks_ended_cleanly(training_done, exits, code, line):
+    assert policy.ending(training_done, exits) == (code, line)
