@@ -14,7 +14,7 @@ unit=0
 # The job tier: two jobs at a time (a job leaves a third of the cores idle: start-up, waits), a file's tests on one
 # worker (they share its reference runs); then the timed tests alone.
 job=0
-"$PY" -m pytest tests/jobs -m "not timed" -n 2 --dist loadfile || job=$?
+"$PY" -m pytest tests/jobs -m "not timed" -n 2 --dist loadfile --no-loadscope-reorder || job=$?  # longest files first (tests/conftest.py)
 timed=0
 "$PY" -m pytest tests/jobs -m timed || timed=$?
 echo "scripts/test.sh: unit tier exit $unit, job tier exit $job, timed jobs exit $timed"

@@ -12,7 +12,9 @@ a job started another way wrote (two launchers, a script run from another direct
 
 from __future__ import annotations
 
+import json
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,13 @@ JOB_TIMEOUT_S = 900
 """Per test, fixtures included (a module's shared jobs run in its first test)."""
 
 _UNIT_DIR = Path(__file__).resolve().parent / "unit"
+FILE_SECONDS = _UNIT_DIR.parent / "jobs" / "file_seconds.json"
+"""The job files' seconds (setup, call and teardown of their tests as measured here; only their order matters): the
+job tier runs the longest files first, so that its two workers end together rather than one running a long file
+alone at the end (``scripts/test.sh`` passes ``--no-loadscope-reorder``: pytest-xdist would order files by their
+number of tests). Written by a run with ``NTP_RECORD_FILE_SECONDS=<path>``; a file missing from it counts as short."""
+RECORD = os.environ.get("NTP_RECORD_FILE_SECONDS")
+_seconds: defaultdict[str, float] = defaultdict(float)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -39,6 +48,23 @@ def pytest_collection_modifyitems(config, items) -> None:
         item.add_marker(pytest.mark.unit if unit else pytest.mark.job)
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TIMEOUT_S if unit else JOB_TIMEOUT_S))
+    weights = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.exists() else {}
+    items.sort(key=lambda item: -weights.get(item.nodeid.split("::")[0], 0.0))  # stable: within a file as collected
+
+
+def pytest_runtest_logreport(report) -> None:
+    if RECORD:
+        _seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    """With ``NTP_RECORD_FILE_SECONDS``: every job file's seconds in this run, merged into that file."""
+    if not RECORD or hasattr(session.config, "workerinput"):  # the controller records, from every worker's reports
+        return
+    path = Path(RECORD)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.update({f: round(s, 1) for f, s in _seconds.items() if f.startswith("tests/jobs/")})
+    path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: -kv[1])), indent=1) + "\n")
 
 
 def _seed_line() -> str:

@@ -7,14 +7,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-import pytest
 
 from ntp_megatron.bench import cli, control_plane, init_weights, memory as memory_part, step_time
 from ntp_megatron.bench.sizes import SMOKE
 from tests.harness import check_reformations, read_records, run_module
-
-# Its control-plane part asserts no heartbeat fenced a rank falsely: scripts/test.sh runs it alone.
-pytestmark = pytest.mark.timed
 
 
 def _from_the_zygote(module: str, args: Sequence[str], out_dir: Path) -> tuple[int, str, str]:

@@ -41,9 +41,6 @@ from tests.harness import REPO, TINY, assert_ok, assert_replicas_agree, relative
 from tests.jobs.live.test_live_failure import leftover_processes, ntp_args
 from tests.jobs.equivalence.test_ntp_equivalence import check_case
 
-# Asserts how soon the controller stops the job: scripts/test.sh runs it alone.
-pytestmark = pytest.mark.timed
-
 ITERS = 3
 LIKE_TOL = 1e-7
 DECIDED_WITHIN_S = 2.0
@@ -168,6 +165,7 @@ def test_uneven_blocks(tmp_path_factory, case):
     check_case(tmp_path_factory, case)
 
 
+@pytest.mark.timed  # asserts how soon the controller stops the job: scripts/test.sh runs it alone
 def test_a_failure_with_one_instance_loses_a_shard_and_stops_the_job_naming_it(tmp_path):
     """With one instance every shard has a single holder: the controller stops the job at once (no restart is
     configured) with a ``shard_lost`` event naming the shard, without a re-formation or a timeout."""
