@@ -111,6 +111,11 @@ class Agent:
         """Ranks armed with a failure they have not had yet (never picked again)."""
         self.slowed: set[int] = set()
         """Ranks armed with a slowdown (not picked again until they took it)."""
+        self.forming: dict[int, int] = {}
+        """Launch rank -> pid: armed with a failure in a re-formation (``reform``, ``connect``), not fired yet."""
+        self.deferred: list[tuple[faults.Draw, object, str]] = []
+        """Draws in a re-formation waiting for the one armed before to fire: such a draw waits for the next
+        re-formation, so two of them armed would fire in the same one, a burst nobody drew."""
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
@@ -259,20 +264,37 @@ class Agent:
     def _fire_random(self, now: float) -> None:
         if self.training_started is None:
             return
+        if self.deferred and not self._forming():
+            self._apply(*self.deferred.pop(0))
         updated = []
         for spec, due, gen in self._next_random:
             while due is not None and now - self.training_started >= due[0].at_s:
                 draw, rng = due
-                candidates = self._candidates()
-                if candidates:
-                    victim = rng.choice(candidates)
-                    if draw.outside:
-                        self._inject(victim, draw.kind, str(spec))
-                    else:
-                        self._arm(victim, draw, str(spec))
+                if draw.phase in faults.FORMATION_PHASES and (self._forming() or self.deferred):
+                    self.deferred.append((draw, rng, str(spec)))
+                else:
+                    self._apply(draw, rng, str(spec))
                 due = next(gen, None)
             updated.append((spec, due, gen))
         self._next_random = updated
+
+    def _forming(self) -> bool:
+        """Whether a rank armed with a failure in a re-formation has not had it yet (its process lives on)."""
+        procs = self.processes()
+        self.forming = {r: pid for r, pid in self.forming.items()
+                        if r in procs and procs[r].pid == pid and procs[r].poll() is None}
+        return bool(self.forming)
+
+    def _apply(self, draw: faults.Draw, rng, spec: str) -> None:
+        """A random failure that is due: on a live rank ``rng`` picks (none live: it is dropped)."""
+        candidates = self._candidates()
+        if not candidates:
+            return
+        victim = rng.choice(candidates)
+        if draw.outside:
+            self._inject(victim, draw.kind, spec)
+        else:
+            self._arm(victim, draw, spec)
 
     def _candidates(self) -> list[int]:
         """The live ranks of this node a random failure may pick: not failing already, not armed with a failure or
@@ -288,6 +310,8 @@ class Agent:
         detail = f" (factor {draw.factor:g} for {draw.iterations} iterations)" if draw.kind == "slow" else ""
         self.say(f"arming {draw.kind} at phase {draw.phase} in launch rank {rank} (pid {proc.pid}){detail}: {spec}")
         (self.slowed if draw.kind == "slow" else self.doomed).add(rank)
+        if draw.phase in faults.FORMATION_PHASES:
+            self.forming[rank] = proc.pid
         keys.quietly(keys.arm, self.shared, rank, draw.to_json())
 
     def _inject(self, rank: int, action: str, spec: str) -> None:
