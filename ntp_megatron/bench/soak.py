@@ -79,10 +79,11 @@ def failure_spec(args: argparse.Namespace) -> str:
 
 
 def job_args(args: argparse.Namespace, iters: int) -> list[str]:
-    """The launcher's arguments both jobs share (the soak adds its failures)."""
+    """The launcher's arguments both jobs share (the soak adds its failures); ``--set`` after them wins."""
     out = ["--config", args.config] if args.config else []
     sets = {"parallel.tensor_model_parallel_size": args.tp, "parallel.data_parallel_size": args.dp,
             "training.train_iters": iters, "training.device": "cpu", "ntp.enabled": "true",
+            "training.micro_batch_size": 4, "training.global_batch_size": 4 * args.dp,  # one micro-batch per replica
             "ntp.warm_spares": args.warm_spares, "ntp.rejoin_after_s": f"{args.rejoin_after_s:g}",
             "logging.tensorboard_dir": "", "logging.log_interval": 10}
     for key, value in sets.items():
