@@ -111,11 +111,13 @@ class Agent:
         """Ranks armed with a failure they have not had yet (never picked again)."""
         self.slowed: set[int] = set()
         """Ranks armed with a slowdown (not picked again until they took it)."""
-        self.forming: dict[int, int] = {}
-        """Launch rank -> pid: armed with a failure in a re-formation (``reform``, ``connect``), not fired yet."""
-        self.deferred: list[tuple[faults.Draw, object, str]] = []
-        """Draws in a re-formation waiting for the one armed before to fire: such a draw waits for the next
-        re-formation, so two of them armed would fire in the same one, a burst nobody drew."""
+        self.pending: dict[int, tuple[int, bool]] = {}
+        """Launch rank -> (pid, in a re-formation): armed with a failure it has not had yet."""
+        self.deferred: dict[bool, list[tuple[faults.Draw, object, str]]] = {False: [], True: []}
+        """Draws in a rank's iteration (False) or in a re-formation (True) waiting for the one of their class armed
+        before to fire. An armed draw waits for its rank's next iteration (or re-formation): draws that came due
+        while the ranks were stalled (a fence takes seconds) would otherwise all fire in the same one, a burst
+        nobody drew. So at most one draw of each class is outstanding; the others keep their order."""
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
@@ -264,26 +266,28 @@ class Agent:
     def _fire_random(self, now: float) -> None:
         if self.training_started is None:
             return
-        if self.deferred and not self._forming():
-            self._apply(*self.deferred.pop(0))
+        for forming, queue in self.deferred.items():
+            if queue and not self._busy(forming):
+                self._apply(*queue.pop(0))
         updated = []
         for spec, due, gen in self._next_random:
             while due is not None and now - self.training_started >= due[0].at_s:
                 draw, rng = due
-                if draw.phase in faults.FORMATION_PHASES and (self._forming() or self.deferred):
-                    self.deferred.append((draw, rng, str(spec)))
+                forming = draw.phase in faults.FORMATION_PHASES
+                if not draw.outside and draw.kind != "slow" and (self._busy(forming) or self.deferred[forming]):
+                    self.deferred[forming].append((draw, rng, str(spec)))
                 else:
                     self._apply(draw, rng, str(spec))
                 due = next(gen, None)
             updated.append((spec, due, gen))
         self._next_random = updated
 
-    def _forming(self) -> bool:
-        """Whether a rank armed with a failure in a re-formation has not had it yet (its process lives on)."""
+    def _busy(self, forming: bool) -> bool:
+        """Whether a rank armed with a failure of this class has not had it yet (its process lives on)."""
         procs = self.processes()
-        self.forming = {r: pid for r, pid in self.forming.items()
+        self.pending = {r: (pid, f) for r, (pid, f) in self.pending.items()
                         if r in procs and procs[r].pid == pid and procs[r].poll() is None}
-        return bool(self.forming)
+        return any(f == forming for _, f in self.pending.values())
 
     def _apply(self, draw: faults.Draw, rng, spec: str) -> None:
         """A random failure that is due: on a live rank ``rng`` picks (none live: it is dropped)."""
@@ -310,8 +314,8 @@ class Agent:
         detail = f" (factor {draw.factor:g} for {draw.iterations} iterations)" if draw.kind == "slow" else ""
         self.say(f"arming {draw.kind} at phase {draw.phase} in launch rank {rank} (pid {proc.pid}){detail}: {spec}")
         (self.slowed if draw.kind == "slow" else self.doomed).add(rank)
-        if draw.phase in faults.FORMATION_PHASES:
-            self.forming[rank] = proc.pid
+        if draw.kind != "slow":
+            self.pending[rank] = (proc.pid, draw.phase in faults.FORMATION_PHASES)
         keys.quietly(keys.arm, self.shared, rank, draw.to_json())
 
     def _inject(self, rank: int, action: str, spec: str) -> None:

@@ -130,10 +130,10 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
     signals: list[tuple[int, int]] = []
     monkeypatch.setattr(agent_module, "_signal", lambda pid, sig: signals.append((pid, sig)))
     store = dist.HashStore()
-    procs = {r: _Proc(r, 1000 + r) for r in range(4)}
+    procs = {r: _Proc(r, 1000 + r) for r in range(6)}
     said: list[str] = []
     plan = [Draw(1.0, "kill", "reform"), Draw(2.0, "exit", "connect"), Draw(3.0, "kill", OUTSIDE),
-            Draw(4.0, "slow", "start", 2.0, 5)]
+            Draw(4.0, "slow", "start", 2.0, 5), Draw(4.5, "hang", "backward"), Draw(4.6, "spin", "forward")]
     spec = RandomFailures(1.0, seed=0, kinds=("kill", "exit", "slow"))
     monkeypatch.setattr(RandomFailures, "draws", lambda self: iter([(d, __import__("random").Random(d.at_s))
                                                                     for d in plan]))
@@ -142,15 +142,17 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
     agent.begin_training(agent.started)
     agent._fire_random(agent.started + 5.0)
     armed = [r for r in procs if keys.is_armed(store, r)]
-    assert len(armed) == 2 and len(agent.deferred) == 1  # the connect draw waits for the reform one
-    assert [line.split(" in launch")[0] for line in said] == ["arming kill at phase reform", "injecting kill of launch rank "
-                                                             f"{signals[0][0] - 1000} (pid {signals[0][0]}) from outside: "
-                                                             f"{spec}".split(" in launch")[0],
-                                                             "arming slow at phase start"]
-    (doomed,) = agent.forming
+    # One draw of each class outstanding: the connect draw waits for the reform one, the spin for the hang.
+    assert len(armed) == 3 and [len(q) for q in agent.deferred.values()] == [1, 1]
+    assert [line.split(" in launch")[0] for line in said] == [
+        "arming kill at phase reform",
+        f"injecting kill of launch rank {signals[0][0] - 1000} (pid {signals[0][0]}) from outside: {spec}",
+        "arming slow at phase start", "arming hang at phase backward"]
+    (doomed,) = [r for r, (_, forming) in agent.pending.items() if forming]
     procs[doomed].code = -9  # it fired: the deferred draw is armed at the next poll
     agent._fire_random(agent.started + 5.1)
-    assert agent.deferred == [] and "arming exit at phase connect" in said[-1]
+    assert agent.deferred[True] == [] and "arming exit at phase connect" in said[-1]
+    assert len(agent.deferred[False]) == 1  # the hang has not fired yet
     victim = int(said[-1].split("launch rank ")[1].split()[0])
     assert victim != doomed
     store.set(keys.failure(victim), "{}")
