@@ -185,11 +185,27 @@ class Job:
                     break
                 except subprocess.TimeoutExpired:
                     if time.monotonic() > deadline:
-                        print(f"soak: the job ran past --timeout-s {self.timeout_s:g}: stopping it", file=sys.stderr)
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        self.exit_code = proc.wait(timeout=30)
+                        self.exit_code = self._stop(proc)
                         break
         return self.exit_code
+
+    def _stop(self, proc: subprocess.Popen) -> int:
+        """The job ran past ``--timeout-s`` (a hang): SIGTERM the launcher (it stops its ranks), then SIGKILL whatever
+        of the job is left (each rank has a session of its own: a process group kill would miss them)."""
+        print(f"soak: the job ran past --timeout-s {self.timeout_s:g}: stopping it", file=sys.stderr)
+        tree = descendants(proc.pid)
+        proc.terminate()
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = -signal.SIGKILL
+        for pid in alive([*tree, *descendants(proc.pid)]):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+        return code
 
     def _sample(self, root: int) -> None:
         now, named = time.time(), roles(self.run_dir)

@@ -156,12 +156,19 @@ def generation_at(records: Sequence[dict], t: float) -> int:
 
 
 def _grouped(samples: Sequence[Sample], records: Sequence[dict]) -> dict[tuple[str, int], dict[int, Sample]]:
-    """(role, pid) -> generation -> the last sample of that process in that generation."""
+    """(role, pid) -> generation -> that process's steady counts in that generation: the least of its samples there
+    (a re-formation's transient threads and sockets, or a process on its way out, are not a leak), each count taken
+    alone. Samples after the ``job_ended`` event (the shutdown) are left out."""
     published = sorted((r["time"], r["generation"]) for r in records if r.get("event") == "generation_published")
+    ended = min((r["time"] for r in records if r.get("event") == "job_ended"), default=float("inf"))
     out: dict[tuple[str, int], dict[int, Sample]] = defaultdict(dict)
     for s in sorted(samples, key=lambda s: s.t):
+        if s.t > ended:
+            continue
         gen = max((g for t, g in published if t <= s.t), default=0)
-        out[s.role, s.pid][gen] = s
+        low = out[s.role, s.pid].get(gen)
+        out[s.role, s.pid][gen] = s if low is None else Sample(
+            low.t, s.pid, s.role, min(low.rss_mb, s.rss_mb), min(low.threads, s.threads), min(low.fds, s.fds))
     return out
 
 
@@ -179,8 +186,9 @@ class ResourceRow:
 
 
 def resources(samples: Sequence[Sample], records: Sequence[dict]) -> list[ResourceRow]:
-    """RSS, threads and fds of the launcher and of the rank processes: the first generation's (mean over its
-    processes), the last's, the maximum of any sample, and the largest growth of one process across generations."""
+    """RSS, threads and fds of the launcher and of the rank processes: the first generation's steady counts (mean
+    over its processes, :func:`_grouped`), the last's, the maximum of any sample, and the largest growth of one
+    process's steady counts from the first generation it lived in to its last."""
     grouped = _grouped(samples, records)
     rows = []
     for what, pick in (("launcher", lambda role: role == "launcher"), ("ranks", lambda role: role.startswith("rank"))):

@@ -41,7 +41,7 @@ RECORDS = [
     event("rank_failed", 4.5, launch_rank=0, cause="exited with code 1"),
     event("generation_published", 4.6, generation=3), event("reformed", 4.7, generation=3),
     it(4, 5.0, [2, 2], 2.0, 3),
-    event("job_summary", 6.0, goodput=0.5, wall_s=6.0),
+    event("job_ended", 6.0, exit_code=0), event("job_summary", 6.0, goodput=0.5, wall_s=6.0),
 ]
 REFERENCE = [it(1, 0, [2, 2], 5.0), it(2, 0, [2, 2], 4.0), it(3, 0, [2, 2], 3.00001), it(4, 0, [2, 2], 2.0)]
 
@@ -86,7 +86,9 @@ def test_resources_per_generation_first_last_max_and_growth():
     samples = [Sample(0.5, 10, "launcher", 100.0, 5, 20), Sample(5.5, 10, "launcher", 110.0, 5, 20),
                Sample(0.5, 100, "rank 0", 300.0, 15, 34), Sample(2.0, 100, "rank 0", 320.0, 18, 40),
                Sample(3.0, 100, "rank 0", 310.0, 15, 34), Sample(0.5, 101, "rank 1", 302.0, 15, 34),
-               Sample(5.0, 200, "rank 1", 290.0, 15, 34), Sample(1.0, 7, "other", 50.0, 2, 5)]
+               Sample(5.0, 200, "rank 1", 290.0, 15, 34), Sample(1.0, 7, "other", 50.0, 2, 5),
+               Sample(2.2, 100, "rank 0", 305.0, 16, 38),  # generation 1 again: its least counts are its steady ones
+               Sample(6.5, 10, "launcher", 90.0, 1, 3)]  # after the job ended: shutdown, left out
     rows = {r.what: r for r in soak_report.resources(samples, RECORDS)}
     assert rows["launcher"].first == {"rss_mb": 100.0, "threads": 5, "fds": 20}
     assert rows["launcher"].growth == {"rss_mb": 10.0, "threads": 0, "fds": 0}
@@ -94,6 +96,7 @@ def test_resources_per_generation_first_last_max_and_growth():
     assert ranks.processes == 3 and ranks.first == {"rss_mb": 301.0, "threads": 15, "fds": 34}
     assert ranks.last == {"rss_mb": 290.0, "threads": 15, "fds": 34}  # generation 3: the replacement only
     assert ranks.max == {"rss_mb": 320.0, "threads": 18, "fds": 40}
+    assert soak_report._grouped(samples, RECORDS)["rank 0", 100][1].threads == 16
     # rank 0's process: generation 0 (300, 15, 34) to generation 2 (310, 15, 34): no thread or fd left behind.
     assert ranks.growth == {"rss_mb": 10.0, "threads": 0, "fds": 0}
     rep = soak_report.report(LOG, RECORDS, REFERENCE, samples, 0, 2, 4, leftover=[])
