@@ -149,8 +149,11 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
         f"injecting kill of launch rank {signals[0][0] - 1000} (pid {signals[0][0]}) from outside: {spec}",
         "arming slow at phase start", "arming hang at phase backward"]
     (doomed,) = [r for r, (_, forming) in agent.pending.items() if forming]
-    procs[doomed].code = -9  # it fired: the deferred draw is armed at the next poll
+    procs[doomed].code = -9  # it fired: the deferred draw is armed its gap (1 s after the draw before) later
     agent._fire_random(agent.started + 5.1)
+    agent._fire_random(agent.started + 6.0)
+    assert len(agent.deferred[True]) == 1
+    agent._fire_random(agent.started + 6.1)
     assert agent.deferred[True] == [] and "arming exit at phase connect" in said[-1]
     assert len(agent.deferred[False]) == 1  # the hang has not fired yet
     victim = int(said[-1].split("launch rank ")[1].split()[0])
