@@ -234,6 +234,57 @@ class RandomFailures:
             yield t, rng
 
 
+class DrawPacer:
+    """Which random draws the launcher applies when (pure: the launcher says what is busy, and applies them).
+
+    A draw at a phase waits, once armed, for its rank's next iteration (or re-formation): draws that came due while
+    the ranks were stalled (a fence takes seconds) would all fire in the same one, a burst nobody drew. So at most one
+    armed draw of each class — in an iteration, in a re-formation (:data:`FORMATION_PHASES`) — is outstanding; the
+    others wait in order and keep their gaps: the next is due its gap (after the draw of its class before it) after
+    the outstanding one fired. Draws from outside and slowdowns are due at their drawn times."""
+
+    def __init__(self, specs: Sequence[RandomFailures]) -> None:
+        self._next = [(str(s), next(gen, None), gen) for s in specs for gen in [iter(s.draws())]]
+        self.deferred: dict[bool, list[tuple[float, Draw, random.Random, str]]] = {False: [], True: []}
+        """Per class (in a re-formation or not): (gap, draw, victim generator, spec) waiting."""
+        self._last_at = {False: 0.0, True: 0.0}
+        self._freed: dict[bool, Optional[float]] = {False: None, True: None}
+        """When each class's outstanding draw was first seen fired while others of the class wait."""
+
+    def due(self, clock: float, busy: Callable[[bool], bool]) -> list[tuple[Draw, random.Random, str]]:
+        """The draws to apply at ``clock`` (seconds since the first iteration); ``busy(forming)``: whether an armed
+        draw of that class has not fired yet."""
+        out, taken = [], set()
+        for forming, queue in self.deferred.items():
+            if not queue or busy(forming):
+                self._freed[forming] = None
+                continue
+            freed = self._freed[forming] = clock if self._freed[forming] is None else self._freed[forming]
+            if clock - freed >= queue[0][0]:
+                _, draw, rng, spec = queue.pop(0)
+                self._freed[forming] = None
+                out.append((draw, rng, spec))
+                taken.add(forming)
+        updated = []
+        for spec, due, gen in self._next:
+            while due is not None and clock >= due[0].at_s:
+                draw, rng = due
+                forming = draw.phase in FORMATION_PHASES
+                if draw.outside or draw.kind == "slow":
+                    out.append((draw, rng, spec))
+                else:
+                    gap, self._last_at[forming] = draw.at_s - self._last_at[forming], draw.at_s
+                    if forming in taken or busy(forming) or self.deferred[forming]:
+                        self.deferred[forming].append((gap, draw, rng, spec))
+                    else:
+                        out.append((draw, rng, spec))
+                        taken.add(forming)
+                due = next(gen, None)
+            updated.append((spec, due, gen))
+        self._next = updated
+        return out
+
+
 @dataclass(frozen=True)
 class SlowRank:
     """From iteration ``iteration`` on, launch rank ``rank`` computes ``factor`` times as long (1: normal again)."""

@@ -105,24 +105,13 @@ class Agent:
         self._waits_published: Optional[float] = None
         """When (:attr:`clock`) this launcher last published waits of its ranks; None: its entry is empty."""
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
-        self._random = [(s, s.draws()) for s in specs if isinstance(s, faults.RandomFailures)]
-        self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
+        self.pacer = faults.DrawPacer([s for s in specs if isinstance(s, faults.RandomFailures)])
         self.doomed: set[int] = set()
         """Ranks armed with a failure they have not had yet (never picked again)."""
         self.slowed: set[int] = set()
         """Ranks armed with a slowdown (not picked again until they took it)."""
         self.pending: dict[int, tuple[int, bool]] = {}
         """Launch rank -> (pid, in a re-formation): armed with a failure it has not had yet."""
-        self.deferred: dict[bool, list[tuple[float, faults.Draw, object, str]]] = {False: [], True: []}
-        """Draws in a rank's iteration (False) or in a re-formation (True) waiting for the one of their class armed
-        before to fire, each with its gap after the draw of its class before it. An armed draw waits for its rank's
-        next iteration (or re-formation): draws that came due while the ranks were stalled (a fence takes seconds)
-        would otherwise all fire in the same one, a burst nobody drew. So at most one draw of each class is
-        outstanding; the others keep their order and their gaps (shifted, never closer together)."""
-        self._last_at = {False: 0.0, True: 0.0}
-        """The drawn time of the last draw of each class (armed or deferred)."""
-        self._freed: dict[bool, Optional[float]] = {False: None, True: None}
-        """When (on the ``random:`` clock) each class's outstanding draw fired while others wait."""
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
@@ -271,36 +260,8 @@ class Agent:
     def _fire_random(self, now: float) -> None:
         if self.training_started is None:
             return
-        clock = now - self.training_started
-        self._release(clock)
-        updated = []
-        for spec, due, gen in self._next_random:
-            while due is not None and clock >= due[0].at_s:
-                draw, rng = due
-                forming = draw.phase in faults.FORMATION_PHASES
-                armed = not draw.outside and draw.kind != "slow"
-                if armed:
-                    gap, self._last_at[forming] = draw.at_s - self._last_at[forming], draw.at_s
-                if armed and (self._busy(forming) or self.deferred[forming]):
-                    self.deferred[forming].append((gap, draw, rng, str(spec)))
-                else:
-                    self._apply(draw, rng, str(spec))
-                due = next(gen, None)
-            updated.append((spec, due, gen))
-        self._next_random = updated
-
-    def _release(self, clock: float) -> None:
-        """Arm the first deferred draw of each class whose outstanding draw fired its gap ago (``clock``: seconds
-        on the ``random:`` clock)."""
-        for forming, queue in self.deferred.items():
-            if not queue or self._busy(forming):
-                self._freed[forming] = None
-                continue
-            freed = self._freed[forming] = clock if self._freed[forming] is None else self._freed[forming]
-            if clock - freed >= queue[0][0]:
-                _, draw, rng, spec = queue.pop(0)
-                self._freed[forming] = None
-                self._apply(draw, rng, spec)
+        for draw, rng, spec in self.pacer.due(now - self.training_started, self._busy):
+            self._apply(draw, rng, spec)
 
     def _busy(self, forming: bool) -> bool:
         """Whether a rank armed with a failure of this class has not had it yet (its process lives on)."""

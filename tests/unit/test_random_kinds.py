@@ -143,7 +143,7 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
     agent._fire_random(agent.started + 5.0)
     armed = [r for r in procs if keys.is_armed(store, r)]
     # One draw of each class outstanding: the connect draw waits for the reform one, the spin for the hang.
-    assert len(armed) == 3 and [len(q) for q in agent.deferred.values()] == [1, 1]
+    assert len(armed) == 3 and [len(q) for q in agent.pacer.deferred.values()] == [1, 1]
     assert [line.split(" in launch")[0] for line in said] == [
         "arming kill at phase reform",
         f"injecting kill of launch rank {signals[0][0] - 1000} (pid {signals[0][0]}) from outside: {spec}",
@@ -152,12 +152,32 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
     procs[doomed].code = -9  # it fired: the deferred draw is armed its gap (1 s after the draw before) later
     agent._fire_random(agent.started + 5.1)
     agent._fire_random(agent.started + 6.0)
-    assert len(agent.deferred[True]) == 1
+    assert len(agent.pacer.deferred[True]) == 1
     agent._fire_random(agent.started + 6.1)
-    assert agent.deferred[True] == [] and "arming exit at phase connect" in said[-1]
-    assert len(agent.deferred[False]) == 1  # the hang has not fired yet
+    assert agent.pacer.deferred[True] == [] and "arming exit at phase connect" in said[-1]
+    assert len(agent.pacer.deferred[False]) == 1  # the hang has not fired yet
     victim = int(said[-1].split("launch rank ")[1].split()[0])
     assert victim != doomed
     store.set(keys.failure(victim), "{}")
     agent.forget(victim)  # a replacement: neither the armed draw nor the old record is its
     assert not keys.is_armed(store, victim) and keys.injected_failure(store, victim) is None
+
+
+def test_the_pacer_defers_armed_draws_of_a_busy_class_keeping_their_gaps(monkeypatch):
+    plan = [Draw(1.0, "exit", "forward"), Draw(1.5, "hang", "start"), Draw(3.5, "kill", "backward"),
+            Draw(3.6, "kill", OUTSIDE), Draw(3.7, "slow", "start", 2.0, 3)]
+    monkeypatch.setattr(RandomFailures, "draws", lambda self: iter([(d, None) for d in plan]))
+    pacer = faults.DrawPacer([RandomFailures(1.0, kinds=("kill",))])
+    state = {"busy": False}
+
+    def due(clock: float) -> list[Draw]:
+        out = [d for d, _, _ in pacer.due(clock, lambda forming: state["busy"] and not forming)]
+        state["busy"] = state["busy"] or any(not d.outside and d.kind != "slow" for d in out)
+        return out
+
+    assert due(1.0) == [plan[0]]
+    assert due(4.0) == [plan[3], plan[4]]  # the rank stalled: the armed ones wait, outside and slow do not
+    state["busy"] = False  # the exit fired at 10.0: the hang is due 0.5 s later, the kill 2 s after the hang fired
+    assert due(10.0) == [] and due(10.5) == [plan[1]]
+    state["busy"] = False
+    assert due(20.0) == [] and due(21.9) == [] and due(22.0) == [plan[2]]
