@@ -100,8 +100,27 @@ def test_resources_per_generation_first_last_max_and_growth():
     # rank 0's process: generation 0 (300, 15, 34) to generation 2 (310, 15, 34): no thread or fd left behind.
     assert ranks.growth == {"rss_mb": 10.0, "threads": 0, "fds": 0}
     rep = soak_report.report(LOG, RECORDS, REFERENCE, samples, 0, 2, 4, leftover=[])
-    assert rep["verdict"] == {"nothing_lost": True, "nothing_leaked": True, "grew": {"launcher": {}, "ranks": {}},
-                              "loss_equal": True}
+    assert rep["verdict"] == {"nothing_lost": True, "nothing_leaked": True, "grew": {}, "loss_equal": True}
     assert "| kill | 2 | 2 | 2 | 0 | 0 |" in soak_report.table(rep)
     leaked = soak_report.report(LOG, RECORDS, REFERENCE, samples, 0, 2, 4, leftover=[4242])
     assert not leaked["verdict"]["nothing_leaked"] and "4242" in soak_report.table(leaked)
+
+
+def resources(rank: int, gen: int, threads: int, fds: int, held: int = 0) -> dict:
+    return {"kind": "resources", "launch_rank": rank, "generation": gen, "threads": threads, "fds": fds,
+            "rss_mb": 300.0 + gen, "held_generations": held}
+
+
+def test_rank_growth_per_process_is_the_floor_of_its_last_generations_against_its_first():
+    records = [event("generation_published", float(g), generation=g) for g in range(10)]
+    records += [resources(0, g, 15 + (g == 4) * 3, 32) for g in range(9)]  # a helper thread once: no growth
+    records += [resources(1, g, 15, 32 + g // 3) for g in range(4)]  # fds 32 32 32 33: floor 32 -> 33
+    records += [event("replacement_started", 4.5, launch_rank=1)]  # launch rank 1's new process from generation 5
+    records += [resources(1, g, 15, 30) for g in range(5, 9)]
+    procs = soak_report.rank_processes(records)
+    assert sorted(procs) == [(0, 0), (1, 0), (1, 5)] and len(procs[1, 5]) == 4
+    growth = soak_report.rank_growth(records)
+    assert (growth["threads"], growth["fds"], growth["grew"], growth["processes"]) == (0, 1, 1, 3)
+    assert growth["fds_where"] == "launch rank 1 from generation 0" and growth["rss_mb"] == 6.0
+    rep = soak_report.report("", records + [it(1, 1.0, [2], 1.0)], [it(1, 0, [2], 1.0)], [], 0, 2, 1, [])
+    assert rep["verdict"]["grew"] == {"fds": 1} and not rep["verdict"]["nothing_leaked"]
