@@ -38,7 +38,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="seconds the soak should train: its iterations come from a 20-iteration failure-free probe")
     p.add_argument("--mtbf", type=float, default=7.0, help="mean seconds between failures (default 7)")
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--kinds", default="kill+exit+hang+spin+slow", help="'+'-joined, of " + ", ".join(faults.RANDOM_KINDS))
+    p.add_argument("--kinds", default="kill+exit+hang+spin+slow",
+                   help="'+'-joined, of " + ", ".join(faults.RANDOM_KINDS))
     p.add_argument("--max-failures", type=int, default=None, help="stop injecting after this many")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--dp", type=int, default=3)

@@ -133,7 +133,8 @@ def loss_against(got: dict[int, float], want: dict[int, float]) -> dict:
             "max_rel_delta": worst[0], "at_iteration": worst[1],
             "max_abs_delta": max((abs(got[i] - want[i]) for i in common), default=0.0),
             "over_tolerance": len(over), "first_over_tolerance": over[0] if over else None,
-            "final_lm_loss": got[max(got)] if got else None, "reference_final_lm_loss": want[max(want)] if want else None,
+            "final_lm_loss": got[max(got)] if got else None,
+            "reference_final_lm_loss": want[max(want)] if want else None,
             "equal": not missing and bool(common) and worst[0] <= LOSS_TOL}
 
 
@@ -317,8 +318,10 @@ def table(rep: dict) -> str:
               f"| final lm loss (failure-free) | {_num(loss['final_lm_loss'], '{:.6f}')} "
               f"({_num(loss['reference_final_lm_loss'], '{:.6f}')}) |",
               f"| max rel. delta loss | {loss['max_rel_delta']:.2e} at iteration {loss['at_iteration']} over "
-              f"{loss['iterations']} iterations ({loss['missing_count']} missing); absolute {loss['max_abs_delta']:.1e} |",
-              f"| iterations over rel. {LOSS_TOL:g} | {loss['over_tolerance']} (first {loss['first_over_tolerance']}) |",
+              f"{loss['iterations']} iterations ({loss['missing_count']} missing); absolute "
+              f"{loss['max_abs_delta']:.1e} |",
+              f"| iterations over rel. {LOSS_TOL:g} | {loss['over_tolerance']} "
+              f"(first {loss['first_over_tolerance']}) |",
               "", "| /proc, per generation (least sample) | RSS MB first / last / max (growth) | threads | fds |",
               "|---|---|---|---|"]
     for r in rep["resources"]:

@@ -17,13 +17,15 @@ waiter in a group it waits in, making no progress for the patience, not waiting 
 iteration — by name (:mod:`ntp_megatron.elastic.blame`, the rule). How long a rank's progress stood still is
 measured on its launcher's monotonic clock; a wait's length on its rank's: no clocks of two hosts are compared.
 
-*Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
+*Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are
+executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
 iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up. With
 ``random:...,kinds=`` a draw at a phase of the rank's own is *armed* in the root store (the rank takes it at its next
 iteration's start and fires there, :class:`ntp_megatron.faults.FailureTrigger`); the launcher says so in one line,
-``arming KIND at phase P in launch rank R (pid N): SPEC`` (a soak counts them, :mod:`ntp_megatron.bench.soak`). A
-rank armed with a failure is not picked again; one armed with a slowdown is once it took it.
+``arming KIND at phase P in launch rank R (pid N): SPEC`` (``scripts/soak.sh`` counts them). A rank armed with a
+failure is not picked again; one armed with a slowdown is once it took it. Armed draws are paced
+(:class:`ntp_megatron.faults.DrawPacer`): one outstanding per class, the others keep their gaps.
 """
 
 from __future__ import annotations

@@ -46,7 +46,8 @@ def test_every_kind_is_drawn_only_at_a_phase_its_in_rank_spec_allows(ntp, checkp
     for d in got:
         assert d.phase in random_phases(d.kind, ntp, checkpoints, gloo)
         if d.kind == "slow":
-            assert SLOW_FACTORS[0] <= d.factor <= SLOW_FACTORS[1] and SLOW_ITERATIONS[0] <= d.iterations <= SLOW_ITERATIONS[1]
+            assert SLOW_FACTORS[0] <= d.factor <= SLOW_FACTORS[1]
+            assert SLOW_ITERATIONS[0] <= d.iterations <= SLOW_ITERATIONS[1]
             continue
         if d.phase == OUTSIDE:
             assert d.kind in ("kill", "hang")
@@ -61,7 +62,8 @@ def test_every_kind_is_drawn_only_at_a_phase_its_in_rank_spec_allows(ntp, checkp
 
 def test_without_kinds_the_spec_and_its_draws_are_as_before():
     spec = parse_failure_spec("random:mtbf=5,seed=3,max=2,action=hang")
-    assert spec == RandomFailures(5.0, seed=3, max=2, action="hang") and str(spec) == "random:mtbf=5,seed=3,max=2,action=hang"
+    assert spec == RandomFailures(5.0, seed=3, max=2, action="hang")
+    assert str(spec) == "random:mtbf=5,seed=3,max=2,action=hang"
     assert [(d.kind, d.phase) for d, _ in spec.draws()] == [("hang", OUTSIDE)] * 2
     assert faults.to_env([spec]) == "[]"  # nothing armed: the ranks look for nothing
     with_kinds = parse_failure_spec("random:mtbf=5,kinds=kill+slow")
