@@ -59,6 +59,15 @@ Controller-side (the launcher does it from outside)::
 
     kill:rank=R,after=S                              SIGKILL launch rank R at S seconds of wall time
     random:mtbf=S[,seed=K][,max=M][,action=kill|hang]   kill (or hang) random live ranks, exponential gaps of mean S
+    random:mtbf=S[,seed=K][,max=M],kinds=K1+K2+...      a kind drawn among kill, exit, hang, spin, slow each time
+
+With ``kinds`` (a soak, :mod:`ntp_megatron.bench.soak`) each failure is a :class:`Draw`: its kind, then a phase drawn
+from the kind's valid phases in this job (:func:`random_phases`; ``outside``: the launcher's own signal, wherever the
+rank is, as without ``kinds``), for ``slow`` a factor and a number of iterations (then factor 1). The launcher *arms*
+a victim with an in-rank draw through its store (:func:`ntp_megatron.elastic.keys.arm`); the rank takes it at the
+start of its next iteration and fires at that phase of it (or of the first re-formation, checkpoint save... after it,
+for phases outside an iteration). Everything drawn but the victim is a function of the seed alone
+(:meth:`RandomFailures.draws`). A lost host is not a kind yet (:data:`LATER_KINDS`).
 
 Every spec fires at most once per run, also across restarts from a checkpoint (the launcher's store records
 what fired). A bad spec is one line naming the problem (exit code 2).
@@ -93,7 +102,21 @@ SPIN_PHASES = phases.ITERATION
 its peers wait on it for a stuck one (:data:`ntp_megatron.phases.ITERATION`)."""
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom, spin; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, slow:rank=R,factor=F[,iter=N], or "
-         "random:mtbf=S[,seed=K][,max=M][,action=kill|hang]")
+         "random:mtbf=S[,seed=K][,max=M][,action=kill|hang | ,kinds=K1+K2...]")
+RANDOM_KINDS = ("kill", "exit", "hang", "spin", "slow")
+"""What ``random:...,kinds=`` may draw: failures NTP absorbs (``error`` and ``oom`` stop the job by design) and a slow
+rank."""
+LATER_KINDS = {"host": "a lost host (every rank of one launcher at once) needs several launchers and the lost-host "
+                       "detection being built; not a random kind yet"}
+"""Kinds a soak should draw one day, refused with the reason (a ``host`` kind fits :class:`Draw` as it is: the
+launcher would pick a node instead of a rank)."""
+OUTSIDE = "outside"
+"""The phase of a kill or hang the launcher does itself with a signal, wherever the rank is (start-up, a store wait,
+an iteration): what ``random:`` without ``kinds`` does."""
+SLOW_FACTORS = (1.5, 4.0)
+"""A drawn slowdown's factor: uniform in this range, to one decimal."""
+SLOW_ITERATIONS = (3, 30)
+"""A drawn slowdown lasts this many iterations (inclusive range), then its factor is 1 again."""
 
 
 @dataclass(frozen=True)
@@ -125,17 +148,81 @@ class TimedKill:
 
 
 @dataclass(frozen=True)
+class Draw:
+    """One failure of a ``random:...,kinds=`` spec: when (seconds after the first iteration), what, where."""
+
+    at_s: float
+    kind: str
+    phase: str
+    """A phase of :data:`PHASES`, or :data:`OUTSIDE` (the launcher's signal); ``start`` for ``slow``."""
+    factor: float = 1.0
+    """``slow`` only: how many times as long the rank computes."""
+    iterations: int = 0
+    """``slow`` only: for how many iterations."""
+
+    @property
+    def outside(self) -> bool:
+        return self.phase == OUTSIDE
+
+    def spec(self, rank: int, iteration: int) -> Union["RankFailure", "SlowRank"]:
+        """The in-rank spec this draw becomes in launch rank ``rank``, armed at the start of ``iteration``."""
+        if self.kind == "slow":
+            return SlowRank(rank=rank, factor=self.factor, iteration=iteration)
+        return RankFailure(action=self.kind, rank=rank, iteration=iteration, phase=self.phase)  # type: ignore[arg-type]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def random_phases(kind: str, ntp: bool = True, checkpoints: bool = False, gloo: bool = True,
+                  progress_fence: bool = True) -> tuple[str, ...]:
+    """The phases a random failure of ``kind`` may be drawn at in a job (a pure function of the job's settings):
+    every phase where the in-rank spec would be valid (:func:`parse_failure_spec`) and is sure to come; ``eval``
+    never (only evaluation iterations have one), ``connect`` only on gloo. Empty: the kind cannot happen here."""
+    if kind == "slow":
+        return ("start",)
+    if kind == "spin":
+        return SPIN_PHASES if ntp and progress_fence else ()
+    pool = ["start", *phases.ITERATION, "param_gather"]
+    if ntp:
+        pool += ["reform", "connect"] if gloo else ["reform"]
+    if checkpoints:
+        pool += ["checkpoint", "checkpoint_write"]
+    return tuple([OUTSIDE, *pool] if kind in ("kill", "hang") else pool)
+
+
+@dataclass(frozen=True)
 class RandomFailures:
-    """The launcher kills (or hangs) a random live rank after exponentially distributed gaps of mean ``mtbf_s``."""
+    """The launcher kills (or hangs) a random live rank after exponentially distributed gaps of mean ``mtbf_s``;
+    with ``kinds``, a failure of a kind drawn among them each time, at a drawn phase (:meth:`draws`)."""
 
     mtbf_s: float
     seed: int = 0
     max: Optional[int] = None
     action: Literal["kill", "hang"] = "kill"
+    kinds: tuple[str, ...] = ()
+    """Empty: every failure is ``action`` from outside (the grammar before ``kinds``, drawn as it was)."""
+    pools: tuple[tuple[str, ...], ...] = ()
+    """Per kind of :attr:`kinds`, the phases it is drawn at in this job (:func:`random_phases`)."""
 
     def __str__(self) -> str:
-        text = f"random:mtbf={self.mtbf_s:g},seed={self.seed}"
-        return text + (f",max={self.max}" if self.max is not None else "") + f",action={self.action}"
+        text = f"random:mtbf={self.mtbf_s:g},seed={self.seed}" + (f",max={self.max}" if self.max is not None else "")
+        return text + (f",kinds={'+'.join(self.kinds)}" if self.kinds else f",action={self.action}")
+
+    def draws(self) -> Iterable[tuple[Draw, random.Random]]:
+        """Every failure of the run (with the generator that then picks the victim among the live ranks). The gaps
+        and the victims come from ``Random(seed)`` as :meth:`schedule`'s; kinds, phases, factors and durations from
+        a second generator of the seed, so they do not depend on how many ranks were live at each draw."""
+        what = random.Random(f"kinds/{self.seed}")
+        kinds, pools = self.kinds or (self.action,), self.pools or ((OUTSIDE,),)
+        for at, rng in self.schedule():
+            i = what.randrange(len(kinds))
+            kind, phase = kinds[i], what.choice(pools[i])
+            if kind == "slow":
+                factor = round(what.uniform(*SLOW_FACTORS), 1)
+                yield Draw(at, kind, phase, factor, what.randint(*SLOW_ITERATIONS)), rng
+            else:
+                yield Draw(at, kind, phase), rng
 
     def schedule(self) -> Iterable[tuple[float, random.Random]]:
         """Wall-clock offsets of successive failures (with the generator that then picks the victim)."""
@@ -145,6 +232,57 @@ class RandomFailures:
             t += rng.expovariate(1.0 / self.mtbf_s)
             n += 1
             yield t, rng
+
+
+class DrawPacer:
+    """Which random draws the launcher applies when (pure: the launcher says what is busy, and applies them).
+
+    A draw at a phase waits, once armed, for its rank's next iteration (or re-formation): draws that came due while
+    the ranks were stalled (a fence takes seconds) would all fire in the same one, a burst nobody drew. So at most one
+    armed draw of each class — in an iteration, in a re-formation (:data:`FORMATION_PHASES`) — is outstanding; the
+    others wait in order and keep their gaps: the next is due its gap (after the draw of its class before it) after
+    the outstanding one fired. Draws from outside and slowdowns are due at their drawn times."""
+
+    def __init__(self, specs: Sequence[RandomFailures]) -> None:
+        self._next = [(str(s), next(gen, None), gen) for s in specs for gen in [iter(s.draws())]]
+        self.deferred: dict[bool, list[tuple[float, Draw, random.Random, str]]] = {False: [], True: []}
+        """Per class (in a re-formation or not): (gap, draw, victim generator, spec) waiting."""
+        self._last_at = {False: 0.0, True: 0.0}
+        self._freed: dict[bool, Optional[float]] = {False: None, True: None}
+        """When each class's outstanding draw was first seen fired while others of the class wait."""
+
+    def due(self, clock: float, busy: Callable[[bool], bool]) -> list[tuple[Draw, random.Random, str]]:
+        """The draws to apply at ``clock`` (seconds since the first iteration); ``busy(forming)``: whether an armed
+        draw of that class has not fired yet."""
+        out, taken = [], set()
+        for forming, queue in self.deferred.items():
+            if not queue or busy(forming):
+                self._freed[forming] = None
+                continue
+            freed = self._freed[forming] = clock if self._freed[forming] is None else self._freed[forming]
+            if clock - freed >= queue[0][0]:
+                _, draw, rng, spec = queue.pop(0)
+                self._freed[forming] = None
+                out.append((draw, rng, spec))
+                taken.add(forming)
+        updated = []
+        for spec, due, gen in self._next:
+            while due is not None and clock >= due[0].at_s:
+                draw, rng = due
+                forming = draw.phase in FORMATION_PHASES
+                if draw.outside or draw.kind == "slow":
+                    out.append((draw, rng, spec))
+                else:
+                    gap, self._last_at[forming] = draw.at_s - self._last_at[forming], draw.at_s
+                    if forming in taken or busy(forming) or self.deferred[forming]:
+                        self.deferred[forming].append((gap, draw, rng, spec))
+                    else:
+                        out.append((draw, rng, spec))
+                        taken.add(forming)
+                due = next(gen, None)
+            updated.append((spec, due, gen))
+        self._next = updated
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,13 +323,15 @@ def _fields(text: str, rest: str, allowed: dict[str, type]) -> dict:
 
 def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters: Optional[int] = None,
                        checkpoints: bool = False, ntp: bool = True, resumes_after: int = 0,
-                       eval_interval: Optional[int] = None) -> FailureSpec:
+                       eval_interval: Optional[int] = None, gloo: bool = True,
+                       progress_fence: bool = True) -> FailureSpec:
     """Parse one ``--inject-failure`` value; raises ConfigError naming what is wrong and what is allowed.
 
     ``world_size``: launch ranks are 0..world_size-1. ``train_iters``: an iteration past the run never fires,
     so it is refused; so is one at or before ``resumes_after``, the iteration of the checkpoint the run resumes
     from. ``checkpoints``: whether the run saves checkpoints (phase ``checkpoint`` needs it). ``eval_interval``:
-    the run's evaluation interval, None if it does not evaluate (phase ``eval`` needs one).
+    the run's evaluation interval, None if it does not evaluate (phase ``eval`` needs one). ``gloo`` (the backend is
+    sure to be gloo) and ``progress_fence`` (``ntp.progress_fence``): which phases ``random:...,kinds=`` draws.
     """
     action, sep, rest = text.partition(":")
     if not sep or action not in (*ACTIONS, "random", "slow"):
@@ -199,7 +339,7 @@ def parse_failure_spec(text: str, world_size: Optional[int] = None, train_iters:
     if action == "slow":
         return _slow_rank(text, rest, world_size, train_iters)
     if action == "random":
-        return _random_failures(text, rest)
+        return _random_failures(text, rest, ntp, checkpoints, gloo, progress_fence)
     if "after=" in rest:
         return _timed_kill(text, action, rest, world_size)
     f = _fields(text, rest, {"rank": int, "iter": int, "phase": str, "code": int})
@@ -246,9 +386,10 @@ def _slow_rank(text: str, rest: str, world_size: Optional[int], train_iters: Opt
     return slow
 
 
-def _random_failures(text: str, rest: str) -> RandomFailures:
-    """``random:mtbf=S[,seed=K][,max=M][,action=kill|hang]`` (:func:`parse_failure_spec`)."""
-    f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str})
+def _random_failures(text: str, rest: str, ntp: bool = True, checkpoints: bool = False, gloo: bool = True,
+                     progress_fence: bool = True) -> RandomFailures:
+    """``random:mtbf=S[,seed=K][,max=M][,action=kill|hang | ,kinds=K1+K2...]`` (:func:`parse_failure_spec`)."""
+    f = _fields(text, rest, {"mtbf": float, "seed": int, "max": int, "action": str, "kinds": str})
     if "mtbf" not in f:
         raise ConfigError(f"--inject-failure {text!r}: missing mtbf (mean seconds between failures)")
     if f["mtbf"] <= 0:
@@ -257,7 +398,32 @@ def _random_failures(text: str, rest: str) -> RandomFailures:
         raise ConfigError(f"--inject-failure {text!r}: max must be ≥ 1")
     if f.get("action", "kill") not in ("kill", "hang"):
         raise ConfigError(f"--inject-failure {text!r}: action must be kill or hang, got {f['action']!r}")
-    return RandomFailures(mtbf_s=f["mtbf"], seed=f.get("seed", 0), max=f.get("max"), action=f.get("action", "kill"))
+    kinds, pools = _random_kinds(text, f, ntp, checkpoints, gloo, progress_fence) if "kinds" in f else ((), ())
+    return RandomFailures(mtbf_s=f["mtbf"], seed=f.get("seed", 0), max=f.get("max"), action=f.get("action", "kill"),
+                          kinds=kinds, pools=pools)
+
+
+def _random_kinds(text: str, f: dict, ntp: bool, checkpoints: bool, gloo: bool,
+                  progress_fence: bool) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """The ``kinds`` of a random spec and each one's phases in this job (:func:`_random_failures`)."""
+    if "action" in f:
+        raise ConfigError(f"--inject-failure {text!r}: give kinds or action, not both (kinds=hang is action=hang at "
+                          "a drawn phase)")
+    kinds = tuple(f["kinds"].split("+"))
+    for kind in kinds:
+        if kind in LATER_KINDS:
+            raise ConfigError(f"--inject-failure {text!r}: kind {kind!r} is not supported yet: {LATER_KINDS[kind]}")
+        if kind not in RANDOM_KINDS:
+            raise ConfigError(f"--inject-failure {text!r}: kinds must be some of {', '.join(RANDOM_KINDS)} joined by "
+                              f"'+', got {kind!r}")
+    if len(set(kinds)) != len(kinds):
+        raise ConfigError(f"--inject-failure {text!r}: kinds names a kind twice")
+    pools = tuple(random_phases(k, ntp, checkpoints, gloo, progress_fence) for k in kinds)
+    for kind, pool in zip(kinds, pools):
+        if not pool:
+            raise ConfigError(f"--inject-failure {text!r}: kind spin needs ntp.enabled and ntp.progress_fence (NTP's "
+                              "launcher fences a spinning rank by its progress)")
+    return kinds, pools
 
 
 def _timed_kill(text: str, action: str, rest: str, world_size: Optional[int]) -> TimedKill:
@@ -306,13 +472,27 @@ def _check_rank(text: str, rank: int, world_size: Optional[int]) -> None:
 
 def to_env(specs: Sequence[FailureSpec]) -> str:
     """The in-rank specs (failures and slowdowns), for the ranks' environment (controller-side ones stay in the
-    launcher)."""
-    return json.dumps([asdict(s) for s in specs if isinstance(s, (RankFailure, SlowRank))])
+    launcher); ``{"armable": true}`` too when the launcher may arm ranks with random draws (:func:`armable`)."""
+    items = [asdict(s) for s in specs if isinstance(s, (RankFailure, SlowRank))]
+    if any(isinstance(s, RandomFailures) and any(p != (OUTSIDE,) for p in s.pools) for s in specs):
+        items.append({"armable": True})
+    return json.dumps(items)
+
+
+def _env_items(environ: Optional[dict[str, str]]) -> list[dict]:
+    raw = (environ if environ is not None else os.environ).get(ENV_FAILURES)
+    return json.loads(raw) if raw else []
 
 
 def from_env(environ: Optional[dict[str, str]] = None) -> list[Union[RankFailure, SlowRank]]:
-    raw = (environ if environ is not None else os.environ).get(ENV_FAILURES)
-    return [SlowRank(**item) if "factor" in item else RankFailure(**item) for item in json.loads(raw)] if raw else []
+    return [SlowRank(**item) if "factor" in item else RankFailure(**item)
+            for item in _env_items(environ) if "armable" not in item]
+
+
+def armable(environ: Optional[dict[str, str]] = None) -> bool:
+    """Whether the launcher may arm this rank with a random draw: then it looks for one at every iteration's start (one
+    store request; only in such runs)."""
+    return any("armable" in item for item in _env_items(environ))
 
 
 class InjectedError(RuntimeError):
@@ -330,15 +510,30 @@ class FailureTrigger:
 
     def __init__(self, launch_rank: int, specs: Iterable[RankFailure],
                  on_fire: Optional[Callable[[RankFailure], None]] = None,
-                 fired: Optional[Callable[[RankFailure], bool]] = None) -> None:
+                 fired: Optional[Callable[[RankFailure], bool]] = None,
+                 take: Optional[Callable[[], Optional[dict]]] = None, slowdown: Optional["Slowdown"] = None) -> None:
+        """``take``: the draw the launcher armed this rank with, if any (taken: it is gone from the store), read at
+        every iteration's start; ``slowdown``: the pace a drawn ``slow`` changes."""
+        self.rank = launch_rank
         self._mine = [s for s in specs if s.rank == launch_rank]
         self._on_fire = on_fire
         self._fired = fired
+        self._take = take
+        self._slowdown = slowdown
+        self._armed: list[RankFailure] = []
+        """Drawn failures: each fires at the first point of its phase at or after its iteration."""
         self.iteration = 0
         """The 1-based iteration in progress, for a :meth:`point` called without one."""
 
     def point(self, phase: str, iteration: Optional[int] = None) -> None:
         iteration = self.iteration if iteration is None else iteration
+        if phase == "start" and self._take is not None:
+            self._arm(iteration)
+        for spec in self._armed:
+            if spec.phase == phase and spec.iteration <= iteration:
+                self._armed.remove(spec)
+                self._fire(spec)
+                return
         for spec in self._mine:
             due = spec.iteration <= iteration if phase in FORMATION_PHASES else spec.iteration == iteration
             if spec.phase == phase and due:
@@ -347,6 +542,21 @@ class FailureTrigger:
                     return
                 self._fire(spec)
                 return
+
+    def _arm(self, iteration: int) -> None:
+        """Take the draw the launcher armed this rank with, if any: a failure due from ``iteration`` on, or a
+        slowdown from it (replacing one still in effect)."""
+        raw = self._take()  # type: ignore[misc]
+        if raw is None:
+            return
+        draw = Draw(**raw)
+        spec = draw.spec(self.rank, iteration)
+        if isinstance(spec, SlowRank):
+            print(f"injected slowdown: {spec} for {draw.iterations} iterations", flush=True)
+            if self._slowdown is not None:
+                self._slowdown.slow_for(iteration, draw.factor, draw.iterations)
+        else:
+            self._armed.append(spec)
 
     def _fire(self, spec: RankFailure) -> None:
         print(f"injected failure: {spec}", flush=True)
@@ -389,6 +599,12 @@ class Slowdown:
         self._last: Optional[float] = None
         self.slept = 0.0
         """Seconds slept so far (what the slowdown added)."""
+
+    def slow_for(self, iteration: int, factor: float, iterations: int) -> None:
+        """``factor`` from ``iteration`` for ``iterations`` iterations, then 1 (a random draw): it replaces what the
+        timeline said from ``iteration`` on."""
+        kept = [(i, f) for i, f in self.timeline if i < iteration]
+        self.timeline = [*kept, (iteration, factor), (iteration + iterations, 1.0)]
 
     def factor(self, iteration: int) -> float:
         factor = 1.0

@@ -17,9 +17,15 @@ waiter in a group it waits in, making no progress for the patience, not waiting 
 iteration — by name (:mod:`ntp_megatron.elastic.blame`, the rule). How long a rank's progress stood still is
 measured on its launcher's monotonic clock; a wait's length on its rank's: no clocks of two hosts are compared.
 
-*Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are executed here, on the ranks this launcher started:
+*Injected failures from outside*: ``kill:rank=R,after=S`` and ``random:mtbf=S,...`` (:mod:`ntp_megatron.faults`) are
+executed here, on the ranks this launcher started:
 ``after=S`` on the job's clock (it can hit the start-up), ``random:`` on a clock that starts with the first
-iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up.
+iteration (:meth:`Agent.begin_training`), so its failures are spaced as drawn and none fall on the start-up. With
+``random:...,kinds=`` a draw at a phase of the rank's own is *armed* in the root store (the rank takes it at its next
+iteration's start and fires there, :class:`ntp_megatron.faults.FailureTrigger`); the launcher says so in one line,
+``arming KIND at phase P in launch rank R (pid N): SPEC`` (``scripts/soak.sh`` counts them). A rank armed with a
+failure is not picked again; one armed with a slowdown is once it took it. Armed draws are paced
+(:class:`ntp_megatron.faults.DrawPacer`): one outstanding per class, the others keep their gaps.
 """
 
 from __future__ import annotations
@@ -101,8 +107,13 @@ class Agent:
         self._waits_published: Optional[float] = None
         """When (:attr:`clock`) this launcher last published waits of its ranks; None: its entry is empty."""
         self._timed = sorted((s.after_s, s.rank) for s in specs if isinstance(s, faults.TimedKill))
-        self._random = [(s, s.schedule()) for s in specs if isinstance(s, faults.RandomFailures)]
-        self._next_random = [(s, next(gen, None), gen) for s, gen in self._random]
+        self.pacer = faults.DrawPacer([s for s in specs if isinstance(s, faults.RandomFailures)])
+        self.doomed: set[int] = set()
+        """Ranks armed with a failure they have not had yet (never picked again)."""
+        self.slowed: set[int] = set()
+        """Ranks armed with a slowdown (not picked again until they took it)."""
+        self.pending: dict[int, tuple[int, bool]] = {}
+        """Launch rank -> (pid, in a re-formation): armed with a failure it has not had yet."""
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
@@ -127,6 +138,8 @@ class Agent:
         self._waits_published = None  # a fresh store: this launcher has no entry there
         self.notes.clear()
         self.hung.clear()
+        self.doomed.clear()
+        self.slowed.clear()
         self._placed.clear()
         self.compute_times.clear()
 
@@ -137,9 +150,12 @@ class Agent:
         self.progress.pop(rank, None)
         self.compute_times.pop(rank, None)
         self.hung.discard(rank)
+        self.doomed.discard(rank)
+        self.slowed.discard(rank)
         self.born[rank] = time.time()
         try:
             keys.reset_beat(self.store, rank)
+            keys.forget_failure(self.shared, rank)
         except Exception:  # noqa: BLE001
             pass
 
@@ -246,18 +262,44 @@ class Agent:
     def _fire_random(self, now: float) -> None:
         if self.training_started is None:
             return
-        updated = []
-        for spec, due, gen in self._next_random:
-            while due is not None and now - self.training_started >= due[0]:
-                local = self.processes()
-                candidates = sorted(r for r in self.live() if r in local and local[r].poll() is None
-                                    and r not in self.notes and r not in self.hung)
-                if candidates:
-                    victim = due[1].choice(candidates)
-                    self._inject(victim, spec.action, str(spec))
-                due = next(gen, None)
-            updated.append((spec, due, gen))
-        self._next_random = updated
+        for draw, rng, spec in self.pacer.due(now - self.training_started, self._busy):
+            self._apply(draw, rng, spec)
+
+    def _busy(self, forming: bool) -> bool:
+        """Whether a rank armed with a failure of this class has not had it yet (its process lives on)."""
+        procs = self.processes()
+        self.pending = {r: (pid, f) for r, (pid, f) in self.pending.items()
+                        if r in procs and procs[r].pid == pid and procs[r].poll() is None}
+        return any(f == forming for _, f in self.pending.values())
+
+    def _apply(self, draw: faults.Draw, rng, spec: str) -> None:
+        """A random failure that is due: on a live rank ``rng`` picks (none live: it is dropped)."""
+        candidates = self._candidates()
+        if not candidates:
+            return
+        victim = rng.choice(candidates)
+        if draw.outside:
+            self._inject(victim, draw.kind, spec)
+        else:
+            self._arm(victim, draw, spec)
+
+    def _candidates(self) -> list[int]:
+        """The live ranks of this node a random failure may pick: not failing already, not armed with a failure or
+        with a slowdown not yet taken."""
+        local = self.processes()
+        self.slowed = {r for r in self.slowed if keys.quietly(keys.is_armed, self.shared, r, default=False)}
+        return sorted(r for r in self.live() if r in local and local[r].poll() is None and r not in self.notes
+                      and r not in self.hung and r not in self.doomed and r not in self.slowed)
+
+    def _arm(self, rank: int, draw: faults.Draw, spec: str) -> None:
+        """Arm ``rank`` with ``draw`` (it fires in the rank, at the drawn phase of its next iteration or after)."""
+        proc = self.processes()[rank]
+        detail = f" (factor {draw.factor:g} for {draw.iterations} iterations)" if draw.kind == "slow" else ""
+        self.say(f"arming {draw.kind} at phase {draw.phase} in launch rank {rank} (pid {proc.pid}){detail}: {spec}")
+        (self.slowed if draw.kind == "slow" else self.doomed).add(rank)
+        if draw.kind != "slow":
+            self.pending[rank] = (proc.pid, draw.phase in faults.FORMATION_PHASES)
+        keys.quietly(keys.arm, self.shared, rank, draw.to_json())
 
     def _inject(self, rank: int, action: str, spec: str) -> None:
         proc = self.processes().get(rank)

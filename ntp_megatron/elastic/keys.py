@@ -43,6 +43,10 @@ This module's keys (``elastic/`` unless it says otherwise):
 - ``failure/<launch rank>`` and ``fired/<spec>``: an injected failure's record and that it fired. Written by the
   rank (:func:`record_failure`) and, across a restart, the launcher (:func:`mark_fired`); read by the failure
   report (:func:`injected_failure`), the rank and the launchers (:func:`has_fired`).
+- ``armed/<launch rank>``: a random draw the launcher armed the rank with (JSON, :class:`ntp_megatron.faults.Draw`).
+  Written by the launcher's agent in the root store (:func:`arm`); taken (read and deleted) by the rank at the start
+  of an iteration (:func:`take_armed`); deleted with ``failure/<launch rank>`` when a replacement takes the launch
+  rank over (:func:`forget_failure`).
 - ``error/<launch rank>``: a rank's own error (JSON). Written by the rank (:func:`record_error`); read by the
   controller (:func:`error_record`).
 - ``joining/<launch rank>``: a replacement is up (JSON: time, pid). Written by it (:func:`announce_joining`); read
@@ -330,6 +334,37 @@ def record_failure(store: Any, launch_rank: int, spec: Any) -> None:
     store.set(failure(launch_rank), json.dumps({"spec": str(spec), "phase": spec.phase,
                                                 "iteration": spec.iteration, "time": time.time()}))
     store.set(fired(str(spec)), "1")
+
+
+def armed(launch_rank: int) -> str:
+    return f"{PREFIX}armed/{launch_rank}"
+
+
+def arm(store: Any, launch_rank: int, draw: dict) -> None:
+    """The launcher: ``launch_rank`` is to fail as ``draw`` says (a random draw, :class:`ntp_megatron.faults.Draw`)."""
+    store.set(armed(launch_rank), json.dumps(draw))
+
+
+def is_armed(store: Any, launch_rank: int) -> bool:
+    """Whether ``launch_rank`` has not yet taken the draw it was armed with."""
+    return store.check([armed(launch_rank)])
+
+
+def take_armed(store: Any, launch_rank: int) -> Optional[dict]:
+    """The rank, at an iteration's start: the draw it was armed with, if any, deleted as it is read."""
+    key = armed(launch_rank)
+    if not store.check([key]):
+        return None
+    raw = store.get(key)
+    store.delete_key(key)
+    return json.loads(raw.decode())
+
+
+def forget_failure(store: Any, launch_rank: int) -> None:
+    """The launcher, as a new process takes ``launch_rank`` over: the old process's failure record and an armed draw
+    it never took are not the new one's (a later death of the new process would be reported with the old record)."""
+    store.delete_key(failure(launch_rank))
+    store.delete_key(armed(launch_rank))
 
 
 def injected_failure(store: Any, launch_rank: int) -> Optional[dict]:

@@ -101,7 +101,10 @@ def prepare(args: argparse.Namespace, extra: Sequence[str]) -> Union[Job, int]:
     specs = args.failures if args.failures else cfg.faults.inject
     checkpoints = cfg.checkpoint.save is not None and cfg.checkpoint.save_interval is not None
     eval_interval = cfg.training.eval_interval if cfg.training.evaluates else None
+    # gloo for sure (random failures draw the connect phase only there): set, or a CPU job
+    gloo = cfg.parallel.backend == "gloo" or (cfg.parallel.backend == "auto" and cfg.training.device == "cpu")
     failures = [faults.parse_failure_spec(f, cfg.world_size, cfg.training.train_iters, checkpoints, cfg.ntp.enabled,
-                                          start.iteration if start else 0, eval_interval) for f in specs]
+                                          start.iteration if start else 0, eval_interval, gloo,
+                                          cfg.ntp.enabled and cfg.ntp.progress_fence) for f in specs]
     config_path = Path(cfg.logging.run_dir).resolve() / f"config.node{args.node_rank}.json"
     return Job(cfg, config_path, failures, start)

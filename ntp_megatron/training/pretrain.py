@@ -214,20 +214,25 @@ def _install_failures(env: runtime.RankEnv, store, cfg: JobConfig,
     (``ntp.emulated_device_ms``), plugged into the phases the training code names."""
     specs = faults.from_env()
     failures = [s for s in specs if isinstance(s, faults.RankFailure)]
-    if failures:
+    armable = faults.armable()
+    slow = [s for s in specs if isinstance(s, faults.SlowRank) and s.rank == env.rank]
+    slowdown = None
+    if slow or armable:  # a random draw of slow paces a rank that had no slowdown
+        slowdown = faults.DeviceSlowdown(env.rank, slow, compute_time.DeviceSleep(clock.cuda)) if isinstance(
+            clock, compute_time.DeviceClock) else faults.Slowdown(env.rank, slow)
+    if failures or armable:
         faults.install(faults.FailureTrigger(env.rank, failures, on_fire=_record_failure(store, env.rank),
-                                             fired=lambda spec: keys.has_fired(store, spec)))
+                                             fired=lambda spec: keys.has_fired(store, spec),
+                                             take=(lambda: keys.take_armed(store, env.rank)) if armable else None,
+                                             slowdown=slowdown))
     paces = []
     device = None
     if cfg.ntp.emulated_device_ms is not None:
         device = device_model.EmulatedDevice(cfg.ntp.emulated_device_ms)
         device_model.install(device)
         paces.append(device)
-    slow = [s for s in specs if isinstance(s, faults.SlowRank) and s.rank == env.rank]
-    if slow and isinstance(clock, compute_time.DeviceClock):
-        paces.append(faults.DeviceSlowdown(env.rank, slow, compute_time.DeviceSleep(clock.cuda)))
-    elif slow:
-        paces.append(faults.Slowdown(env.rank, slow))  # after the device: it stretches the device's compute too
+    if slowdown is not None:
+        paces.append(slowdown)  # after the device: it stretches the device's compute too
     if isinstance(clock, compute_time.DeviceClock):
         paces.append(clock)  # last: the passes end after any sleep enqueued at the same point
     phases.install_pace(*paces)
