@@ -84,6 +84,10 @@ class TimingSection(BaseModel):
     port_retry_s: float = Field(0.2, gt=0)
     """How long a client waiting for a store to come up pauses between two attempts to connect (a retry's pause,
     not a synchronisation)."""
+    node_call_s: float = Field(5.0, gt=0)
+    """How long a launcher of another node waits for node 0's store to answer one call (at most
+    ``ntp.node_timeout_s``): a node 0 frozen with its port open answers nothing and closes nothing, and torch's client
+    waits for it without bound; unanswered this long, node 0 is silent (:mod:`ntp_megatron.launch.root_watch`)."""
     node_probe_s: float = Field(1.0, gt=0)
     """How often a launcher of another node probes node 0's store's port once it stopped answering (until it answers
     again, or ``ntp.node_timeout_s`` has passed)."""

@@ -8,11 +8,19 @@ that fails while node 0's port refuses connections starts a *silence*, during wh
 (each raises :class:`StoreSilent` at once) and the port is probed every ``timing.node_probe_s`` instead; a port that
 accepts again ends it (with a fresh client). A silence of ``ntp.node_timeout_s`` means node 0 is lost
 (:meth:`GuardedStore.lost`): the launcher stops its ranks and exits 1 with one line.
+
+A node 0 that stops answering without closing its port (its host frozen, its launcher stopped: the kernel still
+accepts connections into the listen backlog) fails no call: torch's client waits for the answer with no bound (a
+``get`` blocked over 40 s with a 4 s client timeout). So every call runs in a caller thread and is waited for
+``timing.node_call_s`` at most: a call not answered by then starts a silence too, and its client (a request half-way
+on its socket) is dropped with its thread; a probe then must get an answer from a fresh client within the same bound.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -24,7 +32,11 @@ from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
 
 
 class StoreSilent(ConnectionError):
-    """Node 0's store does not answer: the call was not made."""
+    """Node 0's store does not answer: the call was not made, or not answered in time."""
+
+
+PROBE_KEY = "launcher/probe"
+"""A key nobody writes: a probe asks whether it exists, for an answer."""
 
 
 @dataclass
@@ -67,26 +79,70 @@ class Silence:
         return now - self.since
 
 
+class Unanswered(TimeoutError):
+    """A call did not return within its bound: its thread is left blocked in it."""
+
+
+class Caller:
+    """One thread that runs calls for a waiting caller, each waited for a bounded time. A call not answered in time
+    leaves the thread blocked in it (a thread in a C++ call cannot be interrupted): the caller is then spent, and its
+    owner makes a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="ntp-root-call", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, box, done = self._jobs.get()
+            try:
+                box.append((True, call()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                box.append((False, exc))
+            done.set()
+
+    def __call__(self, call: Callable[[], Any], within_s: float) -> Any:
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((call, box, done))
+        if not done.wait(None if math.isinf(within_s) else within_s):
+            raise Unanswered(f"no answer within {within_s:g} s")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+
 class GuardedStore:
     """A client of node 0's store (duck-typed: every method of ``dist.Store`` the launcher calls) that stops calling
     it while node 0 is silent (module docstring). ``reachable()``: whether node 0's port accepts a connection now;
-    ``reconnect()``: a fresh client, once it does again."""
+    ``reconnect()``: a fresh client, once it does again; ``call_s``: how long a call may take before node 0 counts as
+    silent."""
 
     def __init__(self, store: dist.Store, silence: Silence, reachable: Callable[[], bool],
-                 reconnect: Callable[[], dist.Store], clock: Callable[[], float] = time.monotonic) -> None:
-        self._store = store
+                 reconnect: Callable[[], dist.Store], clock: Callable[[], float] = time.monotonic,
+                 call_s: float = math.inf) -> None:
+        self._store: Optional[dist.Store] = store
         self.silence = silence
         self._reachable, self._reconnect, self._clock = reachable, reconnect, clock
+        self._call_s = call_s
+        self._caller = Caller()
 
     def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self._store, name)
-        if not callable(attribute):
+        attribute = getattr(self._store, name) if self._store is not None else None  # None: dropped, silent
+        if attribute is not None and not callable(attribute):
             return attribute
 
         def call(*args: Any, **kwargs: Any) -> Any:
             self._before_call()
+            store = self._store
+            if store is None:
+                raise StoreSilent("node 0's store has no client (dropped with a call it did not answer)")
             try:
-                result = getattr(self._store, name)(*args, **kwargs)
+                result = self._bounded(lambda: getattr(store, name)(*args, **kwargs))
+            except Unanswered as exc:
+                self.silence.unheard(self._clock())
+                raise StoreSilent(f"node 0's store did not answer a {name} ({exc})") from None
             except Exception:
                 if not self._reachable():  # gone, not just a slow or refused request
                     self.silence.unheard(self._clock())
@@ -96,9 +152,18 @@ class GuardedStore:
 
         return call
 
+    def _bounded(self, call: Callable[[], Any]) -> Any:
+        """``call()`` waited for ``call_s`` at most; unanswered, the client and the caller thread are dropped (the
+        thread stays blocked in the client's request)."""
+        try:
+            return self._caller(call, self._call_s)
+        except Unanswered:
+            self._store, self._caller = None, Caller()
+            raise
+
     def _before_call(self) -> None:
-        """Raise :class:`StoreSilent` while node 0 is silent; probe its port when due, and take a fresh client once
-        it accepts again."""
+        """Raise :class:`StoreSilent` while node 0 is silent; probe it when due: a fresh client that answers a
+        request in time ends the silence."""
         if not self.silence.silent:
             return
         now = self._clock()
@@ -106,10 +171,12 @@ class GuardedStore:
             self.silence.probed(now)
             if self._reachable():
                 try:
-                    self._store = self._reconnect()
-                except Exception:  # noqa: BLE001 - gone again: still silent
+                    fresh = self._bounded(self._reconnect)
+                    self._bounded(lambda: fresh.check([PROBE_KEY]))
+                except Exception:  # noqa: BLE001 - gone again, or no answer: still silent
                     pass
                 else:
+                    self._store = fresh
                     self.silence.heard(now)
                     return
         raise StoreSilent(f"node 0's store has not answered for {now - self.silence.since:.1f} s")
@@ -136,8 +203,9 @@ def guard(store: dist.Store, host: str, port: int, node_timeout_s: float, client
         return True
 
     open_store = store_factory(host, port)
-    return GuardedStore(store, Silence(node_timeout_s, timing.current().node_probe_s), reachable,
-                        lambda: open_store(client_timeout_s))
+    t = timing.current()
+    return GuardedStore(store, Silence(node_timeout_s, t.node_probe_s), reachable,
+                        lambda: open_store(client_timeout_s), call_s=min(t.node_call_s, node_timeout_s))
 
 
 def lost_line(store: object, host: str, port: int, node_timeout_s: float) -> Optional[str]:
