@@ -16,6 +16,8 @@ writers and their readers:
 - ``launcher/left/node<n>``: node n's launcher is leaving (its exit code). Written by it as it ends (:func:`set_left`);
   read by node 0's launcher, which keeps its store up until every node has left, a bounded while
   (:meth:`Nodes.wait_for_leaving`).
+- ``launcher/probe``: written by nobody: another node's launcher asks whether it exists, for an answer from node 0's
+  store (:func:`probe`, by :mod:`ntp_megatron.launch.root_watch` while node 0 is silent).
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
   (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
 - ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
@@ -52,6 +54,8 @@ LAUNCHER_PREFIX = "launcher/"
 ABORT = LAUNCHER_PREFIX + "abort"
 """JSON ``{"reason", "death"}``: a node's launcher ended the job; every other node stops its ranks and names the
 same failure."""
+PROBE = LAUNCHER_PREFIX + "probe"
+"""Written by nobody: a request whose answer says node 0's store answers."""
 ENDED = LAUNCHER_PREFIX + "ended"
 """Node 0's launcher's exit code: the job has ended (0: it finished)."""
 DEATHS = keys.PREFIX + "deaths"
@@ -214,6 +218,11 @@ def published_death(store: dist.Store, n: int) -> Death:
 def published_deaths(store: dist.Store) -> list[Death]:
     """Every death any node has published so far (raises if the store is unreachable)."""
     return [published_death(store, n) for n in range(1, int(store.add(DEATHS, 0)) + 1)]
+
+
+def probe(store: dist.Store) -> bool:
+    """A request node 0's store answers without a key of its own (it says whether ``launcher/probe`` exists)."""
+    return store.check([PROBE])
 
 
 def set_ended(store: dist.Store, exit_code: int) -> None:

@@ -28,15 +28,12 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ntp_megatron.config import timing
+from ntp_megatron.launch import nodes
 from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
 
 
 class StoreSilent(ConnectionError):
     """Node 0's store does not answer: the call was not made, or not answered in time."""
-
-
-PROBE_KEY = "launcher/probe"
-"""A key nobody writes: a probe asks whether it exists, for an answer."""
 
 
 @dataclass
@@ -172,7 +169,7 @@ class GuardedStore:
             if self._reachable():
                 try:
                     fresh = self._bounded(self._reconnect)
-                    self._bounded(lambda: fresh.check([PROBE_KEY]))
+                    self._bounded(lambda: nodes.probe(fresh))
                 except Exception:  # noqa: BLE001 - gone again, or no answer: still silent
                     pass
                 else:

@@ -145,6 +145,12 @@ def test_a_call_node_0_does_not_answer_starts_the_silence_and_drops_its_client()
     store.thawed.set()
 
 
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
 def _host_store(port_pipe) -> None:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     port_pipe.send(store.port)
@@ -167,6 +173,9 @@ def test_a_stopped_node_0_is_lost_within_the_timeout():
         assert watched.get("k") == b"v"
         os.kill(host.pid, signal.SIGSTOP)
         started = time.monotonic()
+        while _state(host.pid) != "T":  # the stop is delivered when the process next runs
+            assert time.monotonic() - started < 10.0, "the store's host did not stop"
+            time.sleep(0.01)
         with pytest.raises(StoreSilent):
             watched.get("k")
         while watched.lost() is None:
