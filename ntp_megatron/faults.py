@@ -251,10 +251,18 @@ class DrawPacer:
         self._freed: dict[bool, Optional[float]] = {False: None, True: None}
         """When each class's outstanding draw was first seen fired while others of the class wait."""
 
-    def due(self, clock: float, busy: Callable[[bool], bool]) -> list[tuple[Draw, random.Random, str]]:
-        """The draws to apply at ``clock`` (seconds since the first iteration); ``busy(forming)``: whether an armed
-        draw of that class has not fired yet."""
-        out, taken = [], set()
+    def due(self, clock: float, busy: Callable[[bool], bool],
+            apply: Callable[[Draw, random.Random, str], None] = lambda *_: None) -> list[tuple[Draw, random.Random, str]]:
+        """The draws to apply at ``clock`` (seconds since the first iteration), each handed to ``apply`` as it comes
+        (before the next is drawn: gaps and victims share one generator, in :meth:`RandomFailures.schedule`'s order);
+        ``busy(forming)``: whether an armed draw of that class has not fired yet."""
+        out: list[tuple[Draw, random.Random, str]] = []
+        taken: set[bool] = set()
+
+        def hand(draw: Draw, rng: random.Random, spec: str) -> None:
+            apply(draw, rng, spec)
+            out.append((draw, rng, spec))
+
         for forming, queue in self.deferred.items():
             if not queue or busy(forming):
                 self._freed[forming] = None
@@ -263,7 +271,7 @@ class DrawPacer:
             if clock - freed >= queue[0][0]:
                 _, draw, rng, spec = queue.pop(0)
                 self._freed[forming] = None
-                out.append((draw, rng, spec))
+                hand(draw, rng, spec)
                 taken.add(forming)
         updated = []
         for spec, due, gen in self._next:
@@ -271,13 +279,13 @@ class DrawPacer:
                 draw, rng = due
                 forming = draw.phase in FORMATION_PHASES
                 if draw.outside or draw.kind == "slow":
-                    out.append((draw, rng, spec))
+                    hand(draw, rng, spec)
                 else:
                     gap, self._last_at[forming] = draw.at_s - self._last_at[forming], draw.at_s
                     if forming in taken or busy(forming) or self.deferred[forming]:
                         self.deferred[forming].append((gap, draw, rng, spec))
                     else:
-                        out.append((draw, rng, spec))
+                        hand(draw, rng, spec)
                         taken.add(forming)
                 due = next(gen, None)
             updated.append((spec, due, gen))

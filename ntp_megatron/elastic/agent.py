@@ -155,7 +155,7 @@ class Agent:
         self.born[rank] = time.time()
         try:
             keys.reset_beat(self.store, rank)
-            keys.forget_failure(self.shared, rank)
+            keys.disarm(self.shared, rank)
         except Exception:  # noqa: BLE001
             pass
 
@@ -262,8 +262,7 @@ class Agent:
     def _fire_random(self, now: float) -> None:
         if self.training_started is None:
             return
-        for draw, rng, spec in self.pacer.due(now - self.training_started, self._busy):
-            self._apply(draw, rng, spec)
+        self.pacer.due(now - self.training_started, self._busy, self._apply)
 
     def _busy(self, forming: bool) -> bool:
         """Whether a rank armed with a failure of this class has not had it yet (its process lives on)."""

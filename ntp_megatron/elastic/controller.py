@@ -163,7 +163,7 @@ class Controller:
         for launch_rank in [d.launch_rank for d in deaths] + retired:
             self.dead_since_completed[launch_rank] = self.identity[launch_rank]
         injected = {d.launch_rank: found for d in deaths
-                    if (found := injected_failure(self.store, d.launch_rank)) is not None}
+                    if (found := injected_failure(self.store, d.launch_rank, d.pid)) is not None}
         return Absorbed(tuple(deaths), old, self.completed, dict(self.dead_since_completed), in_flight, self.settled,
                         self.start_iteration, injected, dict(self.identity), self.min_tp, self.policy, self.sharded)
 

@@ -22,10 +22,11 @@ from ntp_megatron.plan.stages import JobTopology, named_stage
 
 
 
-def injected_failure(store: dist.Store, launch_rank: int) -> Optional[dict]:
-    """What an injected failure recorded just before it happened (spec, phase, iteration, time), if any."""
+def injected_failure(store: dist.Store, launch_rank: int, pid: Optional[int] = None) -> Optional[dict]:
+    """What an injected failure of process ``pid`` recorded just before it happened (spec, phase, iteration, time), if
+    any."""
     try:
-        return keys.injected_failure(store, launch_rank)
+        return keys.injected_failure(store, launch_rank, pid)
     except Exception:  # noqa: BLE001
         pass
     return None
@@ -129,7 +130,7 @@ class FailureReports:
     def _report_one(self, d, old: JobTopology, settled: Optional[dict], aware: list[float], survivors: bool) -> None:
         replica, slot = self.identity[d.launch_rank][:2]
         stage = self.stage(d.launch_rank)
-        record = injected_failure(self.store, d.launch_rank)
+        record = injected_failure(self.store, d.launch_rank, d.pid)
         failed_at = record["time"] if record else d.time
         if aware:
             # The failure happened no later than the first survivor noticed it. A death known only from its exit is

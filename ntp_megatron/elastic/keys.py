@@ -42,11 +42,11 @@ This module's keys (``elastic/`` unless it says otherwise):
   :func:`published_waits`); each launcher writes its own entry only (a ``compare_set`` loop).
 - ``failure/<launch rank>`` and ``fired/<spec>``: an injected failure's record and that it fired. Written by the
   rank (:func:`record_failure`) and, across a restart, the launcher (:func:`mark_fired`); read by the failure
-  report (:func:`injected_failure`), the rank and the launchers (:func:`has_fired`).
+  report (:func:`injected_failure`, for the process that recorded it: a replacement's death is not reported with its
+  predecessor's record), the rank and the launchers (:func:`has_fired`).
 - ``armed/<launch rank>``: a random draw the launcher armed the rank with (JSON, :class:`ntp_megatron.faults.Draw`).
   Written by the launcher's agent in the root store (:func:`arm`); taken (read and deleted) by the rank at the start
-  of an iteration (:func:`take_armed`); deleted with ``failure/<launch rank>`` when a replacement takes the launch
-  rank over (:func:`forget_failure`).
+  of an iteration (:func:`take_armed`); deleted when a replacement takes the launch rank over (:func:`disarm`).
 - ``error/<launch rank>``: a rank's own error (JSON). Written by the rank (:func:`record_error`); read by the
   controller (:func:`error_record`).
 - ``joining/<launch rank>``: a replacement is up (JSON: time, pid). Written by it (:func:`announce_joining`); read
@@ -331,8 +331,8 @@ def published_waits(store: Any) -> list:
 
 def record_failure(store: Any, launch_rank: int, spec: Any) -> None:
     """A rank, just before an injected failure: which spec, where, when; then that it fired."""
-    store.set(failure(launch_rank), json.dumps({"spec": str(spec), "phase": spec.phase,
-                                                "iteration": spec.iteration, "time": time.time()}))
+    store.set(failure(launch_rank), json.dumps({"spec": str(spec), "phase": spec.phase, "iteration": spec.iteration,
+                                                "time": time.time(), "pid": os.getpid()}))
     store.set(fired(str(spec)), "1")
 
 
@@ -360,18 +360,19 @@ def take_armed(store: Any, launch_rank: int) -> Optional[dict]:
     return json.loads(raw.decode())
 
 
-def forget_failure(store: Any, launch_rank: int) -> None:
-    """The launcher, as a new process takes ``launch_rank`` over: the old process's failure record and an armed draw
-    it never took are not the new one's (a later death of the new process would be reported with the old record)."""
-    store.delete_key(failure(launch_rank))
+def disarm(store: Any, launch_rank: int) -> None:
+    """The launcher, as a new process takes ``launch_rank`` over: an armed draw the old process never took is not the
+    new one's."""
     store.delete_key(armed(launch_rank))
 
 
-def injected_failure(store: Any, launch_rank: int) -> Optional[dict]:
-    """What an injected failure recorded just before it happened, if any."""
-    if store.check([failure(launch_rank)]):
-        return json.loads(store.get(failure(launch_rank)).decode())
-    return None
+def injected_failure(store: Any, launch_rank: int, pid: Optional[int] = None) -> Optional[dict]:
+    """What an injected failure recorded just before it happened, if any (``pid``: of that process only — a record of
+    an earlier process of the launch rank is not a replacement's, and is kept for the report of its own death)."""
+    if not store.check([failure(launch_rank)]):
+        return None
+    record = json.loads(store.get(failure(launch_rank)).decode())
+    return None if pid and record.get("pid", pid) != pid else record  # pid 0 or None: not known
 
 
 def has_fired(store: Any, spec: Any) -> bool:

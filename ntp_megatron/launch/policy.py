@@ -117,7 +117,8 @@ class DeathPolicy:
         launcher = self.launcher
         where = "" if death.launch_rank in launcher.local_ranks else "another node aborted the job: "
         launcher.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
-        record = injected_failure(launcher.store, death.launch_rank) or reported_error(launcher.store, death.launch_rank) or {}
+        record = (injected_failure(launcher.store, death.launch_rank, death.pid)
+                  or reported_error(launcher.store, death.launch_rank) or {})
         launcher.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
                            "cause": death.cause, "time": record.get("time", death.time),
                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})
@@ -168,7 +169,7 @@ class StopOnFailure(DeathPolicy):
                     deaths = published_deaths(store) or deaths
                 except Exception:  # noqa: BLE001 - node 0 and its store are gone: decide from what is known
                     break
-        failed = min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank) is None,
+        failed = min(deaths, key=lambda d: (d.error is None, d.echo, injected_failure(store, d.launch_rank, d.pid) is None,
                                             is_echo(d), d.time))
         if failed.echo:  # the rank whose error it echoes may exit a moment later: name that one
             others = [r for r in range(launcher.world_size) if r not in {d.launch_rank for d in deaths}]

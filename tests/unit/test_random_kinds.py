@@ -160,9 +160,10 @@ def test_the_agent_arms_defers_a_second_formation_draw_and_forgets(monkeypatch):
     assert len(agent.pacer.deferred[False]) == 1  # the hang has not fired yet
     victim = int(said[-1].split("launch rank ")[1].split()[0])
     assert victim != doomed
-    store.set(keys.failure(victim), "{}")
-    agent.forget(victim)  # a replacement: neither the armed draw nor the old record is its
-    assert not keys.is_armed(store, victim) and keys.injected_failure(store, victim) is None
+    store.set(keys.failure(victim), '{"pid": 1234}')
+    agent.forget(victim)  # a replacement: neither the armed draw nor the old process's record is its
+    assert not keys.is_armed(store, victim) and keys.injected_failure(store, victim, pid=5678) is None
+    assert keys.injected_failure(store, victim, pid=1234) == {"pid": 1234}  # kept for the old process's report
 
 
 def test_the_pacer_defers_armed_draws_of_a_busy_class_keeping_their_gaps(monkeypatch):
@@ -183,3 +184,22 @@ def test_the_pacer_defers_armed_draws_of_a_busy_class_keeping_their_gaps(monkeyp
     assert due(10.0) == [] and due(10.5) == [plan[1]]
     state["busy"] = False
     assert due(20.0) == [] and due(21.9) == [] and due(22.0) == [plan[2]]
+
+
+def test_kills_pick_the_victims_the_schedule_picks():
+    """Default kills (``random:`` without ``kinds``): each victim is picked before the next gap is drawn, as the
+    schedule interleaves them — handed out after the next draw, the victims of a seed were others (a job test saw
+    [0, 1] for [3, 0])."""
+    spec = faults.parse_failure_spec("random:mtbf=1.5,seed=10,max=2")
+    expected, live = [], [0, 1, 2, 3]
+    for _, rng in spec.schedule():
+        expected.append(rng.choice(live))
+        live.remove(expected[-1])
+    picked, live = [], [0, 1, 2, 3]
+
+    def apply(draw: Draw, rng, _spec: str) -> None:
+        picked.append(rng.choice(live))
+        live.remove(picked[-1])
+
+    faults.DrawPacer([spec]).due(1e9, lambda forming: False, apply)  # both due in one pass
+    assert picked == expected == [3, 0]
