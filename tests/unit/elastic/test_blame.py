@@ -68,6 +68,22 @@ def test_no_one_else_is_fenced(case):
     assert blamed(states) == []
 
 
+@pytest.mark.parametrize("phase", ["start", "param_gather"])
+def test_a_rank_stuck_at_an_iteration_s_start_or_in_the_parameter_gather_is_named(phase):
+    """An iteration runs from its start mark (the first micro-batch's data read) to the distributed optimizer's
+    parameter all-gather: rank 2 stuck there, behind its waiting TP peer, is named (a soak saw ranks wait in
+    param_gather on a spinning rank nobody blamed)."""
+    states = [rank(0, (5, 2), "backward", still=0.1), rank(1, (5, 2), "backward", still=0.1),
+              rank(2, (11, 2), phase, still=6.0), rank(3, (12, 2), "forward", still=6.0, wait=6.0)]
+    assert blamed(states) == [(2, 3, TP1)]
+
+
+def test_a_rank_still_setting_up_is_not_named():
+    """Before its first mark a rank builds its model and datasets (``setup``: long work without marks is normal)."""
+    states = [rank(2, (11, 2), "setup", still=60.0, iteration=0), rank(3, (12, 2), still=6.0, wait=6.0)]
+    assert blamed(states) == []
+
+
 def test_a_named_wait_blames_only_behind_in_that_group():
     """The flight recorder names the collective a rank waits for (NCCL): a member behind it in another group it
     shares is not why it waits; one behind in that group (has not started that collective) is."""

@@ -174,7 +174,7 @@ def test_the_heartbeat_says_where_the_rank_is_and_whether_it_waits():
     thread.start()
     thread.join()
     assert seen == [None], "another thread's wait is not the rank's"
-    phases.enter("start")  # as a fresh process: later tests of this process expect no iteration phase
+    phases.enter(phases.SETUP)  # as a fresh process: later tests of this process expect no iteration phase
 
 
 def _wait_in_thread():
@@ -192,12 +192,42 @@ def test_every_collective_wait_is_the_patched_one():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("spin:rank=1,iter=3", "spin needs a phase of an iteration (forward, backward, grad_sync, optimizer), got 'start'"),
+    ("spin:rank=1,iter=3,phase=eval", "spin needs a phase of an iteration (start, forward, backward, grad_sync, "
+                                      "optimizer, param_gather), got 'eval'"),
     ("spin:rank=1,iter=3,phase=checkpoint", "spin needs a phase of an iteration"),
 ])
 def test_spin_is_refused_outside_an_iteration(text, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         faults.parse_failure_spec(text, world_size=4, train_iters=10, checkpoints=True)
+
+
+@pytest.mark.parametrize("phase", ["start", "param_gather"])
+def test_spin_may_fire_from_an_iteration_s_start_to_its_parameter_gather(phase):
+    spec = faults.parse_failure_spec(f"spin:rank=1,iter=3,phase={phase}", world_size=4, train_iters=10)
+    assert (spec.action, spec.phase) == ("spin", phase)
+    assert phase in faults.random_phases("spin")
+
+
+def test_the_first_micro_batch_is_read_in_forward():
+    """A data read that hangs in an iteration's first micro-batch is the forward's (a suspect phase), not the
+    phase before it."""
+    from ntp_megatron.training.steps import ForwardStep
+
+    class Reading(Exception):
+        pass
+
+    seen = []
+
+    def data():
+        seen.append(phases.current()[1])
+        raise Reading()
+        yield  # a generator
+
+    phases.enter("start")  # the iteration's start mark
+    with pytest.raises(Reading):
+        ForwardStep(4)(data(), model=None)
+    phases.enter(phases.SETUP)
+    assert seen == ["forward"]
 
 
 def test_spin_needs_ntp():
