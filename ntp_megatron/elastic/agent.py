@@ -85,16 +85,19 @@ class Agent:
         """How long a rank's progress stands still is measured on this clock (monotonic; tests pass their own)."""
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         """This launcher's entry in the published waits."""
-        self.started = time.time()
+        self.started = time.monotonic()
+        """When this agent started, on the host's monotonic clock: the clock of heartbeats (a rank and its launcher
+        share a host), stops and the schedule of injected failures; a step of the wall clock moves none of them."""
         self.born: dict[int, float] = {}
-        """Launch rank -> when its current process started (a replacement later than the job)."""
+        """Launch rank -> when its current process started (a replacement later than the job; monotonic)."""
         self.stopped_since: dict[int, float] = {}
         self.hung: set[int] = set()
         """Ranks this agent hung itself (``random:...,action=hang``): never picked again."""
         self.notes: dict[int, tuple[float, str]] = {}
-        """Launch rank -> (when, what) for ranks this agent killed: their death time and cause."""
+        """Launch rank -> (when, what) for ranks this agent killed: their death time (wall clock: only reported) and
+        cause."""
         self.training_started: Optional[float] = None
-        """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
+        """When the first iteration of the run was reported (monotonic: the clock of ``random:`` failures)."""
         self.progress: dict[int, tuple[int, float]] = {}
         """Launch rank -> (its last progress count, since when it has had it on :attr:`clock`)."""
         self._placed: set[int] = set()
@@ -117,14 +120,14 @@ class Agent:
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
-        now = time.time()
+        now = time.monotonic()
         self._fence(now)
         if inject:
             self._fire_timed(now)
             self._fire_random(now)
 
     def begin_training(self, at: float) -> None:
-        """The run's first iteration was reported at ``at``: ``random:`` failures count from there."""
+        """The run's first iteration was reported at ``at`` (monotonic): ``random:`` failures count from there."""
         if self.training_started is None:
             self.training_started = at
 
@@ -132,7 +135,7 @@ class Agent:
         """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``, one node):
         nothing of the old processes counts; outside failures still due keep their schedule."""
         self.store = self.shared = store
-        self.born = dict.fromkeys(self.processes(), time.time())
+        self.born = dict.fromkeys(self.processes(), time.monotonic())
         self.stopped_since.clear()
         self.progress.clear()
         self._waits_published = None  # a fresh store: this launcher has no entry there
@@ -152,7 +155,7 @@ class Agent:
         self.hung.discard(rank)
         self.doomed.discard(rank)
         self.slowed.discard(rank)
-        self.born[rank] = time.time()
+        self.born[rank] = time.monotonic()
         try:
             keys.reset_beat(self.store, rank)
             keys.forget_failure(self.shared, rank)
@@ -160,6 +163,8 @@ class Agent:
             pass
 
     def _fence(self, now: float) -> None:
+        """Fence stopped, silent and (with :attr:`fence_progress`) stuck ranks; ``now`` is the host's monotonic clock,
+        the heartbeats' (:func:`ntp_megatron.elastic.watchdog.beat`)."""
         if not self.fence:
             return
         states: list[tuple[blame.RankState, object]] = []
@@ -250,7 +255,8 @@ class Agent:
         self._waits_published = now if waiting else None
 
     def _kill(self, rank: int, proc, failed_at: float, cause: str) -> None:
-        self.notes[rank] = (failed_at, cause)
+        """Fence ``rank``, which failed at ``failed_at`` (monotonic; noted as wall time, for the record)."""
+        self.notes[rank] = (wall_time(failed_at), cause)
         self.say(f"launch rank {rank} (pid {proc.pid}) stopped responding ({cause}): fencing it")
         _signal(proc.pid, signal.SIGKILL)
 
@@ -313,6 +319,11 @@ class Agent:
         else:  # hang: the process stops; the fence does the rest
             self.hung.add(rank)
             _signal(proc.pid, signal.SIGSTOP)
+
+
+def wall_time(monotonic: float) -> float:
+    """The wall-clock time of an instant of this host's monotonic clock, for reports only (never compared)."""
+    return time.time() - (time.monotonic() - monotonic)
 
 
 def _signal(pid: int, sig: int) -> None:
