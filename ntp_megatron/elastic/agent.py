@@ -67,9 +67,10 @@ class Agent:
     def __init__(self, store: dist.Store, processes: Callable[[], dict[int, _Process]], heartbeat_timeout_s: float,
                  startup_grace_s: float, specs: list, say: Callable[[str], None],
                  live: Callable[[], list[int]], fence: bool = True, fence_progress: bool = False,
-                 shared: Optional[dist.Store] = None) -> None:
+                 shared: Optional[dist.Store] = None, beat_interval_s: float = 0.2) -> None:
         """``store``: where this node's ranks beat (the node's store); ``shared``: where the launchers of every
-        node meet (the root store; ``store`` by default)."""
+        node meet (the root store; ``store`` by default); ``beat_interval_s``: how often the ranks beat
+        (``ntp.heartbeat_interval_s``)."""
         self.store = store
         self.shared = shared if shared is not None else store
         self.processes = processes
@@ -79,6 +80,7 @@ class Agent:
         self.live = live
         self.fence = fence
         """Fence by heartbeat (only ranks of an NTP job beat)."""
+        self.beat_interval_s = beat_interval_s
         self.fence_progress = fence_progress
         """Fence by progress too (``ntp.progress_fence``): the causal rule of :mod:`ntp_megatron.elastic.blame`."""
         self.clock: Callable[[], float] = time.monotonic
@@ -197,7 +199,7 @@ class Agent:
                            f"hung: fenced after {silent:.1f} s without a heartbeat")
                 continue
             if last is not None and self.fence_progress:
-                states.append((self._state(rank, beat), proc))
+                states.append((self._state(rank, beat, silent), proc))
         if self.fence_progress:
             self._fence_stuck(states, now)
 
@@ -214,14 +216,15 @@ class Agent:
         beats = keys.beats(self.store, ranks)
         return [beat if beat["t"] > 0 else None for beat in beats]
 
-    def _state(self, rank: int, beat: dict) -> blame.RankState:
-        """``rank`` as its heartbeat and this agent's record of its progress say it is."""
+    def _state(self, rank: int, beat: dict, age_s: float) -> blame.RankState:
+        """``rank`` as its heartbeat (``age_s`` old) and this agent's record of its progress say it is."""
         count, now = beat.get("progress"), self.clock()
         seen = self.progress.get(rank)
         if seen is None or seen[0] != count:
             self.progress[rank] = seen = (count, now)
+        still = still_s(now - seen[1], age_s, self.beat_interval_s * timing.current().stale_beats)
         return blame.RankState(rank, beat.get("phase", ""), beat.get("iteration", 0), beat.get("seq") or {},
-                               blame.Wait.from_json(beat.get("wait")), now - seen[1])
+                               blame.Wait.from_json(beat.get("wait")), still)
 
     def _fence_stuck(self, states: list[tuple[blame.RankState, object]], now: float) -> None:
         """Publish this launcher's waiting ranks; fence its own ranks that hold up a wait any launcher published
@@ -319,6 +322,13 @@ class Agent:
         else:  # hang: the process stops; the fence does the rest
             self.hung.add(rank)
             _signal(proc.pid, signal.SIGSTOP)
+
+
+def still_s(unchanged_s: float, age_s: float, stale_s: float) -> float:
+    """How long a rank's progress is known to have stood still: its count has not changed for ``unchanged_s``, read
+    from a heartbeat ``age_s`` old; 0 (unknown, not still) when that beat is older than ``stale_s`` (its thread was
+    held up, by a main thread holding the GIL say: the rank may well be working)."""
+    return 0.0 if age_s > stale_s else unchanged_s
 
 
 def wall_time(monotonic: float) -> float:

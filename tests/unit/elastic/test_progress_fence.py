@@ -192,6 +192,20 @@ def test_every_collective_wait_is_the_patched_one():
     assert Work.wait is torch_distributed_work._wait
 
 
+def test_a_rank_whose_heartbeat_comes_late_is_not_still_but_unknown(nodes):
+    """Rank 2's heartbeat thread is held up (its main thread holds the GIL, working): its last beat, from t = 0, says
+    the count it had then. Older than ``timing.stale_beats`` intervals, it says nothing of progress: rank 2 is not
+    fenced however long 3 waits; once a fresh beat shows the same count, it has stood still since t = 0."""
+    [node] = nodes([0, 1, 2, 3])
+    node.beats(0.0, **spin(0.0))
+    late = {"t": node.agent.started}
+    node.beats(HALF + 0.1, **{**spin(HALF + 0.1), "r2": {**spin(0.0)["r2"], **late}})
+    node.beats(TIMEOUT_S - 0.5, **{**spin(TIMEOUT_S - 0.5), "r2": {**spin(0.0)["r2"], **late}})
+    assert not nodes.killed, node.said
+    node.beats(TIMEOUT_S - 0.4, **spin(TIMEOUT_S - 0.4))  # a fresh beat: the count of t = 0
+    assert nodes.killed == [signal.SIGKILL] and "stuck: no progress for 3.6 s" in node.said[0]
+
+
 @pytest.mark.parametrize("text, message", [
     ("spin:rank=1,iter=3,phase=eval", "spin needs a phase of an iteration (start, forward, backward, grad_sync, "
                                       "optimizer, param_gather), got 'eval'"),
