@@ -98,8 +98,9 @@ PHASES = ("start", "forward", "backward", "grad_sync", "optimizer", "param_gathe
 FORMATION_PHASES = ("reform", "connect")
 """Phases of a re-formation: due in the first one at iteration N or later (not only in iteration N)."""
 SPIN_PHASES = phases.ITERATION
-"""Where ``spin`` may fire: the phases of an iteration, where the launcher takes a rank that makes no progress while
-its peers wait on it for a stuck one (:data:`ntp_megatron.phases.ITERATION`)."""
+"""Where ``spin`` may fire: the phases of an iteration (its start mark to the parameter all-gather), where the
+launcher takes a rank that makes no progress while its peers wait on it for a stuck one
+(:data:`ntp_megatron.phases.ITERATION`)."""
 USAGE = ("expected ACTION:rank=R,iter=N[,phase=P][,code=C] (ACTION in kill, hang, exit, error, oom, spin; P in "
          f"{', '.join(PHASES)}), kill:rank=R,after=S, slow:rank=R,factor=F[,iter=N], or "
          "random:mtbf=S[,seed=K][,max=M][,action=kill|hang | ,kinds=K1+K2...]")
@@ -183,7 +184,7 @@ def random_phases(kind: str, ntp: bool = True, checkpoints: bool = False, gloo: 
         return ("start",)
     if kind == "spin":
         return SPIN_PHASES if ntp and progress_fence else ()
-    pool = ["start", *phases.ITERATION, "param_gather"]
+    pool = list(phases.ITERATION)
     if ntp:
         pool += ["reform", "connect"] if gloo else ["reform"]
     if checkpoints:
@@ -633,7 +634,7 @@ class Slowdown:
         if extra > 0:
             self.sleep(extra)
             self.slept += extra
-        # The passes go on (the first micro-batch begins while the phase is still ``start``), or they ended (the
+        # The passes go on (from the start mark through forward and backward), or they ended (the
         # gradient sync under NTP, else the optimizer step's point).
         self._last = phases.compute_clock() if phase in self.WINDOW else None
 

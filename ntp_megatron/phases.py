@@ -21,10 +21,15 @@ import time
 import weakref
 from typing import Any, Callable, Optional, Protocol
 
-ITERATION = ("forward", "backward", "grad_sync", "optimizer")
-"""The phases of an iteration's work, where a rank makes progress at a bounded pace (micro-batches, collectives):
-one that makes none there while its peers wait on it is stuck (elsewhere long work without either is normal: a
-checkpoint write, building a dataset index)."""
+ITERATION = ("start", "forward", "backward", "grad_sync", "optimizer", "param_gather")
+"""The phases of an iteration's work, from its ``start`` mark to the distributed optimizer's parameter all-gather,
+where a rank makes progress at a bounded pace (micro-batches, collectives): one that makes none there while its
+peers wait on it is stuck (elsewhere long work without either is normal: a checkpoint write, building a dataset
+index, which happen in :data:`SETUP` or phases of their own)."""
+
+SETUP = "setup"
+"""A rank's phase from its process start until its first mark (building the model, the datasets, loading a
+checkpoint): not ``start``, which is an iteration's and where a rank that makes no progress is suspect."""
 
 Hook = Callable[[str, int], None]
 """Called with (phase, 1-based iteration) at every :func:`point`."""
@@ -33,7 +38,7 @@ _hook: Optional[Hook] = None
 _paces: tuple[Callable[[str], None], ...] = ()
 _wait_listener: Optional["WaitListener"] = None
 _iteration = 0
-_phase = "start"
+_phase = SETUP
 _ticks = 0
 _waiting_since: Optional[float] = None
 _wait_began = 0.0

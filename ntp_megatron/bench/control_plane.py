@@ -134,7 +134,7 @@ def _agent(store, ranks: list[int], fenced: list):
 
     processes = {r: _FakeProcess(r) for r in ranks}
     return CountingAgent(store, lambda: processes, HEARTBEAT_TIMEOUT_S, CLIENT_TIMEOUT_S, [], lambda _: None,
-                         lambda: ranks, fence=True, fence_progress=True)
+                         lambda: ranks, fence=True, fence_progress=True, beat_interval_s=HEARTBEAT_S)
 
 
 class Halt:

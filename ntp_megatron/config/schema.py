@@ -289,7 +289,7 @@ class NTPSection(_Section):
     half of ``heartbeat_timeout_s`` (``timing.stall_fraction``), and this one is a member of a group it waits in that
     has entered fewer collectives there, makes no progress for as long (marks per layer in forward and backward, per
     parameter in the optimizer step, per collective and per phase), does not wait itself and is in a phase of an
-    iteration (forward, backward, grad_sync, optimizer): stuck in a kernel (``--inject-failure spin:...``). Causal: a
+    iteration (start to param_gather): stuck in a kernel (``--inject-failure spin:...``). Causal: a
     rank frozen elsewhere is not fenced for this wait, a slow rank that progresses never is. On gloo and NCCL
     (``collective_sequences``). false: fence by heartbeat only (a rank stuck with its heartbeat alive then holds its
     peers until ``parallel.timeout_s``)."""

@@ -66,6 +66,10 @@ class TimingSection(BaseModel):
     """Of ``ntp.heartbeat_timeout_s`` (``ntp.progress_fence``), the patience: a rank that has waited on its peers this
     long is published as waiting, and a rank that holds such a wait up (behind it in a group it waits in) and has made
     no progress this long, in a phase of an iteration, is fenced."""
+    stale_beats: float = Field(5.0, gt=1)
+    """A heartbeat older than this many ``ntp.heartbeat_interval_s`` is stale (``ntp.progress_fence``): its rank's
+    progress is unknown, not still, until a fresh one comes (a main thread holding the GIL delays the heartbeat thread
+    by seconds; an old count is no sign the rank stopped working)."""
     relay_wait_s: float = Field(30.0, gt=0)
     """How long a relay thread blocks on one store call before it asks again (a wait for a generation's end lasts as
     long as the generation: one request to the root per node every this many seconds)."""

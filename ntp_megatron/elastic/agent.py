@@ -67,9 +67,10 @@ class Agent:
     def __init__(self, store: dist.Store, processes: Callable[[], dict[int, _Process]], heartbeat_timeout_s: float,
                  startup_grace_s: float, specs: list, say: Callable[[str], None],
                  live: Callable[[], list[int]], fence: bool = True, fence_progress: bool = False,
-                 shared: Optional[dist.Store] = None) -> None:
+                 shared: Optional[dist.Store] = None, beat_interval_s: float = 0.2) -> None:
         """``store``: where this node's ranks beat (the node's store); ``shared``: where the launchers of every
-        node meet (the root store; ``store`` by default)."""
+        node meet (the root store; ``store`` by default); ``beat_interval_s``: how often the ranks beat
+        (``ntp.heartbeat_interval_s``)."""
         self.store = store
         self.shared = shared if shared is not None else store
         self.processes = processes
@@ -79,22 +80,26 @@ class Agent:
         self.live = live
         self.fence = fence
         """Fence by heartbeat (only ranks of an NTP job beat)."""
+        self.beat_interval_s = beat_interval_s
         self.fence_progress = fence_progress
         """Fence by progress too (``ntp.progress_fence``): the causal rule of :mod:`ntp_megatron.elastic.blame`."""
         self.clock: Callable[[], float] = time.monotonic
         """How long a rank's progress stands still is measured on this clock (monotonic; tests pass their own)."""
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         """This launcher's entry in the published waits."""
-        self.started = time.time()
+        self.started = time.monotonic()
+        """When this agent started, on the host's monotonic clock: the clock of heartbeats (a rank and its launcher
+        share a host), stops and the schedule of injected failures; a step of the wall clock moves none of them."""
         self.born: dict[int, float] = {}
-        """Launch rank -> when its current process started (a replacement later than the job)."""
+        """Launch rank -> when its current process started (a replacement later than the job; monotonic)."""
         self.stopped_since: dict[int, float] = {}
         self.hung: set[int] = set()
         """Ranks this agent hung itself (``random:...,action=hang``): never picked again."""
         self.notes: dict[int, tuple[float, str]] = {}
-        """Launch rank -> (when, what) for ranks this agent killed: their death time and cause."""
+        """Launch rank -> (when, what) for ranks this agent killed: their death time (wall clock: only reported) and
+        cause."""
         self.training_started: Optional[float] = None
-        """When the first iteration of the run was reported (the clock of ``random:`` failures)."""
+        """When the first iteration of the run was reported (monotonic: the clock of ``random:`` failures)."""
         self.progress: dict[int, tuple[int, float]] = {}
         """Launch rank -> (its last progress count, since when it has had it on :attr:`clock`)."""
         self._placed: set[int] = set()
@@ -117,14 +122,14 @@ class Agent:
 
     def poll(self, inject: bool = True) -> None:
         """Fence, and (unless ``inject`` is off: the run is over) fire the failures that are due."""
-        now = time.time()
+        now = time.monotonic()
         self._fence(now)
         if inject:
             self._fire_timed(now)
             self._fire_random(now)
 
     def begin_training(self, at: float) -> None:
-        """The run's first iteration was reported at ``at``: ``random:`` failures count from there."""
+        """The run's first iteration was reported at ``at`` (monotonic): ``random:`` failures count from there."""
         if self.training_started is None:
             self.training_started = at
 
@@ -132,7 +137,7 @@ class Agent:
         """The job starts again on fresh processes and a fresh store (``ntp.on_unrecoverable: restart``, one node):
         nothing of the old processes counts; outside failures still due keep their schedule."""
         self.store = self.shared = store
-        self.born = dict.fromkeys(self.processes(), time.time())
+        self.born = dict.fromkeys(self.processes(), time.monotonic())
         self.stopped_since.clear()
         self.progress.clear()
         self._waits_published = None  # a fresh store: this launcher has no entry there
@@ -152,7 +157,7 @@ class Agent:
         self.hung.discard(rank)
         self.doomed.discard(rank)
         self.slowed.discard(rank)
-        self.born[rank] = time.time()
+        self.born[rank] = time.monotonic()
         try:
             keys.reset_beat(self.store, rank)
             keys.disarm(self.shared, rank)
@@ -160,6 +165,8 @@ class Agent:
             pass
 
     def _fence(self, now: float) -> None:
+        """Fence stopped, silent and (with :attr:`fence_progress`) stuck ranks; ``now`` is the host's monotonic clock,
+        the heartbeats' (:func:`ntp_megatron.elastic.watchdog.beat`)."""
         if not self.fence:
             return
         states: list[tuple[blame.RankState, object]] = []
@@ -192,7 +199,7 @@ class Agent:
                            f"hung: fenced after {silent:.1f} s without a heartbeat")
                 continue
             if last is not None and self.fence_progress:
-                states.append((self._state(rank, beat), proc))
+                states.append((self._state(rank, beat, silent), proc))
         if self.fence_progress:
             self._fence_stuck(states, now)
 
@@ -209,14 +216,15 @@ class Agent:
         beats = keys.beats(self.store, ranks)
         return [beat if beat["t"] > 0 else None for beat in beats]
 
-    def _state(self, rank: int, beat: dict) -> blame.RankState:
-        """``rank`` as its heartbeat and this agent's record of its progress say it is."""
+    def _state(self, rank: int, beat: dict, age_s: float) -> blame.RankState:
+        """``rank`` as its heartbeat (``age_s`` old) and this agent's record of its progress say it is."""
         count, now = beat.get("progress"), self.clock()
         seen = self.progress.get(rank)
         if seen is None or seen[0] != count:
             self.progress[rank] = seen = (count, now)
+        still = still_s(now - seen[1], age_s, self.beat_interval_s * timing.current().stale_beats)
         return blame.RankState(rank, beat.get("phase", ""), beat.get("iteration", 0), beat.get("seq") or {},
-                               blame.Wait.from_json(beat.get("wait")), now - seen[1])
+                               blame.Wait.from_json(beat.get("wait")), still)
 
     def _fence_stuck(self, states: list[tuple[blame.RankState, object]], now: float) -> None:
         """Publish this launcher's waiting ranks; fence its own ranks that hold up a wait any launcher published
@@ -250,7 +258,8 @@ class Agent:
         self._waits_published = now if waiting else None
 
     def _kill(self, rank: int, proc, failed_at: float, cause: str) -> None:
-        self.notes[rank] = (failed_at, cause)
+        """Fence ``rank``, which failed at ``failed_at`` (monotonic; noted as wall time, for the record)."""
+        self.notes[rank] = (wall_time(failed_at), cause)
         self.say(f"launch rank {rank} (pid {proc.pid}) stopped responding ({cause}): fencing it")
         _signal(proc.pid, signal.SIGKILL)
 
@@ -312,6 +321,18 @@ class Agent:
         else:  # hang: the process stops; the fence does the rest
             self.hung.add(rank)
             _signal(proc.pid, signal.SIGSTOP)
+
+
+def still_s(unchanged_s: float, age_s: float, stale_s: float) -> float:
+    """How long a rank's progress is known to have stood still: its count has not changed for ``unchanged_s``, read
+    from a heartbeat ``age_s`` old; 0 (unknown, not still) when that beat is older than ``stale_s`` (its thread was
+    held up, by a main thread holding the GIL say: the rank may well be working)."""
+    return 0.0 if age_s > stale_s else unchanged_s
+
+
+def wall_time(monotonic: float) -> float:
+    """The wall-clock time of an instant of this host's monotonic clock, for reports only (never compared)."""
+    return time.time() - (time.monotonic() - monotonic)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -11,8 +11,9 @@ somewhere else is not why this wait does not end), so the rule asks what each ra
 - the *culprit* of a waiter is a member of a group the waiter waits in that is *behind* it there (it has entered
   fewer collectives on the group than the waiter, so the waiter's collective cannot complete until it moves) and
   that makes no progress: it does not wait itself, its progress count has stood still for ``patience_s``, and it is
-  in a phase of an iteration's work (:data:`ntp_megatron.phases.ITERATION`; elsewhere — a checkpoint write, an
-  evaluation, a re-formation — long work without marks is normal).
+  in a phase of an iteration's work, its start mark to the parameter all-gather
+  (:data:`ntp_megatron.phases.ITERATION`; elsewhere — a checkpoint write, an evaluation, a re-formation, a rank's
+  setup — long work without marks is normal).
 
 So a rank frozen elsewhere (level with or ahead of every waiter on every group it shares with one, or in no group
 with any) is never named for a wait; a rank that waits is a victim, never a culprit (what it waits on is found from

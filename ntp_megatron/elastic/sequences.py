@@ -128,20 +128,22 @@ class FlightRecorderSequences:
         """Group id -> the recorder's id for that group (its backend's ``uid`` on NCCL, else learnt from entries)."""
         self.started_waiting: dict[tuple[str, int], float] = {}
         """(group id, collective) -> when this source first saw it started and not completed."""
+        self.sought: Optional[frozenset[str]] = None
+        """The tracked groups whose recorder id was still unknown after the last read of the entries."""
+        self.seen: set[str] = set()
+        """The recorder ids in ``pg_status`` at that read: a group that has recorded nothing yet is in no entry, and
+        the entries (up to 2000) are read again only once a new id shows it recorded something."""
 
     def read(self, tracked: Sequence[Tracked]) -> Reading:
         for t in tracked:
             uid = backend_uid(t.group)
             if uid is not None:
                 self.pg_ids[t.gid] = uid
-        unknown = any(t.gid not in self.pg_ids for t in tracked)
         try:
-            state = pickle.loads(self.dump(unknown))
+            state = self._state(tracked)
         except Exception as exc:  # noqa: BLE001 - no recorder (not enabled): report nothing rather than fail
             logger.debug("flight recorder unreadable: %s", exc)
             return Reading(wait=host_wait())
-        if unknown:
-            self._learn(tracked, state.get("entries", ()))
         status = state.get("pg_status", {})
         reading, waits, now = Reading(), [], self.clock()
         device_starts = False
@@ -169,6 +171,21 @@ class FlightRecorderSequences:
         elif not device_starts:
             reading.wait = host_wait()
         return reading
+
+    def _state(self, tracked: Sequence[Tracked]) -> dict:
+        """The recorder's state; with its entries, learnt from, while a tracked group's id is unknown and either the
+        tracked groups changed or a group recorded something since the entries were last read (not at every beat:
+        on gloo a tracked group may record nothing for long)."""
+        unknown = frozenset(t.gid for t in tracked if t.gid not in self.pg_ids)
+        entries = bool(unknown) and unknown != self.sought
+        state = pickle.loads(self.dump(entries))
+        if unknown and not entries and {str(k) for k in state.get("pg_status", {})} - self.seen:
+            state, entries = pickle.loads(self.dump(True)), True
+        if entries:
+            self._learn(tracked, state.get("entries", ()))
+            self.sought = frozenset(t.gid for t in tracked if t.gid not in self.pg_ids)
+            self.seen = {str(k) for k in state.get("pg_status", {})}
+        return state
 
     def _learn(self, tracked: Sequence[Tracked], entries: Iterable[dict]) -> None:
         """Recorder ids of tracked groups from the entries that name them. A name can come back (a group made

@@ -190,14 +190,15 @@ class Heartbeat:
 
 
 def beat() -> dict:
-    """This rank's heartbeat: ``t`` (now), ``iteration``, ``phase``, ``progress`` (a count that grows while the rank
-    works: its marks, plus the collectives its device completed where the source counts them), the collective
+    """This rank's heartbeat: ``t`` (now, on the host's monotonic clock, which its launcher shares: a step of the
+    wall clock must not make every beat of a node look old), ``iteration``, ``phase``, ``progress`` (a count that
+    grows while the rank works: its marks, plus the collectives its device completed where the source counts them), the collective
     sequence numbers it entered per group (``seq``) and its wait on its peers (``wait``: for how long, on what where
     known; :mod:`ntp_megatron.elastic.sequences`), and ``compute`` (its last iterations' compute times,
     ``[iteration, seconds]``: what the launcher's rebalance monitor reads, with no request of its own)."""
     iteration, phase = phases.current()
     reported = sequences.report()
-    return {"t": time.time(), "iteration": iteration, "phase": phase,
+    return {"t": time.monotonic(), "iteration": iteration, "phase": phase,
             "progress": phases.progress() + reported["device"], "seq": reported["seq"], "wait": reported["wait"],
             "compute": [[k, round(seconds, 6)] for k, seconds in phases.computed()]}
 

@@ -285,7 +285,7 @@ class Launcher:
                                startup_grace_s=self.cfg.parallel.timeout_s, specs=self.failures,
                                say=self.console.say, live=self.policy.live_launch_ranks, fence=self.cfg.ntp.enabled,
                                fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence,
-                               shared=self.store)
+                               shared=self.store, beat_interval_s=self.cfg.ntp.heartbeat_interval_s)
         while True:
             if self.agent is not None:
                 if self.processes.first_iteration_at is not None:

@@ -97,7 +97,7 @@ class RankProcesses:
         self.restart = 0
         """Restarts before the processes started now (their iteration records say so)."""
         self.first_iteration_at: Optional[float] = None
-        """When a rank of this node first reported an iteration (the run began training)."""
+        """When a rank of this node first reported an iteration (the run began training; monotonic: the agent's)."""
 
     # -- starting ---------------------------------------------------------------------------------------------
     def start(self, rank: int, env: dict[str, str], fresh: bool = False) -> RankProcess:
@@ -201,7 +201,7 @@ class RankProcesses:
             if record is not None:
                 if record.get("kind") == "iteration":
                     if self.first_iteration_at is None:
-                        self.first_iteration_at = time.time()
+                        self.first_iteration_at = time.monotonic()  # the agent's clock
                     if restart:
                         record["restart"] = restart
                 self.console.relayed(None, record)

@@ -22,7 +22,8 @@ import torch
 from ntp_megatron import phases
 
 TRAINING_PHASES = ("start", "forward", "backward")
-"""Where a micro-batch of a training iteration begins (its first one's is still ``start``)."""
+"""Where a micro-batch of a training iteration begins (``forward`` from its first one's data read on; ``start`` kept
+for a step run without :class:`ntp_megatron.training.steps.ForwardStep`)."""
 
 
 class EmulatedDevice:

@@ -56,10 +56,11 @@ class ForwardStep:
         self.index = 0
 
     def __call__(self, data_iterator, model):
+        if self.index == 0:
+            # Before the batch is read: a data read that hangs is the forward's, a phase where the rank is suspect.
+            phases.enter("forward")
         batch = next(data_iterator)
         phases.tick(micro_batch=True)
-        if self.index == 0:
-            phases.enter("forward")  # where the rank is from the iteration's first micro-batch on
         middle = self.index == self.middle
         self.index += 1
         if middle:

@@ -206,10 +206,10 @@ def test_hung_rank_is_fenced(tmp_path, reference_tp2):
     assert 0.4 < failed["detect_s"] < 3.0  # seen stopped, fenced after half a second, then the abort
 
 
-@pytest.mark.parametrize("phase", ["forward", "grad_sync", "optimizer"])
+@pytest.mark.parametrize("phase", ["start", "forward", "grad_sync", "optimizer"])
 def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, phase):
     """``spin`` with the default config: the rank busy-loops with its heartbeat alive (as one stuck in a kernel
-    does) — in forward, where its TP peer waits on it in their TP group; in the gradient sync, where the other
+    does) — at the iteration's start and in forward, where its TP peer waits on it in their TP group; in the gradient sync, where the other
     replica's rank waits on it in their sync group; after its vote (optimizer), where both wait on it in the next
     iteration. Its launcher fences it by name, blamed by the rank that waits on it (the group and the collective),
     the survivors re-form within twice the heartbeat timeout, and the loss curve is the failure-free run's."""
@@ -221,6 +221,25 @@ def test_a_spinning_rank_is_fenced_by_its_progress(tmp_path, reference_tp2, phas
     assert failed["cause"].startswith("stuck: no progress for "), failed["cause"]
     assert f"in phase {phase} of iteration 4 while launch rank" in failed["cause"], failed["cause"]
     assert "has waited" in failed["cause"] and "(for collective" in failed["cause"], failed["cause"]
+    assert failed["detect_s"] < HEARTBEAT_TIMEOUT_S, failed
+
+
+DISTOPT = ("--set", "parallel.use_distributed_optimizer=true", "--set", "parallel.num_distributed_optimizer_instances=2")
+DISTOPT_ITERS = 6
+
+
+def test_a_rank_spinning_in_the_parameter_gather_is_fenced(tmp_path, jobs):
+    """``spin`` in ``param_gather`` under the distributed optimizer (two instances, so the dead rank's shard has a
+    twin): the gather is an iteration's work, so the rank is blamed by the peers that wait on it and fenced by name
+    within twice the heartbeat timeout, and the loss curve is the failure-free run's. (A soak saw ranks wait on a
+    rank spinning there that nothing blamed: the job stopped at gloo's timeout.)"""
+    args = ntp_args(2, 2, iters=DISTOPT_ITERS, extra=DISTOPT)
+    reference = jobs.run("live-ref-distopt-tp2x2", args)
+    result = run_job(tmp_path / "run", args + ["--inject-failure", "spin:rank=2,iter=3,phase=param_gather"])
+    assert_same_run(result, reference, iters=DISTOPT_ITERS)
+    failed = assert_fenced_in_time(result, 2)
+    assert failed["cause"].startswith("stuck: no progress for "), failed["cause"]
+    assert "in phase param_gather of iteration 3 while launch rank" in failed["cause"], failed["cause"]
     assert failed["detect_s"] < HEARTBEAT_TIMEOUT_S, failed
 
 

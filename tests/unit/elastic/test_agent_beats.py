@@ -83,3 +83,22 @@ def test_a_replacements_predecessor_does_not_count_for_it(node):
     assert agent._read_beats([5])[0]["t"] == agent.started + 2.0
     agent.forget(5)
     assert agent._read_beats([5]) == [None]
+
+
+def test_a_step_of_the_wall_clock_fences_no_one(node, monkeypatch):
+    """A rank and its launcher share a host: heartbeats and stops are timed on its monotonic clock, so a step of the
+    wall clock (NTP, an operator) makes no beat look old. Death times stay wall time: they are only reported."""
+    import time
+
+    agent, store, killed = node
+    wall, step = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: wall() + step[0])
+    for rank in range(8):
+        keys.beat(store, rank, beat())
+    step[0] = 3600.0  # the wall clock jumps an hour ahead between the beats and the launcher's poll
+    agent.poll(inject=False)
+    assert killed == [] and agent.notes == {}
+    step[0] = 0.0
+    agent.heartbeat_timeout_s = 0.0  # every beat is too old now: the notes say when, in wall time
+    agent.poll(inject=False)
+    assert len(killed) == 8 and all(abs(when - time.time()) < 5.0 for when, _ in agent.notes.values())

@@ -68,6 +68,22 @@ def test_no_one_else_is_fenced(case):
     assert blamed(states) == []
 
 
+@pytest.mark.parametrize("phase", ["start", "param_gather"])
+def test_a_rank_stuck_at_an_iteration_s_start_or_in_the_parameter_gather_is_named(phase):
+    """An iteration runs from its start mark (the first micro-batch's data read) to the distributed optimizer's
+    parameter all-gather: rank 2 stuck there, behind its waiting TP peer, is named (a soak saw ranks wait in
+    param_gather on a spinning rank nobody blamed)."""
+    states = [rank(0, (5, 2), "backward", still=0.1), rank(1, (5, 2), "backward", still=0.1),
+              rank(2, (11, 2), phase, still=6.0), rank(3, (12, 2), "forward", still=6.0, wait=6.0)]
+    assert blamed(states) == [(2, 3, TP1)]
+
+
+def test_a_rank_still_setting_up_is_not_named():
+    """Before its first mark a rank builds its model and datasets (``setup``: long work without marks is normal)."""
+    states = [rank(2, (11, 2), "setup", still=60.0, iteration=0), rank(3, (12, 2), still=6.0, wait=6.0)]
+    assert blamed(states) == []
+
+
 def test_a_named_wait_blames_only_behind_in_that_group():
     """The flight recorder names the collective a rank waits for (NCCL): a member behind it in another group it
     shares is not why it waits; one behind in that group (has not started that collective) is."""
@@ -78,6 +94,31 @@ def test_a_named_wait_blames_only_behind_in_that_group():
     assert held_up_by(waiter, behind_there) == (S1, 4, 3)
     [found] = culprits([waiter], [behind_elsewhere, behind_there], PATIENCE)
     assert (found.culprit, found.group, found.seq, found.entered) == (3, S1, 4, 3)
+
+
+def test_a_member_that_entered_the_waited_collective_is_level_not_behind():
+    """The NCCL boundary: the waiter waits for collective 4 of S1 (started, not completed); a member that has started
+    4 there too is level with it (its own device waits on someone else), not why the wait lasts."""
+    waiter = Waiter(1, {TP0: 20, S1: 4}, Wait(6.0, (S1, 4)))
+    level = RankState(3, "forward", 4, {TP1: 30, S1: 4}, None, 6.0)
+    assert held_up_by(waiter, level) is None
+    assert culprits([waiter], [level], PATIENCE) == []
+
+
+def test_a_published_wait_shorter_than_the_patience_blames_no_one():
+    """``culprits`` takes what the launchers published as it is: an entry under the patience (another launcher's
+    older rule, a hand-made list) holds no one up yet."""
+    short = Waiter(3, {TP1: 12}, Wait(PATIENCE - 0.1))
+    assert culprits([short], [rank(2, (11, 2), still=9.0)], PATIENCE) == []
+
+
+def test_a_rank_is_never_its_own_culprit():
+    """A launcher's published entry for a rank that no longer waits may outlive its wait by a refresh
+    (``timing.stall_refresh_s``): that rank, now still and not waiting, is never held up by its own wait, even on
+    counts that say it is behind them (a group made anew under the same id)."""
+    own = Waiter(2, {TP1: 12, S0: 3}, Wait(6.0))
+    assert held_up_by(own, rank(2, (11, 2), still=9.0)) is None
+    assert culprits([own], [rank(2, (11, 2), still=9.0)], PATIENCE) == []
 
 
 def test_counts_are_compared_within_one_incarnation_of_a_group_only():

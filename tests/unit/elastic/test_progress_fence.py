@@ -3,7 +3,7 @@ its ranks that have waited on their peers for half of ``ntp.heartbeat_timeout_s`
 and fences those of its own ranks that hold a published wait up — behind the waiter in a group it waits in, no
 progress for the patience, not waiting, in a phase of an iteration (:mod:`ntp_megatron.elastic.blame`, whose
 rule has its own tests) — by name; no other rank, also when the waiter and the culprit are on different launchers.
-The launcher's clocks are passed in (wall ``Agent._fence(now)`` for heartbeat ages, ``Agent.clock`` for progress);
+The launcher's clocks are passed in (monotonic ``Agent._fence(now)`` for heartbeat ages, ``Agent.clock`` for progress);
 the heartbeats are what :func:`ntp_megatron.elastic.watchdog.beat` writes."""
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def test_the_rank_the_others_wait_on_is_fenced_by_name(nodes):
     [line] = node.said
     assert line.startswith("launch rank 2 ") and "stuck: no progress for 2.1 s in phase forward of iteration 3" in line
     assert f"while launch rank 3 has waited 2.1 s on it in group {TP1} (for collective 11; this rank entered 10" in line
-    assert node.agent.notes[2][0] == pytest.approx(node.agent.started), "it failed when it stopped progressing"
+    # It failed when it stopped progressing, noted in wall time (the record's).
+    assert node.agent.notes[2][0] == pytest.approx(agent_module.wall_time(node.agent.started), abs=0.5)
 
 
 def test_the_waiter_and_the_culprit_on_different_launchers(nodes):
@@ -174,7 +175,7 @@ def test_the_heartbeat_says_where_the_rank_is_and_whether_it_waits():
     thread.start()
     thread.join()
     assert seen == [None], "another thread's wait is not the rank's"
-    phases.enter("start")  # as a fresh process: later tests of this process expect no iteration phase
+    phases.enter(phases.SETUP)  # as a fresh process: later tests of this process expect no iteration phase
 
 
 def _wait_in_thread():
@@ -191,13 +192,57 @@ def test_every_collective_wait_is_the_patched_one():
     assert Work.wait is torch_distributed_work._wait
 
 
+def test_a_rank_whose_heartbeat_comes_late_is_not_still_but_unknown(nodes):
+    """Rank 2's heartbeat thread is held up (its main thread holds the GIL, working): its last beat, from t = 0, says
+    the count it had then. Older than ``timing.stale_beats`` intervals, it says nothing of progress: rank 2 is not
+    fenced however long 3 waits; once a fresh beat shows the same count, it has stood still since t = 0."""
+    [node] = nodes([0, 1, 2, 3])
+    node.beats(0.0, **spin(0.0))
+    late = {"t": node.agent.started}
+    node.beats(HALF + 0.1, **{**spin(HALF + 0.1), "r2": {**spin(0.0)["r2"], **late}})
+    node.beats(TIMEOUT_S - 0.5, **{**spin(TIMEOUT_S - 0.5), "r2": {**spin(0.0)["r2"], **late}})
+    assert not nodes.killed, node.said
+    node.beats(TIMEOUT_S - 0.4, **spin(TIMEOUT_S - 0.4))  # a fresh beat: the count of t = 0
+    assert nodes.killed == [signal.SIGKILL] and "stuck: no progress for 3.6 s" in node.said[0]
+
+
 @pytest.mark.parametrize("text, message", [
-    ("spin:rank=1,iter=3", "spin needs a phase of an iteration (forward, backward, grad_sync, optimizer), got 'start'"),
+    ("spin:rank=1,iter=3,phase=eval", "spin needs a phase of an iteration (start, forward, backward, grad_sync, "
+                                      "optimizer, param_gather), got 'eval'"),
     ("spin:rank=1,iter=3,phase=checkpoint", "spin needs a phase of an iteration"),
 ])
 def test_spin_is_refused_outside_an_iteration(text, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         faults.parse_failure_spec(text, world_size=4, train_iters=10, checkpoints=True)
+
+
+@pytest.mark.parametrize("phase", ["start", "param_gather"])
+def test_spin_may_fire_from_an_iteration_s_start_to_its_parameter_gather(phase):
+    spec = faults.parse_failure_spec(f"spin:rank=1,iter=3,phase={phase}", world_size=4, train_iters=10)
+    assert (spec.action, spec.phase) == ("spin", phase)
+    assert phase in faults.random_phases("spin")
+
+
+def test_the_first_micro_batch_is_read_in_forward():
+    """A data read that hangs in an iteration's first micro-batch is the forward's (a suspect phase), not the
+    phase before it."""
+    from ntp_megatron.training.steps import ForwardStep
+
+    class Reading(Exception):
+        pass
+
+    seen = []
+
+    def data():
+        seen.append(phases.current()[1])
+        raise Reading()
+        yield  # a generator
+
+    phases.enter("start")  # the iteration's start mark
+    with pytest.raises(Reading):
+        ForwardStep(4)(data(), model=None)
+    phases.enter(phases.SETUP)
+    assert seen == ["forward"]
 
 
 def test_spin_needs_ntp():

@@ -141,6 +141,23 @@ def test_a_group_with_nothing_recorded_yet_has_entered_nothing():
     assert reading.groups == {"tp@0": 0}
 
 
+def test_a_group_that_records_nothing_is_not_sought_in_the_entries_at_every_beat():
+    """On gloo a tracked group may record nothing for long (its id stays unknown): the recorder's entries (up to 2000)
+    are read again only when a new group id shows that some group recorded something, or the tracked groups change."""
+    recorder = FakeRecorder({"3": "tp-name"})
+    recorder.state = {"3": (5, -1, 5)}
+    source = FlightRecorderSequences(recorder)
+    tracked = [Tracked("tp@0", FakeGroup("tp-name")), Tracked("quiet@0", FakeGroup("quiet-name"))]
+    for _ in range(3):
+        assert source.read(tracked).groups == {"tp@0": 5, "quiet@0": 0}
+    assert recorder.asked == [True, False, False]
+    recorder.names["4"], recorder.state["4"] = "quiet-name", (1, -1, 0)
+    assert source.read(tracked).groups == {"tp@0": 5, "quiet@0": 1}
+    assert recorder.asked == [True, False, False, False, True], "a new id: the entries once, in the same beat"
+    source.read(tracked)
+    assert recorder.asked[-1] is False
+
+
 def test_without_start_events_the_host_enters_as_it_enqueues():
     """gloo's recorder (and NCCL's without TORCH_NCCL_ENABLE_TIMING) records no start: enqueued counts, less our
     point-to-point messages (counted alike), and the host's wait."""

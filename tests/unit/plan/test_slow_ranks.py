@@ -64,7 +64,7 @@ def test_slowdown_stretches_the_passes_only(monkeypatch):
             slow(kind)
         return clock.now - begin
 
-    # The first micro-batch begins while the phase is still "start" (its tick), the second in "forward"; the
+    # Work from the start mark to the first micro-batch's tick counts (here "start"), later ones in "forward"; the
     # gradient sync's point ends the passes.
     work = [("start", "micro_batch", 0.5), ("forward", "tick", 1.0), ("forward", "point", 1.0), ("grad_sync", "point", 1.0),
             ("optimizer", "point", 5.0)]
