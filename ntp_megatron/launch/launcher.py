@@ -87,7 +87,7 @@ class Launcher:
         on the same device. Every node computes the same map from the config alone."""
         p = cfg.parallel
         placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes,
-                              p.pipeline_model_parallel_size)
+                              p.pipeline_model_parallel_size, self.args.nproc_per_node, self.args.nnodes_per_domain)
         slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size,
                              cfg.topology() if cfg.ntp.enabled else None, p.pipeline_model_parallel_size)
         if not placement.node_ranks(0, slots):
@@ -128,6 +128,7 @@ class Launcher:
             runtime.ENV_RESTART: str(self.restarts),
             runtime.ENV_NNODES: str(self.args.nnodes),
             runtime.ENV_NODE: str(self.args.node_rank),
+            runtime.ENV_NNODES_PER_DOMAIN: str(self.args.nnodes_per_domain),
             faults.ENV_FAILURES: faults.to_env(self.failures),
         })
         if self.relay is not None:
