@@ -62,7 +62,7 @@ class Launcher:
         self.run_dir = Path(cfg.logging.run_dir).resolve()
         self.console = Console()
         self.nodes = Nodes(args.nnodes, args.node_rank, args.store_host, args.store_port, cfg.parallel.timeout_s,
-                           self.console.say)
+                           self.console.say, cfg.ntp.node_timeout_s)
         self.start_method = runtime.rank_start_method(cfg.training.device)
         """How this node's ranks and warm spares start: ``fork`` (CPU) or ``spawn`` (where CUDA may be used)."""
         self.store = None
@@ -143,6 +143,8 @@ class Launcher:
         (:func:`ntp_megatron.training.runtime.rank_start_method`)."""
         if self.start_method == "spawn":
             self.console.say("CUDA may be used here: ranks start as fresh processes, not forks")
+        if self.nodes.replacing:
+            return  # a lost node's replacement: its slots start as replacements (the policy's begin)
         for rank in self.local_ranks:
             self.processes.start(rank, self.rank_env(rank))
         self.processes.record_pids()
@@ -190,6 +192,7 @@ class Launcher:
         finally:
             if self.relay is not None:  # its threads must not be in a store call when the interpreter exits
                 self.relay.stop()
+            self.nodes.close()
             server.close()
 
     def _run(self, server: ForkServer) -> int:
@@ -211,6 +214,9 @@ class Launcher:
             self.store = root_watch.guard(self.store, self.args.store_host, self.nodes.port,
                                           self.cfg.ntp.node_timeout_s, self.cfg.parallel.timeout_s)
         self.node_store = self.store
+        if self.nodes.replacing and not self.cfg.ntp.enabled:
+            self.console.say(f"node {self.args.node_rank} was declared lost and the job has no NTP to replace it in")
+            return 1
         if self.cfg.ntp.enabled and self.args.node_rank > 0:
             self._host_node_store()
         self._start_ranks()
@@ -279,6 +285,9 @@ class Launcher:
                                fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence,
                                shared=self.store)
         while True:
+            fenced = self.policy.fenced()  # before the agent, which would take its stopped ranks for hung ones
+            if fenced is not None:
+                return fenced
             if self.agent is not None:
                 if self.processes.first_iteration_at is not None:
                     self.agent.begin_training(self.processes.first_iteration_at)

@@ -9,8 +9,14 @@ everywhere, the abort key with the reason and the failure it named.
 This module owns the keys between the launchers (:mod:`ntp_megatron.elastic.keys` lists the other owners), their
 writers and their readers:
 
-- ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`);
-  read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`),
+  again by a replacement launcher for a lost node (a new pid); read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/link``: the port of node 0's link listener (:mod:`ntp_megatron.launch.node_link`), on node 0's
+  ``--store-host``. Written by node 0's launcher (:meth:`Nodes.join`); read by every other node's (:meth:`Nodes.join`).
+- ``launcher/lost/node<n>``: node n was declared lost (JSON: a list of ``{"pid", "reason", "launch_ranks"}``, one per
+  launcher of the node declared lost). Written by node 0's launcher (:func:`mark_node_lost`); read by node n's
+  launcher (:func:`node_losses`): one whose pid is listed is fenced (it stops its ranks and exits 1); one started
+  later for node n finds the node lost and starts every one of its slots as a replacement.
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
   (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
 - ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -40,6 +47,8 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
+from ntp_megatron.launch.node_link import LinkClient, LinkServer
+from ntp_megatron.launch.node_liveness import Loss, NodeLiveness
 
 ADDRESS_FILE = "store.json"
 
@@ -50,6 +59,8 @@ same failure."""
 DEATHS = keys.PREFIX + "deaths"
 """How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
 every node reads them to name the same failure)."""
+LINK = LAUNCHER_PREFIX + "link"
+"""The port of node 0's link listener (:class:`~ntp_megatron.launch.node_link.LinkServer`)."""
 REBALANCE_REQUESTS = keys.PREFIX + "rebalance_requests"
 """How many rebalance requests nodes other than 0 have made (``add``): node 0's controller polls this one key."""
 
@@ -57,6 +68,11 @@ REBALANCE_REQUESTS = keys.PREFIX + "rebalance_requests"
 def node_key(node_rank: int) -> str:
     """Set (to its pid) by node ``node_rank``'s launcher once it has connected to node 0's store."""
     return f"{LAUNCHER_PREFIX}node{node_rank}"
+
+
+def lost_key(node_rank: int) -> str:
+    """JSON list of node ``node_rank``'s launchers declared lost (:func:`mark_node_lost`)."""
+    return f"{LAUNCHER_PREFIX}lost/node{node_rank}"
 
 
 def death_key(n: int) -> str:
@@ -79,13 +95,21 @@ class Nodes:
     """This launcher's node: ``node_rank`` of ``nnodes``, node 0's store at ``host:port``."""
 
     def __init__(self, nnodes: int, node_rank: int, host: str, port: int, timeout_s: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], node_timeout_s: float = 30.0) -> None:
         self.nnodes, self.node_rank = nnodes, node_rank
         self.host, self.port = host, port
         """``port``: as given (0: node 0 lets the store choose); the store's own once :meth:`join` returned."""
         self.timeout_s = timeout_s
         self.say = say
         self._remote_deaths_seen = 0
+        self.liveness = NodeLiveness(node_timeout_s)
+        """Node 0: what its links say of the other nodes' launchers (:mod:`ntp_megatron.launch.node_liveness`)."""
+        self._links: Optional[LinkServer] = None
+        self._link: Optional[LinkClient] = None
+        self.replacing = False
+        """Another node: it was declared lost before this launcher joined, so this launcher replaces it (every
+        slot of the node starts as a replacement process)."""
+        self._fence_checked = -math.inf
 
     @property
     def multi(self) -> bool:
@@ -109,8 +133,54 @@ class Nodes:
                 wait_for_port(self.host, self.port, self.timeout_s)
             store = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
                                   wait_for_workers=False)
+        if self.multi:
+            self._open_link(store)
         store.set(node_key(self.node_rank), str(os.getpid()))
         return store
+
+    def _open_link(self, store: dist.Store) -> None:
+        """Node 0: listen for the other launchers' links and publish the port. Another node: find whether this node
+        was declared lost before (then this launcher replaces it), and hold a link to node 0."""
+        if self.node_rank == 0:
+            self._links = LinkServer()
+            store.set(LINK, str(self._links.port))
+            return
+        self.replacing = bool(node_losses(store, self.node_rank))
+        beat_s = timing.current().node_beat_fraction * self.liveness.timeout_s
+        self._link = LinkClient(self.host, int(store.get(LINK).decode()), self.node_rank, os.getpid(), beat_s,
+                                self.timeout_s)
+
+    def close(self) -> None:
+        """The links end with the launcher."""
+        for link in (self._links, self._link):
+            if link is not None:
+                link.close()
+
+    def lost_nodes(self, store: dist.Store) -> list[Loss]:
+        """Node 0: the other nodes' launchers lost since the last call (:class:`NodeLiveness`, on node 0's monotonic
+        clock), each marked lost in the store (:func:`mark_node_lost`, its launch ranks filled in by the caller) and
+        its link closed."""
+        if self._links is None:
+            return []
+        for event in self._links.events():
+            getattr(self.liveness, event.kind)(event.node, event.pid, event.at)
+        losses = self.liveness.lost(time.monotonic())
+        for loss in losses:
+            self._links.drop(loss.node, loss.pid)
+        return losses
+
+    def fenced(self, store: dist.Store) -> Optional[dict]:
+        """Another node: node 0's record of this launcher declared lost (checked every ``timing.node_fence_poll_s``),
+        or None. A launcher that finds one stops its ranks and exits: the job has gone on without them."""
+        now = time.monotonic()
+        if self.node_rank == 0 or now - self._fence_checked < timing.current().node_fence_poll_s:
+            return None
+        self._fence_checked = now
+        pid = os.getpid()
+        try:
+            return next((r for r in node_losses(store, self.node_rank) if r["pid"] == pid), None)
+        except Exception:  # noqa: BLE001 - node 0 silent: root_watch says so
+            return None
 
     def wait_for_nodes(self, store: dist.Store, started: float) -> bool:
         """Node 0: wait until every other node's launcher has connected, saying which ones it waits for; at
@@ -173,6 +243,19 @@ def write_address(run_dir: Path, host: str, port: int) -> None:
     tmp = path.with_name(f".{ADDRESS_FILE}.{os.getpid()}")
     tmp.write_text(json.dumps({"host": host, "port": port}) + "\n")
     os.replace(tmp, path)  # readers never see half a file
+
+
+def mark_node_lost(store: dist.Store, node_rank: int, pid: int, reason: str, launch_ranks: list[int]) -> None:
+    """Node 0: node ``node_rank``'s launcher ``pid`` is lost (appended to the node's list; one writer, node 0)."""
+    records = node_losses(store, node_rank)
+    records.append({"pid": pid, "reason": reason, "launch_ranks": launch_ranks})
+    store.set(lost_key(node_rank), json.dumps(records))
+
+
+def node_losses(store: dist.Store, node_rank: int) -> list[dict]:
+    """Node ``node_rank``'s launchers declared lost so far (:func:`mark_node_lost`), oldest first."""
+    raw = keys.read_if_set(store, lost_key(node_rank))
+    return json.loads(raw.decode()) if raw is not None else []
 
 
 def publish_death(store: dist.Store, death: Death) -> None:

@@ -33,6 +33,8 @@ class NTPPolicy(DeathPolicy):
         self._unit_costs = {p: memory_plan.unit_cost(dims, p) for p in range(dims.pipeline_stages)}
 
     def begin(self) -> None:
+        if self.launcher.nodes.replacing:  # this launcher replaces a lost node: its slots join the running job
+            self.rejoins.replace_node()
         self.rejoins.fill_spares()
 
     def slow_groups(self, topology, identity, completed: int) -> list[Decision]:
@@ -117,6 +119,13 @@ class ControllerPolicy(NTPPolicy):
     def live_launch_ranks(self) -> list[int]:
         return self.controller.live_launch_ranks()
 
+    def counts(self, launch_rank: int) -> bool:
+        if self.admitted(launch_rank) and launch_rank not in self.controller.dead:
+            return True
+        # A replacement booting on a lost node never joins: it is forgotten (a later launcher's announces anew).
+        keys.quietly(keys.withdraw_joining, self.launcher.store, launch_rank)
+        return False
+
     def news(self, deaths: list[Death]) -> Optional[int]:
         if self.launcher.nodes.multi:
             deaths += self.launcher.nodes.remote_deaths(self.launcher.store)
@@ -128,7 +137,8 @@ class ControllerPolicy(NTPPolicy):
             return None
         say = self.launcher.console.say
         for d in deaths:
-            say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
+            if d.launch_rank not in self.node_lost_ranks:  # a lost node's ranks: said once, as the node's loss
+                say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
         reason = self.controller.handle(deaths)
         if reason is None:
             for d in deaths:
@@ -147,11 +157,13 @@ class ControllerPolicy(NTPPolicy):
     def after(self) -> None:
         super().after()
         self._rebalance()
-        if self.launcher.cfg.ntp.rejoin_after_s is None or self.training_done:
+        if self.training_done:
             return
-        # Any node's replacements: each announces itself in the store.
+        # Any node's replacements: each announces itself in the store. A lost node's come from a launcher started to
+        # replace it, whatever ntp.rejoin_after_s says (a node's own replacements wait for it).
         store, c = self.launcher.store, self.controller
-        ready = [lr for lr in c.identity
+        candidates = c.identity if self.launcher.cfg.ntp.rejoin_after_s is not None else self.node_lost_ranks
+        ready = [lr for lr in candidates
                  if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
         if ready and c.admit(ready):
             for lr in ready:

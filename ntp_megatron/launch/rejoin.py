@@ -103,6 +103,15 @@ class Rejoins:
         launcher.console.say(f"starting a replacement for launch rank {rank} (pid {proc.pid}{how}, attempt "
                          f"{self.attempts[rank]} of {self.ntp.max_rejoin_attempts})")
 
+    def replace_node(self) -> None:
+        """This launcher replaces a node node 0 declared lost: every slot of the node starts now as a replacement
+        process, which node 0 admits at an iteration boundary."""
+        launcher, now = self.launcher, time.time()
+        launcher.console.say(f"node {launcher.args.node_rank} was lost before this launcher started: its launch ranks "
+                             f"{', '.join(map(str, launcher.local_ranks))} start as replacements")
+        for rank in launcher.local_ranks:
+            self._start(rank, now)
+
     def fill_spares(self) -> None:
         """Keep ``ntp.warm_spares`` spares on this node (none without ``ntp.rejoin_after_s``). A spare that dies
         unassigned is replaced until ``ntp.max_rejoin_attempts`` spares have died; after that replacements start cold."""
