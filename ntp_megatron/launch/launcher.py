@@ -187,12 +187,14 @@ class Launcher:
             if torch.cuda.is_initialized():  # a forked child cannot use a CUDA context made by its parent
                 raise RuntimeError("CUDA was initialised in the launcher before forking ranks (by an import?)")
         server = ForkServer()  # before any thread of this process: see ntp_megatron.launch.forkserver
+        code = None
         try:
-            return self._run(server)
+            code = self._run(server)
+            return code
         finally:
             if self.relay is not None:  # its threads must not be in a store call when the interpreter exits
                 self.relay.stop()
-            self.nodes.close()
+            self.nodes.close(clean=code == 0)
             server.close()
 
     def _run(self, server: ForkServer) -> int:

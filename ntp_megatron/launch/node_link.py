@@ -25,11 +25,14 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 BEAT = b"."
+BYE = b"!"
+"""The launcher ends as it should (its ranks finished, or it stops the job): not a lost node."""
 
 
 @dataclass(frozen=True)
 class LinkEvent:
-    """What node 0 read on a link: ``kind`` is ``connected``, ``heard`` (a beat) or ``closed``; ``at``: node 0's monotonic
+    """What node 0 read on a link: ``kind`` is ``connected``, ``heard`` (a beat), ``left`` (its launcher ended as it
+    should) or ``closed``; ``at``: node 0's monotonic
     time, ``wall``: its wall clock (for the records)."""
 
     kind: str
@@ -121,7 +124,10 @@ class LinkServer:
                 return
             self._emit("connected", *who)
             data = rest
-        if data:
+        if BYE in data:
+            self._forget(sock)
+            self._emit("left", *who)
+        elif data:
             self._emit("heard", *who)
 
     def _drop_requested(self) -> None:
@@ -164,7 +170,14 @@ class LinkClient:
             except OSError:
                 return
 
-    def close(self) -> None:
+    def close(self, clean: bool) -> None:
+        """``clean``: the launcher ends as it should, and says so (node 0 then does not count the closed link as a
+        lost node); otherwise node 0 reads end of file and counts the node's ranks lost."""
         self._stop.set()
         self._thread.join(timeout=2.0)
+        if clean:
+            try:
+                self._sock.sendall(BYE)
+            except OSError:
+                pass
         self._sock.close()

@@ -60,6 +60,12 @@ class NodeLiveness:
         if current is not None and current.pid == pid and current.closed_at is None:
             current.closed_at = now
 
+    def left(self, node: int, pid: int, now: float) -> None:
+        """``pid`` said goodbye on its link (its launcher ended as it should): no longer watched."""
+        current = self._current.get(node)
+        if current is not None and current.pid == pid and current.closed_at is None:
+            del self._current[node]
+
     def watched(self) -> dict[int, int]:
         """Node -> the pid of its watched launcher (not lost)."""
         return {node: inc.pid for node, inc in self._current.items()}

@@ -150,11 +150,12 @@ class Nodes:
         self._link = LinkClient(self.host, int(store.get(LINK).decode()), self.node_rank, os.getpid(), beat_s,
                                 self.timeout_s)
 
-    def close(self) -> None:
-        """The links end with the launcher."""
-        for link in (self._links, self._link):
-            if link is not None:
-                link.close()
+    def close(self, clean: bool) -> None:
+        """The links end with the launcher; ``clean``: it exits 0 (node 0 is told: not a lost node)."""
+        if self._links is not None:
+            self._links.close()
+        if self._link is not None:
+            self._link.close(clean)
 
     def lost_nodes(self, store: dist.Store) -> list[Loss]:
         """Node 0: the other nodes' launchers lost since the last call (:class:`NodeLiveness`, on node 0's monotonic
@@ -162,8 +163,10 @@ class Nodes:
         its link closed."""
         if self._links is None:
             return []
+        said = {"connected": self.liveness.connected, "heard": self.liveness.heard, "left": self.liveness.left,
+                "closed": self.liveness.closed}
         for event in self._links.events():
-            getattr(self.liveness, event.kind)(event.node, event.pid, event.at)
+            said[event.kind](event.node, event.pid, event.at)
         losses = self.liveness.lost(time.monotonic())
         for loss in losses:
             self._links.drop(loss.node, loss.pid)

@@ -131,8 +131,8 @@ class DeathPolicy:
             return None
         launcher.console.say(f"node {launcher.args.node_rank} was declared lost by node 0 ({record['reason']}) and the "
                              f"job went on without its launch ranks {spans(record['launch_ranks']) or '(none)'}: "
-                             "stopping this node's ranks")
-        launcher.processes.stop_all()
+                             "killing this node's ranks")
+        launcher.processes.kill_all()
         return 1
 
     def handle(self, deaths: list[Death]) -> Optional[int]:
