@@ -163,12 +163,21 @@ class ControllerPolicy(NTPPolicy):
         # replace it, whatever ntp.rejoin_after_s says (a node's own replacements wait for it).
         store, c = self.launcher.store, self.controller
         candidates = c.identity if self.launcher.cfg.ntp.rejoin_after_s is not None else self.node_lost_ranks
-        ready = [lr for lr in candidates
-                 if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
+        ready = self._whole_nodes([lr for lr in candidates
+                                   if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)])
         if ready and c.admit(ready):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
                     keys.withdraw_joining(store, lr)
+                    self.node_lost_ranks.discard(lr)  # back: a later death of it is a death like any other
+
+    def _whole_nodes(self, ready: list[int]) -> list[int]:
+        """``ready`` without the ranks of a replaced node until all of that node's lost ranks are ready: a node comes
+        back in one generation, as it was lost in one."""
+        launcher = self.launcher
+        node_of = {lr: launcher.placement.device(*launcher.launch_slots[lr]).node for lr in self.node_lost_ranks}
+        waiting = {node_of[lr] for lr in self.node_lost_ranks if not self.admitted(lr) and lr not in ready}
+        return [lr for lr in ready if node_of.get(lr) not in waiting]
 
     def _rebalance(self) -> None:
         """Rebalance the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
