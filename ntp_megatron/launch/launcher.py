@@ -194,7 +194,9 @@ class Launcher:
         finally:
             if self.relay is not None:  # its threads must not be in a store call when the interpreter exits
                 self.relay.stop()
-            self.nodes.close(clean=code == 0)
+            # An orderly exit (finished, or ending its part of a stopped job, which it reported) says goodbye on its
+            # link; an interrupted one (130, 143) or a crash leaves node 0 to count the node's ranks lost.
+            self.nodes.close(clean=code is not None and code < 128)
             server.close()
 
     def _run(self, server: ForkServer) -> int:

@@ -151,7 +151,8 @@ class Nodes:
                                 self.timeout_s)
 
     def close(self, clean: bool) -> None:
-        """The links end with the launcher; ``clean``: it exits 0 (node 0 is told: not a lost node)."""
+        """The links end with the launcher; ``clean``: it exits in order, having reported what became of its ranks
+        (node 0 is told: not a lost node)."""
         if self._links is not None:
             self._links.close()
         if self._link is not None:
