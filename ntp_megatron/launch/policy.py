@@ -160,7 +160,8 @@ class DeathPolicy:
     def report_failure(self, death: Death) -> None:
         """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
         launcher = self.launcher
-        where = "" if death.launch_rank in launcher.local_ranks else "another node aborted the job: "
+        mine = death.launch_rank in launcher.local_ranks or death.launch_rank in self.node_lost_ranks
+        where = "" if mine else "another node aborted the job: "
         launcher.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
         record = injected_failure(launcher.store, death.launch_rank) or reported_error(launcher.store, death.launch_rank) or {}
         launcher.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
