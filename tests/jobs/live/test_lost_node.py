@@ -208,3 +208,34 @@ def test_a_stopped_node_is_lost_after_the_node_timeout_and_fenced_when_it_resume
     assert_replica_1_kept_its_objects(nodes, 1)
     assert_failure_free(nodes, reference)
     assert alive(ranks + [pid for n in (0, 2, 3) for pid in nodes.rank_pids(n)]) == []
+
+
+def test_without_ntp_a_lost_node_ends_the_job_naming_it(tmp_path):
+    """NTP off, TP2 × DP2 on two launchers: node 1's launcher SIGKILLed at iteration 2. Node 0 says the node is lost,
+    node 0 stops the job naming one of its ranks and exits 1, and no process is left."""
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    args = ["--nnodes", "2", *TINY, "--set", "parallel.tensor_model_parallel_size=2",
+            "--set", "parallel.data_parallel_size=2", "--set", "training.train_iters=400", "--set", "parallel.timeout_s=60"]
+    Forked.ready(2, run_dir.parent)
+    nodes = [launch_node(0, run_dir, [*args, "--store-port", "0", "--metrics-file", str(metrics)])]
+    try:
+        nodes.append(launch_node(1, run_dir, [*args, "--store-port", str(store_port(run_dir, nodes[0]))]))
+        wait_until(lambda: any(r.get("kind") == "iteration" for r in read_records(metrics))
+                   or nodes[0].poll() is not None, 240, "node 0's first iteration")
+        pids = [pid for node in (0, 1) for history in json.loads((run_dir / f"ranks.node{node}.json").read_text())
+                .values() for pid in history]
+        nodes[1].kill()
+        code = nodes[0].wait(timeout=60)
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                n.kill()
+                n.wait()
+    err0 = (run_dir / "node0.stderr").read_text()
+    assert code == 1, err0[-3000:]
+    said = [line for line in err0.splitlines() if line.startswith("ntp-launch: ")]
+    assert "ntp-launch: node 1 lost (its launcher's connection to node 0 closed): launch ranks 2..3" in said, said
+    [failed] = [r for r in read_records(metrics) if r.get("event") == "rank_failed"]
+    assert failed["launch_rank"] in (2, 3) and "was lost with node 1" in failed["cause"], failed
+    assert alive(pids) == []
