@@ -42,7 +42,7 @@ from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
-from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
+from ntp_megatron.launch.nodes import Nodes, NodeTaken, host_node_store, host_store, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
@@ -206,7 +206,9 @@ class Launcher:
             self.store = self.nodes.join(self.run_dir)
         except Exception as exc:  # noqa: BLE001 - a C++ error from the store: one line instead
             a, port, why = self.args, self.nodes.port, str(exc).splitlines()[0][:120]
-            if a.node_rank == 0:
+            if isinstance(exc, NodeTaken):
+                self.console.say(str(exc))
+            elif a.node_rank == 0:
                 self.console.say(f"cannot host the store on port {port} ({why}); is the port in use? choose "
                                  "another --store-port")
             else:

@@ -91,6 +91,10 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+class NodeTaken(RuntimeError):
+    """A launcher was started for a node whose launcher still runs (node 0 has not declared it lost)."""
+
+
 class Nodes:
     """This launcher's node: ``node_rank`` of ``nnodes``, node 0's store at ``host:port``."""
 
@@ -145,10 +149,29 @@ class Nodes:
             self._links = LinkServer()
             store.set(LINK, str(self._links.port))
             return
+        previous = keys.read_if_set(store, node_key(self.node_rank))  # before this launcher writes its own pid
+        if previous is not None:
+            self._await_loss(store, int(previous.decode()))
         self.replacing = bool(node_losses(store, self.node_rank))
         beat_s = timing.current().node_beat_fraction * self.liveness.timeout_s
         self._link = LinkClient(self.host, int(store.get(LINK).decode()), self.node_rank, os.getpid(), beat_s,
                                 self.timeout_s)
+
+    def _await_loss(self, store: dist.Store, pid: int) -> None:
+        """Another launcher (``pid``) joined as this node before: this one may only replace it once node 0 has
+        declared it lost (else two launchers would run the node's slots). Waits for that up to ``ntp.node_timeout_s``
+        and ``timing.node_takeover_s`` more; raises :class:`NodeTaken` if it does not come."""
+        if any(r["pid"] == pid for r in node_losses(store, self.node_rank)):
+            return
+        limit = self.liveness.timeout_s + timing.current().node_takeover_s
+        self.say(f"node {self.node_rank}'s launcher before this one (pid {pid}) is not declared lost yet: waiting up "
+                 f"to {limit:.0f} s for node 0 to declare it lost")
+        deadline = time.monotonic() + limit
+        while not any(r["pid"] == pid for r in node_losses(store, self.node_rank)):
+            if time.monotonic() > deadline:
+                raise NodeTaken(f"node {self.node_rank} still has a launcher (pid {pid}) that node 0 has not declared "
+                                f"lost within {limit:.0f} s: stop it, or start this one with another --node-rank")
+            time.sleep(timing.current().node_poll_s)
 
     def close(self, clean: bool) -> None:
         """The links end with the launcher; ``clean``: it exits in order, having reported what became of its ranks

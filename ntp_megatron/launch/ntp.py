@@ -120,11 +120,11 @@ class ControllerPolicy(NTPPolicy):
         return self.controller.live_launch_ranks()
 
     def counts(self, launch_rank: int) -> bool:
-        if self.admitted(launch_rank) and launch_rank not in self.controller.dead:
-            return True
-        # A replacement booting on a lost node never joins: it is forgotten (a later launcher's announces anew).
-        keys.quietly(keys.withdraw_joining, self.launcher.store, launch_rank)
-        return False
+        return self.admitted(launch_rank) and launch_rank not in self.controller.dead
+
+    def forget(self, launch_ranks: list[int]) -> None:
+        for launch_rank in launch_ranks:  # a replacement booting on a lost node never joins (a later one announces anew)
+            keys.quietly(keys.withdraw_joining, self.launcher.store, launch_rank)
 
     def news(self, deaths: list[Death]) -> Optional[int]:
         if self.launcher.nodes.multi:

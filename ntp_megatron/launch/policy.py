@@ -105,7 +105,9 @@ class DeathPolicy:
             return []
         out = []
         for loss in launcher.nodes.lost_nodes(launcher.store):
-            ranks = [r for r in launcher.placement.node_ranks(loss.node, launcher.launch_slots) if self.counts(r)]
+            on_node = list(launcher.placement.node_ranks(loss.node, launcher.launch_slots))
+            ranks = [r for r in on_node if self.counts(r)]
+            self.forget([r for r in on_node if r not in ranks])
             mark_node_lost(launcher.store, loss.node, loss.pid, loss.reason, ranks)
             when = time.time() - (time.monotonic() - loss.at)  # node 0's clocks only
             named = f"launch ranks {spans(ranks)}" if ranks else "no rank the job still counts"
@@ -119,6 +121,9 @@ class DeathPolicy:
     def counts(self, launch_rank: int) -> bool:
         """Whether the job counts on ``launch_rank`` now (a node's loss is a death of each such rank)."""
         return True
+
+    def forget(self, launch_ranks: list[int]) -> None:
+        """A lost node's ranks the job did not count on (dead already, or replacements not yet admitted)."""
 
     def fenced(self) -> Optional[int]:
         """Another node: node 0 declared this node lost while this launcher was stopped (it resumed): stop its ranks

@@ -133,3 +133,36 @@ def test_node_0_marks_a_node_lost_and_its_launchers_tell_fenced_from_replacement
         assert watcher.fenced(store)["launch_ranks"] == [2, 3]
     finally:
         timing.use(timing.TimingSection())
+
+
+def _joining_node_1(store, node_timeout_s: float = TIMEOUT) -> nodes.Nodes:
+    return nodes.Nodes(4, 1, "127.0.0.1", store.port, 5.0, lambda line: None, node_timeout_s)
+
+
+def test_a_launcher_for_a_lost_node_replaces_it_and_one_for_a_live_node_is_refused():
+    """A later launcher for node 1 replaces it once node 0 declared the launcher before it lost (at once if it already
+    had), and gives up in one line if node 0 never does: two launchers must never run one node's slots."""
+    store = store_server()
+    links = LinkServer("127.0.0.1")
+    store.set(nodes.LINK, str(links.port))
+    first = _joining_node_1(store)
+    first._open_link(store)  # the node's first launcher: nothing before it
+    assert not first.replacing
+    store.set(nodes.node_key(1), "100")  # as its join does, with its pid
+    first.close(clean=True)
+    nodes.mark_node_lost(store, 1, 100, "its launcher's connection to node 0 closed", [2, 3])
+    second = _joining_node_1(store)
+    second._open_link(store)
+    assert second.replacing
+    second.close(clean=True)
+    store.set(nodes.node_key(1), "300")  # the second one joined, and is not lost
+    timing.use(timing.TimingSection(node_takeover_s=0.1, node_poll_s=0.02))
+    try:
+        started = time.monotonic()
+        with pytest.raises(nodes.NodeTaken, match="node 1 still has a launcher \\(pid 300\\) that node 0 has not "
+                                                  "declared lost within 0 s"):
+            _joining_node_1(store, node_timeout_s=0.2)._open_link(store)
+        assert time.monotonic() - started < 2.0
+    finally:
+        timing.use(timing.TimingSection())
+        links.close()
