@@ -42,7 +42,7 @@ from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
-from ntp_megatron.launch.nodes import Nodes, NodeTaken, host_node_store, host_store, write_address
+from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, join_failure, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
@@ -62,7 +62,7 @@ class Launcher:
         self.run_dir = Path(cfg.logging.run_dir).resolve()
         self.console = Console()
         self.nodes = Nodes(args.nnodes, args.node_rank, args.store_host, args.store_port, cfg.parallel.timeout_s,
-                           self.console.say, cfg.ntp.node_timeout_s)
+                           self.console.say, cfg.ntp.node_timeout_s, replaceable=cfg.ntp.enabled)
         self.start_method = runtime.rank_start_method(cfg.training.device)
         """How this node's ranks and warm spares start: ``fork`` (CPU) or ``spawn`` (where CUDA may be used)."""
         self.store = None
@@ -205,24 +205,12 @@ class Launcher:
         try:
             self.store = self.nodes.join(self.run_dir)
         except Exception as exc:  # noqa: BLE001 - a C++ error from the store: one line instead
-            a, port, why = self.args, self.nodes.port, str(exc).splitlines()[0][:120]
-            if isinstance(exc, NodeTaken):
-                self.console.say(str(exc))
-            elif a.node_rank == 0:
-                self.console.say(f"cannot host the store on port {port} ({why}); is the port in use? choose "
-                                 "another --store-port")
-            else:
-                self.console.say(f"could not reach node 0's store at {a.store_host}:{port} within "
-                                 f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running "
-                                 f"there with --store-port {port}?")
+            self.console.say(join_failure(exc, self.nodes))
             return 1
         if self.args.node_rank > 0:  # node 0 may go: its store is called through a guard (root_watch)
             self.store = root_watch.guard(self.store, self.args.store_host, self.nodes.port,
                                           self.cfg.ntp.node_timeout_s, self.cfg.parallel.timeout_s)
         self.node_store = self.store
-        if self.nodes.replacing and not self.cfg.ntp.enabled:
-            self.console.say(f"node {self.args.node_rank} was declared lost and the job has no NTP to replace it in")
-            return 1
         if self.cfg.ntp.enabled and self.args.node_rank > 0:
             self._host_node_store()
         self._start_ranks()

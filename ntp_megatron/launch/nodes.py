@@ -99,7 +99,9 @@ class Nodes:
     """This launcher's node: ``node_rank`` of ``nnodes``, node 0's store at ``host:port``."""
 
     def __init__(self, nnodes: int, node_rank: int, host: str, port: int, timeout_s: float,
-                 say: Callable[[str], None], node_timeout_s: float = 30.0) -> None:
+                 say: Callable[[str], None], node_timeout_s: float = 30.0, replaceable: bool = True) -> None:
+        """``replaceable``: a lost node can be replaced (NTP: its slots join the running job); without, a launcher for
+        a lost node gives up (:class:`NodeTaken`)."""
         self.nnodes, self.node_rank = nnodes, node_rank
         self.host, self.port = host, port
         """``port``: as given (0: node 0 lets the store choose); the store's own once :meth:`join` returned."""
@@ -114,6 +116,7 @@ class Nodes:
         """Another node: it was declared lost before this launcher joined, so this launcher replaces it (every
         slot of the node starts as a replacement process)."""
         self._fence_checked = -math.inf
+        self.replaceable = replaceable
 
     @property
     def multi(self) -> bool:
@@ -153,6 +156,8 @@ class Nodes:
         if previous is not None:
             self._await_loss(store, int(previous.decode()))
         self.replacing = bool(node_losses(store, self.node_rank))
+        if self.replacing and not self.replaceable:
+            raise NodeTaken(f"node {self.node_rank} was declared lost and the job has no NTP to replace it in")
         beat_s = timing.current().node_beat_fraction * self.liveness.timeout_s
         self._link = LinkClient(self.host, int(store.get(LINK).decode()), self.node_rank, os.getpid(), beat_s,
                                 self.timeout_s)
@@ -248,6 +253,17 @@ class Nodes:
     def restart(self) -> None:
         """A fresh store (a restarted job): no death of it was read yet."""
         self._remote_deaths_seen = 0
+
+
+def join_failure(exc: Exception, nodes: Nodes) -> str:
+    """The one line a launcher says when :meth:`Nodes.join` failed (instead of the store's C++ error)."""
+    if isinstance(exc, NodeTaken):
+        return str(exc)
+    port, why = nodes.port, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    if nodes.node_rank == 0:
+        return f"cannot host the store on port {port} ({why}); is the port in use? choose another --store-port"
+    return (f"could not reach node 0's store at {nodes.host}:{port} within {nodes.timeout_s:.0f} s ({why}); is "
+            f"ntp-launch --node-rank 0 running there with --store-port {port}?")
 
 
 def host_node_store(root_host: str, root_port: int, node_rank: int, timeout_s: float, beat_s: float,
