@@ -20,8 +20,9 @@ writers and their readers:
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
   (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
 - ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
-  1-based). Written by the launcher that saw it (:func:`publish_death`); read by node 0's controller under NTP, by
-  every node without (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
+  1-based, with the launcher that published it: node 0 ignores one from a launcher it declared lost). Written by the
+  launcher that saw it (:func:`publish_death`); read by node 0's controller under NTP, by every node without
+  (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
 - ``elastic/rebalance_requests`` and ``elastic/rebalance/<n>``: how many rebalance requests nodes other than 0 have
   made, and the n-th (JSON: the node, the generation its measurements ran in, the decisions). Written by that node's
   launcher (:func:`request_rebalance`); read, then deleted, by node 0's launcher (:func:`new_rebalance_requests`,
@@ -245,7 +246,11 @@ class Nodes:
         reported = int(store.add(DEATHS, 0))
         while self._remote_deaths_seen < reported:
             self._remote_deaths_seen += 1
-            death = published_death(store, self._remote_deaths_seen)
+            death, by = published_death(store, self._remote_deaths_seen)
+            if by is not None and self.liveness.is_lost(*by):  # a fenced launcher that ran on for a moment
+                self.say(f"ignored: node {by[0]}'s launcher (pid {by[1]}), declared lost, reported launch rank "
+                         f"{death.launch_rank} {death.cause}")
+                continue
             self.say(f"node report: launch rank {death.launch_rank} {death.cause}")
             out.append(death)
         return out
@@ -301,23 +306,26 @@ def node_losses(store: dist.Store, node_rank: int) -> list[dict]:
     return json.loads(raw.decode()) if raw is not None else []
 
 
-def publish_death(store: dist.Store, death: Death) -> None:
-    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off)."""
+def publish_death(store: dist.Store, death: Death, node_rank: int) -> None:
+    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off), with
+    the launcher that saw it (node ``node_rank``, this process)."""
     try:
         n = store.add(DEATHS, 1)
-        store.set(death_key(n), json.dumps(dataclasses.asdict(death)))
+        store.set(death_key(n), json.dumps({**dataclasses.asdict(death), "by": [node_rank, os.getpid()]}))
     except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
         pass
 
 
-def published_death(store: dist.Store, n: int) -> Death:
-    """The ``n``-th death (1-based) any node published (:func:`publish_death`)."""
-    return Death(**json.loads(store.get(death_key(n))))
+def published_death(store: dist.Store, n: int) -> tuple[Death, Optional[tuple[int, int]]]:
+    """The ``n``-th death (1-based) any node published (:func:`publish_death`) and who published it (node, pid)."""
+    record = json.loads(store.get(death_key(n)))
+    by = record.pop("by", None)
+    return Death(**record), tuple(by) if by is not None else None
 
 
 def published_deaths(store: dist.Store) -> list[Death]:
     """Every death any node has published so far (raises if the store is unreachable)."""
-    return [published_death(store, n) for n in range(1, int(store.add(DEATHS, 0)) + 1)]
+    return [published_death(store, n)[0] for n in range(1, int(store.add(DEATHS, 0)) + 1)]
 
 
 def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:

@@ -123,7 +123,8 @@ class ControllerPolicy(NTPPolicy):
         return self.admitted(launch_rank) and launch_rank not in self.controller.dead
 
     def forget(self, launch_ranks: list[int]) -> None:
-        for launch_rank in launch_ranks:  # a replacement booting on a lost node never joins (a later one announces anew)
+        # A replacement booting on a lost node never joins (a later one announces itself anew).
+        for launch_rank in launch_ranks:
             keys.quietly(keys.withdraw_joining, self.launcher.store, launch_rank)
 
     def news(self, deaths: list[Death]) -> Optional[int]:
@@ -163,8 +164,9 @@ class ControllerPolicy(NTPPolicy):
         # replace it, whatever ntp.rejoin_after_s says (a node's own replacements wait for it).
         store, c = self.launcher.store, self.controller
         candidates = c.identity if self.launcher.cfg.ntp.rejoin_after_s is not None else self.node_lost_ranks
-        ready = self._whole_nodes([lr for lr in candidates
-                                   if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)])
+        joining = [lr for lr in candidates
+                   if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
+        ready = self._whole_nodes(joining)
         if ready and c.admit(ready):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
@@ -300,12 +302,13 @@ class WorkerNodePolicy(NTPPolicy):
     def handle(self, deaths: list[Death]) -> Optional[int]:
         for d in self.failed_replacements(deaths):
             self.launcher.console.say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
-            publish_death(self.launcher.store, d)
+            publish_death(self.launcher.store, d, self.launcher.args.node_rank)
             self.rejoins.schedule(d.launch_rank)
         return None
 
     def replacement_died(self, death: Death) -> None:
-        publish_death(self.launcher.store, death)  # node 0 may have admitted it meanwhile: it decides
+        # Node 0 may have admitted it meanwhile: it decides.
+        publish_death(self.launcher.store, death, self.launcher.args.node_rank)
 
     def after(self) -> None:
         super().after()

@@ -208,7 +208,7 @@ class StopOnFailure(DeathPolicy):
                        for p in launcher.processes.stalled()]
         if launcher.nodes.multi:
             for d in deaths:
-                publish_death(store, d)
+                publish_death(store, d, launcher.args.node_rank)
             deadline = time.monotonic() + timing.current().echo_settle_s
             while all(is_echo(d) or d.echo for d in deaths) and time.monotonic() < deadline:
                 time.sleep(timing.current().echo_settle_poll_s)

@@ -217,7 +217,8 @@ def test_without_ntp_a_lost_node_ends_the_job_naming_it(tmp_path):
     run_dir = tmp_path / "run"
     metrics = run_dir / "metrics.jsonl"
     args = ["--nnodes", "2", *TINY, "--set", "parallel.tensor_model_parallel_size=2",
-            "--set", "parallel.data_parallel_size=2", "--set", "training.train_iters=400", "--set", "parallel.timeout_s=60"]
+            "--set", "parallel.data_parallel_size=2", "--set", "training.train_iters=400",
+            "--set", "parallel.timeout_s=60"]
     Forked.ready(2, run_dir.parent)
     nodes = [launch_node(0, run_dir, [*args, "--store-port", "0", "--metrics-file", str(metrics)])]
     try:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from ntp_megatron.config import timing
+from ntp_megatron.elastic.controller import Death
 from ntp_megatron.launch import nodes
 from ntp_megatron.launch.node_link import LinkClient, LinkServer
 from ntp_megatron.launch.node_liveness import Loss, NodeLiveness
@@ -166,3 +167,18 @@ def test_a_launcher_for_a_lost_node_replaces_it_and_one_for_a_live_node_is_refus
     finally:
         timing.use(timing.TimingSection())
         links.close()
+
+
+def test_node_0_ignores_deaths_a_lost_launcher_publishes_after_it_resumed():
+    """A fenced launcher that ran on for a moment (resumed in the middle of its monitor's pass) publishes deaths of
+    its ranks: node 0 ignores them (a replacement node may run those launch ranks by then); another node's count."""
+    store = store_server()
+    said: list[str] = []
+    node0 = nodes.Nodes(4, 0, "127.0.0.1", store.port, 5.0, said.append, TIMEOUT)
+    node0.liveness.connected(1, os.getpid(), 0.0)
+    assert node0.liveness.lost(TIMEOUT) and node0.liveness.is_lost(1, os.getpid())
+    nodes.publish_death(store, Death(2, 1.0, "stopped responding"), 1)
+    nodes.publish_death(store, Death(5, 2.0, "was killed by signal SIGKILL"), 2)
+    assert [d.launch_rank for d in node0.remote_deaths(store)] == [5]
+    assert said[0].startswith(f"ignored: node 1's launcher (pid {os.getpid()}), declared lost, reported launch rank 2")
+    assert [d.launch_rank for d in nodes.published_deaths(store)] == [2, 5]  # NTP off reads them all

@@ -59,13 +59,14 @@ def test_tp4_over_nodes_of_two():
 
 
 @pytest.mark.parametrize("args, flags, allowed", [
-    ((4, 2, 4, 1, 3, 2), "--nnodes 4 × --nproc-per-node 3 must be the world size 8", "allowed --nproc-per-node with "
-                                                                                    "--nnodes 4: 2"),
-    ((4, 2, 4, 1, 2, 3), "--nnodes 4 is not a multiple of --nnodes-per-domain 3", "allowed --nnodes-per-domain: 1, 2, 4"),
+    ((4, 2, 4, 1, 3, 2), "--nnodes 4 × --nproc-per-node 3 must be the world size 8",
+     "allowed --nproc-per-node with --nnodes 4: 2"),
+    ((4, 2, 4, 1, 2, 3), "--nnodes 4 is not a multiple of --nnodes-per-domain 3",
+     "allowed --nnodes-per-domain: 1, 2, 4"),
     ((4, 2, 4, 1, 2, 1), "--nnodes-per-domain 1 × --nproc-per-node 2 devices does not hold whole TP groups of "
                          "tensor_model_parallel_size 4", "allowed --nnodes-per-domain: 2, 4"),
-    ((4, 2, 4, 1, None, 1), "--nnodes 4 does not divide parallel.data_parallel_size 2", "allowed --nnodes: 1, 2 (or TP "
-                                                                                       "groups across nodes: --nnodes-per-domain 2, 4)"),
+    ((4, 2, 4, 1, None, 1), "--nnodes 4 does not divide parallel.data_parallel_size 2",
+     "allowed --nnodes: 1, 2 (or TP groups across nodes: --nnodes-per-domain 2, 4)"),
 ])
 def test_a_placement_that_does_not_fit_is_refused_in_one_line_naming_the_flags(args, flags, allowed):
     with pytest.raises(PlacementError) as info:
