@@ -81,7 +81,15 @@ class TimingSection(BaseModel):
     """How long a stopped node relay's threads have to end (their connections are shut down, so a thread in a store
     call fails out of it at once)."""
     node_beat_fraction: float = Field(0.25, gt=0, le=1)
-    """Of ``ntp.heartbeat_timeout_s``: how often a node's relay writes the node's heartbeat to node 0's store."""
+    """Of ``ntp.heartbeat_timeout_s``: how often a node's relay writes the node's heartbeat to node 0's store; of
+    ``ntp.node_timeout_s``: how often a node's launcher beats on its link to node 0's (a lost node)."""
+    node_takeover_s: float = Field(10.0, gt=0)
+    """A launcher started for a node whose launcher before it is not declared lost waits up to ``ntp.node_timeout_s``
+    and this long more for node 0 to declare it lost, before it gives up in one line (two launchers must never run one
+    node's slots)."""
+    node_fence_poll_s: float = Field(0.2, gt=0)
+    """How often a launcher of another node reads whether node 0 declared its node lost (a launcher that was
+    stopped and resumed then stops its ranks and exits)."""
     port_connect_timeout_s: float = Field(1.0, gt=0)
     """How long one attempt to connect to a store's port may take while a client (a rank's, a relay's, a node
     launcher's) waits for the store to come up."""

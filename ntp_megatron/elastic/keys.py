@@ -18,8 +18,8 @@ it). The owners, one per protocol:
 - :mod:`ntp_megatron.elastic.publication`, what a generation is: ``topology/gen<g>``, ``elastic/gen<g>/info``,
   ``elastic/latest``, ``elastic/gen<g>/reform_requested``: written together by the controller, read by everyone.
 - :mod:`ntp_megatron.launch.nodes`, between the launchers of a job's nodes: ``launcher/node<n>``,
-  ``launcher/abort``, ``elastic/deaths``, ``elastic/death/<n>``, ``elastic/rebalance_requests``,
-  ``elastic/rebalance/<n>``: only launchers write and read them.
+  ``launcher/link``, ``launcher/lost/node<n>``, ``launcher/abort``, ``elastic/deaths``, ``elastic/death/<n>``,
+  ``elastic/rebalance_requests``, ``elastic/rebalance/<n>``: only launchers write and read them.
 - this module, every other key: one writer and one reader each, no race between writers (below).
 
 This module's keys (``elastic/`` unless it says otherwise):

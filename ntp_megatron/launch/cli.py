@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes in the job: run one ntp-launch per node, all with the same config, --nnodes, "
                         "--store-host and node 0's --store-port (default 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks (devices) per node, torchrun's name (default: world size / NNODES); with "
+                        "--nnodes-per-domain it may be smaller than the TP size: a TP group then spans nodes")
+    p.add_argument("--nnodes-per-domain", type=int, default=1,
+                   help="consecutive nodes that make one scale-up domain (an NVL72 rack's trays): a TP group lies "
+                        "inside one domain and may span its nodes (default 1: each node is its own domain)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's index, 0..NNODES-1; node 0 hosts the store, the metrics and the controller")
     p.add_argument("--store-host", default="127.0.0.1", help="host of node 0, which hosts the store")

@@ -43,7 +43,7 @@ from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
 from ntp_megatron.launch import nodes
-from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, write_address
+from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, join_failure, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
 from ntp_megatron.launch.processes import RankProcesses, describe_exit
@@ -63,7 +63,7 @@ class Launcher:
         self.run_dir = Path(cfg.logging.run_dir).resolve()
         self.console = Console()
         self.nodes = Nodes(args.nnodes, args.node_rank, args.store_host, args.store_port, cfg.parallel.timeout_s,
-                           self.console.say)
+                           self.console.say, cfg.ntp.node_timeout_s, replaceable=cfg.ntp.enabled)
         self.start_method = runtime.rank_start_method(cfg.training.device)
         """How this node's ranks and warm spares start: ``fork`` (CPU) or ``spawn`` (where CUDA may be used)."""
         self.store = None
@@ -90,7 +90,7 @@ class Launcher:
         on the same device. Every node computes the same map from the config alone."""
         p = cfg.parallel
         placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, self.args.nnodes,
-                              p.pipeline_model_parallel_size)
+                              p.pipeline_model_parallel_size, self.args.nproc_per_node, self.args.nnodes_per_domain)
         slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size,
                              cfg.topology() if cfg.ntp.enabled else None, p.pipeline_model_parallel_size)
         if not placement.node_ranks(0, slots):
@@ -131,6 +131,7 @@ class Launcher:
             runtime.ENV_RESTART: str(self.restarts),
             runtime.ENV_NNODES: str(self.args.nnodes),
             runtime.ENV_NODE: str(self.args.node_rank),
+            runtime.ENV_NNODES_PER_DOMAIN: str(self.args.nnodes_per_domain),
             faults.ENV_FAILURES: faults.to_env(self.failures),
         })
         if self.relay is not None:
@@ -145,6 +146,8 @@ class Launcher:
         (:func:`ntp_megatron.training.runtime.rank_start_method`)."""
         if self.start_method == "spawn":
             self.console.say("CUDA may be used here: ranks start as fresh processes, not forks")
+        if self.nodes.replacing:
+            return  # a lost node's replacement: its slots start as replacements (the policy's begin)
         for rank in self.local_ranks:
             self.processes.start(rank, self.rank_env(rank))
         self.processes.record_pids()
@@ -187,11 +190,16 @@ class Launcher:
             if torch.cuda.is_initialized():  # a forked child cannot use a CUDA context made by its parent
                 raise RuntimeError("CUDA was initialised in the launcher before forking ranks (by an import?)")
         server = ForkServer()  # before any thread of this process: see ntp_megatron.launch.forkserver
+        code = None
         try:
-            return self._run(server)
+            code = self._run(server)
+            return code
         finally:
             if self.relay is not None:  # its threads must not be in a store call when the interpreter exits
                 self.relay.stop()
+            # An orderly exit (finished, or ending its part of a stopped job, which it reported) says goodbye on its
+            # link; an interrupted one (130, 143) or a crash leaves node 0 to count the node's ranks lost.
+            self.nodes.close(clean=code is not None and code < 128)
             server.close()
 
     def _run(self, server: ForkServer) -> int:
@@ -200,14 +208,7 @@ class Launcher:
         try:
             self.store = self.nodes.join(self.run_dir)
         except Exception as exc:  # noqa: BLE001 - a C++ error from the store: one line instead
-            a, port, why = self.args, self.nodes.port, str(exc).splitlines()[0][:120]
-            if a.node_rank == 0:
-                self.console.say(f"cannot host the store on port {port} ({why}); is the port in use? choose "
-                                 "another --store-port")
-            else:
-                self.console.say(f"could not reach node 0's store at {a.store_host}:{port} within "
-                                 f"{self.cfg.parallel.timeout_s:.0f} s ({why}); is ntp-launch --node-rank 0 running "
-                                 f"there with --store-port {port}?")
+            self.console.say(join_failure(exc, self.nodes))
             return 1
         if self.args.node_rank > 0:  # node 0 may go: its store is called through a guard (root_watch)
             self.store = root_watch.guard(self.store, self.args.store_host, self.nodes.port,
@@ -287,6 +288,9 @@ class Launcher:
                                fence_progress=self.cfg.ntp.enabled and self.cfg.ntp.progress_fence,
                                shared=self.store, beat_interval_s=self.cfg.ntp.heartbeat_interval_s)
         while True:
+            fenced = self.policy.fenced()  # before the agent, which would take its stopped ranks for hung ones
+            if fenced is not None:
+                return fenced
             if self.agent is not None:
                 if self.processes.first_iteration_at is not None:
                     self.agent.begin_training(self.processes.first_iteration_at)

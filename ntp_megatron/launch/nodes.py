@@ -9,8 +9,14 @@ everywhere, the abort key with the reason and the failure it named.
 This module owns the keys between the launchers (:mod:`ntp_megatron.elastic.keys` lists the other owners), their
 writers and their readers:
 
-- ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`);
-  read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/node<n>``: node n's launcher connected to node 0's store (its pid). Written by it (:meth:`Nodes.join`),
+  again by a replacement launcher for a lost node (a new pid); read by node 0's launcher (:meth:`Nodes.wait_for_nodes`).
+- ``launcher/link``: the port of node 0's link listener (:mod:`ntp_megatron.launch.node_link`), on node 0's
+  ``--store-host``. Written by node 0's launcher (:meth:`Nodes.join`); read by every other node's (:meth:`Nodes.join`).
+- ``launcher/lost/node<n>``: node n was declared lost (JSON: a list of ``{"pid", "reason", "launch_ranks"}``, one per
+  launcher of the node declared lost). Written by node 0's launcher (:func:`mark_node_lost`); read by node n's
+  launcher (:func:`node_losses`): one whose pid is listed is fenced (it stops its ranks and exits 1); one started
+  later for node n finds the node lost and starts every one of its slots as a replacement.
 - ``launcher/ended``: the job has ended on node 0 (its launcher's exit code). Written by node 0's launcher as it ends
   (:func:`set_ended`); read by a node's launcher whose ranks all ended before the job did (:func:`read_ended`).
 - ``launcher/left/node<n>``: node n's launcher is leaving (its exit code). Written by it as it ends (:func:`set_left`);
@@ -21,8 +27,9 @@ writers and their readers:
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
   (:func:`set_abort`); read by every other node's launcher (:func:`read_abort`).
 - ``elastic/deaths`` and ``elastic/death/<n>``: how many rank deaths launchers have published, and the n-th (JSON,
-  1-based). Written by the launcher that saw it (:func:`publish_death`); read by node 0's controller under NTP, by
-  every node without (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
+  1-based, with the launcher that published it: node 0 ignores one from a launcher it declared lost). Written by the
+  launcher that saw it (:func:`publish_death`); read by node 0's controller under NTP, by every node without
+  (:meth:`Nodes.remote_deaths`, :func:`published_deaths`).
 - ``elastic/rebalance_requests`` and ``elastic/rebalance/<n>``: how many rebalance requests nodes other than 0 have
   made, and the n-th (JSON: the node, the generation its measurements ran in, the decisions). Written by that node's
   launcher (:func:`request_rebalance`); read, then deleted, by node 0's launcher (:func:`new_rebalance_requests`,
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -47,6 +55,8 @@ from ntp_megatron.elastic import keys
 from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.relay import NodeRelay
 from ntp_megatron.elastic.watchdog import store_factory, wait_for_port
+from ntp_megatron.launch.node_link import LinkClient, LinkServer
+from ntp_megatron.launch.node_liveness import Loss, NodeLiveness
 
 ADDRESS_FILE = "store.json"
 
@@ -61,6 +71,8 @@ ENDED = LAUNCHER_PREFIX + "ended"
 DEATHS = keys.PREFIX + "deaths"
 """How many rank deaths launchers have published (node 0's controller reads them in order under NTP; without NTP
 every node reads them to name the same failure)."""
+LINK = LAUNCHER_PREFIX + "link"
+"""The port of node 0's link listener (:class:`~ntp_megatron.launch.node_link.LinkServer`)."""
 REBALANCE_REQUESTS = keys.PREFIX + "rebalance_requests"
 """How many rebalance requests nodes other than 0 have made (``add``): node 0's controller polls this one key."""
 
@@ -73,6 +85,11 @@ def node_key(node_rank: int) -> str:
 def left_key(node_rank: int) -> str:
     """Set (to its exit code) by node ``node_rank``'s launcher as it ends."""
     return f"{LAUNCHER_PREFIX}left/node{node_rank}"
+
+
+def lost_key(node_rank: int) -> str:
+    """JSON list of node ``node_rank``'s launchers declared lost (:func:`mark_node_lost`)."""
+    return f"{LAUNCHER_PREFIX}lost/node{node_rank}"
 
 
 def death_key(n: int) -> str:
@@ -91,17 +108,32 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+class NodeTaken(RuntimeError):
+    """A launcher was started for a node whose launcher still runs (node 0 has not declared it lost)."""
+
+
 class Nodes:
     """This launcher's node: ``node_rank`` of ``nnodes``, node 0's store at ``host:port``."""
 
     def __init__(self, nnodes: int, node_rank: int, host: str, port: int, timeout_s: float,
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], node_timeout_s: float = 30.0, replaceable: bool = True) -> None:
+        """``replaceable``: a lost node can be replaced (NTP: its slots join the running job); without, a launcher for
+        a lost node gives up (:class:`NodeTaken`)."""
         self.nnodes, self.node_rank = nnodes, node_rank
         self.host, self.port = host, port
         """``port``: as given (0: node 0 lets the store choose); the store's own once :meth:`join` returned."""
         self.timeout_s = timeout_s
         self.say = say
         self._remote_deaths_seen = 0
+        self.liveness = NodeLiveness(node_timeout_s)
+        """Node 0: what its links say of the other nodes' launchers (:mod:`ntp_megatron.launch.node_liveness`)."""
+        self._links: Optional[LinkServer] = None
+        self._link: Optional[LinkClient] = None
+        self.replacing = False
+        """Another node: it was declared lost before this launcher joined, so this launcher replaces it (every
+        slot of the node starts as a replacement process)."""
+        self._fence_checked = -math.inf
+        self.replaceable = replaceable
 
     @property
     def multi(self) -> bool:
@@ -125,8 +157,79 @@ class Nodes:
                 wait_for_port(self.host, self.port, self.timeout_s)
             store = dist.TCPStore(self.host, self.port, None, False, timeout=timedelta(seconds=self.timeout_s),
                                   wait_for_workers=False)
+        if self.multi:
+            self._open_link(store)
         store.set(node_key(self.node_rank), str(os.getpid()))
         return store
+
+    def _open_link(self, store: dist.Store) -> None:
+        """Node 0: listen for the other launchers' links and publish the port. Another node: find whether this node
+        was declared lost before (then this launcher replaces it), and hold a link to node 0."""
+        if self.node_rank == 0:
+            self._links = LinkServer()
+            store.set(LINK, str(self._links.port))
+            return
+        previous = keys.read_if_set(store, node_key(self.node_rank))  # before this launcher writes its own pid
+        if previous is not None:
+            self._await_loss(store, int(previous.decode()))
+        self.replacing = bool(node_losses(store, self.node_rank))
+        if self.replacing and not self.replaceable:
+            raise NodeTaken(f"node {self.node_rank} was declared lost and the job has no NTP to replace it in")
+        beat_s = timing.current().node_beat_fraction * self.liveness.timeout_s
+        self._link = LinkClient(self.host, int(store.get(LINK).decode()), self.node_rank, os.getpid(), beat_s,
+                                self.timeout_s)
+
+    def _await_loss(self, store: dist.Store, pid: int) -> None:
+        """Another launcher (``pid``) joined as this node before: this one may only replace it once node 0 has
+        declared it lost (else two launchers would run the node's slots). Waits for that up to ``ntp.node_timeout_s``
+        and ``timing.node_takeover_s`` more; raises :class:`NodeTaken` if it does not come."""
+        if any(r["pid"] == pid for r in node_losses(store, self.node_rank)):
+            return
+        limit = self.liveness.timeout_s + timing.current().node_takeover_s
+        self.say(f"node {self.node_rank}'s launcher before this one (pid {pid}) is not declared lost yet: waiting up "
+                 f"to {limit:.0f} s for node 0 to declare it lost")
+        deadline = time.monotonic() + limit
+        while not any(r["pid"] == pid for r in node_losses(store, self.node_rank)):
+            if time.monotonic() > deadline:
+                raise NodeTaken(f"node {self.node_rank} still has a launcher (pid {pid}) that node 0 has not declared "
+                                f"lost within {limit:.0f} s: stop it, or start this one with another --node-rank")
+            time.sleep(timing.current().node_poll_s)
+
+    def close(self, clean: bool) -> None:
+        """The links end with the launcher; ``clean``: it exits in order, having reported what became of its ranks
+        (node 0 is told: not a lost node)."""
+        if self._links is not None:
+            self._links.close()
+        if self._link is not None:
+            self._link.close(clean)
+
+    def lost_nodes(self, store: dist.Store) -> list[Loss]:
+        """Node 0: the other nodes' launchers lost since the last call (:class:`NodeLiveness`, on node 0's monotonic
+        clock), each marked lost in the store (:func:`mark_node_lost`, its launch ranks filled in by the caller) and
+        its link closed."""
+        if self._links is None:
+            return []
+        said = {"connected": self.liveness.connected, "heard": self.liveness.heard, "left": self.liveness.left,
+                "closed": self.liveness.closed}
+        for event in self._links.events():
+            said[event.kind](event.node, event.pid, event.at)
+        losses = self.liveness.lost(time.monotonic())
+        for loss in losses:
+            self._links.drop(loss.node, loss.pid)
+        return losses
+
+    def fenced(self, store: dist.Store) -> Optional[dict]:
+        """Another node: node 0's record of this launcher declared lost (checked every ``timing.node_fence_poll_s``),
+        or None. A launcher that finds one stops its ranks and exits: the job has gone on without them."""
+        now = time.monotonic()
+        if self.node_rank == 0 or now - self._fence_checked < timing.current().node_fence_poll_s:
+            return None
+        self._fence_checked = now
+        pid = os.getpid()
+        try:
+            return next((r for r in node_losses(store, self.node_rank) if r["pid"] == pid), None)
+        except Exception:  # noqa: BLE001 - node 0 silent: root_watch says so
+            return None
 
     def wait_for_nodes(self, store: dist.Store, started: float) -> bool:
         """Node 0: wait until every other node's launcher has connected, saying which ones it waits for; at
@@ -169,7 +272,11 @@ class Nodes:
         reported = int(store.add(DEATHS, 0))
         while self._remote_deaths_seen < reported:
             self._remote_deaths_seen += 1
-            death = published_death(store, self._remote_deaths_seen)
+            death, by = published_death(store, self._remote_deaths_seen)
+            if by is not None and self.liveness.is_lost(*by):  # a fenced launcher that ran on for a moment
+                self.say(f"ignored: node {by[0]}'s launcher (pid {by[1]}), declared lost, reported launch rank "
+                         f"{death.launch_rank} {death.cause}")
+                continue
             self.say(f"node report: launch rank {death.launch_rank} {death.cause}")
             out.append(death)
         return out
@@ -177,6 +284,17 @@ class Nodes:
     def restart(self) -> None:
         """A fresh store (a restarted job): no death of it was read yet."""
         self._remote_deaths_seen = 0
+
+
+def join_failure(exc: Exception, nodes: Nodes) -> str:
+    """The one line a launcher says when :meth:`Nodes.join` failed (instead of the store's C++ error)."""
+    if isinstance(exc, NodeTaken):
+        return str(exc)
+    port, why = nodes.port, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    if nodes.node_rank == 0:
+        return f"cannot host the store on port {port} ({why}); is the port in use? choose another --store-port"
+    return (f"could not reach node 0's store at {nodes.host}:{port} within {nodes.timeout_s:.0f} s ({why}); is "
+            f"ntp-launch --node-rank 0 running there with --store-port {port}?")
 
 
 def host_node_store(root_host: str, root_port: int, node_rank: int, timeout_s: float, beat_s: float,
@@ -201,23 +319,39 @@ def write_address(run_dir: Path, host: str, port: int) -> None:
     os.replace(tmp, path)  # readers never see half a file
 
 
-def publish_death(store: dist.Store, death: Death) -> None:
-    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off)."""
+def mark_node_lost(store: dist.Store, node_rank: int, pid: int, reason: str, launch_ranks: list[int]) -> None:
+    """Node 0: node ``node_rank``'s launcher ``pid`` is lost (appended to the node's list; one writer, node 0)."""
+    records = node_losses(store, node_rank)
+    records.append({"pid": pid, "reason": reason, "launch_ranks": launch_ranks})
+    store.set(lost_key(node_rank), json.dumps(records))
+
+
+def node_losses(store: dist.Store, node_rank: int) -> list[dict]:
+    """Node ``node_rank``'s launchers declared lost so far (:func:`mark_node_lost`), oldest first."""
+    raw = keys.read_if_set(store, lost_key(node_rank))
+    return json.loads(raw.decode()) if raw is not None else []
+
+
+def publish_death(store: dist.Store, death: Death, node_rank: int) -> None:
+    """Append a death to the job's list in the store, for node 0's controller (NTP) or every node (NTP off), with
+    the launcher that saw it (node ``node_rank``, this process)."""
     try:
         n = store.add(DEATHS, 1)
-        store.set(death_key(n), json.dumps(dataclasses.asdict(death)))
+        store.set(death_key(n), json.dumps({**dataclasses.asdict(death), "by": [node_rank, os.getpid()]}))
     except Exception:  # noqa: BLE001 - the store may be unreachable on a failing node; reporting must not crash
         pass
 
 
-def published_death(store: dist.Store, n: int) -> Death:
-    """The ``n``-th death (1-based) any node published (:func:`publish_death`)."""
-    return Death(**json.loads(store.get(death_key(n))))
+def published_death(store: dist.Store, n: int) -> tuple[Death, Optional[tuple[int, int]]]:
+    """The ``n``-th death (1-based) any node published (:func:`publish_death`) and who published it (node, pid)."""
+    record = json.loads(store.get(death_key(n)))
+    by = record.pop("by", None)
+    return Death(**record), tuple(by) if by is not None else None
 
 
 def published_deaths(store: dist.Store) -> list[Death]:
     """Every death any node has published so far (raises if the store is unreachable)."""
-    return [published_death(store, n) for n in range(1, int(store.add(DEATHS, 0)) + 1)]
+    return [published_death(store, n)[0] for n in range(1, int(store.add(DEATHS, 0)) + 1)]
 
 
 def probe(store: dist.Store) -> bool:

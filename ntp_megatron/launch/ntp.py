@@ -33,6 +33,8 @@ class NTPPolicy(DeathPolicy):
         self._unit_costs = {p: memory_plan.unit_cost(dims, p) for p in range(dims.pipeline_stages)}
 
     def begin(self) -> None:
+        if self.launcher.nodes.replacing:  # this launcher replaces a lost node: its slots join the running job
+            self.rejoins.replace_node()
         self.rejoins.fill_spares()
 
     def slow_groups(self, topology, identity, completed: int) -> list[Decision]:
@@ -117,6 +119,14 @@ class ControllerPolicy(NTPPolicy):
     def live_launch_ranks(self) -> list[int]:
         return self.controller.live_launch_ranks()
 
+    def counts(self, launch_rank: int) -> bool:
+        return self.admitted(launch_rank) and launch_rank not in self.controller.dead
+
+    def forget(self, launch_ranks: list[int]) -> None:
+        # A replacement booting on a lost node never joins (a later one announces itself anew).
+        for launch_rank in launch_ranks:
+            keys.quietly(keys.withdraw_joining, self.launcher.store, launch_rank)
+
     def news(self, deaths: list[Death]) -> Optional[int]:
         if self.launcher.nodes.multi:
             deaths += self.launcher.nodes.remote_deaths(self.launcher.store)
@@ -128,7 +138,8 @@ class ControllerPolicy(NTPPolicy):
             return None
         say = self.launcher.console.say
         for d in deaths:
-            say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
+            if d.launch_rank not in self.node_lost_ranks:  # a lost node's ranks: said once, as the node's loss
+                say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
         reason = self.controller.handle(deaths)
         if reason is None:
             for d in deaths:
@@ -147,16 +158,28 @@ class ControllerPolicy(NTPPolicy):
     def after(self) -> None:
         super().after()
         self._rebalance()
-        if self.launcher.cfg.ntp.rejoin_after_s is None or self.training_done:
+        if self.training_done:
             return
-        # Any node's replacements: each announces itself in the store.
+        # Any node's replacements: each announces itself in the store. A lost node's come from a launcher started to
+        # replace it, whatever ntp.rejoin_after_s says (a node's own replacements wait for it).
         store, c = self.launcher.store, self.controller
-        ready = [lr for lr in c.identity
-                 if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
+        candidates = c.identity if self.launcher.cfg.ntp.rejoin_after_s is not None else self.node_lost_ranks
+        joining = [lr for lr in candidates
+                   if not self.admitted(lr) and keys.quietly(keys.is_joining, store, lr, default=False)]
+        ready = self._whole_nodes(joining)
         if ready and c.admit(ready):
             for lr in ready:
                 if self.admitted(lr):  # the others wait (a replica dropped for memory comes back only whole)
                     keys.withdraw_joining(store, lr)
+                    self.node_lost_ranks.discard(lr)  # back: a later death of it is a death like any other
+
+    def _whole_nodes(self, ready: list[int]) -> list[int]:
+        """``ready`` without the ranks of a replaced node until all of that node's lost ranks are ready: a node comes
+        back in one generation, as it was lost in one."""
+        launcher = self.launcher
+        node_of = {lr: launcher.placement.device(*launcher.launch_slots[lr]).node for lr in self.node_lost_ranks}
+        waiting = {node_of[lr] for lr in self.node_lost_ranks if not self.admitted(lr) and lr not in ready}
+        return [lr for lr in ready if node_of.get(lr) not in waiting]
 
     def _rebalance(self) -> None:
         """Rebalance the groups with slow ranks: this node's (its own monitor) and other nodes' (their requests)."""
@@ -279,12 +302,13 @@ class WorkerNodePolicy(NTPPolicy):
     def handle(self, deaths: list[Death]) -> Optional[int]:
         for d in self.failed_replacements(deaths):
             self.launcher.console.say(f"rank {d.launch_rank} (pid {d.pid}) {d.cause}")
-            publish_death(self.launcher.store, d)
+            publish_death(self.launcher.store, d, self.launcher.args.node_rank)
             self.rejoins.schedule(d.launch_rank)
         return None
 
     def replacement_died(self, death: Death) -> None:
-        publish_death(self.launcher.store, death)  # node 0 may have admitted it meanwhile: it decides
+        # Node 0 may have admitted it meanwhile: it decides.
+        publish_death(self.launcher.store, death, self.launcher.args.node_rank)
 
     def after(self) -> None:
         super().after()

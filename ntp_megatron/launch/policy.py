@@ -24,7 +24,8 @@ from ntp_megatron.elastic.controller import Death
 from ntp_megatron.elastic.failure_report import injected_failure
 from ntp_megatron.elastic.errors import cause_behind_echoes, own_error_cause, reported_error
 from ntp_megatron.launch.console import Console
-from ntp_megatron.launch.nodes import Nodes, publish_death, published_deaths, read_abort, set_abort
+from ntp_megatron.launch.describe import spans
+from ntp_megatron.launch.nodes import Nodes, mark_node_lost, publish_death, published_deaths, read_abort, set_abort
 from ntp_megatron.launch.processes import RankProcesses, is_echo
 
 
@@ -41,6 +42,7 @@ class LauncherView(Protocol):
     agent: Optional[object]
     local_ranks: list[int]
     launch_slots: list[tuple[int, int]]
+    placement: object
     world_size: int
     run_dir: Path
     failures: list
@@ -61,12 +63,15 @@ class DeathPolicy:
         self.launcher = launcher
         self.training_done = False
         """A rank of the running job completed the run."""
+        self.node_lost_ranks: set[int] = set()
+        """Node 0: launch ranks the job lost with their node (their deaths are said once, as the node's loss)."""
 
     def begin(self) -> None:
         """The ranks have started and node 0's metrics sink exists."""
 
     def step(self, deaths: list[Death]) -> Optional[int]:
         """One pass of the launcher's monitor with this node's new deaths: None to go on, or the exit code."""
+        deaths += self.lost_nodes()
         outcome = self.news(deaths)
         if outcome is not None:
             return outcome
@@ -89,6 +94,51 @@ class DeathPolicy:
     def news(self, deaths: list[Death]) -> Optional[int]:
         """What other nodes said since the last pass (added to ``deaths``), or an exit code."""
         return None
+
+    # -- lost nodes ----------------------------------------------------------------------------------------------
+    def lost_nodes(self) -> list[Death]:
+        """Node 0: one death for every rank the job counts on a node lost since the last pass
+        (:meth:`~ntp_megatron.launch.nodes.Nodes.lost_nodes`), all in this pass's batch; the loss said in one line
+        and recorded (``node_lost`` event, the node's lost key)."""
+        launcher = self.launcher
+        if launcher.args.node_rank != 0 or not launcher.nodes.multi:
+            return []
+        out = []
+        for loss in launcher.nodes.lost_nodes(launcher.store):
+            on_node = list(launcher.placement.node_ranks(loss.node, launcher.launch_slots))
+            ranks = [r for r in on_node if self.counts(r)]
+            self.forget([r for r in on_node if r not in ranks])
+            mark_node_lost(launcher.store, loss.node, loss.pid, loss.reason, ranks)
+            when = time.time() - (time.monotonic() - loss.at)  # node 0's clocks only
+            named = f"launch ranks {spans(ranks)}" if ranks else "no rank the job still counts"
+            launcher.console.say(f"node {loss.node} lost ({loss.reason}): {named}")
+            launcher.console.emit({"kind": "event", "event": "node_lost", "node": loss.node, "pid": loss.pid,
+                                   "reason": loss.reason, "launch_ranks": ranks, "time": when})
+            self.node_lost_ranks.update(ranks)
+            out += [Death(r, when, f"was lost with node {loss.node} ({loss.reason})") for r in ranks]
+        return out
+
+    def counts(self, launch_rank: int) -> bool:
+        """Whether the job counts on ``launch_rank`` now (a node's loss is a death of each such rank)."""
+        return True
+
+    def forget(self, launch_ranks: list[int]) -> None:
+        """A lost node's ranks the job did not count on (dead already, or replacements not yet admitted)."""
+
+    def fenced(self) -> Optional[int]:
+        """Another node: node 0 declared this node lost while this launcher was stopped (it resumed): stop its ranks
+        (the job went on without them) and exit 1, in one line; else None."""
+        launcher = self.launcher
+        if not launcher.nodes.multi or launcher.args.node_rank == 0:
+            return None
+        record = launcher.nodes.fenced(launcher.store)
+        if record is None:
+            return None
+        launcher.console.say(f"node {launcher.args.node_rank} was declared lost by node 0 ({record['reason']}) and the "
+                             f"job went on without its launch ranks {spans(record['launch_ranks']) or '(none)'}: "
+                             "killing this node's ranks")
+        launcher.processes.kill_all()
+        return 1
 
     def handle(self, deaths: list[Death]) -> Optional[int]:
         raise NotImplementedError
@@ -115,7 +165,8 @@ class DeathPolicy:
     def report_failure(self, death: Death) -> None:
         """Say which rank failed (another node's: say so) and record it as a ``rank_failed`` event (node 0)."""
         launcher = self.launcher
-        where = "" if death.launch_rank in launcher.local_ranks else "another node aborted the job: "
+        mine = death.launch_rank in launcher.local_ranks or death.launch_rank in self.node_lost_ranks
+        where = "" if mine else "another node aborted the job: "
         launcher.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
         record = (injected_failure(launcher.store, death.launch_rank, death.pid)
                   or reported_error(launcher.store, death.launch_rank) or {})
@@ -158,7 +209,7 @@ class StopOnFailure(DeathPolicy):
                        for p in launcher.processes.stalled()]
         if launcher.nodes.multi:
             for d in deaths:
-                publish_death(store, d)
+                publish_death(store, d, launcher.args.node_rank)
             deadline = time.monotonic() + timing.current().echo_settle_s
             while all(is_echo(d) or d.echo for d in deaths) and time.monotonic() < deadline:
                 time.sleep(timing.current().echo_settle_poll_s)

@@ -248,6 +248,16 @@ class RankProcesses:
             if not proc.wait(timeout=max(0.0, deadline - time.monotonic())):  # in the kernel (D state): say so
                 self.console.say(f"process {proc.pid} has not exited {timing.current().stop_grace_s:.0f} s after SIGKILL")
 
+    def kill_all(self) -> None:
+        """SIGKILL every process's group at once (a fence: they must not write anything more), then wait for them
+        (bounded)."""
+        procs = [*self.ranks.values(), *self.spares]
+        for proc in procs:
+            signal_group(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timing.current().stop_grace_s
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+
     def stalled(self) -> list[RankProcess]:
         """Live ranks that are stopped (SIGSTOP, a hang)."""
         return [p for p in self.ranks.values() if p.poll() is None and process_state(p.pid) in ("T", "t")]

@@ -83,7 +83,9 @@ class Rejoins:
                 self._start(rank, now)
         self.fill_spares()
 
-    def _start(self, rank: int, now: float) -> None:
+    def _start(self, rank: int, now: float, fresh: bool = True) -> None:
+        """A replacement for ``rank``: a warm spare if there is one, else a new process (``fresh``: a new
+        interpreter; else started as this node's ranks are at the launcher's start)."""
         launcher, processes = self.launcher, self.launcher.processes
         self.attempts[rank] = self.attempts.get(rank, 0) + 1
         self.started_after[rank] = _generation(launcher.store, publication.newest)
@@ -95,13 +97,23 @@ class Rejoins:
             processes.assign(spare, rank, env)
             proc = spare
         else:
-            proc = processes.start(rank, env, fresh=True)
+            proc = processes.start(rank, env, fresh=fresh)
         processes.record_pids()
         launcher.console.emit({"kind": "event", "event": "replacement_started", "launch_rank": rank, "pid": proc.pid,
                            "attempt": self.attempts[rank], "warm": spare is not None, "time": now})
         how = ", a warm spare" if spare is not None else ""
         launcher.console.say(f"starting a replacement for launch rank {rank} (pid {proc.pid}{how}, attempt "
                          f"{self.attempts[rank]} of {self.ntp.max_rejoin_attempts})")
+
+    def replace_node(self) -> None:
+        """This launcher replaces a node node 0 declared lost: every slot of the node starts now as a replacement
+        process, which node 0 admits at an iteration boundary; started as any node's ranks are at its launcher's
+        start (forked where they run on CPU: no interpreter to boot)."""
+        launcher, now = self.launcher, time.time()
+        launcher.console.say(f"node {launcher.args.node_rank} was lost before this launcher started: its launch ranks "
+                             f"{', '.join(map(str, launcher.local_ranks))} start as replacements")
+        for rank in launcher.local_ranks:
+            self._start(rank, now, fresh=False)
 
     def fill_spares(self) -> None:
         """Keep ``ntp.warm_spares`` spares on this node (none without ``ntp.rejoin_after_s``). A spare that dies

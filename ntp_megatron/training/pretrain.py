@@ -167,7 +167,7 @@ def _node_plane(env: runtime.RankEnv, cfg: JobConfig):
         return None
     p = cfg.parallel
     placement = Placement(p.tensor_model_parallel_size, p.data_parallel_size, env.nnodes,
-                          p.pipeline_model_parallel_size)
+                          p.pipeline_model_parallel_size, nnodes_per_domain=env.nnodes_per_domain)
     slots = launch_slots(p.tensor_model_parallel_size, p.data_parallel_size, cfg.topology(),
                          p.pipeline_model_parallel_size)
     if env.node == 0:  # node 0's store is the root

@@ -41,6 +41,8 @@ ENV_NNODES = "NTP_NNODES"
 """How many nodes (launchers) the job runs on."""
 ENV_NODE = "NTP_NODE"
 """This process's node."""
+ENV_NNODES_PER_DOMAIN = "NTP_NNODES_PER_DOMAIN"
+"""How many consecutive nodes make one scale-up domain (``--nnodes-per-domain``): a TP group lies inside one."""
 ENV_NODE_STORE_PORT = "NTP_NODE_STORE_PORT"
 """Under NTP on several nodes: the port of this node's store on this host, which its launcher hosts (node 0's is the
 root store: :mod:`ntp_megatron.elastic.relay`)."""
@@ -68,6 +70,7 @@ class RankEnv:
     nnodes: int = 1
     node: int = 0
     node_store_port: Optional[int] = None
+    nnodes_per_domain: int = 1
 
     @classmethod
     def from_environ(cls) -> "RankEnv":
@@ -91,6 +94,7 @@ class RankEnv:
             nnodes=int(os.environ.get(ENV_NNODES, "1")),
             node=int(os.environ.get(ENV_NODE, "0")),
             node_store_port=int(os.environ[ENV_NODE_STORE_PORT]) if ENV_NODE_STORE_PORT in os.environ else None,
+            nnodes_per_domain=int(os.environ.get(ENV_NNODES_PER_DOMAIN, "1")),
         )
 
 
