@@ -120,7 +120,7 @@ class Controller:
     def _batch(self, deaths: list[Death]) -> Batch:
         """What :func:`triage` needs: the errors the dying ranks reported of their own (waiting a moment for the cause
         when all are echoes), and the newest completed layout when every error ran out of memory."""
-        reported = tuple((d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank)) is not None)
+        reported = tuple((d, e) for d in deaths if (e := reported_error(self.store, d.launch_rank, d.pid)) is not None)
         cause = None
         if only_echoes(reported):  # the rank with the cause may exit a moment later
             cause = cause_behind_echoes(self.store, echo_sources(self.identity, frozenset(self.dead), tuple(deaths)))

@@ -180,11 +180,12 @@ def report(store: Optional[dist.Store], launch_rank: int, exc: BaseException) ->
     return EXIT_RANK_ERROR
 
 
-def reported_error(store: dist.Store, launch_rank: int) -> Optional[dict]:
-    """Controller side: what a dead rank reported of its own error (:func:`report`), if it did. ``echo``: the
-    error only echoes another rank's (e.g. a checkpoint write that failed there), whose report names the cause."""
+def reported_error(store: dist.Store, launch_rank: int, pid: Optional[int] = None) -> Optional[dict]:
+    """Controller side: what a dead rank (process ``pid``, when known) reported of its own error (:func:`report`), if
+    it did. ``echo``: the error only echoes another rank's (e.g. a checkpoint write that failed there), whose report
+    names the cause."""
     try:
-        return keys.error_record(store, launch_rank)
+        return keys.error_record(store, launch_rank, pid)
     except Exception:  # noqa: BLE001 - unreadable: treat as not reported
         pass
     return None

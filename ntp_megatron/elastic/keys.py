@@ -47,8 +47,8 @@ This module's keys (``elastic/`` unless it says otherwise):
 - ``armed/<launch rank>``: a random draw the launcher armed the rank with (JSON, :class:`ntp_megatron.faults.Draw`).
   Written by the launcher's agent in the root store (:func:`arm`); taken (read and deleted) by the rank at the start
   of an iteration (:func:`take_armed`); deleted when a replacement takes the launch rank over (:func:`disarm`).
-- ``error/<launch rank>``: a rank's own error (JSON). Written by the rank (:func:`record_error`); read by the
-  controller (:func:`error_record`).
+- ``error/<launch rank>``: a rank's own error (JSON, with its pid: read for that process's death only). Written by the
+  rank (:func:`record_error`); read by the controller (:func:`error_record`).
 - ``joining/<launch rank>``: a replacement is up (JSON: time, pid). Written by it (:func:`announce_joining`); read
   and deleted by node 0's launcher (:func:`is_joining`, :func:`withdraw_joining`).
 - ``stopped_at_end/<launch rank>``: a launcher stopped that replacement at the end of the run. Written and read by
@@ -385,15 +385,17 @@ def mark_fired(store: Any, spec: Any) -> None:
 
 
 def record_error(store: Any, launch_rank: int, record: dict) -> None:
-    """A rank whose own code failed, just before it exits (:func:`ntp_megatron.elastic.errors.report`)."""
-    store.set(rank_error(launch_rank), json.dumps(record))
+    """A rank whose own code failed, just before it exits (:func:`ntp_megatron.elastic.errors.report`); with its pid."""
+    store.set(rank_error(launch_rank), json.dumps({**record, "pid": os.getpid()}))
 
 
-def error_record(store: Any, launch_rank: int) -> Optional[dict]:
-    """What ``launch_rank`` reported of its own error, if it did."""
-    if store.check([rank_error(launch_rank)]):
-        return json.loads(store.get(rank_error(launch_rank)).decode())
-    return None
+def error_record(store: Any, launch_rank: int, pid: Optional[int] = None) -> Optional[dict]:
+    """What ``launch_rank`` reported of its own error, if it did (``pid``: that process — an earlier process of the
+    launch rank, say one of a node declared lost that ran on for a moment, does not speak for its replacement)."""
+    if not store.check([rank_error(launch_rank)]):
+        return None
+    record = json.loads(store.get(rank_error(launch_rank)).decode())
+    return None if pid and record.get("pid", pid) != pid else record  # pid 0 or None: not known
 
 
 def announce_joining(store: Any, launch_rank: int) -> None:

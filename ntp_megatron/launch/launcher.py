@@ -18,7 +18,6 @@ their ranks too.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import signal
 import sys
@@ -30,7 +29,7 @@ import torch
 
 from ntp_megatron import faults, metrics
 
-from ntp_megatron.launch import describe, root_watch, summary
+from ntp_megatron.launch import describe, rank_env, root_watch, summary
 
 from ntp_megatron.plan import memory_plan
 from ntp_megatron.config import timing
@@ -42,7 +41,6 @@ from ntp_megatron.elastic.errors import own_error_cause, reported_error
 from ntp_megatron.launch.cli import Job, build_parser, prepare
 from ntp_megatron.launch.console import Console, run_outputs
 from ntp_megatron.launch.forkserver import ForkServer
-from ntp_megatron.launch import nodes
 from ntp_megatron.launch.nodes import Nodes, host_node_store, host_store, join_failure, write_address
 from ntp_megatron.launch.modes import choose
 from ntp_megatron.launch.policy import DeathPolicy, ending, tp_per_replica
@@ -106,39 +104,12 @@ class Launcher:
         """Where this node's ranks run, for the start message (:func:`ntp_megatron.launch.describe.where`)."""
         return describe.where(self.devices, self.placement.devices_per_node, self.args.nnodes, self.args.node_rank)
 
-    # -- what the ranks are told -------------------------------------------------------------------------------
+    # -- what the ranks are told (:mod:`ntp_megatron.launch.rank_env`) -------------------------------------------
     def spare_env(self) -> dict[str, str]:
-        """The environment every process starts with (a warm spare's until it is assigned a rank)."""
-        env = dict(os.environ)
-        # Ranks share the machine's cores; one intra-op thread each keeps them from oversubscribing.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # Megatron's recommendation for TP communication ordering on GPUs; harmless on CPU.
-        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        return env
+        return rank_env.spare_env()
 
     def rank_env(self, rank: int, joining: bool = False) -> dict[str, str]:
-        """Launch rank ``rank``'s environment (``joining``: a replacement for a failed rank of a running NTP job,
-        which waits to be admitted)."""
-        env = self.spare_env()
-        env.update({
-            runtime.ENV_RANK: str(rank),
-            runtime.ENV_WORLD_SIZE: str(self.world_size),
-            runtime.ENV_LOCAL_RANK: str(self.devices[rank]),
-            runtime.ENV_STORE_HOST: self.args.store_host,
-            runtime.ENV_STORE_PORT: str(self.nodes.port),
-            runtime.ENV_RUN_DIR: str(self.run_dir),
-            runtime.ENV_CONFIG: str(self.config_path),
-            runtime.ENV_RESTART: str(self.restarts),
-            runtime.ENV_NNODES: str(self.args.nnodes),
-            runtime.ENV_NODE: str(self.args.node_rank),
-            runtime.ENV_NNODES_PER_DOMAIN: str(self.args.nnodes_per_domain),
-            faults.ENV_FAILURES: faults.to_env(self.failures),
-        })
-        if self.relay is not None:
-            env[runtime.ENV_NODE_STORE_PORT] = str(self.node_store.port)
-        if joining:
-            env[runtime.ENV_JOINING] = "1"
-        return env
+        return rank_env.rank_env(self, rank, joining)
 
     # -- starting ---------------------------------------------------------------------------------------------
     def _start_ranks(self) -> None:
@@ -251,10 +222,7 @@ class Launcher:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.processes.stop_all()  # the warm spares, once the ranks are done
-            if self.args.node_rank == 0 and self.nodes.multi:
-                nodes.set_ended(self.store, exit_code)
-            elif self.nodes.multi and self.store is not None:
-                nodes.set_left(self.store, self.args.node_rank, exit_code)
+            self.nodes.leave(self.store, exit_code)
             self.processes.join_relays(timeout=timing.current().output_join_s)
             self.policy.close()
             if self.console.sink is not None:
@@ -321,12 +289,7 @@ class Launcher:
         Under NTP a node other than 0 whose ranks failed while the job goes on elsewhere waits for the job's end (None
         until then): 0 if it finished, else 1 — its own ranks' failures were absorbed, so they are not the answer."""
         if self._awaiting_end:
-            ended = nodes.read_ended(self.store)
-            if ended is None:
-                return None
-            self.console.say("the job finished on the other nodes" if ended == 0 else
-                             f"the job ended on node 0 with exit code {ended}")
-            return 0 if ended == 0 else 1
+            return self.nodes.job_end(self.store)
         exits = {p.rank: p.returncode for p in self.processes.ranks.values()}
         code, line = ending(self.policy.training_done, exits)
         if code != 0 and self.cfg.ntp.enabled and self.args.node_rank > 0:
@@ -371,7 +334,7 @@ class Launcher:
             when, cause = proc.ended_at or time.time(), describe_exit(returncode)
             if self.agent is not None and proc.rank in self.agent.notes:
                 when, cause = self.agent.notes[proc.rank]
-            reported = reported_error(self.store, proc.rank)
+            reported = reported_error(self.store, proc.rank, proc.pid)
             error = reported["error"] if reported is not None else None
             if error is not None:
                 cause = own_error_cause(reported)

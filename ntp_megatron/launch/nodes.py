@@ -19,9 +19,9 @@ writers and their readers:
   later for node n finds the node lost and starts every one of its slots as a replacement.
 - ``launcher/ended``: the job has ended on node 0 (its launcher's exit code). Written by node 0's launcher as it ends
   (:func:`set_ended`); read by a node's launcher whose ranks all ended before the job did (:func:`read_ended`).
-- ``launcher/left/node<n>``: node n's launcher is leaving (its exit code). Written by it as it ends (:func:`set_left`);
-  read by node 0's launcher, which keeps its store up until every node has left, a bounded while
-  (:meth:`Nodes.wait_for_leaving`).
+- ``launcher/left/node<n>``: node n's launcher is leaving (JSON: its pid, its exit code). Written by it as it ends
+  (:func:`set_left`); read by node 0's launcher, which keeps its store up until every node's current launcher has left,
+  a bounded while (:meth:`Nodes.wait_for_leaving`, :func:`has_left`).
 - ``launcher/probe``: written by nobody: another node's launcher asks whether it exists, for an answer from node 0's
   store (:func:`probe`, by :mod:`ntp_megatron.launch.root_watch` while node 0 is silent).
 - ``launcher/abort``: a node's launcher ended the job (JSON ``{"reason", "death"}``). Written by it
@@ -125,6 +125,10 @@ class Nodes:
         self.timeout_s = timeout_s
         self.say = say
         self._remote_deaths_seen = 0
+        self._unwritten_at: dict[int, float] = {}
+        """Death number -> when it was first seen counted and not written (monotonic)."""
+        self._unwritten: set[int] = set()
+        """Deaths given up on: counted, never written."""
         self.liveness = NodeLiveness(node_timeout_s)
         """Node 0: what its links say of the other nodes' launchers (:mod:`ntp_megatron.launch.node_liveness`)."""
         self._links: Optional[LinkServer] = None
@@ -261,7 +265,7 @@ class Nodes:
         ``timing.node_leave_wait_s`` (a node lost or stopped does not hold the end up longer). The nodes that did not."""
         deadline = time.monotonic() + timing.current().node_leave_wait_s
         while True:
-            staying = [i for i in range(1, self.nnodes) if not keys.quietly(store.check, [left_key(i)], default=True)]
+            staying = [i for i in range(1, self.nnodes) if not has_left(store, i)]
             if not staying or time.monotonic() >= deadline:
                 return staying
             time.sleep(timing.current().node_poll_s)
@@ -271,8 +275,13 @@ class Nodes:
         out = []
         reported = int(store.add(DEATHS, 0))
         while self._remote_deaths_seen < reported:
-            self._remote_deaths_seen += 1
-            death, by = published_death(store, self._remote_deaths_seen)
+            n = self._remote_deaths_seen + 1
+            if not store.check([death_key(n)]) and not self._unwritten_given_up(n):
+                break  # counted, not written yet: read at a later pass (a get would block for it)
+            self._remote_deaths_seen = n
+            if n in self._unwritten:
+                continue
+            death, by = published_death(store, n)
             if by is not None and self.liveness.is_lost(*by):  # a fenced launcher that ran on for a moment
                 self.say(f"ignored: node {by[0]}'s launcher (pid {by[1]}), declared lost, reported launch rank "
                          f"{death.launch_rank} {death.cause}")
@@ -281,9 +290,40 @@ class Nodes:
             out.append(death)
         return out
 
+    def leave(self, store: Optional[dist.Store], exit_code: int) -> None:
+        """This launcher ends with ``exit_code``: node 0 says the job ended, another node that it leaves."""
+        if not self.multi or store is None:
+            return
+        if self.node_rank == 0:
+            set_ended(store, exit_code)
+        else:
+            set_left(store, self.node_rank, exit_code)
+
+    def job_end(self, store: dist.Store) -> Optional[int]:
+        """A node whose ranks all ended before the job did: once the job has ended on node 0, this launcher's exit code
+        (0 if it finished), said in one line; None until then."""
+        ended = read_ended(store)
+        if ended is None:
+            return None
+        self.say("the job finished on the other nodes" if ended == 0 else f"the job ended on node 0 with exit code "
+                 f"{ended}")
+        return 0 if ended == 0 else 1
+
+    def _unwritten_given_up(self, n: int) -> bool:
+        """Death ``n`` is counted and not written: whether it has been so for ``timing.node_call_s`` (its launcher died
+        between the two; its node's loss names its ranks), said once, and skipped."""
+        first = self._unwritten_at.setdefault(n, time.monotonic())
+        if time.monotonic() - first < timing.current().node_call_s:
+            return False
+        self._unwritten.add(n)
+        self.say(f"node report {n} was counted but never written (its launcher ended in between): skipped")
+        return True
+
     def restart(self) -> None:
         """A fresh store (a restarted job): no death of it was read yet."""
         self._remote_deaths_seen = 0
+        self._unwritten_at.clear()
+        self._unwritten.clear()
 
 
 def join_failure(exc: Exception, nodes: Nodes) -> str:
@@ -372,8 +412,21 @@ def read_ended(store: dist.Store) -> Optional[int]:
 
 
 def set_left(store: dist.Store, node_rank: int, exit_code: int) -> None:
-    """A node other than 0 is leaving with ``exit_code`` (node 0 may close its store once every node has)."""
-    keys.quietly(store.set, left_key(node_rank), str(exit_code))
+    """A node other than 0 is leaving with ``exit_code`` (node 0 may close its store once every node has): this
+    launcher (its pid), so that a fenced launcher of the node leaving does not stand for its replacement."""
+    keys.quietly(store.set, left_key(node_rank), json.dumps({"pid": os.getpid(), "exit_code": exit_code}))
+
+
+def has_left(store: dist.Store, node_rank: int) -> bool:
+    """Node 0: whether node ``node_rank``'s current launcher (the pid in ``launcher/node<n>``) has left (True also when
+    the store cannot say: nothing to wait for)."""
+    try:
+        if not store.check([left_key(node_rank)]):
+            return False
+        left = json.loads(store.get(left_key(node_rank)))
+        return not store.check([node_key(node_rank)]) or str(left["pid"]) == store.get(node_key(node_rank)).decode()
+    except Exception:  # noqa: BLE001 - the store is going: nothing to wait for
+        return True
 
 
 def set_abort(store: dist.Store, reason: str, death: Optional[Death] = None) -> None:

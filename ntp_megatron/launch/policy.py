@@ -169,7 +169,7 @@ class DeathPolicy:
         where = "" if mine else "another node aborted the job: "
         launcher.console.say(f"{where}rank {death.launch_rank} (pid {death.pid}) {death.cause}")
         record = (injected_failure(launcher.store, death.launch_rank, death.pid)
-                  or reported_error(launcher.store, death.launch_rank) or {})
+                  or reported_error(launcher.store, death.launch_rank, death.pid) or {})
         launcher.console.emit({"kind": "event", "event": "rank_failed", "launch_rank": death.launch_rank,
                            "cause": death.cause, "time": record.get("time", death.time),
                            "iteration": record.get("iteration"), "phase": record.get("phase", "unknown")})

@@ -182,3 +182,34 @@ def test_node_0_ignores_deaths_a_lost_launcher_publishes_after_it_resumed():
     assert [d.launch_rank for d in node0.remote_deaths(store)] == [5]
     assert said[0].startswith(f"ignored: node 1's launcher (pid {os.getpid()}), declared lost, reported launch rank 2")
     assert [d.launch_rank for d in nodes.published_deaths(store)] == [2, 5]  # NTP off reads them all
+
+
+def test_a_death_counted_but_never_written_is_skipped_not_waited_for():
+    """A launcher killed between counting a death and writing it (``publish_death`` adds, then sets): node 0 reads
+    the deaths after it at once, never blocks on the missing one, and skips it after ``timing.node_call_s``."""
+    store = store_server(timeout_s=30.0)
+    said: list[str] = []
+    node0 = nodes.Nodes(4, 0, "127.0.0.1", store.port, 5.0, said.append, TIMEOUT)
+    store.add(nodes.DEATHS, 1)  # counted; its launcher died before writing it
+    nodes.publish_death(store, Death(5, 2.0, "was killed by signal SIGKILL"), 2)
+    started = time.monotonic()
+    assert node0.remote_deaths(store) == []  # not yet given up: nothing read past it, and no blocking get
+    assert time.monotonic() - started < 1.0
+    before = timing.current()
+    timing.use(before.model_copy(update={"node_call_s": 0.0}))
+    try:
+        assert [d.launch_rank for d in node0.remote_deaths(store)] == [5]
+    finally:
+        timing.use(before)
+    assert any("counted but never written" in line for line in said), said
+
+
+def test_node_0_waits_for_the_current_launcher_of_a_node_to_leave():
+    """``launcher/left/node<n>`` names the launcher that left: a fenced launcher's leaving does not stand for the
+    replacement that runs the node now."""
+    store = store_server()
+    store.set(nodes.node_key(1), "111")
+    nodes.set_left(store, 1, 1)  # this process's pid: not the node's current launcher
+    assert not nodes.has_left(store, 1)
+    store.set(nodes.node_key(1), str(os.getpid()))
+    assert nodes.has_left(store, 1)
