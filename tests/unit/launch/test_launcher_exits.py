@@ -33,7 +33,7 @@ def test_a_rank_that_has_exited_is_not_done_until_its_exit_is_handled(monkeypatc
     procs = {2: Exited(2), 3: Exited(3)}
     mon = monitor(procs)
     assert not mon._all_collected()  # both exited, neither exit delivered yet
-    monkeypatch.setattr(launcher, "reported_error", lambda store, rank: None)
+    monkeypatch.setattr(launcher, "reported_error", lambda store, rank, pid=None: None)
     for proc in procs.values():
         mon.processes.exits.put((proc, 3))
     deaths = mon._collect_exits()
