@@ -127,8 +127,6 @@ class Nodes:
         self._remote_deaths_seen = 0
         self._unwritten_at: dict[int, float] = {}
         """Death number -> when it was first seen counted and not written (monotonic)."""
-        self._unwritten: set[int] = set()
-        """Deaths given up on: counted, never written."""
         self.liveness = NodeLiveness(node_timeout_s)
         """Node 0: what its links say of the other nodes' launchers (:mod:`ntp_megatron.launch.node_liveness`)."""
         self._links: Optional[LinkServer] = None
@@ -276,11 +274,12 @@ class Nodes:
         reported = int(store.add(DEATHS, 0))
         while self._remote_deaths_seen < reported:
             n = self._remote_deaths_seen + 1
-            if not store.check([death_key(n)]) and not self._unwritten_given_up(n):
-                break  # counted, not written yet: read at a later pass (a get would block for it)
-            self._remote_deaths_seen = n
-            if n in self._unwritten:
+            if not store.check([death_key(n)]):  # counted, not written yet: a get would block for it
+                if not self._unwritten_given_up(n):
+                    break  # read at a later pass
+                self._remote_deaths_seen = n
                 continue
+            self._remote_deaths_seen = n
             death, by = published_death(store, n)
             if by is not None and self.liveness.is_lost(*by):  # a fenced launcher that ran on for a moment
                 self.say(f"ignored: node {by[0]}'s launcher (pid {by[1]}), declared lost, reported launch rank "
@@ -315,7 +314,6 @@ class Nodes:
         first = self._unwritten_at.setdefault(n, time.monotonic())
         if time.monotonic() - first < timing.current().node_call_s:
             return False
-        self._unwritten.add(n)
         self.say(f"node report {n} was counted but never written (its launcher ended in between): skipped")
         return True
 
@@ -323,7 +321,6 @@ class Nodes:
         """A fresh store (a restarted job): no death of it was read yet."""
         self._remote_deaths_seen = 0
         self._unwritten_at.clear()
-        self._unwritten.clear()
 
 
 def join_failure(exc: Exception, nodes: Nodes) -> str:
