@@ -18,13 +18,13 @@ __all__ = ["CHECKED_METRICS", "ReformationBoundError", "check_reformations", "ch
            "reformation_lower_bound", "unit_counts", "unit_elements",
            "assert_groups_as_planned", "assert_ok", "assert_replicas_agree", "relative_difference", "JOB_TIMEOUT_S",
            "REPO", "Forked", "JobResult", "_Zygote", "alive", "launch", "read_records", "run_module", "store_client",
-           "store_server", "wait_until", "TINY", "layout_args", "run_job"]
+           "store_server", "wait_until", "kill_remaining", "TINY", "layout_args", "run_job"]
 
 from tests.harness.bounds import CHECKED_METRICS, ReformationBoundError, check_reformations, check_shard_moves, \
     reformation_lower_bound, unit_counts, unit_elements
 from tests.harness.checks import assert_groups_as_planned, assert_ok, assert_replicas_agree, relative_difference
 from tests.harness.processes import JOB_TIMEOUT_S, REPO, Forked, JobResult, _Zygote, alive, launch, read_records, \
-    run_module, store_client, store_server, wait_until
+    kill_remaining, run_module, store_client, store_server, wait_until
 
 TINY = [
     "--set", "ntp.enabled=false",  # the default config runs NTP; tests switch it on where they test it

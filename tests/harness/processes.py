@@ -269,6 +269,15 @@ def read_records(metrics_file: Path) -> list[dict]:
     return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip().endswith("}")]
 
 
+def kill_remaining(procs) -> None:
+    """SIGKILL every process of ``procs`` (``subprocess.Popen``-like) still running, and collect its exit: a test's
+    cleanup, whatever it asserted."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str, poll_s: float = 0.01) -> None:
     """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY, Forked, JobResult, alive, assert_replicas_agree, check_reformations, read_records, \
-    relative_difference, wait_until
+from tests.harness import TINY, Forked, JobResult, alive, assert_replicas_agree, check_reformations, kill_remaining, \
+    read_records, relative_difference, wait_until
 from tests.jobs.live.test_multi_node import launch_node, store_port
 
 pytestmark = pytest.mark.timed
@@ -230,10 +230,7 @@ def test_without_ntp_a_lost_node_ends_the_job_naming_it(tmp_path):
         nodes[1].kill()
         code = nodes[0].wait(timeout=60)
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
+        kill_remaining(nodes)
     err0 = (run_dir / "node0.stderr").read_text()
     assert code == 1, err0[-3000:]
     said = [line for line in err0.splitlines() if line.startswith("ntp-launch: ")]

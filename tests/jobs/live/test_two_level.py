@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import TINY, Forked, alive, read_records, relative_difference, wait_until
+from tests.harness import TINY, Forked, alive, kill_remaining, read_records, relative_difference, wait_until
 from tests.jobs.live.test_multi_node import launch_node, store_port
 
 ITERS = 9
@@ -48,10 +48,7 @@ def two_nodes(run_dir: Path, failures: list[str], timeout: float = 300,
             assert time.monotonic() < deadline, f"the job did not end within {timeout} s"
             time.sleep(0.1)  # the poll of two processes the test does not own the exits of
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
+        kill_remaining(nodes)
     return [n.returncode for n in nodes], read_records(metrics), [(run_dir / f"node{i}.stderr").read_text()
                                                                    for i in (0, 1)]
 
@@ -151,10 +148,7 @@ def test_a_node_that_loses_node_0_says_so_once_and_exits_1(tmp_path):
         code = nodes[1].wait(timeout=NODE_TIMEOUT_S + 60)
         took = time.monotonic() - killed
     finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
-                n.wait()
+        kill_remaining(nodes)
     err = (run_dir / "node1.stderr").read_text()
     said = [line for line in err.splitlines() if line.startswith("ntp-launch: ")]
     assert code == 1, err[-3000:]
